@@ -1,0 +1,51 @@
+"""Errors a user can cause, shared by the driver, workers and the CLI.
+
+Holds: ``ClassgradError`` (the base the CLI turns into one line and exit code 2) and its
+subclasses, one per kind of problem. Nothing here imports torch or Ray, so every part of the
+project (and readers of the store) can raise and catch them.
+"""
+
+from __future__ import annotations
+
+
+class ClassgradError(Exception):
+    """A problem the user can fix; its message is one clear line."""
+
+    exit_code = 2
+
+
+class ConfigError(ClassgradError):
+    """The job config is invalid; the message names the field (``section.key``)."""
+
+
+class InputError(ClassgradError):
+    """The model, data or loss do not fit together (wrong output width, labels out of range,
+    non-finite loss, parameter patterns that select nothing, ...)."""
+
+
+class StoreError(ClassgradError):
+    """The store cannot be created, opened or written as asked."""
+
+
+class StoreMismatchError(StoreError):
+    """An existing store was made by another config (different fingerprint)."""
+
+
+class StoreIncompleteError(StoreError):
+    """Rows that were asked for belong to shards that are not marked done."""
+
+
+class CorruptChunkError(StoreError):
+    """A chunk failed its checksum; the message names the array and chunk."""
+
+
+class LeaseHeldError(StoreError):
+    """Another driver holds the store's lease; the message names that run."""
+
+
+class RowOverflowError(ClassgradError):
+    """A row stayed non-finite at the smallest fp16 loss scale; the message names the class."""
+
+
+class ShardFailedError(ClassgradError):
+    """A shard failed more times than allowed; the message names the shard and its error."""

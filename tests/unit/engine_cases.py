@@ -1,0 +1,102 @@
+"""The shared engine harness: small models x loss kinds, and a float64 reference to compare to.
+
+Every engine test builds its cases here, so adding a model or a loss kind adds it to every
+engine check at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workers import zoo
+from workers.engines import build_engine
+from workers.losses import partitioned_loss
+
+NUM_CLASSES = 6
+EMPTY_CLASS = 4
+BATCH_SIZE = 5  # smaller than the probe set and than the largest class: several micro-batches
+
+
+def log_softmax_mean(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A dense user loss: every sample touches every class through the softmax."""
+    return -F.log_softmax(outputs, dim=1).mean(dim=0)
+
+
+@partitioned_loss
+def multi_margin(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A partitioned user loss (per-sample multi-class hinge)."""
+    return F.multi_margin_loss(outputs, labels, reduction="none")
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    name: str
+    build: Callable[[], torch.nn.Module]
+    data_kwargs: dict
+
+
+MODEL_CASES = {
+    "mlp": ModelCase("mlp", lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval(),
+                     dict(kind="vector", input_shape=(8,))),
+    "cnn": ModelCase("cnn", lambda: zoo.small_cnn(NUM_CLASSES, width=4).eval(),
+                     dict(kind="image", input_shape=(3, 8, 8))),
+    "bn_eval": ModelCase("bn_eval", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).eval(),
+                         dict(kind="image", input_shape=(3, 8, 8))),
+    "bn_train": ModelCase("bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).train(),
+                          dict(kind="image", input_shape=(3, 8, 8))),
+    "transformer": ModelCase("transformer", lambda: zoo.tiny_transformer(NUM_CLASSES, vocab=32, dim=8, max_len=8).eval(),
+                             dict(kind="tokens", vocab=32, seq_len=6)),
+}
+
+LOSS_CASES = {
+    "cross_entropy": "cross_entropy",
+    "logit": "logit",
+    "bce": "bce",
+    "custom_dense": log_softmax_mean,
+    "custom_partitioned": multi_margin,
+}
+PARTITIONED_LOSSES = {"cross_entropy", "custom_partitioned"}
+
+
+def probe_data(model_case: str, loss_case: str, samples_per_class: int = 3):
+    """Imbalanced classes (one empty, one bigger than a batch), multi-hot targets for bce."""
+    return zoo.synthetic_probe(
+        NUM_CLASSES, samples_per_class, imbalance=1.0, empty_classes=[EMPTY_CLASS],
+        multilabel=loss_case == "bce", seed=1, **MODEL_CASES[model_case].data_kwargs,
+    )
+
+
+def engine_for(model_case: str, loss_case: str, engine: str, *, float64: bool = False,
+               samples_per_class: int = 3, **options):
+    model = MODEL_CASES[model_case].build()
+    if float64:
+        model = copy.deepcopy(model).double()
+    return build_engine(model, probe_data(model_case, loss_case, samples_per_class),
+                        num_classes=NUM_CLASSES, loss=LOSS_CASES[loss_case], engine=engine,
+                        batch_size=BATCH_SIZE, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_rows(model_case: str, loss_case: str, samples_per_class: int = 3):
+    """The reference engine in float64: the ground truth every engine is compared with."""
+    block = engine_for(model_case, loss_case, "reference", float64=True,
+                       samples_per_class=samples_per_class).compute(range(NUM_CLASSES))
+    return block.rows, block.loss
+
+
+def max_relative_error(rows: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest normwise relative error over the rows that are not zero in the reference."""
+    ref = ref.double()
+    nonzero = ref.norm(dim=1) > 0
+    err = (rows.double() - ref).norm(dim=1)[nonzero] / ref.norm(dim=1)[nonzero]
+    return float(err.max())
+
+
+def zero_rows(rows: torch.Tensor) -> torch.Tensor:
+    return (rows == 0).all(dim=1)

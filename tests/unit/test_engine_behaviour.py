@@ -1,0 +1,261 @@
+"""Engine behaviour beyond the numbers: blocks and graphs, fp16 overflow, bad input, the API."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from service.config import BUILTIN_LOSS_KINDS
+from service.errors import InputError, RowOverflowError
+from tests.unit.engine_cases import NUM_CLASSES, engine_for, max_relative_error
+from workers import zoo
+from workers.engines import build_engine, per_class_gradients
+from workers.factory import build_model, load_checkpoint, preflight
+from workers.layout import ParamLayout
+from workers.losses import LOSSES, create_loss, partitioned_loss
+
+# --- one forward per micro-batch, rows in blocks -------------------------------------------
+
+
+class ForwardCounter:
+    """Counts forward calls of a model and keeps a weak reference to the last output."""
+
+    def __init__(self, model: nn.Module):
+        self.calls = 0
+        self.last_output: weakref.ref | None = None
+        model.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output):
+        self.calls += 1
+        self.last_output = weakref.ref(output)
+
+
+@pytest.mark.parametrize("batch_size,micro_batches", [(1000, 1), (5, None)])
+@pytest.mark.parametrize("loss_case", ["logit", "bce", "custom_dense"])
+def test_dense_rows_come_from_one_forward_per_micro_batch_in_several_blocks(loss_case, batch_size, micro_batches):
+    eng = engine_for("cnn", loss_case, "dense", block_rows=2)
+    eng.probe.batch_size = batch_size
+    counter = ForwardCounter(eng.model)
+    blocks = list(eng.iter_blocks(range(NUM_CLASSES)))
+    expected_forwards = micro_batches or eng.probe.num_micro_batches
+    assert expected_forwards == (1 if batch_size == 1000 else 3)
+    assert counter.calls == expected_forwards == eng.stats.forwards
+    # 6 rows in blocks of 2: three batched VJPs per micro-batch, all on the same graph.
+    assert eng.stats.backwards == 3 * expected_forwards
+    if micro_batches == 1:
+        assert [len(b) for b in blocks] == [2, 2, 2]  # streamed as computed
+    del blocks
+    gc.collect()
+    assert counter.last_output is not None and counter.last_output() is None, "graph outlived its rows"
+
+
+def test_dense_block_size_is_measured_when_not_given():
+    eng = engine_for("mlp", "logit", "dense")
+    eng.probe.batch_size = 1000
+    eng.compute(range(NUM_CLASSES))
+    assert eng.block_rows in (1, 2, 4)  # at most the 6 rows asked for, a power of two
+    assert any("block_rows" in note for note in eng.stats.notes)
+
+
+# --- fp16: only the rows that overflow are recomputed -------------------------------------
+
+HOT_CLASSES = [1, 4]
+CLASS_FACTOR = torch.ones(NUM_CLASSES)
+CLASS_FACTOR[HOT_CLASSES] = 2.0**8
+
+
+@partitioned_loss
+def hot_logit(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean own-class logit, 256x larger for the hot classes: their fp16 gradients overflow at a
+    scale the other classes take easily."""
+    return outputs.gather(1, labels[:, None]).squeeze(1) * CLASS_FACTOR.to(outputs.device)[labels]
+
+
+def _hot_engine(engine: str, **options):
+    data = zoo.synthetic_probe(NUM_CLASSES, 4, kind="vector", input_shape=(8,), seed=3)
+    return build_engine(zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval(), data, num_classes=NUM_CLASSES,
+                        loss=hot_logit, engine=engine, batch_size=8, **options)
+
+
+@pytest.mark.parametrize("engine", ["partitioned", "dense", "reference"])
+def test_fp16_recomputes_exactly_the_overflowing_rows(engine):
+    from workers.amp import PrecisionPolicy
+
+    # 2^12 / 4 samples = 1024 at the logits: fine for ordinary classes; x256 overflows fp16 (max 65504).
+    policy = PrecisionPolicy("fp16", init_scale=2.0**12)
+    block = _hot_engine(engine, precision=policy).compute(range(NUM_CLASSES))
+    truth = _hot_engine("reference").compute(range(NUM_CLASSES)).rows
+    assert sorted(block.recomputed.nonzero().squeeze(1).tolist()) == HOT_CLASSES
+    assert bool((block.loss_scale[HOT_CLASSES] < 2.0**12).all())
+    cold = [c for c in range(NUM_CLASSES) if c not in HOT_CLASSES]
+    assert bool((block.loss_scale[cold] == 2.0**12).all())
+    assert bool(torch.isfinite(block.rows).all())
+    # fp16 roundoff 4.9e-4 over the 3 layers of the MLP: 1e-2 is 20 roundoffs (see test_engines).
+    assert max_relative_error(block.rows, truth) <= 1e-2
+
+
+@pytest.mark.parametrize("engine", ["partitioned", "dense"])
+def test_fp16_row_that_never_becomes_finite_names_its_class(engine):
+    from workers.amp import PrecisionPolicy
+
+    policy = PrecisionPolicy("fp16", init_scale=2.0**12, min_scale=2.0**12)  # no smaller scale allowed
+    # The first block holding a stuck row stops the job, naming that row's class.
+    with pytest.raises(RowOverflowError, match=r"class\(es\) \[1\] stay non-finite down to loss scale 4096"):
+        _hot_engine(engine, precision=policy).compute(range(NUM_CLASSES))
+
+
+# --- bad input: one clear error naming the problem ----------------------------------------
+
+
+def test_model_output_width_must_match_num_classes():
+    data = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
+    for engine in ("partitioned", "dense", "reference"):
+        eng = build_engine(zoo.mlp(NUM_CLASSES + 1, in_features=8).eval(), data, num_classes=NUM_CLASSES, engine=engine)
+        with pytest.raises(InputError, match=r"model output has shape \(\d+, 7\), expected \(batch, 6\)"):
+            eng.compute(range(NUM_CLASSES))
+        with pytest.raises(InputError, match="model output has shape"):
+            preflight(eng)
+
+
+def test_labels_outside_the_class_range_are_refused():
+    x, y = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
+    y[3] = NUM_CLASSES
+    with pytest.raises(InputError, match=r"labels outside \[0, 6\): sample 3 has label 6"):
+        build_engine(zoo.mlp(NUM_CLASSES, in_features=8), (x, y), num_classes=NUM_CLASSES)
+
+
+@pytest.mark.parametrize("engine", ["partitioned", "dense", "reference"])
+def test_non_finite_loss_names_the_class(engine):
+    x, y = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
+    x[int((y == 2).nonzero()[0])] = float("nan")
+    eng = build_engine(zoo.mlp(NUM_CLASSES, in_features=8).eval(), (x, y), num_classes=NUM_CLASSES,
+                       engine=engine, loss="cross_entropy")
+    with pytest.raises(InputError, match=r"non-finite loss for class\(es\) \[2"):
+        eng.compute(range(NUM_CLASSES))
+    with pytest.raises(InputError, match="NaN/Inf in the inputs of probe sample 4"):
+        preflight(eng)
+
+
+def test_parameter_patterns_that_select_nothing_are_refused():
+    model = zoo.mlp(NUM_CLASSES)
+    with pytest.raises(InputError, match="select no parameters"):
+        ParamLayout.from_model(model, include=["encoder.*"])
+    with pytest.raises(InputError, match="select no parameters"):
+        ParamLayout.from_model(model, exclude=["*"])
+    with pytest.raises(InputError, match=r"pattern\(s\) \['nope'\] match no parameter"):
+        ParamLayout.from_model(model, include=["0.*", "nope"])
+
+
+def test_unknown_loss_kind_lists_choices_and_registry_matches_config():
+    with pytest.raises(InputError, match="choices: bce, cross_entropy, logit"):
+        create_loss("hinge", 10)
+    assert set(LOSSES) == set(BUILTIN_LOSS_KINDS)
+
+
+def test_bce_needs_multi_hot_targets():
+    data = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
+    with pytest.raises(InputError, match=r"multi-hot of shape \[N, 6\]"):
+        build_engine(zoo.mlp(NUM_CLASSES, in_features=8), data, num_classes=NUM_CLASSES, loss="bce")
+
+
+# --- parameter layout and the public API ---------------------------------------------------
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = zoo.mlp(NUM_CLASSES, in_features=8, hidden=16)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("engine", ["partitioned", "dense", "reference"])
+def test_parameters_without_a_path_to_the_loss_give_zero_columns(engine):
+    model = WithUnused().eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine=engine)
+    rows = eng.compute(range(NUM_CLASSES)).rows
+    slot = eng.layout.slot("unused.weight")
+    assert bool((rows[:, slot.offset : slot.offset + slot.size] == 0).all())
+    assert bool((rows[:, : eng.layout.slot("body.0.weight").size] != 0).any())
+
+
+def test_layout_order_selection_and_round_trip():
+    model = zoo.small_cnn(NUM_CLASSES)
+    full = ParamLayout.from_model(model)
+    assert full.names == [n for n, _ in model.named_parameters()]
+    assert full.dim == sum(p.numel() for p in model.parameters())
+    offsets = [s.offset for s in full.slots]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    heads = ParamLayout.from_model(model, include=["head.*"], exclude=["*.bias"])
+    assert heads.names == ["head.0.weight", "head.2.weight"]
+    rows = torch.randn(3, heads.dim)
+    views = heads.unflatten(rows)
+    assert views["head.2.weight"].shape == (3, NUM_CLASSES, 32)
+    assert torch.equal(heads.flatten([views[n] for n in heads.names], batch_dims=1), rows)
+
+
+def test_frozen_parameters_are_skipped_unless_named():
+    model = zoo.mlp(NUM_CLASSES)
+    model[0].weight.requires_grad_(False)
+    assert "0.weight" not in ParamLayout.from_model(model).names
+    assert ParamLayout.from_model(model, include=["0.weight"]).names == ["0.weight"]
+
+
+def test_per_class_gradients_api():
+    model = zoo.small_cnn(NUM_CLASSES).eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8))
+    full = per_class_gradients(model, data, num_classes=NUM_CLASSES)
+    assert full.dtype == torch.float32 and full.shape == (NUM_CLASSES, sum(p.numel() for p in model.parameters()))
+    some = per_class_gradients(model, data, num_classes=NUM_CLASSES, classes=[4, 1], params=["head.2.*"],
+                               engine="dense")
+    layout = ParamLayout.from_model(model)
+    start = layout.slot("head.2.weight").offset
+    # Same rows by another engine and a column subset: float32 summation order only.
+    torch.testing.assert_close(some, full[[4, 1], start:], rtol=1e-5, atol=1e-7)
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+def test_checkpoints_load_from_torch_and_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    source = zoo.mlp(NUM_CLASSES, seed=7)
+    torch.save({"state_dict": source.state_dict()}, tmp_path / "w.pt")
+    save_file(source.state_dict(), str(tmp_path / "w.safetensors"))
+    for name in ("w.pt", "w.safetensors"):
+        model = build_model("workers.zoo:mlp", {"num_classes": NUM_CLASSES}, str(tmp_path / name), "eval")
+        assert not model.training
+        for a, b in zip(model.state_dict().values(), source.state_dict().values()):
+            assert torch.equal(a, b)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('CLASSGRAD_PWNED', '/nonexistent/pwned')}",))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_malicious_pickle_checkpoint_is_refused(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("CLASSGRAD_PWNED", str(marker))
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps({"state_dict": _Payload()}))
+    with pytest.raises(InputError, match="refused, not a plain weights file"):
+        load_checkpoint(zoo.mlp(NUM_CLASSES), str(path))
+    assert not marker.exists()
+
+
+def test_checkpoint_that_does_not_fit_is_refused(tmp_path):
+    torch.save(zoo.mlp(NUM_CLASSES, hidden=8).state_dict(), tmp_path / "w.pt")
+    with pytest.raises(InputError, match="does not fit the model"):
+        load_checkpoint(zoo.small_cnn(NUM_CLASSES), str(tmp_path / "w.pt"))

@@ -1,0 +1,125 @@
+"""Every engine x loss kind x zoo model against the float64 reference engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.errors import InputError
+from tests.unit.engine_cases import (
+    EMPTY_CLASS, LOSS_CASES, MODEL_CASES, NUM_CLASSES, PARTITIONED_LOSSES, engine_for,
+    max_relative_error, reference_rows, zero_rows,
+)
+
+ENGINE_CASES = ["partitioned", "dense", "reference"]
+
+
+def _applicable(model_case: str, loss_case: str, engine: str) -> bool:
+    if engine != "partitioned":
+        return True
+    return loss_case in PARTITIONED_LOSSES and model_case != "bn_train"
+
+
+MATRIX = [
+    pytest.param(m, l, e, id=f"{e}-{l}-{m}")
+    for m in MODEL_CASES for l in LOSS_CASES for e in ENGINE_CASES if _applicable(m, l, e)
+]
+
+
+@pytest.mark.parametrize("model_case,loss_case,engine", MATRIX)
+def test_fp32_engine_matches_float64_reference(model_case, loss_case, engine):
+    ref_rows, ref_loss = reference_rows(model_case, loss_case)
+    eng = engine_for(model_case, loss_case, engine)
+    block = eng.compute(range(NUM_CLASSES))
+    assert block.rows.dtype == torch.float32
+    # float32 has a unit roundoff of 6e-8; these small models sum at most a few hundred terms
+    # per entry, so the normwise error stays within a few roundoffs. 1e-6 is the contract.
+    assert max_relative_error(block.rows, ref_rows) <= 1e-6
+    # Zero rows are structural (a class with no samples), never a rounding accident.
+    assert torch.equal(zero_rows(block.rows), zero_rows(ref_rows))
+    # L_c in float32 against float64: a few roundoffs of a sum of O(10) terms.
+    torch.testing.assert_close(block.loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(block.classes, torch.arange(NUM_CLASSES))
+
+
+@pytest.mark.parametrize("loss_case", sorted(PARTITIONED_LOSSES))
+def test_empty_class_gives_zero_row_and_zero_count(loss_case):
+    block = engine_for("mlp", loss_case, "partitioned").compute([EMPTY_CLASS, 0])
+    assert bool((block.rows[0] == 0).all()) and int(block.count[0]) == 0 and float(block.loss[0]) == 0.0
+    assert int(block.count[1]) > 0 and bool((block.rows[1] != 0).any())
+
+
+def test_rows_come_in_the_order_asked_for():
+    eng = engine_for("cnn", "cross_entropy", "partitioned")
+    full = eng.compute(range(NUM_CLASSES)).rows
+    order = [5, 0, 3, 3, 1]
+    part = eng.compute(order)
+    assert part.classes.tolist() == order
+    # Same arithmetic per class wherever it sits in the request: packing may differ, so allow
+    # float32 summation-order differences only.
+    torch.testing.assert_close(part.rows, full[order], rtol=1e-5, atol=1e-7)
+
+
+# --- mixed precision ----------------------------------------------------------------------
+
+# Unit roundoff u: fp16 2^-11 = 4.9e-4, bf16 2^-8 = 3.9e-3. Activations, weight copies and
+# activation gradients are rounded about once per layer; over the 3-6 layers of these models the
+# rows land within a few u of the truth, more where a class's per-sample gradients cancel (the
+# error scales with the sum of the parts, not with their small sum). Observed worst cases:
+# fp16 4.3e-3 (9u), bf16 4.4e-2 (11u, a class whose samples' gradients largely cancel; all three
+# engines give that same row bit for bit), BatchNorm in train mode (batch statistics in low
+# precision) fp16 3.6e-3 and bf16 4.1e-2. The bounds, about 20-25u, leave room for those and
+# still sit far below what a missing unscale (error ~1e4) or a wrong row (error ~1) would give.
+LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
+
+LOW_PRECISION_MATRIX = [
+    pytest.param(m, l, e, p, id=f"{p}-{e}-{l}-{m}")
+    for m in MODEL_CASES for l in ("cross_entropy", "logit") for e in ("partitioned", "dense")
+    for p in ("fp16", "bf16") if _applicable(m, l, e)
+]
+
+
+@pytest.mark.parametrize("model_case,loss_case,engine,precision", LOW_PRECISION_MATRIX)
+def test_low_precision_matches_reference(model_case, loss_case, engine, precision):
+    # 8 samples per class: per-class averages over more samples keep single ReLU flips small.
+    ref_rows, _ = reference_rows(model_case, loss_case, samples_per_class=8)
+    block = engine_for(model_case, loss_case, engine, precision=precision, samples_per_class=8).compute(
+        range(NUM_CLASSES))
+    assert block.rows.dtype == torch.float32 and bool(torch.isfinite(block.rows).all())
+    assert max_relative_error(block.rows, ref_rows) <= LOW_PRECISION_TOLERANCE[precision]
+    assert torch.equal(zero_rows(block.rows), zero_rows(ref_rows))
+    expected_scale = 2.0**16 if precision == "fp16" else 1.0
+    computed = block.count > 0  # an empty class's zero row involves no backward and no scale
+    assert bool((block.loss_scale[computed] == expected_scale).all())
+    assert not bool(block.recomputed.any())
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_auto_picks_partitioned_only_when_samples_are_independent():
+    assert engine_for("cnn", "cross_entropy", "auto").name == "partitioned"
+    assert engine_for("bn_eval", "cross_entropy", "auto").name == "partitioned"
+    assert engine_for("bn_train", "cross_entropy", "auto").name == "dense"
+    assert engine_for("transformer", "custom_partitioned", "auto").name == "partitioned"
+    assert engine_for("cnn", "logit", "auto").name == "dense"
+
+
+def test_partitioned_refuses_batch_coupled_models_and_dense_losses():
+    with pytest.raises(InputError, match="BatchNorm2d in train mode"):
+        engine_for("bn_train", "cross_entropy", "partitioned")
+    with pytest.raises(InputError, match="'logit' is dense"):
+        engine_for("mlp", "logit", "partitioned")
+
+
+def test_unknown_engine_lists_choices():
+    with pytest.raises(InputError, match="choices: auto, dense, partitioned, reference"):
+        engine_for("mlp", "cross_entropy", "fastest")
+
+
+def test_batchnorm_running_stats_are_left_untouched():
+    eng = engine_for("bn_train", "cross_entropy", "dense")
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    eng.compute(range(NUM_CLASSES))
+    for k, v in eng.model.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -1,0 +1,97 @@
+"""Mixed precision: autocast, fp16 loss scaling, and recomputing only the rows that overflow.
+
+Holds:
+- ``PrecisionPolicy``: fp32 / fp16 / bf16, the autocast context for a device, and the fp16
+  loss-scale schedule (start at ``init_scale``, halve per retry, give up below ``min_scale``).
+- ``rows_with_rescale``: runs a row computation at the current per-row scales, checks every
+  row with ``isfinite``, and recomputes only the rows that overflowed at half their scale.
+
+Why per row: rows are independent VJPs, so an overflow in one class says nothing about the
+others; recomputing only that row keeps the cost of a rare overflow to one row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from service.errors import InputError, RowOverflowError
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How the forward pass runs and how fp16 gradients are scaled."""
+
+    dtype: str = "fp32"
+    """fp32, fp16 (autocast + loss scaling) or bf16 (autocast, no scaling)."""
+    init_scale: float = 2.0**16
+    """fp16: first loss scale S; rows are divided by S after the backward."""
+    min_scale: float = 1.0
+    """fp16: a row still non-finite below this scale is an error naming its class."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", *AUTOCAST_DTYPES):
+            raise InputError(f"precision.dtype must be fp32, fp16 or bf16, got {self.dtype!r}")
+        if not 0 < self.min_scale <= self.init_scale:
+            raise InputError(
+                f"precision.min_scale must be in (0, init_scale={self.init_scale}], got {self.min_scale}"
+            )
+
+    @property
+    def uses_scaling(self) -> bool:
+        return self.dtype == "fp16"
+
+    @property
+    def first_scale(self) -> float:
+        return self.init_scale if self.uses_scaling else 1.0
+
+    def autocast(self, device: torch.device) -> ContextManager:
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[self.dtype])
+
+
+RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rows_with_rescale(
+    compute: RowFn,
+    num_rows: int,
+    policy: PrecisionPolicy,
+    class_ids: torch.Tensor,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compute rows, recomputing overflowed ones at half their loss scale until finite.
+
+    ``compute(which, scales)`` returns the rows ``which`` (int64 positions in ``0..num_rows``),
+    computed with loss scale ``scales[k]`` for row ``which[k]`` and already divided by it.
+    Returns ``(rows, scales, recomputed)``: the final scale of each row and whether it needed
+    more than one attempt. Without fp16 a non-finite row is an error naming its class.
+    """
+    which = torch.arange(num_rows, device=device)
+    scales = torch.full((num_rows,), policy.first_scale, dtype=torch.float32, device=device)
+    rows = compute(which, scales)
+    recomputed = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    bad = ~torch.isfinite(rows).all(dim=1)
+    while bool(bad.any()):
+        if not policy.uses_scaling:
+            c = int(class_ids[bad.nonzero()[0, 0].item()])
+            raise InputError(f"non-finite gradient for class {c} in {policy.dtype}")
+        scales = torch.where(bad, scales / 2, scales)
+        if bool((scales[bad] < policy.min_scale).any()):
+            stuck = class_ids[bad.cpu()].tolist()
+            raise RowOverflowError(
+                f"fp16 gradient rows of class(es) {stuck[:10]} stay non-finite down to loss scale "
+                f"{policy.min_scale}; use precision.dtype=bf16 or fp32"
+            )
+        recomputed |= bad
+        idx = bad.nonzero().squeeze(1)
+        rows[idx] = compute(idx, scales[idx])
+        bad = torch.zeros_like(bad)
+        bad[idx] = ~torch.isfinite(rows[idx]).all(dim=1)
+    return rows, scales, recomputed

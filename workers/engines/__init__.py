@@ -1,0 +1,110 @@
+"""Gradient engines: the registry, ``auto`` selection and the public ``per_class_gradients``.
+
+Holds:
+- ``ENGINES`` with ``register_engine``/``create_engine`` (an unknown name lists the choices);
+  every engine has the constructor of ``GradientEngine`` and one method, ``iter_blocks``.
+- ``resolve_engine_kind``: ``auto`` means partitioned when the loss is class-partitioned and
+  the model treats samples independently, dense otherwise.
+- ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from service.errors import InputError
+from workers.amp import PrecisionPolicy
+from workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
+from workers.engines.dense import DenseEngine
+from workers.engines.partitioned import PartitionedEngine
+from workers.engines.reference import ReferenceEngine
+from workers.layout import ParamLayout
+from workers.losses import LossKind, create_loss
+from workers.probe import ProbeSet
+
+__all__ = [
+    "ENGINES", "EngineStats", "GradientEngine", "RowBlock", "create_engine", "per_class_gradients",
+    "register_engine", "resolve_engine_kind", "build_engine",
+]
+
+ENGINES: dict[str, type[GradientEngine]] = {}
+
+
+def register_engine(cls: type[GradientEngine]) -> type[GradientEngine]:
+    if not cls.name or cls.name in ENGINES or cls.name == "auto":
+        raise ValueError(f"engine name {cls.name!r} is empty, reserved or already registered")
+    ENGINES[cls.name] = cls
+    return cls
+
+
+for _cls in (PartitionedEngine, DenseEngine, ReferenceEngine):
+    register_engine(_cls)
+
+
+def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
+    """The engine ``auto`` stands for, or ``kind`` itself once checked."""
+    if kind == "auto":
+        return "partitioned" if loss.partitioned and samples_independent(model) else "dense"
+    if kind not in ENGINES:
+        raise InputError(f"engine.kind {kind!r} is unknown (choices: auto, {', '.join(sorted(ENGINES))})")
+    return kind
+
+
+def create_engine(kind: str, model: nn.Module, probe: ProbeSet, loss: LossKind, layout: ParamLayout,
+                  **options: Any) -> GradientEngine:
+    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor."""
+    return ENGINES[resolve_engine_kind(kind, model, loss)](model, probe, loss, layout, **options)
+
+
+def build_engine(
+    model: nn.Module,
+    data: Any,
+    *,
+    num_classes: int,
+    loss: str | Callable | LossKind = "cross_entropy",
+    precision: str | PrecisionPolicy = "fp32",
+    params: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+    engine: str = "auto",
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+    block_rows: int | None = None,
+    group_rows: int = 256,
+) -> GradientEngine:
+    """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again."""
+    loss_kind = create_loss(loss, num_classes)
+    policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
+    layout = ParamLayout.from_model(model, include=list(params or ()), exclude=list(exclude))
+    probe = data if isinstance(data, ProbeSet) else ProbeSet(data, batch_size=batch_size)
+    return create_engine(engine, model, probe, loss_kind, layout, precision=policy, device=device,
+                         block_rows=block_rows, group_rows=group_rows)
+
+
+def per_class_gradients(
+    model: nn.Module,
+    data: Any,
+    *,
+    num_classes: int,
+    classes: Sequence[int] | None = None,
+    loss: str | Callable | LossKind = "cross_entropy",
+    precision: str | PrecisionPolicy = "fp32",
+    params: Sequence[str] | None = None,
+    engine: str = "auto",
+    batch_size: int = 256,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
+
+    ``data`` is a Dataset of ``(input, target)`` or a pair of tensors; ``params`` are name
+    patterns (default: every parameter with ``requires_grad``), flattened and concatenated in
+    ``model.named_parameters()`` order.
+    """
+    eng = build_engine(model, data, num_classes=num_classes, loss=loss, precision=precision,
+                       params=params, engine=engine, batch_size=batch_size, device=device)
+    wanted = list(range(num_classes)) if classes is None else list(classes)
+    if not wanted:
+        return torch.zeros(0, eng.layout.dim)
+    return torch.cat([b.rows.float().cpu() for b in eng.iter_blocks(wanted)])

@@ -1,0 +1,221 @@
+"""The gradient engine interface shared by every engine, and what they all need.
+
+Holds:
+- ``RowBlock``: a block of finished rows with their class ids, losses, counts and fp16 loss
+  scales: what every engine yields and what the row writer consumes.
+- ``EngineStats``: counters (forward passes, backward/VJP calls, recomputed rows) that tests
+  and reports read.
+- ``GradientEngine``: the one constructor signature and the one method, ``iter_blocks``, plus
+  the helpers every engine shares: the forward pass under autocast with buffers left untouched
+  and a seeded RNG per micro-batch, parameter selection, and loss checks.
+- ``samples_independent``: whether a model in its current mode treats samples independently.
+
+Engines never keep a graph beyond the rows they are computing, and never hold more than one
+group of rows, so memory does not grow with the number of classes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from service.errors import InputError
+from workers.amp import PrecisionPolicy
+from workers.layout import ParamLayout
+from workers.losses import LossKind
+from workers.probe import MicroBatch, ProbeSet
+
+# Layers whose train-mode output for one sample depends on the other samples in the batch, or
+# on random draws: with any of them in train mode, a class's row is not the gradient of its own
+# samples alone, so the partitioned shortcut does not apply.
+BATCH_COUPLED_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.dropout._DropoutNd,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+# Each micro-batch's forward draws its random numbers (dropout in train mode) from this seed
+# plus its index, so every engine sees the same masks and reruns give the same rows.
+FORWARD_SEED = 0x5EED
+
+
+def samples_independent(model: nn.Module) -> bool:
+    """True when each sample's output depends only on that sample (and no randomness).
+
+    A module can declare itself with an attribute ``samples_independent = True/False``.
+    """
+    declared = getattr(model, "samples_independent", None)
+    if declared is not None:
+        return bool(declared)
+    return not any(couples_samples(m) for m in model.modules())
+
+
+def couples_samples(module: nn.Module) -> bool:
+    if not module.training or not isinstance(module, BATCH_COUPLED_TYPES):
+        return False
+    # Dropout with p=0 (common in transformer layers) draws nothing and changes nothing.
+    return not (isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0)
+
+
+@dataclass
+class RowBlock:
+    """Finished rows for ``classes`` (in the order asked for)."""
+
+    classes: torch.Tensor  # int64 [b], CPU
+    rows: torch.Tensor  # [b, D] true gradient values, on the engine's device
+    loss: torch.Tensor  # [b] L_c, CPU
+    count: torch.Tensor  # int64 [b] probe samples contributing to L_c, CPU
+    loss_scale: torch.Tensor  # float32 [b] fp16 loss scale each row was computed with (1.0 otherwise), CPU
+    recomputed: torch.Tensor  # bool [b] rows that overflowed and were recomputed, CPU
+
+    def __len__(self) -> int:
+        return len(self.classes)
+
+    @staticmethod
+    def concat(blocks: Sequence["RowBlock"]) -> "RowBlock":
+        return RowBlock(*(torch.cat([getattr(b, f) for b in blocks]) for f in RowBlock.__dataclass_fields__))
+
+
+@dataclass
+class EngineStats:
+    """Work counters, for tests and reports."""
+
+    forwards: int = 0  # forward passes over a micro-batch (or part of one)
+    backwards: int = 0  # calls into autograd (one batched VJP counts once)
+    rows: int = 0
+    recomputed_rows: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class GradientEngine(ABC):
+    """Computes rows of the per-class gradient matrix for any list of class ids."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        probe: ProbeSet,
+        loss: LossKind,
+        layout: ParamLayout,
+        *,
+        precision: PrecisionPolicy = PrecisionPolicy(),
+        device: torch.device | str = "cpu",
+        block_rows: int | None = None,
+        group_rows: int = 256,
+    ):
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.probe = probe
+        self.loss = loss
+        self.layout = layout
+        self.precision = precision
+        self.block_rows = block_rows
+        if block_rows is not None and block_rows <= 0:
+            raise InputError(f"engine.block_rows must be > 0, got {block_rows}")
+        if group_rows <= 0:
+            raise InputError(f"engine.group_rows must be > 0, got {group_rows}")
+        self.group_rows = group_rows
+        self.stats = EngineStats()
+        loss.validate_targets(probe.targets)
+        self.norm = loss.norm(probe.targets).to(self.device)
+        self.counts = self.norm.counts.cpu()
+        self.params = layout.parameters(self.model)
+        # Inputs follow the model's floating dtype (a float64 model gets float64 inputs).
+        self.compute_dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+
+    @abstractmethod
+    def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
+        """Yield rows for ``classes`` in that order, a block at a time."""
+
+    def compute(self, classes: Sequence[int]) -> RowBlock:
+        """All rows for ``classes`` at once (convenience for tests and small jobs)."""
+        return RowBlock.concat(list(self.iter_blocks(classes)))
+
+    # --- helpers shared by the engines ------------------------------------------------------
+
+    def _check_classes(self, classes: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(classes), dtype=torch.int64)
+        bad = (ids < 0) | (ids >= self.loss.num_classes)
+        if bool(bad.any()):
+            raise InputError(f"class id {int(ids[bad][0])} outside [0, {self.loss.num_classes})")
+        return ids
+
+    @contextlib.contextmanager
+    def selected_grads(self) -> Iterator[None]:
+        """Only the selected parameters require grad while rows are computed.
+
+        Autograd then skips weight gradients of every other parameter, and a selected frozen
+        parameter (chosen by an explicit include pattern) still gets its gradient.
+        """
+        selected = {id(p) for p in self.params}
+        saved = [(p, p.requires_grad) for p in self.model.parameters()]
+        try:
+            for p, _ in saved:
+                p.requires_grad_(id(p) in selected)
+            yield
+        finally:
+            for p, flag in saved:
+                p.requires_grad_(flag)
+
+    @contextlib.contextmanager
+    def forward_context(self, micro_batch: int) -> Iterator[None]:
+        """Autocast; in train mode, buffers restored afterwards and a seeded RNG per micro-batch."""
+        if not self.model.training:
+            with self.precision.autocast(self.device):
+                yield
+            return
+        # Computing gradients must not move BatchNorm running statistics: the forward updates
+        # throw-away copies, and the originals go back untouched. (Copying the old values back
+        # in place instead would bump versions of tensors the graph saved, breaking backward.)
+        originals = [(m, name, b) for m in self.model.modules() for name, b in m._buffers.items() if b is not None]
+        for m, name, b in originals:
+            m._buffers[name] = b.clone()
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(FORWARD_SEED + micro_batch)
+                with self.precision.autocast(self.device):
+                    yield
+        finally:
+            for m, name, b in originals:
+                m._buffers[name] = b
+
+    def forward(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model outputs of a micro-batch and its contribution to L (``[C]``), with the graph."""
+        x, y = self.probe.batch(mb.indices, self.device, self.compute_dtype)
+        with self.forward_context(mb.index):
+            outputs = self.model(x)
+        self.stats.forwards += 1
+        self.loss.check_outputs(outputs)
+        contrib = self.loss.batch_losses(outputs, y, self.norm)
+        return outputs, contrib
+
+    def check_finite_loss(self, values: torch.Tensor, class_ids: torch.Tensor) -> None:
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            where = bad.nonzero().squeeze(1).cpu()
+            raise InputError(
+                f"non-finite loss for class(es) {class_ids[where][:10].tolist()} "
+                f"(NaN/Inf in the inputs, or overflow in the {self.precision.dtype} forward)"
+            )
+
+    def grads_to_rows(self, grads: Sequence[torch.Tensor | None], batch_dims: int) -> torch.Tensor:
+        return self.layout.flatten(grads, batch_dims=batch_dims)
+
+
+def tree_map_tensors(fn: Any, tree: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nest of tuples, lists and dicts."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(tree_map_tensors(fn, t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,120 @@
+"""Build a job's model, probe set, loss and engine from its config, the same way everywhere.
+
+Holds ``build_model`` (factory by import path, checkpoint loaded without pickle, mode),
+``build_probe``, and ``build_job_engine``, which the Ray actor, the driver's preflight check,
+``classgrad estimate`` and the benchmarks all use, so they can never disagree on what a config
+means.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from service.errors import InputError
+from workers.amp import PrecisionPolicy
+from workers.engines import GradientEngine, create_engine
+from workers.imports import import_object
+from workers.layout import ParamLayout
+from workers.losses import create_loss
+from workers.probe import ProbeSet
+
+if TYPE_CHECKING:
+    from service.config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(model: nn.Module, path: str) -> None:
+    """Load weights into ``model``: safetensors, or ``torch.load(weights_only=True)``.
+
+    ``weights_only`` refuses pickles that would run code; a file holding ``{"state_dict": ...}``
+    or ``{"model": ...}`` is unwrapped. Missing or unexpected keys are errors.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"model.checkpoint {path!r}: no such file")
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(str(file))
+        except Exception as exc:  # noqa: BLE001 - a damaged file is the user's to fix
+            raise InputError(f"model.checkpoint {path!r}: not a readable safetensors file ({exc})") from exc
+    else:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(
+                f"model.checkpoint {path!r}: refused, not a plain weights file "
+                f"(torch.load weights_only=True: {first})"
+            ) from exc
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict):
+        raise InputError(f"model.checkpoint {path!r}: expected a state dict, got {type(state).__name__}")
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise InputError(
+            f"model.checkpoint {path!r} does not fit the model: missing {result.missing_keys[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+def _call_factory(path: str, kwargs: dict, what: str) -> Any:
+    factory = import_object(path, what=what)
+    try:
+        return factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the user's factory failed: report it in one line
+        raise InputError(f"{what} {path!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def build_model(factory: str, kwargs: dict | None = None, checkpoint: str | None = None,
+                mode: str = "eval") -> nn.Module:
+    model = _call_factory(factory, dict(kwargs or {}), "model.factory")
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model.factory {factory!r} returned {type(model).__name__}, not an nn.Module")
+    if checkpoint:
+        load_checkpoint(model, checkpoint)
+    return model.train(mode == "train")
+
+
+def build_probe(factory: str, kwargs: dict | None = None, batch_size: int = 256) -> ProbeSet:
+    data = _call_factory(factory, dict(kwargs or {}), "data.factory")
+    return ProbeSet(data, batch_size=batch_size)
+
+
+def build_job_engine(config: "JobConfig", device: str | None = None) -> GradientEngine:
+    """Model, probe set, loss, parameter layout and engine for a job config."""
+    model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
+    probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
+    loss = create_loss(config.loss.kind, config.loss.num_classes)
+    layout = ParamLayout.from_model(model, include=config.params.include, exclude=config.params.exclude)
+    policy = PrecisionPolicy(config.precision.dtype, config.precision.init_scale, config.precision.min_scale)
+    return create_engine(
+        config.engine.kind, model, probe, loss, layout, precision=policy,
+        device=device or config.resolved_device(), block_rows=config.engine.block_rows,
+        group_rows=config.engine.group_rows,
+    )
+
+
+def preflight(engine: GradientEngine) -> None:
+    """Catch user errors before any store exists: non-finite probe inputs, and one forward on a
+    few samples to check the model's output width and that the loss is finite."""
+    engine.probe.check_finite()
+    idx = torch.arange(min(len(engine.probe), 4))
+    with torch.no_grad():
+        x, y = engine.probe.batch(idx, engine.device, engine.compute_dtype)
+        with engine.precision.autocast(engine.device):
+            out = engine.model(x)
+        engine.loss.check_outputs(out)
+        values = engine.loss.batch_losses(out, y, engine.norm)
+    if not bool(torch.isfinite(values).all()):
+        raise InputError("non-finite loss on the first probe samples (NaN/Inf inputs or weights?)")

@@ -1,0 +1,227 @@
+"""Per-class loss kinds: how model outputs become the vector L = (L_0 ... L_{C-1}).
+
+Holds the ``LossKind`` interface, its two families and the registry:
+
+- ``PartitionedLoss``: every sample has one integer label and L_c is the mean of a per-sample
+  loss over the samples labelled c (``cross_entropy``, or a user's per-sample loss marked with
+  ``@partitioned_loss``). A class with no samples has L_c = 0, a zero row and count 0.
+- ``DenseLoss``: every sample may touch every L_c. The loss function maps ``(outputs, targets)``
+  of a set of samples to their per-class mean ``[C]`` (``logit``, ``bce``, or a user's
+  callable); over the whole probe set, micro-batch b contributes ``fn(batch) * n_b / N``, so L
+  is the probe-set mean whenever ``fn`` is a mean.
+
+Every engine asks the loss for the same thing, ``batch_losses``: micro-batch contributions that
+add up to L. The partitioned engine additionally uses ``labels`` and ``sample_losses``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from service.errors import InputError
+from workers.imports import import_object
+
+
+class LossKind(ABC):
+    """How per-class losses are computed from model outputs and targets."""
+
+    name: str = ""
+    partitioned: bool = False
+
+    def __init__(self, num_classes: int):
+        if num_classes <= 0:
+            raise InputError(f"loss.num_classes must be > 0, got {num_classes}")
+        self.num_classes = int(num_classes)
+
+    @abstractmethod
+    def validate_targets(self, targets: torch.Tensor) -> None:
+        """Raise ``InputError`` if the probe set's targets do not fit this loss."""
+
+    @abstractmethod
+    def counts(self, targets: torch.Tensor) -> torch.Tensor:
+        """int64 ``[C]``: probe samples that contribute to each L_c."""
+
+    @abstractmethod
+    def batch_losses(self, outputs: torch.Tensor, targets: torch.Tensor, norm: "LossNorm") -> torch.Tensor:
+        """float ``[C]``: this micro-batch's contribution to L (contributions add up to L)."""
+
+    def check_outputs(self, outputs: torch.Tensor) -> None:
+        if outputs.ndim != 2 or outputs.shape[1] != self.num_classes:
+            raise InputError(
+                f"model output has shape {tuple(outputs.shape)}, expected (batch, {self.num_classes}) "
+                f"for loss.num_classes={self.num_classes}"
+            )
+
+    def norm(self, targets: torch.Tensor) -> "LossNorm":
+        """Probe-wide normalisers, computed once from all targets."""
+        return LossNorm(total=len(targets), counts=self.counts(targets))
+
+
+class LossNorm:
+    """Probe-wide normalisers: sample total and per-class counts (on any device)."""
+
+    def __init__(self, total: int, counts: torch.Tensor):
+        self.total = int(total)
+        self.counts = counts
+
+    def to(self, device: torch.device) -> "LossNorm":
+        return LossNorm(self.total, self.counts.to(device))
+
+
+class PartitionedLoss(LossKind):
+    """L_c = mean of ``sample_loss(outputs_i, y_i)`` over the samples with label ``y_i == c``."""
+
+    partitioned = True
+
+    def __init__(self, num_classes: int, sample_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str):
+        super().__init__(num_classes)
+        self._sample_loss = sample_loss
+        self.name = name
+
+    def labels(self, targets: torch.Tensor) -> torch.Tensor:
+        return targets.long()
+
+    def validate_targets(self, targets: torch.Tensor) -> None:
+        if targets.ndim != 1 or targets.is_floating_point():
+            raise InputError(
+                f"loss {self.name!r}: targets must be integer class labels of shape [N], "
+                f"got {tuple(targets.shape)} {targets.dtype}"
+            )
+        bad = (targets < 0) | (targets >= self.num_classes)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise InputError(
+                f"labels outside [0, {self.num_classes}): sample {i} has label {int(targets[i])} "
+                f"({int(bad.sum())} such samples)"
+            )
+
+    def counts(self, targets: torch.Tensor) -> torch.Tensor:
+        return torch.bincount(self.labels(targets), minlength=self.num_classes)
+
+    def sample_losses(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        losses = self._sample_loss(outputs, labels)
+        if losses.shape != labels.shape:
+            raise InputError(
+                f"loss {self.name!r}: per-sample loss returned shape {tuple(losses.shape)}, "
+                f"expected {tuple(labels.shape)}"
+            )
+        return losses
+
+    def batch_losses(self, outputs: torch.Tensor, targets: torch.Tensor, norm: LossNorm) -> torch.Tensor:
+        labels = self.labels(targets)
+        per_sample = _upcast(self.sample_losses(outputs, labels))
+        weights = 1.0 / norm.counts[labels].clamp(min=1).to(per_sample.dtype)
+        out = torch.zeros(self.num_classes, dtype=per_sample.dtype, device=per_sample.device)
+        return out.index_add(0, labels, per_sample * weights)
+
+
+class DenseLoss(LossKind):
+    """L = sum over micro-batches of ``fn(outputs, targets) * n_b / N``; ``fn`` returns ``[C]``."""
+
+    partitioned = False
+
+    def __init__(
+        self,
+        num_classes: int,
+        fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        name: str,
+        multi_hot_targets: bool = False,
+    ):
+        super().__init__(num_classes)
+        self._fn = fn
+        self.name = name
+        self.multi_hot_targets = multi_hot_targets
+
+    def validate_targets(self, targets: torch.Tensor) -> None:
+        if self.multi_hot_targets and (targets.ndim != 2 or targets.shape[1] != self.num_classes):
+            raise InputError(
+                f"loss {self.name!r}: targets must be multi-hot of shape [N, {self.num_classes}], "
+                f"got {tuple(targets.shape)}"
+            )
+
+    def counts(self, targets: torch.Tensor) -> torch.Tensor:
+        return torch.full((self.num_classes,), len(targets), dtype=torch.int64)
+
+    def batch_losses(self, outputs: torch.Tensor, targets: torch.Tensor, norm: LossNorm) -> torch.Tensor:
+        per_class = self._fn(outputs, targets)
+        if per_class.shape != (self.num_classes,):
+            raise InputError(
+                f"loss {self.name!r} returned shape {tuple(per_class.shape)}, expected ({self.num_classes},)"
+            )
+        return _upcast(per_class) * (outputs.shape[0] / norm.total)
+
+
+# --- built-in loss functions -------------------------------------------------------------
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision outputs (under autocast) to float32; float32/float64 stay as they are."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    # log-softmax in at least float32: under autocast the logits may be half precision.
+    return F.cross_entropy(_upcast(outputs), labels, reduction="none")
+
+
+def _logit(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return _upcast(outputs).mean(dim=0)
+
+
+def _bce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(
+        _upcast(outputs), targets.to(_upcast(outputs).dtype), reduction="none"
+    ).mean(dim=0)
+
+
+def partitioned_loss(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Mark ``fn(outputs [n, C], labels [n]) -> [n]`` as a per-sample, class-partitioned loss."""
+    fn.partitioned = True  # type: ignore[attr-defined]
+    return fn
+
+
+LossFactory = Callable[[int], LossKind]
+LOSSES: dict[str, LossFactory] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
+    def wrap(factory: LossFactory) -> LossFactory:
+        if name in LOSSES:
+            raise ValueError(f"loss kind {name!r} is already registered")
+        LOSSES[name] = factory
+        return factory
+
+    return wrap
+
+
+register_loss("cross_entropy")(lambda c: PartitionedLoss(c, _cross_entropy, "cross_entropy"))
+register_loss("logit")(lambda c: DenseLoss(c, _logit, "logit"))
+register_loss("bce")(lambda c: DenseLoss(c, _bce, "bce", multi_hot_targets=True))
+
+
+def create_loss(kind: str | Callable, num_classes: int) -> LossKind:
+    """A registered name, a ``module:function`` path, or a callable.
+
+    A callable marked with ``@partitioned_loss`` is a per-sample loss; any other callable maps
+    ``(outputs, targets)`` to the per-class mean ``[C]`` over the samples it is given.
+    """
+    if isinstance(kind, LossKind):
+        return kind
+    if isinstance(kind, str) and ":" not in kind:
+        try:
+            return LOSSES[kind](num_classes)
+        except KeyError:
+            raise InputError(
+                f"loss.kind {kind!r} is unknown (choices: {', '.join(sorted(LOSSES))}, or 'module:function')"
+            ) from None
+    fn = import_object(kind, what="loss.kind") if isinstance(kind, str) else kind
+    if not callable(fn):
+        raise InputError(f"loss.kind {kind!r} is not callable")
+    name = kind if isinstance(kind, str) else getattr(fn, "__qualname__", "custom")
+    if getattr(fn, "partitioned", False):
+        return PartitionedLoss(num_classes, fn, name)
+    return DenseLoss(num_classes, fn, name)

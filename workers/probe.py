@@ -1,0 +1,142 @@
+"""The probe set: the samples whose losses define the per-class gradient rows.
+
+Holds ``ProbeSet``: the probe data as given (a ``Dataset`` of ``(input, target)`` or a pair of
+tensors), its targets gathered once on the CPU, the micro-batches every engine walks in the
+same order, and the per-class sample index that the partitioned engine uses.
+
+Inputs stay where the user put them and are fetched per batch; only targets (small) are held
+whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and a stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from service.errors import InputError
+
+
+def _stack(items: Sequence[Any]) -> Any:
+    """Stack a list of samples (tensors, numbers, or tuples/dicts of them) into a batch."""
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(items))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_stack([it[i] for it in items]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _stack([it[k] for it in items]) for k in first}
+    return torch.as_tensor(items)
+
+
+def _to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    if isinstance(batch, torch.Tensor):
+        batch = batch.to(device, non_blocking=True)
+        if dtype is not None and batch.is_floating_point():
+            batch = batch.to(dtype)
+        return batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(b, device, dtype) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device, dtype) for k, v in batch.items()}
+    return batch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of the probe set: sample indices in probe order."""
+
+    index: int
+    indices: torch.Tensor  # int64, CPU
+
+
+class ProbeSet:
+    """The probe samples, their targets, and the order engines visit them in."""
+
+    def __init__(self, data: Dataset | tuple[Any, torch.Tensor] | list, batch_size: int = 256):
+        if batch_size <= 0:
+            raise InputError(f"data.batch_size must be > 0, got {batch_size}")
+        self.batch_size = int(batch_size)
+        if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[1], torch.Tensor):
+            inputs, targets = data
+            if isinstance(inputs, torch.Tensor) and len(inputs) != len(targets):
+                raise InputError(f"data: {len(inputs)} inputs but {len(targets)} targets")
+            self._inputs: Any = inputs
+            self._dataset: Dataset | None = None
+            self.targets = targets.detach().cpu()
+        elif isinstance(data, Dataset) or hasattr(data, "__getitem__"):
+            self._inputs = None
+            self._dataset = data
+            n = len(data)  # type: ignore[arg-type]
+            if n == 0:
+                raise InputError("data: the probe set is empty")
+            self.targets = _stack([torch.as_tensor(data[i][1]) for i in range(n)])
+        else:
+            raise InputError(
+                f"data: expected a Dataset of (input, target) or a pair (inputs, targets), got {type(data).__name__}"
+            )
+        if len(self.targets) == 0:
+            raise InputError("data: the probe set is empty")
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def inputs(self, indices: torch.Tensor) -> Any:
+        """Inputs of the given samples, batched, on the CPU."""
+        if self._dataset is None:
+            return _index(self._inputs, indices)
+        return _stack([self._dataset[int(i)][0] for i in indices])
+
+    def batch(
+        self, indices: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+    ) -> tuple[Any, torch.Tensor]:
+        """(inputs, targets) of the given samples on ``device``; floating inputs cast to ``dtype``."""
+        x = _to_device(self.inputs(indices), device, dtype)
+        y = self.targets[indices].to(device, non_blocking=True)
+        return x, y
+
+    def check_finite(self) -> None:
+        """Raise ``InputError`` naming the first sample whose floating inputs hold NaN/Inf.
+
+        Only checks inputs held as tensors (a Dataset is checked as its batches are used)."""
+        def first_bad(t: Any) -> int | None:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                bad = ~torch.isfinite(t.reshape(len(t), -1)).all(dim=1)
+                return int(bad.nonzero()[0]) if bool(bad.any()) else None
+            if isinstance(t, (tuple, list)):
+                found = [i for i in (first_bad(x) for x in t) if i is not None]
+                return min(found) if found else None
+            if isinstance(t, dict):
+                return first_bad(list(t.values()))
+            return None
+
+        if self._inputs is not None and (i := first_bad(self._inputs)) is not None:
+            raise InputError(f"data: NaN/Inf in the inputs of probe sample {i}")
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """The probe set in order, ``batch_size`` samples at a time (the same for every engine)."""
+        n = len(self)
+        for i, start in enumerate(range(0, n, self.batch_size)):
+            yield MicroBatch(i, torch.arange(start, min(start + self.batch_size, n)))
+
+    @property
+    def num_micro_batches(self) -> int:
+        return -(-len(self) // self.batch_size)
+
+    def samples_by_class(self, labels: torch.Tensor, num_classes: int) -> list[torch.Tensor]:
+        """Sample indices of each class (in probe order), for integer labels ``[N]``."""
+        order = torch.argsort(labels, stable=True)
+        counts = torch.bincount(labels, minlength=num_classes)
+        return list(torch.split(order, counts.tolist()))
+
+
+def _index(inputs: Any, indices: torch.Tensor) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs[indices]
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_index(x, indices) for x in inputs)
+    if isinstance(inputs, dict):
+        return {k: _index(v, indices) for k, v in inputs.items()}
+    raise InputError(f"data: unsupported input type {type(inputs).__name__}")
