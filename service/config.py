@@ -405,6 +405,11 @@ class RunConfig(_Section):
     log_every_s: PositiveFiniteFloat = Field(
         10.0, description="Seconds between progress log lines when not on a terminal."
     )
+    actor_start_timeout_s: PositiveFiniteFloat = Field(
+        300.0,
+        description="Seconds to wait for the actors to start (a cluster without the requested "
+        "CPUs/GPUs fails with a message instead of waiting forever).",
+    )
     progress: Literal["auto", "bar", "log", "none"] = Field(
         "auto",
         description="`bar` (progress bar), `log` (periodic log lines), `none`, or `auto`: a bar "

@@ -112,8 +112,11 @@ def preflight(engine: GradientEngine) -> None:
     idx = torch.arange(min(len(engine.probe), 4))
     with torch.no_grad():
         x, y = engine.probe.batch(idx, engine.device, engine.compute_dtype)
-        with engine.precision.autocast(engine.device):
-            out = engine.model(x)
+        try:
+            with engine.precision.autocast(engine.device):
+                out = engine.model(x)
+        except Exception as exc:  # noqa: BLE001 - the user's model cannot take the user's data
+            raise InputError(f"the model's forward failed on the probe data: {type(exc).__name__}: {exc}") from exc
         engine.loss.check_outputs(out)
         values = engine.loss.batch_losses(out, y, engine.norm)
     if not bool(torch.isfinite(values).all()):

@@ -1,0 +1,76 @@
+"""The ``classgrad`` command line: parse, dispatch to one command module, turn errors into one line.
+
+Holds the command registry (name -> module with ``add_arguments``/``main``) and ``main``. Errors
+a user can cause (``ClassgradError``) print one line and exit with their code (2); Ctrl-C exits
+130 after the driver has saved what it finished; anything else is a bug: one line, exit 1, and
+the traceback only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Sequence
+
+from service.errors import ClassgradError
+
+# name -> module under service.commands; each defines HELP, add_arguments(parser), main(args).
+COMMANDS: dict[str, str] = {
+    "run": "service.commands.run",
+    "status": "service.commands.status",
+}
+
+
+def register_command(name: str, module: str) -> None:
+    if name in COMMANDS:
+        raise ValueError(f"command {name!r} is already registered")
+    COMMANDS[name] = module
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="classgrad",
+        description="Per-class gradients of PyTorch models, computed on Ray into a Zarr store.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_main=module.main)
+    return parser
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args)
+    try:
+        return int(args._main(args) or 0)
+    except ClassgradError as exc:
+        print(f"classgrad: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("classgrad: interrupted; finished shards are saved, rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a bug: one line unless --debug
+        if args.debug:
+            raise
+        print(f"classgrad: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

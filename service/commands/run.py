@@ -1,0 +1,28 @@
+"""``classgrad run CONFIG``: compute a job's per-class gradients into its store (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "compute the per-class gradients of a job into its store (reruns resume)"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="CONFIG", help="job file (YAML), e.g. configs/demo.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set cluster.num_workers=4 (repeatable)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from service.config import load_config
+    from service.driver import JobDriver
+
+    config = load_config(args.config, args.overrides)
+    summary = JobDriver(config).run()
+    print("\n".join(summary.lines()))
+    print(f"store: {config.store.url}")
+    return 0

@@ -1,0 +1,62 @@
+"""``classgrad status STORE``: how far a job has got (shards done, missing rows, runs, lease)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from service.commands import add_store_arguments, storage_options
+
+HELP = "show a store's progress: shards done, missing rows, last runs"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def status_of(store) -> dict:
+    done = store.shard_done
+    runs = store.attrs.get("runs", [])
+    return {
+        "store": store.url,
+        "num_classes": store.num_classes,
+        "dim": store.dim,
+        "dtype": store.dtype,
+        "shards_done": int(done.sum()),
+        "shards_total": int(len(done)),
+        "rows_done": int(sum(b - a for a, b in (store.shard_range(i) for i in range(len(done)) if done[i]))),
+        "complete": bool(store.is_complete),
+        "missing_ranges": [list(r) for r in store.missing_ranges()],
+        "last_run": runs[-1] if runs else None,
+        "runs": len(runs),
+        "lease": store.lease_info(),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    from service.store import open_store
+
+    store = open_store(args.store, storage_options=storage_options(args))
+    info = status_of(store)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    pct = 100.0 * info["rows_done"] / info["num_classes"] if info["num_classes"] else 100.0
+    print(f"store     {info['store']}  ({info['num_classes']} x {info['dim']} {info['dtype']})")
+    print(f"progress  {info['shards_done']}/{info['shards_total']} shards, {info['rows_done']}/"
+          f"{info['num_classes']} rows ({pct:.1f}%){'  complete' if info['complete'] else ''}")
+    if info["missing_ranges"]:
+        shown = ", ".join(f"{a}-{b - 1}" for a, b in info["missing_ranges"][:5])
+        more = " ..." if len(info["missing_ranges"]) > 5 else ""
+        print(f"missing   rows {shown}{more}")
+    run = info["last_run"]
+    if run:
+        print(f"last run  {run.get('run_id')}: {run.get('status')}, {run.get('rows', 0)} rows in "
+              f"{run.get('seconds', 0):.1f} s, {run.get('retries', 0)} retries (of {info['runs']} runs)")
+        if run.get("error"):
+            print(f"          error: {run['error']}")
+    if info["lease"]:
+        lease = info["lease"]
+        print(f"lease     held by run {lease.get('run_id')} on {lease.get('host')} (pid {lease.get('pid')})")
+    return 0

@@ -1,0 +1,387 @@
+"""The driver of one extraction job: plan, create the store, run the actors, survive faults.
+
+Holds:
+- ``prepare_store``: builds the job's engine once on the driver (on the CPU) to check the
+  config against the real model and data before anything is written, then creates or reopens
+  the store (same fingerprint required) with all of its metadata.
+- ``JobDriver``: joins or starts Ray, creates the actors, keeps each one fed with about
+  ``inflight_per_worker`` shards, requeues the shards of an actor that died and replaces it,
+  retries a shard that raised (up to ``sharding.max_attempts``), holds the store's lease, shows
+  progress, and writes the run summary into the store's history.
+- ``RunSummary``: what a run did, printed by the CLI and stored in the run history.
+
+Rows never pass through the driver or Ray's object store: actors write them, and return reports.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from service.config import JobConfig
+from service.errors import ClassgradError, ShardFailedError, StoreError
+from service.plan import Shard, dispatch_order, plan_shards
+from service.progress import Progress
+from service.store import GradStore, ParamEntry, StoreSpec, create_store
+
+log = logging.getLogger(__name__)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("classgrad", "torch", "ray", "zarr", "numpy"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+@dataclass
+class PreparedJob:
+    store: GradStore
+    shards: list[Shard]
+    engine_kind: str
+    dim: int
+
+
+def prepare_store(config: JobConfig) -> PreparedJob:
+    """Check the job against its real model and data, then create (or reopen) its store.
+
+    Every user error (bad factory, wrong output width, labels out of range, patterns that
+    select nothing, a store made by another config) is raised here, before a store exists.
+    """
+    from workers.actor import build_projector
+    from workers.factory import build_job_engine, preflight
+
+    engine = build_job_engine(config, device="cpu")
+    preflight(engine)
+    layout = engine.layout
+    projector = build_projector(config, layout.slots, layout.dim)
+    dim = projector.out_dim if projector else layout.dim
+    spec = StoreSpec(
+        num_classes=config.loss.num_classes,
+        dim=dim,
+        shard_rows=config.sharding.shard_rows,
+        row_chunk=config.store.row_chunk,
+        col_chunk=min(config.store.col_chunk, dim),
+        dtype=config.store.dtype,
+        codec=config.store.codec,
+        sharded=config.store.sharded,
+        layout=() if projector else tuple(ParamEntry(s.name, s.shape, s.offset, s.size) for s in layout.slots),
+        loss_kind=engine.loss.name,
+        projection=projector.describe() if projector else None,
+        config=config.redacted(),
+        fingerprint=config.fingerprint(),
+        versions=library_versions(),
+    )
+    store = create_store(config.store.url, spec, storage_options=config.store.storage_options,
+                         overwrite=config.store.overwrite)
+    # Partitioned work grows with a class's samples; dense rows all cost the same.
+    work = engine.counts.double().clamp(min=1).numpy() if engine.name == "partitioned" else None
+    shards = plan_shards(spec.num_classes, spec.shard_rows, spec.row_chunk, work_per_row=work)
+    return PreparedJob(store=store, shards=shards, engine_kind=engine.name, dim=dim)
+
+
+@dataclass
+class RunSummary:
+    """What one run did; printed at the end and appended to the store's run history."""
+
+    run_id: str
+    status: str = "running"  # complete | failed | interrupted
+    started: str = field(default_factory=_now)
+    ended: str | None = None
+    engine: str = ""
+    shards_total: int = 0
+    shards_skipped: int = 0  # already done when the run started (resume)
+    shards_done: int = 0  # done by this run
+    rows: int = 0  # rows computed by this run
+    seconds: float = 0.0
+    rows_per_s: float = 0.0
+    bytes: int = 0
+    recomputed_rows: int = 0
+    retries: int = 0  # shard attempts beyond the first (actor deaths and errors)
+    actors_replaced: int = 0
+    nodes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        return [
+            f"run {self.run_id}: {self.status}",
+            f"  shards      {self.shards_done} computed, {self.shards_skipped} already done, "
+            f"{self.shards_total} total",
+            f"  rows        {self.rows} in {self.seconds:.1f} s ({self.rows_per_s:.1f} rows/s), "
+            f"{self.bytes / 2**20:.1f} MiB written",
+            f"  engine      {self.engine}; recomputed rows (fp16 overflow): {self.recomputed_rows}",
+            f"  faults      {self.retries} shard retries, {self.actors_replaced} actors replaced",
+        ] + ([f"  error       {self.error}"] if self.error else [])
+
+
+class _Slot:
+    """One actor position: the live actor and its shards in flight, oldest (running) first."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.actor: Any = None
+        self.inflight: collections.deque = collections.deque()  # (ref, shard)
+
+
+class JobDriver:
+    """Runs one job to completion on Ray, resuming whatever a previous run left done."""
+
+    def __init__(self, config: JobConfig, *, run_id: str | None = None):
+        self.config = config
+        self.run_id = run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+        self.summary = RunSummary(run_id=self.run_id)
+        self._started_ray = False
+
+    # --- Ray ------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        import ray
+
+        cluster = self.config.cluster
+        if ray.is_initialized():
+            return
+        if cluster.address is None:
+            needed = cluster.num_workers * cluster.num_cpus_per_worker
+            cpus = os.cpu_count() or 1
+            if needed > cpus:
+                log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores",
+                            needed, cpus)
+            ray.init(num_cpus=max(cpus, needed), num_gpus=None, include_dashboard=False,
+                     logging_level=logging.WARNING)
+            self._started_ray = True
+        else:
+            ray.init(address=cluster.address, logging_level=logging.WARNING)
+
+    def _actor_class(self):
+        import ray
+
+        from workers.actor import GradientWorker
+
+        cluster = self.config.cluster
+        options: dict[str, Any] = {
+            "num_cpus": cluster.num_cpus_per_worker,
+            "num_gpus": cluster.num_gpus_per_worker,
+            "max_restarts": 0,  # the driver replaces dead actors itself and requeues their shards
+            "max_task_retries": 0,
+            "scheduling_strategy": "SPREAD",
+        }
+        if cluster.runtime_env:
+            options["runtime_env"] = dict(cluster.runtime_env)
+        return ray.remote(GradientWorker).options(**options)
+
+    def _start_actor(self, slot: _Slot) -> None:
+        slot.actor = self._actor_cls.remote(
+            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker)
+
+    def _wait_ready(self, slots: list[_Slot]) -> None:
+        import ray
+
+        timeout = self.config.run.actor_start_timeout_s
+        refs = [s.actor.ready.remote() for s in slots]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            c = self.config.cluster
+            raise ClassgradError(
+                f"only {len(ready)} of {len(refs)} actors started within {timeout:.0f} s; each asks for "
+                f"{c.num_cpus_per_worker} CPU and {c.num_gpus_per_worker} GPU, the cluster has "
+                f"{ray.cluster_resources()}"
+            )
+        try:
+            infos = ray.get(ready)
+        except ray.exceptions.RayActorError as exc:
+            raise ClassgradError(f"an actor failed to start: {_cause_line(exc)}") from None
+        self.summary.nodes = sorted({i["node"] for i in infos})
+        log.info("%d actors ready on %d node(s)", len(infos), len(self.summary.nodes))
+
+    # --- the run ----------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        t_start = time.perf_counter()
+        prepared = prepare_store(self.config)
+        store = prepared.store
+        self.summary.engine = prepared.engine_kind
+        self.summary.shards_total = len(prepared.shards)
+        store.acquire_lease(self.run_id, ttl_s=self.config.run.lease_ttl_s,
+                            info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started})
+        try:
+            todo = dispatch_order(prepared.shards, store.shard_done)
+            self.summary.shards_skipped = len(prepared.shards) - len(todo)
+            if todo:
+                self._run_shards(store, todo, t_start)
+            missing = store.missing_ranges()
+            if missing:
+                raise StoreError(f"store {store.url} still misses rows {missing[:5]} after the run")
+            self.summary.status = "complete"
+            return self.summary
+        except KeyboardInterrupt:
+            self.summary.status = "interrupted"
+            self.summary.error = "interrupted by the user; rerun the same command to resume"
+            raise
+        except ClassgradError as exc:
+            self.summary.status = "failed"
+            self.summary.error = str(exc)
+            raise
+        except BaseException as exc:
+            self.summary.status = "failed"
+            self.summary.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.summary.ended = _now()
+            self.summary.seconds = time.perf_counter() - t_start
+            self.summary.rows_per_s = self.summary.rows / self.summary.seconds if self.summary.seconds else 0.0
+            self._record(store)
+            self._shutdown()
+
+    def _record(self, store: GradStore) -> None:
+        try:
+            store.append_run(self.summary.to_dict())
+            store.release_lease(self.run_id)
+        except ClassgradError as exc:
+            log.error("could not record the run in the store: %s", exc)
+
+    def _shutdown(self) -> None:
+        import ray
+
+        for slot in getattr(self, "_slots", []):
+            if slot.actor is not None:
+                ray.kill(slot.actor, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()
+
+    def _run_shards(self, store: GradStore, todo: list[Shard], t_start: float) -> None:
+        import ray
+
+        cfg = self.config
+        self._connect()
+        self._actor_cls = self._actor_class()
+        self._slots = [_Slot(i) for i in range(min(cfg.cluster.num_workers, len(todo)))]
+        for slot in self._slots:
+            self._start_actor(slot)
+        self._wait_ready(self._slots)
+
+        queue = collections.deque(todo)
+        attempts: collections.Counter = collections.Counter()
+        where: dict[Any, tuple[_Slot, Shard]] = {}
+        total_rows = sum(s.rows for s in todo)
+        progress = Progress(total_rows, cfg.run.progress, cfg.run.log_every_s, label=f"run {self.run_id}")
+        last_renew = time.monotonic()
+        max_replacements = cfg.cluster.num_workers * cfg.sharding.max_attempts
+        try:
+            while queue or where:
+                for slot in self._slots:
+                    while queue and len(slot.inflight) < cfg.cluster.inflight_per_worker:
+                        shard = queue.popleft()
+                        ref = slot.actor.compute_shard.remote(shard.index, attempts[shard.index] + 1)
+                        slot.inflight.append((ref, shard))
+                        where[ref] = (slot, shard)
+                done, _ = ray.wait(list(where), num_returns=1, timeout=1.0)
+                for ref in done:
+                    if ref not in where:
+                        continue  # its actor's death was already handled
+                    slot, shard = where.pop(ref)
+                    try:
+                        report = ray.get(ref)
+                    except ray.exceptions.RayActorError as exc:
+                        self._actor_died(slot, exc, queue, attempts, where, max_replacements)
+                        continue
+                    except ray.exceptions.RayTaskError as exc:
+                        slot.inflight = collections.deque((r, s) for r, s in slot.inflight if r != ref)
+                        self._shard_raised(shard, exc, queue, attempts)
+                        continue
+                    slot.inflight = collections.deque((r, s) for r, s in slot.inflight if r != ref)
+                    self.summary.shards_done += 1
+                    self.summary.rows += report["rows"]
+                    self.summary.bytes += report["bytes"]
+                    self.summary.recomputed_rows += report["recomputed_rows"]
+                    if report["node"] not in self.summary.nodes:
+                        self.summary.nodes.append(report["node"])
+                    progress.update(report["rows"])
+                if time.monotonic() - last_renew > cfg.run.lease_ttl_s / 3:
+                    store.renew_lease(self.run_id)
+                    last_renew = time.monotonic()
+                progress.tick()
+        except BaseException:
+            for ref in list(where):
+                ray.cancel(ref, force=True)
+            raise
+        finally:
+            progress.close()
+
+    def _actor_died(self, slot: _Slot, exc: Exception, queue, attempts, where, max_replacements: int) -> None:
+        """Requeue everything the dead actor held (the running shard counts an attempt)."""
+        lost = list(slot.inflight)
+        slot.inflight.clear()
+        for ref, _ in lost:
+            where.pop(ref, None)
+        cause = _cause_line(exc)
+        if lost:
+            running = lost[0][1]
+            attempts[running.index] += 1
+            if attempts[running.index] >= self.config.sharding.max_attempts:
+                raise ShardFailedError(_shard_failure(running, attempts[running.index], f"its actor died: {cause}",
+                                                      self.summary))
+        for _, shard in reversed(lost):
+            queue.appendleft(shard)
+        self.summary.retries += len(lost)
+        self.summary.actors_replaced += 1
+        if self.summary.actors_replaced > max_replacements:
+            raise ClassgradError(f"actors keep dying ({self.summary.actors_replaced} replaced); last: {cause}")
+        log.warning("actor %d died (%s); %d shard(s) requeued, starting a replacement",
+                    slot.index, cause, len(lost))
+        self._start_actor(slot)
+
+    def _shard_raised(self, shard: Shard, exc: Exception, queue, attempts) -> None:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ClassgradError):
+            raise type(cause)(str(cause))  # the user's to fix: retrying cannot help
+        attempts[shard.index] += 1
+        line = _cause_line(exc)
+        if attempts[shard.index] >= self.config.sharding.max_attempts:
+            raise ShardFailedError(_shard_failure(shard, attempts[shard.index], line, self.summary))
+        log.warning("shard %d (rows %d-%d) failed (attempt %d of %d): %s; retrying", shard.index, shard.start,
+                    shard.stop - 1, attempts[shard.index], self.config.sharding.max_attempts, line)
+        self.summary.retries += 1
+        queue.append(shard)
+
+
+def _shard_failure(shard: Shard, attempts: int, why: str, summary: RunSummary) -> str:
+    saved = summary.shards_done + summary.shards_skipped
+    return (f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts} times: {why}; "
+            f"{saved} of {summary.shards_total} shards are saved, rerun to resume")
+
+
+def _cause_line(exc: BaseException) -> str:
+    """The one line that says why a Ray task or actor failed."""
+    cause = getattr(exc, "cause", None)
+    if cause is not None and cause is not exc:
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    text = str(exc).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Traceback", "File ", "The actor", "ray::")):
+            return line[:300]
+    return type(exc).__name__
+
+
+def run_job(config: JobConfig) -> RunSummary:
+    """``classgrad run``: the whole job, as one call."""
+    return JobDriver(config).run()

@@ -1,0 +1,89 @@
+"""The worker: one model replica that computes whole shards and writes them to the store.
+
+Holds ``GradientWorker``, a plain class (no Ray import) that the driver turns into a Ray actor
+with ``ray.remote``; tests and benchmarks can use it directly. It builds its model, probe set,
+engine and (optional) projector once, then for each shard: computes the rows block by block,
+hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
+row is stored, and returns a small report. Rows never travel back to the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+
+from service.config import JobConfig
+from service.store import open_store
+from workers.factory import build_job_engine
+from workers.projection import Projector
+from workers.writer import ShardWriter
+
+log = logging.getLogger(__name__)
+
+
+def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
+    """The job's projector, or None when rows are stored whole."""
+    p = config.projection
+    if p.dim is None:
+        return None
+    groups = [(s.offset, s.size) for s in slots] if p.per_param else None
+    return Projector(dim_in, p.dim, kind=p.kind, seed=p.seed, groups=groups)
+
+
+class GradientWorker:
+    """Computes shards of one job's per-class gradient matrix and writes them to its store."""
+
+    def __init__(self, config: dict, *, num_threads: int | None = None):
+        self.config = JobConfig.model_validate(config)
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.engine = build_job_engine(self.config)
+        self.projector = build_projector(self.config, self.engine.layout.slots, self.engine.layout.dim)
+        store_cfg = self.config.store
+        self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
+        self.class_ids = self.store.class_ids
+        self.identity = {
+            "node": _node_id(), "host": socket.gethostname(), "pid": os.getpid(),
+            "device": str(self.engine.device), "engine": self.engine.name,
+        }
+        log.info("worker ready: %s", self.identity)
+
+    def ready(self) -> dict[str, Any]:
+        return dict(self.identity)
+
+    def compute_shard(self, shard: int, attempt: int = 1) -> dict[str, Any]:
+        """Compute and store every row of ``shard``; return a small report."""
+        start, stop = self.store.shard_range(shard)
+        t0 = time.perf_counter()
+        recomputed_before = self.engine.stats.recomputed_rows
+        writer = ShardWriter(self.store, start, stop)
+        try:
+            for block in self.engine.iter_blocks(self.class_ids[start:stop].tolist()):
+                rows = self.projector.project(block.rows.float()) if self.projector else None
+                writer.add(block, rows)
+            written = writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        self.store.mark_shard_done(shard)
+        return {
+            "shard": shard, "attempt": attempt, "rows": stop - start,
+            "seconds": time.perf_counter() - t0, "write_seconds": written.seconds, "bytes": written.bytes,
+            "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before, **self.identity,
+        }
+
+
+def _node_id() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except ImportError:  # the worker also runs without Ray (tests, benchmarks)
+        pass
+    return socket.gethostname()
