@@ -138,6 +138,7 @@ class _Slot:
 
     def __init__(self, index: int):
         self.index = index
+        self.generation = 0  # bumped each time the slot gets a replacement actor
         self.actor: Any = None
         self.inflight: collections.deque = collections.deque()  # (ref, shard)
 
@@ -149,6 +150,7 @@ class JobDriver:
         self.config = config
         self.run_id = run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
         self.summary = RunSummary(run_id=self.run_id)
+        self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
         self._started_ray = False
 
     # --- Ray ------------------------------------------------------------------------------
@@ -171,11 +173,7 @@ class JobDriver:
         else:
             ray.init(address=cluster.address, logging_level=logging.WARNING)
 
-    def _actor_class(self):
-        import ray
-
-        from workers.actor import GradientWorker
-
+    def _actor_options(self) -> dict[str, Any]:
         cluster = self.config.cluster
         options: dict[str, Any] = {
             "num_cpus": cluster.num_cpus_per_worker,
@@ -186,10 +184,13 @@ class JobDriver:
         }
         if cluster.runtime_env:
             options["runtime_env"] = dict(cluster.runtime_env)
-        return ray.remote(GradientWorker).options(**options)
+        return options
 
     def _start_actor(self, slot: _Slot) -> None:
-        slot.actor = self._actor_cls.remote(
+        slot.generation += 1
+        # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
+        name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
+        slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
             self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker)
 
     def _wait_ready(self, slots: list[_Slot]) -> None:
@@ -272,7 +273,9 @@ class JobDriver:
 
         cfg = self.config
         self._connect()
-        self._actor_cls = self._actor_class()
+        from workers.actor import GradientWorker
+
+        self._actor_cls = ray.remote(GradientWorker)
         self._slots = [_Slot(i) for i in range(min(cfg.cluster.num_workers, len(todo)))]
         for slot in self._slots:
             self._start_actor(slot)
@@ -309,6 +312,7 @@ class JobDriver:
                         continue
                     slot.inflight = collections.deque((r, s) for r, s in slot.inflight if r != ref)
                     self.summary.shards_done += 1
+                    self.completions[shard.index] += 1
                     self.summary.rows += report["rows"]
                     self.summary.bytes += report["bytes"]
                     self.summary.recomputed_rows += report["recomputed_rows"]
@@ -319,11 +323,8 @@ class JobDriver:
                     store.renew_lease(self.run_id)
                     last_renew = time.monotonic()
                 progress.tick()
-        except BaseException:
-            for ref in list(where):
-                ray.cancel(ref, force=True)
-            raise
         finally:
+            # Shards still in flight die with their actors in _shutdown; nothing marks them done.
             progress.close()
 
     def _actor_died(self, slot: _Slot, exc: Exception, queue, attempts, where, max_replacements: int) -> None:

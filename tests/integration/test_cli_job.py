@@ -1,0 +1,136 @@
+"""``classgrad run`` as a user runs it: a subprocess with its own local Ray.
+
+Killing the driver (SIGKILL) or pressing Ctrl-C (SIGINT) mid-job loses nothing: a rerun of the
+same command skips the shards already done and ends with rows identical to an uninterrupted
+run. A bad config fails in one line with no store left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from service.errors import StoreError
+from service.store import open_store
+from tests.integration.conftest import CLASSGRAD, repo_env, small_job
+
+SLOW = {
+    "model": {"factory": "tests.integration.slow_models:slow_mlp",
+              "kwargs": {"num_classes": 48, "delay_s": 0.3, "in_features": 8, "hidden": 16}},
+    "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
+                        "seed": 2}},
+}
+
+
+def write_config(tmp_path, name: str, **sections) -> tuple[str, str]:
+    url = str(tmp_path / f"{name}.zarr")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(small_job(url, **sections)))
+    return str(path), url
+
+
+def shards_done(url: str) -> int:
+    try:
+        return int(open_store(url).shard_done.sum())
+    except StoreError:
+        return 0  # not created yet
+
+
+def start(config: str, env: dict) -> subprocess.Popen:
+    # A session of its own, so the test can clean up the Ray processes the driver started.
+    return subprocess.Popen([*CLASSGRAD, "run", config], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for_shards(proc: subprocess.Popen, url: str, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while shards_done(url) < n:
+        assert proc.poll() is None, f"job ended early: {proc.communicate()}"
+        assert time.monotonic() < deadline, "job made no progress"
+        time.sleep(0.1)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """Remove whatever the driver left (its local Ray), as a crashed machine would."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_to_end(config: str, env: dict) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*CLASSGRAD, "run", config], env=env, capture_output=True, text=True, timeout=300,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> np.ndarray:
+    tmp = tmp_path_factory.mktemp("clean")
+    config, url = write_config(tmp, "clean", **SLOW)
+    run_to_end(config, repo_env())
+    return open_store(url).rows(np.arange(48))
+
+
+def test_sigkill_driver_then_rerun_skips_done_shards(tmp_path, cli_env, uninterrupted):
+    config, url = write_config(tmp_path, "killed", **SLOW)
+    proc = start(config, cli_env)
+    try:
+        wait_for_shards(proc, url, 3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        kill_session(proc)
+    store = open_store(url)
+    done_before = int(store.shard_done.sum())
+    assert 3 <= done_before < store.num_shards
+
+    rerun = run_to_end(config, cli_env)
+    store = open_store(url)
+    last = store.attrs["runs"][-1]
+    assert store.is_complete and last["status"] == "complete"
+    # The rerun computed only what was missing: done shards were skipped, not recomputed.
+    assert last["shards_skipped"] == done_before
+    assert last["shards_done"] == store.num_shards - done_before
+    assert f"{store.num_shards - done_before} computed, {done_before} already done" in rerun.stdout
+    np.testing.assert_array_equal(store.rows(np.arange(48)), uninterrupted)
+
+
+def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, cli_env, uninterrupted):
+    config, url = write_config(tmp_path, "interrupted", **SLOW)
+    proc = start(config, cli_env)
+    try:
+        wait_for_shards(proc, url, 2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; finished shards are saved" in err and "Traceback" not in err
+    store = open_store(url)
+    assert store.attrs["runs"][-1]["status"] == "interrupted"
+    assert store.lease_info() is None, "an interrupted run must release its lease"
+    run_to_end(config, cli_env)
+    np.testing.assert_array_equal(open_store(url).rows(np.arange(48)), uninterrupted)
+
+
+@pytest.mark.parametrize("sections,message", [
+    ({"loss": {"kind": "cross_entropy", "num_clases": 48}}, "loss.num_clases: unknown key"),
+    ({"model": {"kwargs": {"num_classes": 47, "width": 4}}},
+     r"model output has shape (4, 47), expected (batch, 48)"),
+])
+def test_bad_config_prints_one_line_and_creates_no_store(tmp_path, cli_env, sections, message):
+    config, url = write_config(tmp_path, "bad", **sections)
+    proc = subprocess.run([*CLASSGRAD, "run", config], env=cli_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "classgrad:" in line]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not os.path.exists(url)

@@ -1,0 +1,78 @@
+"""The distributed job on a local Ray with 2 actors: correct rows, each shard once, faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from service.driver import JobDriver
+from service.store import open_store
+from tests.unit.engine_cases import max_relative_error
+from workers.engines import per_class_gradients
+from workers.factory import build_model, build_probe
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def reference_rows(config) -> torch.Tensor:
+    """Rows of the float64 reference engine for the job's model, data and loss."""
+    model = build_model(config.model.factory, config.model.kwargs, mode=config.model.mode).double()
+    probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
+    return per_class_gradients(model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind,
+                               engine="reference")
+
+
+@pytest.mark.parametrize("loss,engine", [("cross_entropy", "partitioned"), ("logit", "dense")])
+def test_two_actors_store_rows_equal_to_reference(job_config, loss, engine):
+    config = job_config(loss={"kind": loss}, engine={"kind": "auto"})
+    driver = JobDriver(config)
+    summary = driver.run()
+    store = open_store(config.store.url)
+    assert summary.status == "complete" and summary.engine == engine
+    assert store.is_complete and summary.shards_done == store.num_shards == 12
+    # Every shard computed exactly once: no retries, no duplicates.
+    assert dict(driver.completions) == {i: 1 for i in range(12)} and summary.retries == 0
+    rows = torch.from_numpy(store.rows(np.arange(48)))
+    # float32 rows against the float64 reference: the engine contract (see tests/unit/test_engines.py).
+    assert max_relative_error(rows, reference_rows(config)) <= 1e-6
+    assert store.attrs["runs"][-1]["status"] == "complete"
+
+
+def _kill_one_actor_when(driver: JobDriver, ray, shards_done: int, killed: list) -> None:
+    deadline = time.monotonic() + 60
+    while driver.summary.shards_done < shards_done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(f"classgrad-{driver.run_id}-w0-")]
+    ray.kill(ray.get_actor(names[0], namespace=next(
+        a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == names[0])))
+    killed.append(names[0])
+
+
+def test_killed_actor_is_replaced_and_rows_match_an_uninterrupted_run(job_config, ray_local, tmp_path):
+    slow = {"factory": "tests.integration.slow_models:slow_mlp",
+            "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16}}
+    data = {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8], "seed": 2}}
+    config = job_config(model=slow, data=data)
+    driver = JobDriver(config)
+    killed: list[str] = []
+    killer = threading.Thread(target=_kill_one_actor_when, args=(driver, ray_local, 2, killed))
+    killer.start()
+    summary = driver.run()
+    killer.join()
+    assert killed, "the actor was not killed"
+    assert summary.status == "complete" and summary.actors_replaced >= 1 and summary.retries >= 1
+    assert sorted(driver.completions) == list(range(12))
+    store = open_store(config.store.url)
+    assert store.is_complete
+    assert store.attrs["runs"][-1]["retries"] == summary.retries >= 1
+
+    clean_url = str(tmp_path / "clean.zarr")
+    clean = job_config(model=slow, data=data, store={"url": clean_url})
+    assert JobDriver(clean).run().retries == 0
+    # Same shards, same engine, same CPU arithmetic: the recomputed rows are bit-identical.
+    np.testing.assert_array_equal(store.rows(np.arange(48)), open_store(clean_url).rows(np.arange(48)))
