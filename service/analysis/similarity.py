@@ -1,0 +1,524 @@
+"""Class similarity at scale: the C x C cosine or Gram (dot) matrix of a store's rows, computed
+out of core and written back into the store, with a top-k neighbour table per class.
+
+Holds ``SimilarityConfig`` (the options; defaults live here), ``SimilarityPlan`` (row blocks,
+column bands, chunk rows, and the memory bound of one task), ``plan_similarity``,
+``strip_task`` (the unit of work: one row block's strip of the matrix and its top-k),
+``top_k_rows``, ``PeakMemory`` (a task's peak resident memory) and ``compute_similarity`` (the
+driver: refuses incomplete stores, takes the store's lease, replaces the previous result, runs
+the tasks on Ray or in this process, marks the result ready).
+
+How it works. The rows are split into row blocks of ``block_rows`` rows (whole row chunks).
+Task i owns the output strip S[i-block, :] (block_rows x C). For each column band (all columns
+unless a block of full rows would exceed the budget) it reads its own block i, then every block
+j in turn, straight from the store, and adds X_i X_j^T to the strip; block j is dropped before
+block j+1 is read. So a task holds at most two row blocks (one column band each), one
+block_rows x block_rows product and its strip, whatever C and D are: nothing ever holds the
+whole matrix of rows, and only small reports travel through Ray. For cosine, the squared norms
+of all rows are summed along the way (each task sees every row) and the strip is scaled by
+1 / (|x_a| |x_b|) at the end; rows of norm 0 (classes without samples) get similarity 0. The
+task then picks each row's top-k (self excluded, ties to the lower index) and writes its strip
+and top-k rows into the store itself: its rows are whole chunks of the similarity array, so no
+two tasks touch a chunk. Every strip is computed independently, which costs twice the
+multiply-adds of a symmetric scheme but needs no intermediate storage and gives each task the
+full rows that top-k needs; tiles below the diagonal are computed as the transpose of the very
+product the other task computes (X_j X_i^T), so the matrix comes out exactly symmetric.
+
+Products are float32 (BLAS sgemm, float32 accumulation; squared norms are summed in float64);
+``precision="float64"`` computes in float64 at twice the memory and time. Low-precision
+stores are read as true float32 values (the reader applies row_scale); projected stores work
+the same (their rows are just shorter).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterator, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, validated
+from service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError
+
+log = logging.getLogger(__name__)
+
+# Rows handled at once when normalising a strip and picking top-k (bounds their scratch memory).
+_WORK_ROWS = 64
+# A similarity chunk (chunk_rows x C float32) stays below this many bytes.
+_CHUNK_BYTES = 8 * MIB
+# Room for the interpreter's own small allocations and zarr's chunk buffers in the bound.
+_SLACK_BYTES = 16 * MIB
+
+
+class SimilarityConfig(BaseModel):
+    """Options of ``classgrad similarity`` (defaults in one place)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: Literal["cosine", "dot"] = Field(
+        "cosine", description="cosine similarity of rows, or their dot product (the Gram matrix)")
+    top_k: int = Field(10, ge=0, description="neighbours kept per class (self excluded); "
+                                             "clamped to C - 1; 0 stores no table")
+    block_rows: int | None = Field(
+        None, ge=1, description="rows per block (a multiple of the store's row_chunk); default: "
+                                "the most that keep a strip within block_mb, with at least "
+                                "tasks_per_cpu tasks per CPU")
+    band_cols: int | None = Field(
+        None, ge=1, description="columns read at once; default: all, unless a block of full "
+                                "rows would exceed block_mb")
+    block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB for one "
+                            "block of rows as read and for one output strip (automatic sizes)")
+    precision: Literal["float32", "float64"] = Field(
+        "float32", description="arithmetic of the products (float64: twice the memory and time)")
+    executor: Literal["ray", "local"] = Field(
+        "ray", description="run the tasks on Ray, or one after another in this process")
+    address: str | None = Field(None, description="Ray address to join (default: the Ray already "
+                                "initialised in this process, else a new local one)")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray task")
+    tasks_per_cpu: int = Field(2, ge=1, description="automatic block_rows leaves at least this "
+                                                    "many tasks per CPU, for load balance")
+    lease_ttl_s: float = Field(120.0, gt=0, description="the store's lease is held while the "
+                               "run lasts: renewed every lease_ttl_s / 4 (at most 10 s) while "
+                               "Ray tasks run, between tasks in-process; another driver may "
+                               "take it over once it is this old")
+
+
+@dataclass(frozen=True)
+class SimilarityPlan:
+    """What every task needs to know; plain data, so it travels to Ray tasks as a dict."""
+
+    num_classes: int
+    dim: int
+    block_rows: int
+    band_cols: int
+    chunk_rows: int
+    metric: str
+    top_k: int
+    precision: str
+
+    def blocks(self) -> list[tuple[int, int]]:
+        return [(a, min(a + self.block_rows, self.num_classes))
+                for a in range(0, self.num_classes, self.block_rows)]
+
+    def bands(self) -> list[tuple[int, int]]:
+        return [(c, min(c + self.band_cols, self.dim)) for c in range(0, self.dim, self.band_cols)]
+
+    def memory_bound(self) -> dict[str, int]:
+        """Bytes one task may hold at its peak, by part, and their ``total``: two row blocks (one
+        column band each; float64 copies when asked), one more block's worth for a read in
+        flight (decoding, the fill check, zarr's chunk buffers), one block x block product, the
+        output strip (plus its float32 copy in float64 mode), the squared norms, zarr's buffers
+        for one write call, the scratch of normalising and top-k (``_WORK_ROWS`` rows at a
+        time) and a fixed slack."""
+        B, W, C = self.block_rows, self.band_cols, self.num_classes
+        item = 8 if self.precision == "float64" else 4
+        piece = B * W * 4
+        parts = {
+            "two_blocks": 2 * B * W * item,
+            "read_in_flight": piece,
+            "product": B * B * item,
+            "strip": B * C * item + (B * C * 4 if item == 8 else 0),
+            "norms": 2 * C * 8,
+            # zarr encodes the chunks of one write call (<= 8 MiB) at once, in about 3 copies.
+            "write_in_flight": 3 * max(self.chunk_rows * C * 4, 8 * MIB),
+            "scratch": min(_WORK_ROWS, B) * C * (8 + 8 + 4 + 8 + 1),
+            "slack": _SLACK_BYTES,
+        }
+        parts["total"] = sum(parts.values())
+        return parts
+
+
+def _chunk_rows(row_chunk: int, num_classes: int) -> int:
+    """Largest divisor of row_chunk whose chunk (rows x C float32) stays below _CHUNK_BYTES."""
+    best = 1
+    for d in range(1, row_chunk + 1):
+        if row_chunk % d == 0 and d * num_classes * 4 <= _CHUNK_BYTES:
+            best = d
+    return best
+
+
+def plan_similarity(store, config: SimilarityConfig, workers: int = 1) -> SimilarityPlan:
+    """Block rows, column bands and chunk rows for ``store`` with ``workers`` parallel tasks."""
+    C, rc = store.num_classes, store.row_chunk
+    if config.block_rows is None:
+        strip_rows = int(config.block_mb * MIB) // (4 * C)
+        parallel = ceil_div(C, config.tasks_per_cpu * workers) if workers > 1 else C
+        rows = max(rc, min(strip_rows, parallel) // rc * rc)
+    else:
+        rows = config.block_rows
+    blocks = plan_blocks(store, block_rows=rows, band_cols=config.band_cols,
+                         block_mb=config.block_mb)
+    return SimilarityPlan(
+        num_classes=C, dim=store.dim, block_rows=blocks.block_rows, band_cols=blocks.band_cols,
+        chunk_rows=_chunk_rows(rc, C), metric=config.metric, top_k=min(config.top_k, C - 1),
+        precision=config.precision,
+    )
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak resident memory of this process from construction on.
+
+    On Linux the kernel's high-water mark is reset (``/proc/self/clear_refs``) and read back
+    (``VmHWM``), which is exact; elsewhere a thread samples the RSS every 2 ms (may miss very
+    short peaks). ``start`` is the RSS at construction, so ``peak() - start`` is what the work
+    in between added (memory the allocator kept from earlier work counts in ``start``)."""
+
+    def __init__(self) -> None:
+        self.start = _rss()
+        self.exact = False  # True: the kernel's high-water mark; False: sampled
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            self.exact = _vm_hwm() is not None
+        except OSError:
+            pass
+        self._max = self.start
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.exact:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._max = max(self._max, _rss())
+
+    def peak(self) -> int:
+        if self.exact:
+            return max(_vm_hwm() or 0, self.start)
+        return max(self._max, _rss())
+
+    def close(self) -> int:
+        peak = self.peak()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return peak
+
+
+# --------------------------------------------------------------------------- one task
+
+
+def _load(store, a: int, b: int, cols: tuple[int, int], dtype: type) -> np.ndarray:
+    x = store.block(a, b, cols)
+    return x if dtype is np.float32 else x.astype(np.float64)
+
+
+def _add_squares(sq: np.ndarray, start: int, x: np.ndarray) -> None:
+    """sq[start + r] += |x[r]|^2, pairwise-summed in float64, a few rows at a time."""
+    for r in range(0, x.shape[0], 16):
+        r1 = min(r + 16, x.shape[0])
+        sq[start + r: start + r1] += np.square(x[r:r1]).sum(axis=1, dtype=np.float64)
+
+
+def compute_strip(store, plan: SimilarityPlan, start: int, stop: int) -> tuple[np.ndarray, int]:
+    """Rows [start, stop) of the similarity matrix (float32 [stop - start, C]) and the bytes
+    of (true float32) values read, holding at most two row blocks (one band each), one
+    product and the strip."""
+    C = plan.num_classes
+    dtype = np.float64 if plan.precision == "float64" else np.float32
+    strip = np.zeros((stop - start, C), dtype=dtype)
+    sq = np.zeros(C, dtype=np.float64) if plan.metric == "cosine" else None
+    read = 0
+    for band in plan.bands():
+        xi = _load(store, start, stop, band, dtype)
+        read += xi.shape[0] * (band[1] - band[0]) * 4
+        if sq is not None:
+            _add_squares(sq, start, xi)
+        for j0, j1 in plan.blocks():
+            if j0 == start:
+                xj = xi
+            else:
+                xj = _load(store, j0, j1, band, dtype)
+                read += xj.shape[0] * (band[1] - band[0]) * 4
+                if sq is not None:
+                    _add_squares(sq, j0, xj)
+            # Below the diagonal, the transpose of the product the owner of block j computes,
+            # so S[a, b] and S[b, a] are the same bits.
+            product = (xj @ xi.T).T if j0 < start else xi @ xj.T
+            strip[:, j0:j1] += product
+            del xj, product
+        del xi
+    if sq is not None:
+        norms = np.sqrt(sq)
+        inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
+        for r in range(0, strip.shape[0], _WORK_ROWS):
+            r1 = min(r + _WORK_ROWS, strip.shape[0])
+            # One float64 factor per entry, inv_a * inv_b (commutes exactly): symmetric result.
+            strip[r:r1] *= inv[start + r: start + r1, None] * inv[None, :]
+    if dtype is np.float64:
+        strip = strip.astype(np.float32)
+    return strip, read
+
+
+def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k largest entries, excluding its own column (row0 + r): (indices int64
+    [n, k], values float32 [n, k]), largest first, equal values by lower index."""
+    n, C = strip.shape
+    index = np.empty((n, k), dtype=np.int64)
+    value = np.empty((n, k), dtype=np.float32)
+    if k == 0:
+        return index, value
+    for r in range(0, n, _WORK_ROWS):
+        s = strip[r: r + _WORK_ROWS].astype(np.float32, copy=True)
+        m = s.shape[0]
+        local = np.arange(m)
+        s[local, row0 + r + local] = -np.inf
+        if k < C:
+            part = np.argpartition(s, C - k, axis=1)[:, C - k:]
+        else:
+            part = np.broadcast_to(np.arange(C), (m, C)).copy()
+        vals = np.take_along_axis(s, part, axis=1)
+        # argpartition breaks ties at the k-th value arbitrarily: redo those rows stably.
+        kth = vals.min(axis=1)
+        straddle = (s == kth[:, None]).sum(axis=1) > (vals == kth[:, None]).sum(axis=1)
+        for i in np.flatnonzero(straddle):
+            part[i] = np.argsort(-s[i], kind="stable")[:k]
+            vals[i] = s[i, part[i]]
+        order = np.lexsort((part, -vals), axis=-1)
+        index[r: r + m] = np.take_along_axis(part, order, axis=1)
+        value[r: r + m] = np.take_along_axis(vals, order, axis=1)
+    return index, value
+
+
+def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, stop: int,
+               run_id: str) -> dict:
+    """One task: compute rows [start, stop) of the matrix and their top-k from the store, write
+    them into the store, and return a small report (rows, seconds, bytes read, memory)."""
+    from service.store import open_store
+
+    meter = PeakMemory()
+    t0 = time.perf_counter()
+    try:
+        p = SimilarityPlan(**plan)
+        store = open_store(url, storage_options=storage_options, mode="r+")
+        strip, read = compute_strip(store, p, start, stop)
+        index, value = top_k_rows(strip, start, p.top_k)
+        store.write_similarity_rows(start, strip, run_id=run_id, topk_index=index,
+                                    topk_value=value)
+        del strip, index, value
+    finally:
+        peak = meter.close()
+    return {"start": start, "stop": stop, "seconds": time.perf_counter() - t0,
+            "read_bytes": read, "rss_start": meter.start, "rss_peak": peak,
+            "rss_added": peak - meter.start, "exact_peak": meter.exact,
+            "pid": os.getpid(), "host": socket.gethostname()}
+
+
+# --------------------------------------------------------------------------- executors
+
+
+@contextmanager
+def _ray_session(address: str | None) -> Iterator[Any]:
+    """Ray as this process already has it, or joined at ``address``, or a new local one (shut
+    down afterwards)."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     logging_level=logging.WARNING)
+        started = True
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _task_failed(exc: BaseException, a: int, b: int) -> BaseException:
+    """The error to raise for a failed task: a user error as itself, a bug as RuntimeError."""
+    import ray
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ClassgradError):
+        return cause
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+        return RuntimeError(f"similarity task for rows [{a}, {b}) failed: "
+                            f"{detail.strip().splitlines()[0] if detail.strip() else detail}")
+    return ClassgradError(
+        f"similarity task for rows [{a}, {b}) was lost ({type(exc).__name__}: "
+        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if it ran out of "
+        f"memory, lower --block-rows or --block-mb")
+
+
+def _run_ray(ray: Any, args: tuple, plan: SimilarityPlan, config: SimilarityConfig,
+             renew: Callable[[], None], done: Callable[[dict], None]) -> None:
+    url, options, plan_dict, run_id = args
+    task = ray.remote(strip_task).options(num_cpus=config.num_cpus, max_retries=1,
+                                          name="classgrad-similarity")
+    pending = {task.remote(url, options, plan_dict, a, b, run_id): (a, b)
+               for a, b in plan.blocks()}
+    every = max(1.0, min(10.0, config.lease_ttl_s / 4))
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=every)
+            renew()
+            for ref in ready:
+                a, b = pending.pop(ref)
+                try:
+                    done(ray.get(ref))
+                except ray.exceptions.RayError as exc:
+                    raise _task_failed(exc, a, b) from None
+    finally:
+        if pending:  # failed or interrupted: stop the rest, and collect what already ended so
+            for ref in pending:  # that Ray does not log their errors as unhandled
+                ray.cancel(ref)
+            ended, _ = ray.wait(list(pending), num_returns=len(pending), timeout=2.0)
+            for ref in ended:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - the first failure is what is reported
+                    pass
+
+
+def _run_local(args: tuple, plan: SimilarityPlan, renew: Callable[[], None],
+               done: Callable[[dict], None]) -> None:
+    url, options, plan_dict, run_id = args
+    for a, b in plan.blocks():
+        done(strip_task(url, options, plan_dict, a, b, run_id))
+        renew()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
+                       storage_options: dict | None = None, **options: Any) -> dict:
+    """Compute and store the class similarity of the store at ``url``; return a summary.
+
+    ``options`` are ``SimilarityConfig`` fields (``metric="dot"``, ``top_k=5``, ...), checked
+    like the command line's. Refuses incomplete stores, naming the missing rows.
+    """
+    from service.progress import Progress
+    from service.store import open_store
+
+    if config is None:
+        config = validated(SimilarityConfig, "similarity", **options)
+    elif options:
+        config = validated(SimilarityConfig, "similarity", **{**config.model_dump(), **options})
+    if config.executor == "ray" and url.startswith("memory://"):
+        raise ConfigError(f"store {url} lives in this process's memory, where Ray tasks cannot "
+                          f"see it; use the local executor (--local)")
+    store = open_store(url, storage_options=storage_options, mode="r+")
+    missing = store.missing_ranges()
+    if missing:
+        shown = ", ".join(f"[{a}, {b})" for a, b in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise StoreIncompleteError(
+            f"store {url} is incomplete: rows {shown}{more} are not written yet (their shards "
+            f"are not marked done); finish the job (rerun `classgrad run`) first")
+    if store.num_classes < 2:
+        raise StoreError(f"store {url} has {store.num_classes} class; similarity needs two")
+    plan_similarity(store, config)  # checks the sizes before Ray starts (minutes on a cluster)
+    run_id = f"similarity-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+    session = _ray_session(config.address) if config.executor == "ray" else None
+    with session if session is not None else _nullcontext() as ray:
+        workers = 1
+        if ray is not None:
+            workers = max(1, int(ray.cluster_resources().get("CPU", 1) // config.num_cpus))
+        plan = plan_similarity(store, config, workers)
+        bound = plan.memory_bound()
+        log.info("similarity (%s) of %d classes x %d: %d tasks of <= %d rows, bands of %d "
+                 "columns, <= %.1f MiB per task", plan.metric, plan.num_classes, plan.dim,
+                 len(plan.blocks()), plan.block_rows, plan.band_cols, bound["total"] / MIB)
+        reports: list[dict] = []
+        progress = Progress(plan.num_classes, label="similarity")
+        last_renew = [time.monotonic()]
+
+        def renew() -> None:
+            now = time.monotonic()
+            if now - last_renew[0] >= min(10.0, config.lease_ttl_s / 4):
+                store.renew_lease(run_id)
+                last_renew[0] = now
+            progress.tick()
+
+        def done(report: dict) -> None:
+            reports.append(report)
+            progress.update(report["stop"] - report["start"])
+
+        t0 = time.perf_counter()
+        store.acquire_lease(run_id, ttl_s=config.lease_ttl_s,
+                            info={"command": "similarity", "metric": plan.metric})
+        try:
+            store.begin_similarity(
+                metric=plan.metric, top_k=plan.top_k, chunk_rows=plan.chunk_rows, run_id=run_id,
+                info={"block_rows": plan.block_rows, "band_cols": plan.band_cols,
+                      "precision": plan.precision, "tasks": len(plan.blocks()),
+                      "executor": config.executor, "memory_bound_bytes": bound["total"]})
+            args = (_absolute(url), storage_options, asdict(plan), run_id)
+            if ray is not None:
+                _run_ray(ray, args, plan, config, renew, done)
+            else:
+                _run_local(args, plan, renew, done)
+            seconds = time.perf_counter() - t0
+            summary = _summary(store, plan, config, reports, seconds, bound)
+            store.finish_similarity(run_id, {
+                "seconds": seconds, "read_bytes": summary["read_bytes"],
+                "peak_task_rss_added_bytes": summary["peak_task_rss_added_bytes"]})
+        finally:
+            progress.close()
+            store.release_lease(run_id)
+    summary["run_id"] = run_id
+    return summary
+
+
+def _absolute(url: str) -> str:
+    """A local path made absolute: a Ray worker's working directory is not the driver's."""
+    if "://" in url and not url.startswith("file://"):
+        return url
+    path = url[len("file://"):] if url.startswith("file://") else url
+    return os.path.abspath(os.path.expanduser(path))
+
+
+@contextmanager
+def _nullcontext() -> Iterator[None]:
+    yield None
+
+
+def _summary(store, plan: SimilarityPlan, config: SimilarityConfig, reports: list[dict],
+             seconds: float, bound: dict) -> dict:
+    return {
+        "store": store.url, "metric": plan.metric, "top_k": plan.top_k,
+        "num_classes": plan.num_classes, "dim": plan.dim, "block_rows": plan.block_rows,
+        "band_cols": plan.band_cols, "chunk_rows": plan.chunk_rows,
+        "precision": plan.precision, "executor": config.executor, "tasks": len(reports),
+        "seconds": seconds, "read_bytes": int(sum(r["read_bytes"] for r in reports)),
+        "memory_bound_bytes": bound["total"], "memory_bound_parts": bound,
+        "peak_task_rss_added_bytes": int(max((r["rss_added"] for r in reports), default=0)),
+        "peak_task_rss_bytes": int(max((r["rss_peak"] for r in reports), default=0)),
+        "task_reports": sorted(reports, key=lambda r: r["start"]),
+    }

@@ -1,0 +1,109 @@
+"""Is a store sound? ``classgrad verify``: what it checks and the exit code that says what failed.
+
+Holds the exit-code bit flags, ``VerifyReport`` and ``verify_store``.
+
+Exit codes (bit flags, OR-ed together; 0 means every check passed)::
+
+    0   all good
+    4   INCOMPLETE  shards not marked done, or chunks missing from shards marked done
+                    (or from a finished similarity)
+    8   CORRUPT     a chunk fails its crc32c checksum, cannot be decoded, or cannot be read
+    16  NONFINITE   NaN or Inf stored in the rows (or loss) of a done shard, or in a finished
+                    similarity
+    32  METADATA    inconsistent metadata: format/state, sizes, dtype, the parameter layout
+                    (offsets contiguous from 0, sizes matching shapes, summing to dim), class
+                    ids/names (one per row), a missing fingerprint, array shapes/chunks,
+                    shard_done values other than 0/1, row_scale not positive and finite (or
+                    count negative) in a done row, top-k indices out of range, a similarity
+                    computed from other rows
+
+1 and 2 keep the meaning they have for every ``classgrad`` command (an internal error; a usage
+error or a location that holds no classgrad store at all), so no flag uses those bits.
+An unfinished similarity (a run that did not complete) is reported as a note, not a failure:
+readers refuse it, and rerunning ``classgrad similarity`` replaces it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+INCOMPLETE = 4
+CORRUPT = 8
+NONFINITE = 16
+METADATA = 32
+FLAG_NAMES = {INCOMPLETE: "incomplete", CORRUPT: "corrupt", NONFINITE: "nonfinite",
+              METADATA: "metadata"}
+_KIND_FLAGS = {"missing": INCOMPLETE, "corrupt": CORRUPT, "unreadable": CORRUPT,
+               "nonfinite": NONFINITE, "bad_value": METADATA}
+# Problems listed per check in the text output (all of them are in the JSON).
+_SHOWN = 10
+
+
+@dataclass
+class VerifyReport:
+    """Result of ``verify_store``: the OR of the failed flags and the problems per check."""
+
+    store: str
+    problems: dict[str, list[str]] = field(
+        default_factory=lambda: {name: [] for name in FLAG_NAMES.values()})
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, flag: int, line: str) -> None:
+        self.problems[FLAG_NAMES[flag]].append(line)
+
+    @property
+    def code(self) -> int:
+        return sum(flag for flag, name in FLAG_NAMES.items() if self.problems[name])
+
+    def to_dict(self) -> dict:
+        return {"store": self.store, "exit_code": self.code,
+                "failed": [FLAG_NAMES[f] for f in FLAG_NAMES if self.code & f],
+                "problems": self.problems, "notes": self.notes}
+
+    def format(self) -> str:
+        titles = {"incomplete": "completeness", "corrupt": "chunk checksums",
+                  "nonfinite": "NaN/Inf scan", "metadata": "metadata"}
+        lines = [f"store       {self.store}"]
+        for flag, name in FLAG_NAMES.items():
+            found = self.problems[name]
+            status = "ok" if not found else f"FAILED ({len(found)} problem" \
+                                            f"{'s' if len(found) != 1 else ''}, exit bit {flag})"
+            lines.append(f"{titles[name]:<16}{status}")
+            lines += [f"  - {p}" for p in found[:_SHOWN]]
+            if len(found) > _SHOWN:
+                lines.append(f"  ... and {len(found) - _SHOWN} more (--json lists all)")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"result      {'OK' if not self.code else 'FAILED'} (exit code {self.code})")
+        return "\n".join(lines)
+
+
+def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyReport:
+    """Run every check on the store at ``url``. Raises ``StoreError`` only when there is no
+    classgrad store there at all; everything else is reported."""
+    from service.errors import StoreError
+    from service.store import check_metadata, open_store
+
+    report = VerifyReport(url)
+    for line in check_metadata(url, storage_options=storage_options):
+        report.add(METADATA, line)
+    try:
+        store = open_store(url, storage_options=storage_options)
+    except StoreError as exc:
+        if not report.problems["metadata"]:
+            raise
+        report.notes.append(f"the store cannot be opened, so its data was not checked: {exc}")
+        return report
+    missing = store.missing_ranges()
+    if missing:
+        shards = int((~store.shard_done).sum())
+        shown = ", ".join(f"[{a}, {b})" for a, b in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        report.add(INCOMPLETE, f"{shards} of {store.num_shards} shards not marked done: rows "
+                               f"{shown}{more}")
+    for problem in store.scan_chunks():
+        report.add(_KIND_FLAGS[problem.kind], problem.message)
+    info = store.similarity_info()
+    if info is not None and info.get("state") != "ready":
+        report.notes.append(f"the similarity matrix is unfinished (run {info.get('run_id')!r}); "
+                            f"rerun `classgrad similarity` to replace it")
+    return report

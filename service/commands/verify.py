@@ -1,0 +1,25 @@
+"""``classgrad verify STORE``: completeness, checksums, NaN/Inf, metadata; the exit code says
+what failed (bit flags, see ``service.analysis.verify``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from service.commands import add_store_arguments, storage_options
+
+HELP = ("check a store: completeness, every chunk's checksum, NaN/Inf, metadata; exit code 0 "
+        "if sound, else the OR of 4 incomplete, 8 corrupt chunk, 16 NaN/Inf, 32 metadata")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_store_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    from service.analysis.verify import verify_store
+
+    report = verify_store(args.store, storage_options=storage_options(args))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return report.code

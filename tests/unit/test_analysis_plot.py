@@ -1,0 +1,87 @@
+"""``classgrad plot``: the PNGs are valid images of the expected pixel size (read back with
+PIL), the heatmap uses the stored similarity when there is one and computes it for the top-N
+classes otherwise, projected stores get no parameter chart, and the clustered order puts
+planted groups of classes next to each other."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from service.analysis.plot import average_linkage_order, class_similarity, plot_store
+from service.analysis.similarity import compute_similarity
+from service.cli import main as cli_main
+from tests.unit.test_analysis_helpers import dense_similarity, synthetic_store
+
+
+def check_png(path: str, size: tuple[int, int]) -> None:
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == size
+        image.verify()  # the whole file decodes (CRCs of every chunk)
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("L"))
+    assert pixels.std() > 10  # something was drawn, not a blank canvas
+
+
+def test_pngs_with_computed_similarity(tmp_path):
+    store, rows = synthetic_store(tmp_path / "s", num_classes=120)
+    result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=25, dpi=50)
+    assert set(result["files"]) == {"similarity_heatmap", "class_norms", "param_norms"}
+    # Fixed figure sizes in inches times the dpi (no tight bounding box).
+    assert result["sizes"] == {"similarity_heatmap": [450, 400], "class_norms": [400, 250],
+                               "param_norms": [450, 300]}
+    for name, path in result["files"].items():
+        check_png(path, tuple(result["sizes"][name]))
+    assert result["similarity_source"] == "computed" and result["metric"] == "cosine"
+    norms = np.linalg.norm(rows.astype(np.float64), axis=1)
+    assert sorted(result["heatmap_rows"]) == sorted(np.argsort(-norms)[:25].tolist())
+
+
+def test_heatmap_uses_the_stored_similarity(tmp_path):
+    synthetic_store(tmp_path / "s", num_classes=120)
+    compute_similarity(str(tmp_path / "s"), executor="local", metric="dot")
+    result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=10)
+    assert result["similarity_source"] == "stored" and result["metric"] == "dot"
+    check_png(result["files"]["similarity_heatmap"], (900, 800))
+
+
+def test_projected_store_and_cli(tmp_path, capsys):
+    synthetic_store(tmp_path / "p", num_classes=40, projected=True, dim=24)
+    assert cli_main(["plot", str(tmp_path / "p"), "--out", str(tmp_path / "png"),
+                     "--top-n", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "similarity_heatmap.png (900 x 800)" in out and "class_norms.png (800 x 500)" in out
+    assert "no per-parameter norms" in out and not (tmp_path / "png" / "param_norms.png").exists()
+    check_png(str(tmp_path / "png" / "class_norms.png"), (800, 500))
+
+
+def test_computed_similarity_matches_numpy(tmp_path):
+    store, rows = synthetic_store(tmp_path / "s", num_classes=50)
+    ids = np.array([3, 7, 11, 40])
+    sim, metric, source = class_similarity(store, ids, "cosine", block_mb=4 * 30 * 4 / 2**20)
+    ref = dense_similarity(rows[ids], "cosine")
+    # Products in float64 over 4 bands; one rounding to float32 at the end.
+    assert source == "computed" and np.abs(sim - ref).max() <= 2.0**-23
+
+
+def test_average_linkage_order_groups_planted_clusters():
+    rng = np.random.default_rng(3)
+    centers = rng.standard_normal((4, 30))
+    labels = rng.permutation(np.repeat(np.arange(4), 8))
+    x = centers[labels] + 0.2 * rng.standard_normal((32, 30))
+    cos = dense_similarity(x.astype(np.float32), "cosine")
+    order = average_linkage_order(1.0 - cos)
+    assert sorted(order.tolist()) == list(range(32))
+    runs = 1 + int((np.diff(labels[order]) != 0).sum())
+    assert runs == 4  # every cluster is one contiguous run
+    assert np.array_equal(order, average_linkage_order(1.0 - cos))  # deterministic
+    assert average_linkage_order(np.zeros((2, 2))).tolist() == [0, 1]
+
+
+def test_bad_options(tmp_path):
+    from service.errors import ConfigError
+
+    synthetic_store(tmp_path / "s", num_classes=20)
+    with pytest.raises(ConfigError, match=r"top_n \(--top-n\)"):
+        plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=1)
