@@ -13,17 +13,20 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from service.config import JobConfig
 from service.store import open_store
+from workers.engines import RowBlock
 from workers.factory import build_job_engine
 from workers.projection import Projector
 from workers.writer import ShardWriter
 
 log = logging.getLogger(__name__)
+
+PROJECT_BYTES = 1 << 30
 
 
 def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
@@ -44,6 +47,8 @@ class GradientWorker:
             torch.set_num_threads(num_threads)
         self.engine = build_job_engine(self.config)
         self.projector = build_projector(self.config, self.engine.layout.slots, self.engine.layout.dim)
+        # Rows gathered per projection: enough to amortise generating R, at most ~1 GiB of rows.
+        self.project_rows = max(1, min(256, PROJECT_BYTES // (4 * self.engine.layout.dim)))
         store_cfg = self.config.store
         self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
         self.class_ids = self.store.class_ids
@@ -63,8 +68,7 @@ class GradientWorker:
         recomputed_before = self.engine.stats.recomputed_rows
         writer = ShardWriter(self.store, start, stop)
         try:
-            for block in self.engine.iter_blocks(self.class_ids[start:stop].tolist()):
-                rows = self.projector.project(block.rows.float()) if self.projector else None
+            for block, rows in self._stored_blocks(self.class_ids[start:stop].tolist()):
                 writer.add(block, rows)
             written = writer.close()
         except BaseException:
@@ -76,6 +80,28 @@ class GradientWorker:
             "seconds": time.perf_counter() - t0, "write_seconds": written.seconds, "bytes": written.bytes,
             "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before, **self.identity,
         }
+
+
+    def _stored_blocks(self, classes: list[int]) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
+        """Engine blocks with the rows to store: projected when the job projects.
+
+        Generating R costs about as much as applying it to a few dozen rows, so blocks are
+        gathered up to ``project_rows`` rows before each projection (bounded by a byte budget).
+        """
+        if self.projector is None:
+            for block in self.engine.iter_blocks(classes):
+                yield block, None
+            return
+        pending: list[RowBlock] = []
+        for block in self.engine.iter_blocks(classes):
+            pending.append(block)
+            if sum(len(b) for b in pending) >= self.project_rows:
+                merged = RowBlock.concat(pending)
+                pending = []
+                yield merged, self.projector.project(merged.rows.float())
+        if pending:
+            merged = RowBlock.concat(pending)
+            yield merged, self.projector.project(merged.rows.float())
 
 
 def _node_id() -> str:

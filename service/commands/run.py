@@ -17,10 +17,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+def _stop_like_ctrl_c(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(args: argparse.Namespace) -> int:
+    import signal
+
     from service.config import load_config
     from service.driver import JobDriver
 
+    # Pod deletion, `ray job stop` and `kill` send SIGTERM: stop as cleanly as on Ctrl-C, so the
+    # run is recorded as interrupted and its lease released.
+    signal.signal(signal.SIGTERM, _stop_like_ctrl_c)
     config = load_config(args.config, args.overrides)
     summary = JobDriver(config).run()
     print("\n".join(summary.lines()))

@@ -1,0 +1,32 @@
+"""``classgrad estimate CONFIG``: store size, memory per actor and rows/s, before running a job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from service.commands.run import add_config_arguments
+
+HELP = "estimate a job's store size, memory per actor and rows/s from a short measured run"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--sample-rows", type=int, default=None, metavar="N",
+                        help="classes to time (default: max(2 x store.row_chunk, 64), spread over all classes)")
+    parser.add_argument("--device", default=None,
+                        help="measure on this torch device instead of the job's (e.g. cpu on a laptop)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    from service.config import load_config
+    from service.errors import ConfigError
+    from service.estimate import estimate_job
+
+    if args.sample_rows is not None and args.sample_rows <= 0:
+        raise ConfigError(f"--sample-rows must be > 0, got {args.sample_rows}")
+    config = load_config(args.config, args.overrides)
+    result = estimate_job(config, sample_rows=args.sample_rows, device=args.device)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(result.lines()))
+    return 0

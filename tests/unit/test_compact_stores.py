@@ -1,0 +1,93 @@
+"""Compact stores end to end without Ray: projected rows and low-precision rows, written by the
+real worker into a real store, against rows computed directly; and ``classgrad estimate``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from service.config import JobConfig
+from service.driver import prepare_store
+from service.estimate import estimate_job
+from service.store import open_store
+from workers.actor import GradientWorker
+from workers.engines import per_class_gradients
+from workers.factory import build_model, build_probe
+from workers.projection import Projector
+
+C = 24
+
+
+def config_for(tmp_path, **sections) -> JobConfig:
+    base = {
+        "model": {"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
+        "data": {"factory": "workers.zoo:synthetic_probe",
+                 "kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8]}},
+        "loss": {"num_classes": C},
+        "sharding": {"shard_rows": 8},
+        "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 4},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return JobConfig.model_validate(base)
+
+
+def run_without_ray(config: JobConfig):
+    prepared = prepare_store(config)
+    worker = GradientWorker(config.model_dump(mode="json"))
+    for shard in prepared.shards:
+        worker.compute_shard(shard.index)
+    return open_store(config.store.url)
+
+
+def direct_rows(config: JobConfig) -> torch.Tensor:
+    model = build_model(config.model.factory, config.model.kwargs)
+    probe = build_probe(config.data.factory, config.data.kwargs)
+    return per_class_gradients(model, probe, num_classes=C)
+
+
+@pytest.mark.parametrize("per_param", [False, True])
+def test_projected_store_holds_projected_rows(tmp_path, per_param):
+    config = config_for(tmp_path, projection={"dim": 32, "kind": "gaussian", "seed": 7, "per_param": per_param})
+    store = run_without_ray(config)
+    full = direct_rows(config)
+    groups = None
+    if per_param:
+        model = build_model(config.model.factory, config.model.kwargs)
+        sizes = [p.numel() for p in model.parameters()]
+        groups = [(int(sum(sizes[:i])), s) for i, s in enumerate(sizes)]
+    projector = Projector(full.shape[1], 32, kind="gaussian", seed=7, groups=groups)
+    expected = projector.project(full).numpy()
+    assert store.dim == projector.out_dim == 32 * (len(groups) if groups else 1)
+    assert store.layout == ()
+    info = store.attrs["projection"]
+    assert (info["kind"], info["dim"], info["seed"]) == ("gaussian", 32, 7)
+    # Same rows, same R; only float32 summation order differs (blocks of rows vs all at once).
+    np.testing.assert_allclose(store.rows(np.arange(C)), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,resolution", [("float16", 2.0**-11), ("bfloat16", 2.0**-8)])
+def test_low_precision_store_keeps_rows_within_its_resolution(tmp_path, dtype, resolution):
+    config = config_for(tmp_path, store={"dtype": dtype})
+    store = run_without_ray(config)
+    full = direct_rows(config).numpy()
+    got = store.rows(np.arange(C))
+    assert got.dtype == np.float32 and store.dtype == dtype
+    # Each value is rounded once to the dtype after per-row scaling: error <= half an ulp of the
+    # row's scale, i.e. <= resolution x (row max) (generous for values below the row max).
+    row_max = np.abs(full).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - full) <= resolution * row_max)
+
+
+def test_estimate_reports_store_size_memory_and_rate(tmp_path):
+    config = config_for(tmp_path, store={"dtype": "float16"})
+    result = estimate_job(config, sample_rows=8)
+    dim = sum(p.numel() for p in build_model(config.model.factory, config.model.kwargs).parameters())
+    assert result.dim == dim and result.store_bytes == C * dim * 2 + C * 16
+    assert result.rows_per_s_per_actor > 0 and result.peak_memory_bytes > 0
+    assert result.rows_per_s_job == pytest.approx(2 * result.rows_per_s_per_actor)
+    assert result.engine == "partitioned" and result.sample_rows == 8
+    text = "\n".join(result.lines())
+    assert "float16" in text and "rows/s" in text and "peak RSS" in text
+    assert not (tmp_path / "s.zarr").exists(), "estimate must not create the store"
