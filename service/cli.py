@@ -20,6 +20,14 @@ from service.errors import ClassgradError
 COMMANDS: dict[str, str] = {
     "run": "service.commands.run",
     "status": "service.commands.status",
+    "estimate": "service.commands.estimate",
+    "inspect": "service.commands.inspect",
+    "verify": "service.commands.verify",
+    "similarity": "service.commands.similarity",
+    "aggregate": "service.commands.aggregate",
+    "plot": "service.commands.plot",
+    "submit": "service.commands.submit",
+    "jobs": "service.commands.jobs",
 }
 
 
@@ -34,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="classgrad",
         description="Per-class gradients of PyTorch models, computed on Ray into a Zarr store.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging (classgrad's own; other libraries stay at INFO)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -48,8 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _configure_logging(args: argparse.Namespace) -> None:
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    # --verbose is classgrad's own debug output: other libraries' (botocore, s3fs) debug lines
+    # carry request headers, an access key id included, so they stay at INFO.
+    logging.basicConfig(level=logging.INFO if args.verbose else level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for name in ("service", "workers"):
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -171,8 +171,10 @@ class LossConfig(_Section):
         "cross_entropy",
         description="A built-in kind (`cross_entropy`: mean CE of the samples labelled c, "
         "class-partitioned; `logit`: mean of output column c, dense; `bce`: one-vs-rest BCE on "
-        "multi-hot targets, dense) or an import path `module:function` of a function "
-        "`(outputs, targets) -> [C] tensor`.",
+        "multi-hot targets, dense) or an import path `module:function` of either a function "
+        "`(outputs, targets) -> [C]` giving per-class means over the samples it is given "
+        "(dense), or a per-sample loss `(outputs, labels) -> [n]` marked with "
+        "`@workers.losses.partitioned_loss` (class-partitioned: L_c is its mean over class c).",
     )
     num_classes: PositiveInt = Field(
         description="C, the number of classes (rows of the store); the model's output must have "
@@ -325,7 +327,8 @@ class ClusterConfig(_Section):
 
     address: str | None = Field(
         None,
-        description="null = start a local Ray (`ray.init()`); `auto`, `ray://host:port` or the "
+        description="null = start a local Ray (`ray.init()`), or join the cluster named by "
+        "`RAY_ADDRESS` when that is set (as inside a Ray job); `auto`, `ray://host:port` or the "
         "GCS `host:port` joins a running cluster.",
     )
     num_workers: PositiveInt = Field(2, description="Number of actors (model replicas).")

@@ -6,7 +6,8 @@ Holds:
   the store (same fingerprint required) with all of its metadata.
 - ``JobDriver``: joins or starts Ray, creates the actors, keeps each one fed with about
   ``inflight_per_worker`` shards, requeues the shards of an actor that died and replaces it,
-  retries a shard that raised (up to ``sharding.max_attempts``), holds the store's lease, shows
+  retries a shard that raised (up to ``sharding.max_attempts``; a shard out of attempts fails
+  the job once every other shard is done), holds the store's lease, shows
   progress, and writes the run summary into the store's history.
 - ``RunSummary``: what a run did, printed by the CLI and stored in the run history.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -26,6 +28,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from service.config import JobConfig
+from service import errors
 from service.errors import ClassgradError, ShardFailedError, StoreError
 from service.plan import Shard, dispatch_order, plan_shards
 from service.progress import Progress
@@ -161,7 +164,10 @@ class JobDriver:
         cluster = self.config.cluster
         if ray.is_initialized():
             return
-        if cluster.address is None:
+        if cluster.address is None and os.environ.get("RAY_ADDRESS"):
+            # Inside a Ray job (`ray job submit`, KubeRay): join the cluster the job runs on.
+            ray.init(logging_level=logging.WARNING)
+        elif cluster.address is None:
             needed = cluster.num_workers * cluster.num_cpus_per_worker
             cpus = os.cpu_count() or 1
             if needed > cpus:
@@ -171,6 +177,7 @@ class JobDriver:
                      logging_level=logging.WARNING)
             self._started_ray = True
         else:
+            _check_reachable(cluster.address)
             ray.init(address=cluster.address, logging_level=logging.WARNING)
 
     def _actor_options(self) -> dict[str, Any]:
@@ -186,32 +193,60 @@ class JobDriver:
             options["runtime_env"] = dict(cluster.runtime_env)
         return options
 
+    def _warn_about_secrets(self) -> None:
+        # Ray writes runtime_env values into its own logs (runtime_env_agent.log).
+        if self.config.redacted()["cluster"]["runtime_env"] != self.config.model_dump(mode="json")["cluster"]["runtime_env"]:
+            log.warning("cluster.runtime_env holds secret-looking values; Ray writes runtime_env into its "
+                        "logs: give credentials to the nodes' environment instead")
+
     def _start_actor(self, slot: _Slot) -> None:
         slot.generation += 1
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
         slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker)
+            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker,
+            run_id=self.run_id)
 
     def _wait_ready(self, slots: list[_Slot]) -> None:
+        """Wait until every slot's actor is built; an actor that dies while starting is
+        replaced like any other (bounded), unless it died of a user error, which fails the job."""
         import ray
 
         timeout = self.config.run.actor_start_timeout_s
-        refs = [s.actor.ready.remote() for s in slots]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        if pending:
-            c = self.config.cluster
-            raise ClassgradError(
-                f"only {len(ready)} of {len(refs)} actors started within {timeout:.0f} s; each asks for "
-                f"{c.num_cpus_per_worker} CPU and {c.num_gpus_per_worker} GPU, the cluster has "
-                f"{ray.cluster_resources()}"
-            )
-        try:
-            infos = ray.get(ready)
-        except ray.exceptions.RayActorError as exc:
-            raise ClassgradError(f"an actor failed to start: {_cause_line(exc)}") from None
+        deadline = time.monotonic() + timeout
+        waiting = {s.actor.ready.remote(): s for s in slots}
+        infos = []
+        while waiting:
+            ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                c = self.config.cluster
+                raise ClassgradError(
+                    f"only {len(infos)} of {len(slots)} actors started within {timeout:.0f} s; each asks for "
+                    f"{c.num_cpus_per_worker} CPU and {c.num_gpus_per_worker} GPU, the cluster has "
+                    f"{ray.cluster_resources()}"
+                )
+            for ref in ready:
+                slot = waiting.pop(ref)
+                try:
+                    infos.append(ray.get(ref))
+                except ray.exceptions.RayActorError as exc:
+                    self._replace_actor(slot, exc)
+                    waiting[slot.actor.ready.remote()] = slot
         self.summary.nodes = sorted({i["node"] for i in infos})
         log.info("%d actors ready on %d node(s)", len(infos), len(self.summary.nodes))
+
+    def _replace_actor(self, slot: _Slot, exc: Exception) -> str:
+        """Start a new actor in ``slot`` after its actor died; returns why it died."""
+        user_error = _creation_error(exc)
+        if user_error is not None:
+            raise user_error  # the actor cannot be built from this config: replacing cannot help
+        cause = _cause_line(exc)
+        self.summary.actors_replaced += 1
+        limit = self.config.cluster.num_workers * self.config.sharding.max_attempts
+        if self.summary.actors_replaced > limit:
+            raise ClassgradError(f"actors keep dying ({self.summary.actors_replaced} replaced); last: {cause}")
+        self._start_actor(slot)
+        return cause
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -255,9 +290,12 @@ class JobDriver:
     def _record(self, store: GradStore) -> None:
         try:
             store.append_run(self.summary.to_dict())
-            store.release_lease(self.run_id)
         except ClassgradError as exc:
             log.error("could not record the run in the store: %s", exc)
+        try:  # also when the record failed (a full disk): a stale lease would refuse the rerun
+            store.release_lease(self.run_id)
+        except ClassgradError as exc:
+            log.error("could not release the store's lease: %s", exc)
 
     def _shutdown(self) -> None:
         import ray
@@ -276,6 +314,7 @@ class JobDriver:
         from workers.actor import GradientWorker
 
         self._actor_cls = ray.remote(GradientWorker)
+        self._warn_about_secrets()
         self._slots = [_Slot(i) for i in range(min(cfg.cluster.num_workers, len(todo)))]
         for slot in self._slots:
             self._start_actor(slot)
@@ -287,7 +326,7 @@ class JobDriver:
         total_rows = sum(s.rows for s in todo)
         progress = Progress(total_rows, cfg.run.progress, cfg.run.log_every_s, label=f"run {self.run_id}")
         last_renew = time.monotonic()
-        max_replacements = cfg.cluster.num_workers * cfg.sharding.max_attempts
+        self._failed: list[tuple[Shard, int, str]] = []  # out of attempts: the job fails once the rest is done
         try:
             while queue or where:
                 for slot in self._slots:
@@ -304,7 +343,7 @@ class JobDriver:
                     try:
                         report = ray.get(ref)
                     except ray.exceptions.RayActorError as exc:
-                        self._actor_died(slot, exc, queue, attempts, where, max_replacements)
+                        self._actor_died(slot, exc, queue, attempts, where)
                         continue
                     except ray.exceptions.RayTaskError as exc:
                         slot.inflight = collections.deque((r, s) for r, s in slot.inflight if r != ref)
@@ -323,32 +362,33 @@ class JobDriver:
                     store.renew_lease(self.run_id)
                     last_renew = time.monotonic()
                 progress.tick()
+            if self._failed:
+                shard, tries, why = self._failed[0]
+                more = f" ({len(self._failed) - 1} more shards failed too)" if len(self._failed) > 1 else ""
+                raise ShardFailedError(_shard_failure(shard, tries, why, self.summary) + more)
         finally:
             # Shards still in flight die with their actors in _shutdown; nothing marks them done.
             progress.close()
 
-    def _actor_died(self, slot: _Slot, exc: Exception, queue, attempts, where, max_replacements: int) -> None:
-        """Requeue everything the dead actor held (the running shard counts an attempt)."""
+    def _actor_died(self, slot: _Slot, exc: Exception, queue, attempts, where) -> None:
+        """Requeue everything the dead actor held (the running shard counts an attempt), and
+        start a replacement."""
         lost = list(slot.inflight)
         slot.inflight.clear()
         for ref, _ in lost:
             where.pop(ref, None)
-        cause = _cause_line(exc)
+        cause = self._replace_actor(slot, exc)
         if lost:
             running = lost[0][1]
             attempts[running.index] += 1
             if attempts[running.index] >= self.config.sharding.max_attempts:
-                raise ShardFailedError(_shard_failure(running, attempts[running.index], f"its actor died: {cause}",
-                                                      self.summary))
+                self._failed.append((running, attempts[running.index], f"its actor died: {cause}"))
+                lost = lost[1:]
         for _, shard in reversed(lost):
             queue.appendleft(shard)
         self.summary.retries += len(lost)
-        self.summary.actors_replaced += 1
-        if self.summary.actors_replaced > max_replacements:
-            raise ClassgradError(f"actors keep dying ({self.summary.actors_replaced} replaced); last: {cause}")
-        log.warning("actor %d died (%s); %d shard(s) requeued, starting a replacement",
+        log.warning("actor %d died (%s); %d shard(s) requeued, a replacement is starting",
                     slot.index, cause, len(lost))
-        self._start_actor(slot)
 
     def _shard_raised(self, shard: Shard, exc: Exception, queue, attempts) -> None:
         cause = getattr(exc, "cause", None)
@@ -357,7 +397,10 @@ class JobDriver:
         attempts[shard.index] += 1
         line = _cause_line(exc)
         if attempts[shard.index] >= self.config.sharding.max_attempts:
-            raise ShardFailedError(_shard_failure(shard, attempts[shard.index], line, self.summary))
+            self._failed.append((shard, attempts[shard.index], line))
+            log.error("shard %d (rows %d-%d) failed %d times, giving up on it: %s", shard.index, shard.start,
+                      shard.stop - 1, attempts[shard.index], line)
+            return
         log.warning("shard %d (rows %d-%d) failed (attempt %d of %d): %s; retrying", shard.index, shard.start,
                     shard.stop - 1, attempts[shard.index], self.config.sharding.max_attempts, line)
         self.summary.retries += 1
@@ -370,17 +413,56 @@ def _shard_failure(shard: Shard, attempts: int, why: str, summary: RunSummary) -
             f"{saved} of {summary.shards_total} shards are saved, rerun to resume")
 
 
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail in one line when nothing listens at a GCS ``host:port`` (``ray.init`` would retry for
+    minutes); ``auto``, ``local`` and ``ray://`` addresses are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or address.startswith("ray://") or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ClassgradError(f"cannot reach the Ray cluster at {address} (cluster.address): {exc}") from None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a Python traceback: "package.module.SomeError: message".
+_EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(?P<msg>.*))?$")
+
+
+def _exception_line(text: str) -> re.Match | None:
+    for line in reversed(_ANSI.sub("", text).splitlines()):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match:
+            return match
+    return None
+
+
 def _cause_line(exc: BaseException) -> str:
     """The one line that says why a Ray task or actor failed."""
     cause = getattr(exc, "cause", None)
-    if cause is not None and cause is not exc:
+    if isinstance(cause, BaseException) and cause is not exc:
         return f"{type(cause).__name__}: {cause}".splitlines()[0]
-    text = str(exc).strip()
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Traceback", "File ", "The actor", "ray::")):
-            return line[:300]
-    return type(exc).__name__
+    match = _exception_line(str(exc))
+    if match:
+        return f"{match['type'].rsplit('.', 1)[-1]}: {match['msg'] or ''}".strip()[:300]
+    first = _ANSI.sub("", str(exc)).strip().splitlines()
+    return first[0][:300] if first else type(exc).__name__
+
+
+def _creation_error(exc: BaseException) -> ClassgradError | None:
+    """The user error an actor's constructor raised (a bad factory on a worker node, say), or
+    None when it died for another reason (node lost, killed, out of memory)."""
+    text = str(exc)
+    if "creation task" not in text:
+        return None
+    match = _exception_line(text)
+    if not match or not match["type"].startswith("service.errors."):
+        return None
+    kind = getattr(errors, match["type"].rsplit(".", 1)[-1], ClassgradError)
+    if not (isinstance(kind, type) and issubclass(kind, ClassgradError)):
+        kind = ClassgradError
+    return kind(match["msg"] or "an actor failed to start")
 
 
 def run_job(config: JobConfig) -> RunSummary:

@@ -4,8 +4,13 @@ Holds ``FORMAT_VERSION``, ``ParamEntry`` (one selected parameter in row order), 
 (everything needed to create a store), ``create_store`` (driver only), ``open_store`` (workers
 with ``mode="r+"``, readers with ``mode="r"``) and ``GradStore`` (metadata, the row writer,
 completeness, the reader, a dask view, the run history, the driver's lease and
-``verify_chunks``). This is the only module that knows key names and layout. It needs numpy,
-zarr and fsspec only (s3fs for ``s3://``; dask for ``to_dask``), never torch or Ray.
+``verify_chunks``), and, in the section "downstream results" at the end: ``GradStore.block``
+and ``GradStore.rows_band`` (rows x a column range, the unit of out-of-core jobs), the
+similarity arrays (``begin_similarity``, ``write_similarity_rows``, ``finish_similarity``,
+``similarity_info``, ``similarity``, ``similarity_neighbours``), ``GradStore.scan_chunks`` with
+``ChunkProblem`` and ``check_metadata`` (the structured checks of ``classgrad verify``). This is
+the only module that knows key names and layout. It needs numpy, zarr and fsspec only (s3fs for
+``s3://``; dask for ``to_dask``), never torch or Ray.
 
 Layout of a store (a Zarr v3 group)::
 
@@ -17,8 +22,19 @@ Layout of a store (a Zarr v3 group)::
     count/            (C,) int64, chunks (row_chunk,): probe samples behind row c
     shard_done/       (num_shards,) uint8, chunks (1,): 1 once every row of the shard is stored
     lease.json        the running driver's lease (plain JSON, not Zarr; readers ignore it)
+  written by ``classgrad similarity`` (optional; replaced whole by each run):
+    similarity/       (C, C) float32, chunks (chunk_rows, C) (row blocks; chunk_rows divides
+                      row_chunk), fill NaN: cosine or dot product of rows i and j. Its own
+                      attributes: metric, state ("computing" until the run finishes, then
+                      "ready"; readers refuse anything else), top_k, chunk_rows,
+                      source_fingerprint (the store's fingerprint when computed), run_id, timings
+    similarity_topk_index/  (C, top_k) int64, chunks (chunk_rows, top_k), fill -1: row indices
+                      of each row's most similar rows, best first, ties by lower index, self
+                      excluded (absent when top_k is 0)
+    similarity_topk_value/  (C, top_k) float32: their similarity values
 
-Dimension names: ``grads`` (class, param), the per-row arrays (class,), ``shard_done`` (shard).
+Dimension names: ``grads`` (class, param), the per-row arrays (class,), ``shard_done`` (shard),
+``similarity`` (class, other_class), the top-k arrays (class, neighbour).
 Row i holds class ``class_ids[i]``. Fill values mark what was never written: NaN for
 ``grads`` (bfloat16: the NaN bit pattern 0x7FC0), ``row_scale`` and ``loss``; -1 for
 ``count``; 0 for ``shard_done``. Writers refuse non-finite rows, so a NaN inside a done shard
@@ -1181,7 +1197,8 @@ class GradStore:
 
     def acquire_lease(self, run_id: str, *, ttl_s: float = 60.0, info: dict | None = None) -> None:
         """Take the store for run ``run_id``: refused while another run's lease is fresh
-        (heartbeat younger than ``ttl_s``); a stale one is taken over with a warning.
+        (heartbeat younger than the TTL its holder wrote into it, this run's ``ttl_s`` only for a
+        lease without one); a stale one is taken over with a warning.
 
         Best effort (read, write, read back), not a distributed lock: it stops a second driver
         started by mistake, which is what it is for.
@@ -1192,9 +1209,10 @@ class GradStore:
         if current and current.get("run_id") != run_id:
             age = _lease_age(current, now)
             gone = _holder_gone(current)
-            if age < ttl_s and not gone:
+            held_for = float(current.get("ttl_s", ttl_s))  # the holder's promise, not the newcomer's
+            if age < held_for and not gone:
                 raise LeaseHeldError(_held_message(self.url, current, now))
-            why = "its driver process is gone" if gone else f"last heartbeat {age:.0f}s ago > {ttl_s:.0f}s"
+            why = "its driver process is gone" if gone else f"last heartbeat {age:.0f}s ago > {held_for:.0f}s"
             log.warning("taking over the stale lease of run %r on %s (host %s, pid %s): %s",
                         current.get("run_id"), self.url, current.get("host"), current.get("pid"), why)
         same_run = bool(current) and current.get("run_id") == run_id
@@ -1237,3 +1255,538 @@ class GradStore:
             self._loc.delete(_LEASE_KEY)
         except OSError as exc:
             raise StoreError(f"cannot release the lease of {self.url}: {_one_line(exc)}") from None
+
+    # ================================================================== downstream results
+    # Everything from this line to the end of the module serves the downstream jobs
+    # (``classgrad similarity | inspect | verify | plot | aggregate``, ``service/analysis``):
+    # a block reader with a column range, the arrays those jobs write (the class similarity
+    # matrix and its top-k neighbour table) and the structured checks behind ``classgrad
+    # verify``. It is additive: nothing above this line uses it.
+
+    def block(self, start: int, stop: int, cols: slice | tuple[int, int] | None = None, *,
+              allow_missing: bool = False) -> np.ndarray:
+        """True float32 values of rows [start, stop) and columns ``cols`` (a slice or a
+        (start, stop) pair; default every column): the unit out-of-core jobs read."""
+        start, stop = int(start), int(stop)
+        if not 0 <= start <= stop <= self.num_classes:
+            raise StoreError(f"block: rows [{start}, {stop}) are outside [0, {self.num_classes})")
+        cols = _col_range(cols, self.dim)
+        if start == stop:
+            return np.empty((0, cols.stop - cols.start), dtype=np.float32)
+        return self._gather(np.arange(start, stop, dtype=np.int64), cols, allow_missing)
+
+    def rows_band(self, ids: Any, cols: slice | tuple[int, int], *,
+                  allow_missing: bool = False) -> np.ndarray:
+        """True float32 values of rows ``ids`` (any order, repeats allowed) in one column range:
+        ``rows`` for a few scattered rows whose full length would not fit in memory."""
+        return self._gather(self._row_ids(ids), _col_range(cols, self.dim), allow_missing)
+
+    def _result(self, name: str) -> zarr.Array | None:
+        """A result array, freshly opened (another process may have replaced it), or None."""
+        try:
+            node = self._group[name]
+        except KeyError:
+            self._arrays.pop(name, None)
+            return None
+        except Exception as exc:
+            raise StoreError(f"cannot open {name} in {self.url}: {_one_line(exc)}") from None
+        if not isinstance(node, zarr.Array):
+            raise StoreError(f"store {self.url}: '{name}' is not an array; it is damaged")
+        arr = node.with_config({"write_empty_chunks": True})
+        self._arrays[name] = arr  # lets the chunk helpers above describe its chunks
+        return arr
+
+    def similarity_info(self) -> dict | None:
+        """Attributes of the stored similarity matrix (``metric``, ``state`` "computing" or
+        "ready", ``top_k``, ``chunk_rows``, ``source_fingerprint``, ``run_id``, timings...),
+        or None when ``classgrad similarity`` has not been run on this store."""
+        arr = self._result(_SIM)
+        return None if arr is None else dict(arr.attrs)
+
+    def begin_similarity(self, *, metric: str, top_k: int, chunk_rows: int, run_id: str,
+                         info: dict | None = None) -> None:
+        """Driver of ``classgrad similarity`` only: replace any previous result by empty
+        arrays marked ``state: "computing"`` until ``finish_similarity``. The old matrix is
+        deleted first, so a rerun never mixes two runs' rows, and a run that dies part-way
+        leaves a result that readers refuse instead of trust."""
+        self._require_writable()
+        C = self.num_classes
+        if metric not in SIMILARITY_METRICS:
+            raise StoreError(f"similarity metric must be one of {', '.join(SIMILARITY_METRICS)}, "
+                             f"got {metric!r}")
+        if not 0 <= int(top_k) <= max(C - 1, 0):
+            raise StoreError(f"top_k must lie in [0, {C - 1}] (self is excluded), got {top_k}")
+        if not 1 <= int(chunk_rows) <= C:
+            raise StoreError(f"similarity chunk_rows must lie in [1, {C}], got {chunk_rows}")
+        top_k, chunk_rows = int(top_k), int(chunk_rows)
+        attrs = json.loads(json.dumps({
+            "metric": metric, "state": "computing", "top_k": top_k, "chunk_rows": chunk_rows,
+            "source_fingerprint": self.fingerprint, "run_id": run_id,
+            "neighbours": "similarity_topk_index holds row indices (row i is class "
+                          "class_ids[i]), most similar first, ties by lower index, self excluded",
+            "started": time.time(), **(info or {}),
+        }, default=str))
+        arrays = [  # name, shape, chunks, dtype, fill, dimension names
+            (_SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1,
+             ("class", "neighbour")),
+            (_SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan,
+             ("class", "neighbour")),
+            (_SIM, (C, C), (chunk_rows, C), "float32", np.nan, ("class", "other_class")),
+        ]
+        try:
+            for name in _RESULT_ARRAYS:
+                if name in self._group:
+                    del self._group[name]  # the matrix first: it is what marks a result
+                self._arrays.pop(name, None)
+            for name, shape, chunks, dtype, fill, dims in arrays:
+                if name != _SIM and top_k == 0:
+                    continue
+                self._group.create_array(
+                    name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
+                    serializer=BytesCodec(endian="little"), compressors=_codecs("none"),
+                    dimension_names=dims, attributes=attrs if name == _SIM else {},
+                )
+        except ClassgradError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"cannot create the similarity arrays in {self.url}: "
+                             f"{_one_line(exc)}") from None
+
+    def _similarity_run(self, run_id: str) -> tuple[zarr.Array, dict]:
+        arr = self._result(_SIM)
+        info = None if arr is None else dict(arr.attrs)
+        if info is None or info.get("run_id") != run_id or info.get("state") != "computing":
+            now = "no similarity" if info is None else \
+                f"run {info.get('run_id')!r} ({info.get('state')})"
+            raise StoreError(f"similarity run {run_id!r} no longer owns {self.url}: it now holds "
+                             f"{now}")
+        return arr, info
+
+    def write_similarity_rows(self, start: int, values: np.ndarray, *, run_id: str,
+                              topk_index: np.ndarray | None = None,
+                              topk_value: np.ndarray | None = None) -> None:
+        """Store rows [start, start + n) of the similarity matrix (float32 [n, C]) and their
+        top-k neighbours ([n, top_k] row indices and values), for run ``run_id``.
+
+        ``start`` and ``n`` must cover whole chunks of ``chunk_rows`` rows (``n`` may end at the
+        last row), so each chunk is written whole, by one writer; non-finite values are refused.
+        """
+        self._require_writable()
+        arr, info = self._similarity_run(run_id)
+        C, k, rc = self.num_classes, int(info["top_k"]), int(info["chunk_rows"])
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        start = int(start)
+        n = values.shape[0] if values.ndim == 2 else 0
+        stop = start + n
+        if values.ndim != 2 or values.shape[1] != C or n == 0 or start < 0 or stop > C:
+            raise StoreError(f"write_similarity_rows: expected rows [n, {C}] inside [0, {C}), "
+                             f"got shape {list(values.shape)} at row {start}")
+        if start % rc or (n % rc and stop != C):
+            raise StoreError(f"misaligned similarity write: rows [{start}, {stop}) must start at a "
+                             f"multiple of {rc} and cover whole chunks of {rc} rows")
+        if not np.isfinite(values).all():
+            raise StoreError(f"write_similarity_rows: rows [{start}, {stop}) hold non-finite "
+                             f"values; refusing to store them")
+        parts: list[tuple[str, np.ndarray]] = [(_SIM, values)]
+        if k:
+            index = np.asarray(topk_index)
+            value = np.asarray(topk_value, dtype=np.float32)
+            if index.shape != (n, k) or value.shape != (n, k):
+                raise StoreError(f"write_similarity_rows: top-k index and value must have shape "
+                                 f"[{n}, {k}], got {list(index.shape)} and {list(value.shape)}")
+            if index.size and (index.min() < 0 or index.max() >= C):
+                raise StoreError("write_similarity_rows: top-k indices outside [0, C)")
+            parts += [(_SIM_INDEX, index.astype(np.int64)), (_SIM_VALUE, value)]
+        # A few whole chunks per call: zarr encodes the chunks of one call concurrently, each
+        # in several copies, so one call for a whole strip would double its memory.
+        step = max(1, _SIM_WRITE_BYTES // (rc * C * 4)) * rc
+        try:
+            for name, data in parts:
+                target = arr if name == _SIM else self._result(name)
+                for r0 in range(0, n, step):
+                    target[start + r0: min(start + r0 + step, stop)] = data[r0: r0 + step]
+        except ClassgradError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"cannot write similarity rows [{start}, {stop}) to {self.url}: "
+                             f"{_one_line(exc)}") from None
+
+    def finish_similarity(self, run_id: str, info: dict | None = None) -> None:
+        """Mark run ``run_id``'s similarity complete (``state: "ready"``), adding ``info``."""
+        self._require_writable()
+        arr, attrs = self._similarity_run(run_id)
+        attrs.update(json.loads(json.dumps(info or {}, default=str)))
+        attrs.update(state="ready", finished=time.time())
+        try:
+            arr.update_attributes(attrs)
+        except Exception as exc:
+            raise StoreError(f"cannot finish the similarity of {self.url}: "
+                             f"{_one_line(exc)}") from None
+
+    def _ready_similarity(self) -> tuple[zarr.Array, dict]:
+        arr = self._result(_SIM)
+        if arr is None:
+            raise StoreError(f"store {self.url} has no similarity matrix; run `classgrad "
+                             f"similarity {self.url}` first")
+        info = dict(arr.attrs)
+        if info.get("state") != "ready":
+            raise StoreError(f"the similarity matrix of {self.url} is unfinished (run "
+                             f"{info.get('run_id')!r} did not complete); rerun `classgrad "
+                             f"similarity`")
+        if info.get("source_fingerprint") != self.fingerprint:
+            raise StoreError(f"the similarity matrix of {self.url} was computed from other rows "
+                             f"(fingerprint {info.get('source_fingerprint')!r}, the store's "
+                             f"{self.fingerprint!r}); rerun `classgrad similarity`")
+        return arr, info
+
+    def _read_result(self, arr: zarr.Array, name: str, ids: np.ndarray,
+                     cols: np.ndarray | None) -> np.ndarray:
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        sel_cols: Any = slice(None)
+        col_inverse = None
+        if cols is not None:
+            ucols, col_inverse = np.unique(cols, return_inverse=True)
+            sel_cols = ucols
+        if uniq.size == 0:
+            width = arr.shape[1] if cols is None else cols.size
+            return np.empty((0, width), dtype=arr.dtype)
+        try:
+            out = self._read(name, uniq, None) if cols is None else \
+                arr.get_orthogonal_selection((uniq, sel_cols))
+        except ClassgradError:
+            raise
+        except Exception as exc:
+            raise self._read_error(name, uniq, None, exc) from None
+        out = out[inverse.reshape(-1)]
+        return out if col_inverse is None else out[:, col_inverse.reshape(-1)]
+
+    def similarity(self, ids: Any = None, cols: Any = None) -> np.ndarray:
+        """Rows ``ids`` (default all) and columns ``cols`` (default all) of the stored class
+        similarity matrix, float32; refused unless a finished result of these rows exists."""
+        arr, _ = self._ready_similarity()
+        ids = self._row_ids(ids)
+        cols = None if cols is None else self._row_ids(cols)
+        return self._read_result(arr, _SIM, ids, cols)
+
+    def similarity_neighbours(self, ids: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k neighbours of rows ``ids`` (default all): (row indices int64 [n, k], values
+        float32 [n, k]), most similar first, self excluded; row i is class ``class_ids[i]``."""
+        _, info = self._ready_similarity()
+        if not info.get("top_k"):
+            raise StoreError(f"the similarity of {self.url} was computed with top_k 0; rerun "
+                             f"`classgrad similarity --top-k K`")
+        ids = self._row_ids(ids)
+        index = self._read_result(self._result(_SIM_INDEX), _SIM_INDEX, ids, None)
+        value = self._read_result(self._result(_SIM_VALUE), _SIM_VALUE, ids, None)
+        return index, value
+
+    # ----------------------------------------------------------------- structured checks
+
+    def _chunk_exists(self, name: str, index: tuple[int, ...]) -> bool:
+        key = self._chunk_key(name, index).split(" ", 1)[0]  # sharded: the shard object
+        try:
+            return bool(self._loc.fs.exists(self._loc.key(key)))
+        except OSError:
+            return True  # cannot tell: do not call it missing
+
+    def scan_chunks(self) -> list[ChunkProblem]:
+        """Read every chunk of every array once (results included) and report each problem
+        with its kind, for ``classgrad verify``:
+
+        - ``corrupt``: the chunk fails its crc32c checksum or cannot be decoded;
+        - ``unreadable``: the read failed for another reason (I/O);
+        - ``missing``: no chunk object although its rows belong to a shard marked done (or to a
+          finished similarity): those rows read as the fill value;
+        - ``nonfinite``: the chunk exists and holds NaN or Inf in ``grads`` or ``loss`` rows of a
+          done shard, or in a finished similarity (writers refuse them, so something bypassed
+          them);
+        - ``bad_value``: ``shard_done`` not 0 or 1, ``row_scale`` not positive and finite or
+          ``count`` negative in a done row, a top-k index out of range.
+
+        ``verify_chunks`` folds a NaN value and a missing chunk into one message; this keeps
+        them apart by asking whether the chunk object exists (for sharded arrays: the shard
+        object, so a lost inner chunk of a written shard is reported as ``nonfinite``).
+        """
+        problems: list[ChunkProblem] = []
+        try:
+            done = self.shard_done
+        except CorruptChunkError as exc:
+            return [ChunkProblem("shard_done", "corrupt", str(exc))]
+        done_rows = np.repeat(done, self.shard_rows)[: self.num_classes]
+        names: list[tuple[str, np.ndarray | None]] = [
+            (n, None if n == "shard_done" else done_rows) for n in _ARRAYS]
+        info = self.similarity_info()
+        if info is not None:
+            ready = np.full(self.num_classes, info.get("state") == "ready")
+            names += [(n, ready) for n in _RESULT_ARRAYS if self._result(n) is not None]
+        for name, checked in names:
+            arr = self._arrays[name]
+            for sel, indices, block, exc in self._scan_blocks(arr):
+                if exc is not None:
+                    bad = self._corrupt_chunks(name, indices) if _is_corruption(exc) else []
+                    problems += [ChunkProblem(name, "corrupt", self._describe_chunk(name, i, why))
+                                 for i, why in bad]
+                    if not bad:
+                        problems.append(ChunkProblem(
+                            name, "unreadable", f"{name} rows [{sel[0].start}, {sel[0].stop}): "
+                                                f"cannot read: {_one_line(exc)}"))
+                    continue
+                problems += self._scan_values(name, block, sel, checked)
+        return problems
+
+    def _scan_blocks(self, arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any, Any]]:
+        """(selection, chunk indices, values or None, exception or None) over an array, in
+        reads of at most _SCAN_ELEMS elements made of whole chunks."""
+        rc = arr.chunks[0]
+        width = 1 if arr.ndim == 1 else arr.shape[1]
+        if arr.ndim == 1:
+            col_bands: list[slice | None] = [None]
+        else:
+            cc = arr.chunks[1]
+            band = max(1, _SCAN_ELEMS // (rc * cc)) * cc
+            col_bands = [slice(c, min(c + band, width)) for c in range(0, width, band)]
+            width = min(band, width)
+        step = max(1, _SCAN_ELEMS // (rc * max(width, 1))) * rc
+        for r0 in range(0, arr.shape[0], step):
+            rows = slice(r0, min(r0 + step, arr.shape[0]))
+            ris = range(r0 // rc, -(-rows.stop // rc))
+            for cols in col_bands:
+                sel = (rows,) if cols is None else (rows, cols)
+                indices = [(ri,) for ri in ris] if cols is None else [
+                    (ri, cj) for ri in ris
+                    for cj in range(cols.start // arr.chunks[1], -(-cols.stop // arr.chunks[1]))]
+                try:
+                    block, error = arr[sel], None
+                except Exception as exc:  # noqa: BLE001 - classified by the caller
+                    block, error = None, exc
+                yield sel, indices, block, error
+
+    def _scan_values(self, name: str, block: np.ndarray, sel: tuple[slice, ...],
+                     checked: np.ndarray | None) -> list[ChunkProblem]:
+        """Problems in the values of one read block (rows ``sel[0]``, columns ``sel[1]``)."""
+        rows = sel[0]
+        if name == "shard_done":
+            return [ChunkProblem(name, "bad_value", f"shard_done[{rows.start + s}] = {block[s]} "
+                                                    f"(expected 0 or 1)")
+                    for s in np.flatnonzero(block > 1)]
+        mask = checked[rows]
+        if not mask.any():
+            return []
+        if name == "grads" and self.dtype == "bfloat16":
+            bad = (block & np.uint16(0x7F80)) == np.uint16(0x7F80)  # exponent all ones
+        elif name in ("count", _SIM_INDEX):
+            bad = (block < 0) | (block >= self.num_classes) if name == _SIM_INDEX else block < 0
+        elif name == "row_scale":
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.isfinite(block) & (block > 0))
+        else:
+            bad = ~np.isfinite(block)
+        bad &= mask.reshape((-1,) + (1,) * (bad.ndim - 1))
+        if not bad.any():
+            return []
+        arr = self._arrays[name]
+        rc = arr.chunks[0]
+        out = []
+        bad_rows = bad if bad.ndim == 1 else bad.any(axis=1)
+        for ri in np.unique((rows.start + np.flatnonzero(bad_rows)) // rc):
+            local = slice(ri * rc - rows.start, min((ri + 1) * rc, rows.stop) - rows.start)
+            if bad.ndim == 1:
+                parts = [((int(ri),), bad[local])]
+            else:
+                c0, cc = sel[1].start, arr.chunks[1]
+                parts = [((int(ri), cj), bad[local, cj * cc - c0: (cj + 1) * cc - c0])
+                         for cj in range(c0 // cc, -(-sel[1].stop // cc))]
+            for index, part in parts:
+                if not part.any():
+                    continue
+                which = rows.start + local.start + np.flatnonzero(
+                    part if part.ndim == 1 else part.any(axis=1))
+                where = f"rows {_fmt_ranges(_ranges(which))}"
+                if not self._chunk_exists(name, index):
+                    kind, why = "missing", "missing although its rows are marked done"
+                elif name in ("row_scale", "count", _SIM_INDEX):
+                    kind, why = "bad_value", f"{where}: invalid values ({name})"
+                else:
+                    kind, why = "nonfinite", f"{where}: {int(part.sum())} NaN/Inf values"
+                out.append(ChunkProblem(name, kind, self._describe_chunk(name, index, why)))
+        return out
+
+
+# --------------------------------------------------------------------------- downstream results
+# (module level; see the section at the end of GradStore)
+
+SIMILARITY_METRICS = ("cosine", "dot")
+_SIM = "similarity"
+_SIM_INDEX = "similarity_topk_index"
+_SIM_VALUE = "similarity_topk_value"
+_RESULT_ARRAYS = (_SIM, _SIM_INDEX, _SIM_VALUE)  # the matrix first: deleted first on a rerun
+# write_similarity_rows hands zarr about this many bytes per call (whole chunks).
+_SIM_WRITE_BYTES = 8 << 20
+# scan_chunks reads this many elements per request at most (64 MiB of float32).
+_SCAN_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class ChunkProblem:
+    """One problem found by ``GradStore.scan_chunks``: the array, a kind (corrupt,
+    unreadable, missing, nonfinite, bad_value) and a one-line message naming the chunk."""
+
+    array: str
+    kind: str
+    message: str
+
+
+def _col_range(cols: slice | tuple[int, int] | None, dim: int) -> slice:
+    if cols is None:
+        return slice(0, dim)
+    if isinstance(cols, slice):
+        if cols.step not in (None, 1):
+            raise StoreError(f"column range must be contiguous, got step {cols.step}")
+        start, stop, _ = cols.indices(dim)
+    else:
+        start, stop = (int(c) for c in cols)
+    if not 0 <= start <= stop <= dim:
+        raise StoreError(f"columns [{start}, {stop}) are outside [0, {dim})")
+    return slice(start, stop)
+
+
+def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str]:
+    """Check a store's metadata without trusting it (``classgrad verify``): one line per
+    problem, empty when consistent. Checks the format version and state; the sizes (number of
+    shards, chunk alignment); dtype; the parameter layout (offsets contiguous from 0, sizes
+    matching shapes, summing to dim, unique names; empty when projected); class ids and names
+    (one per row, ids unique); a non-empty fingerprint; every array's shape, dtype and chunks;
+    and, if present, the similarity's shape, metric and source fingerprint. Raises
+    ``StoreError`` when there is no classgrad store at ``url`` at all."""
+    loc = _Location(url, storage_options)
+    state, meta = _probe(loc)
+    if state == "empty":
+        raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})")
+    if state == "other":
+        raise StoreError(f"{url} holds something that is not a classgrad store")
+    problems: list[str] = []
+    if meta.get("format_version") != FORMAT_VERSION:
+        problems.append(f"format_version is {meta.get('format_version')!r}, expected "
+                        f"{FORMAT_VERSION}")
+    if meta.get("state") != "ready":
+        problems.append(f"state is {meta.get('state')!r}: creation was interrupted")
+    ints = ("num_classes", "dim", "shard_rows", "num_shards", "row_chunk", "col_chunk")
+    for key in ints:
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key} is {value!r}, expected a positive integer")
+    if problems:
+        return problems
+    C, D = meta["num_classes"], meta["dim"]
+    if meta["num_shards"] != -(-C // meta["shard_rows"]):
+        problems.append(f"num_shards is {meta['num_shards']}, but {C} classes in shards of "
+                        f"{meta['shard_rows']} make {-(-C // meta['shard_rows'])}")
+    if meta["shard_rows"] % meta["row_chunk"]:
+        problems.append(f"shard_rows ({meta['shard_rows']}) is not a multiple of row_chunk "
+                        f"({meta['row_chunk']})")
+    dtype = meta.get("dtype")
+    if dtype not in _STORAGE_DTYPES:
+        problems.append(f"dtype is {dtype!r}, expected one of {', '.join(_STORAGE_DTYPES)}")
+    elif meta.get("storage_dtype") != _STORAGE_DTYPES[dtype]:
+        problems.append(f"storage_dtype is {meta.get('storage_dtype')!r}, expected "
+                        f"{_STORAGE_DTYPES[dtype]!r} for dtype {dtype}")
+    problems += _check_layout(meta.get("layout"), meta.get("projection"), D)
+    ids, names = meta.get("class_ids"), meta.get("class_names")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) != C:
+            problems.append(f"class_ids has {len(ids) if isinstance(ids, list) else ids!r} "
+                            f"entries, expected one per row ({C})")
+        elif not all(isinstance(i, int) for i in ids) or len(set(ids)) != C:
+            problems.append("class_ids are not distinct integers")
+    if names is not None and (not isinstance(names, list) or len(names) != C):
+        problems.append(f"class_names has {len(names) if isinstance(names, list) else names!r} "
+                        f"entries, expected one per row ({C})")
+    fingerprint = meta.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        problems.append(f"fingerprint is {fingerprint!r}: missing (a rerun could not tell "
+                        f"whether the store was made by its config)")
+    problems += _check_arrays(loc, meta)
+    return problems
+
+
+def _check_layout(layout: Any, projection: Any, dim: int) -> list[str]:
+    if projection is not None:
+        out = [] if isinstance(projection, dict) else [f"projection is {projection!r}, "
+                                                       f"expected a mapping"]
+        if layout:
+            out.append("layout is not empty although the rows are projected")
+        out_dim = projection.get("out_dim") if isinstance(projection, dict) else None
+        if out_dim is not None and out_dim != dim:
+            out.append(f"projection out_dim ({out_dim}) differs from dim ({dim})")
+        return out
+    if not isinstance(layout, list):
+        return [f"layout is {layout!r}, expected a list"]
+    if not layout:
+        return []
+    out, expected, seen = [], 0, set()
+    for i, entry in enumerate(layout):
+        try:
+            name, shape = str(entry["name"]), [int(s) for s in entry["shape"]]
+            offset, size = int(entry["offset"]), int(entry["size"])
+        except (KeyError, TypeError, ValueError):
+            return out + [f"layout entry {i} is malformed: {entry!r}"]
+        if offset != expected:
+            out.append(f"layout entry {name!r} starts at {offset}, expected {expected} (entries "
+                       f"must be contiguous, in row order)")
+        if size != math.prod(shape):
+            out.append(f"layout entry {name!r} has size {size} but shape {shape}")
+        if name in seen:
+            out.append(f"layout names {name!r} twice")
+        seen.add(name)
+        expected = offset + size
+    if expected != dim:
+        out.append(f"layout sizes add up to {expected}, not dim ({dim})")
+    return out
+
+
+def _check_arrays(loc: _Location, meta: dict) -> list[str]:
+    C, D = meta["num_classes"], meta["dim"]
+    rc, cc = meta["row_chunk"], min(meta["col_chunk"], D)
+    expected = {
+        "grads": ((C, D), _STORAGE_DTYPES.get(meta.get("dtype"), "?"), (rc, cc)),
+        "row_scale": ((C,), "float32", (rc,)),
+        "loss": ((C,), "float32", (rc,)),
+        "count": ((C,), "int64", (rc,)),
+        "shard_done": ((meta["num_shards"],), "uint8", (1,)),
+    }
+    out = []
+    try:
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
+    except Exception as exc:
+        return [f"cannot open the group: {_one_line(exc)}"]
+    for name, (shape, dtype, chunks) in expected.items():
+        try:
+            arr = group[name]
+        except KeyError:
+            out.append(f"array {name!r} is missing")
+            continue
+        if tuple(arr.shape) != shape or str(arr.dtype) != dtype or tuple(arr.chunks) != chunks:
+            out.append(f"array {name!r} is {list(arr.shape)} {arr.dtype} in chunks "
+                       f"{list(arr.chunks)}, expected {list(shape)} {dtype} in chunks "
+                       f"{list(chunks)}")
+    try:
+        sim = group[_SIM]
+    except KeyError:
+        return out
+    info = dict(sim.attrs)
+    if tuple(sim.shape) != (C, C):
+        out.append(f"similarity is {list(sim.shape)}, expected [{C}, {C}]")
+    if info.get("metric") not in SIMILARITY_METRICS:
+        out.append(f"similarity metric is {info.get('metric')!r}, expected one of "
+                   f"{', '.join(SIMILARITY_METRICS)}")
+    if info.get("state") == "ready" and info.get("source_fingerprint") != meta.get("fingerprint"):
+        out.append(f"similarity is stale: computed from fingerprint "
+                   f"{info.get('source_fingerprint')!r}, the store's is "
+                   f"{meta.get('fingerprint')!r}")
+    k = info.get("top_k")
+    for name in (_SIM_INDEX, _SIM_VALUE):
+        present = name in group
+        if k and (not present or tuple(group[name].shape) != (C, k)):
+            out.append(f"{name} is {list(group[name].shape) if present else 'missing'}, "
+                       f"expected [{C}, {k}]")
+    return out

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from service.config import JobConfig
+from service.errors import LeaseHeldError
 from service.store import open_store
 from workers.engines import RowBlock
 from workers.factory import build_job_engine
@@ -41,8 +42,9 @@ def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
 class GradientWorker:
     """Computes shards of one job's per-class gradient matrix and writes them to its store."""
 
-    def __init__(self, config: dict, *, num_threads: int | None = None):
+    def __init__(self, config: dict, *, num_threads: int | None = None, run_id: str | None = None):
         self.config = JobConfig.model_validate(config)
+        self.run_id = run_id  # the driver's run; shards are marked done only while it holds the lease
         if num_threads:
             torch.set_num_threads(num_threads)
         self.engine = build_job_engine(self.config)
@@ -74,6 +76,7 @@ class GradientWorker:
         except BaseException:
             writer.abort()
             raise
+        self._check_lease(shard)
         self.store.mark_shard_done(shard)
         return {
             "shard": shard, "attempt": attempt, "rows": stop - start,
@@ -81,6 +84,21 @@ class GradientWorker:
             "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before, **self.identity,
         }
 
+
+    def _check_lease(self, shard: int) -> None:
+        """Refuse to mark a shard done for a run that no longer holds the store.
+
+        An actor that outlives its driver (killed with SIGKILL) may still finish a shard; if a
+        new run has since replaced the store (``store.overwrite``), that shard must not count.
+        """
+        if self.run_id is None:
+            return
+        holder = (self.store.lease_info() or {}).get("run_id")
+        if holder != self.run_id:
+            raise LeaseHeldError(
+                f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "
+                f"shard {shard} is not marked done"
+            )
 
     def _stored_blocks(self, classes: list[int]) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
         """Engine blocks with the rows to store: projected when the job projects.

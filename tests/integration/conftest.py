@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from service.config import JobConfig
+from tests.integration.harness import fresh_ray_auth_afterwards
 
 REPO = Path(__file__).resolve().parents[2]
 CLASSGRAD = [sys.executable, "-m", "service.cli"]
@@ -34,11 +35,12 @@ def ray_local():
 
     old = os.environ.get("PYTHONPATH")
     os.environ.update(_with_repo_on_path({"PYTHONPATH": old or ""}))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+    with fresh_ray_auth_afterwards():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
         if old is None:
             os.environ.pop("PYTHONPATH", None)
         else:

@@ -532,9 +532,10 @@ def test_lease(tmp_path, caplog):
     message = str(info.value)
     assert "'run-a'" in message and f"pid {os.getpid()}" in message and "host" in message
 
-    # A lease whose heartbeat is older than ttl_s is stale: taken over, with a warning.
+    # A lease whose heartbeat is older than its holder's TTL is stale: taken over, with a warning.
+    store.acquire_lease("run-a", ttl_s=0.0)  # the holder renews with a TTL of 0: stale at once
     with caplog.at_level(logging.WARNING, logger="service.store"):
-        other.acquire_lease("run-b", ttl_s=0.0)
+        other.acquire_lease("run-b", ttl_s=60.0)
     assert "stale lease of run 'run-a'" in caplog.text
     with pytest.raises(LeaseHeldError, match="lost its lease .* run 'run-b'"):
         store.renew_lease("run-a")

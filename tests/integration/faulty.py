@@ -1,0 +1,167 @@
+"""Fault injection for integration tests: a loss that fails or sleeps on cue, and helpers.
+
+The cue is a directory named by the environment variable ``CLASSGRAD_FAULTS``. A job sets it on
+its actors only, through ``cluster.runtime_env.env_vars``, which is not part of a store's
+fingerprint: a faulty run and a clean run of the same job compute the same rows, and the driver
+(which has no such variable) never sees a fault in its preflight check. The directory holds
+``plan.json``::
+
+    {"fail_class": 9, "fail_times": 2, "delay_s": 0.1, "hold_file": null}
+
+- ``flaky_cross_entropy`` (``loss.kind: tests.integration.faulty:flaky_cross_entropy``): the
+  per-sample cross-entropy of ``loss.kind: cross_entropy`` (the same rows, bit for bit), which
+  first sleeps ``delay_s`` per call and raises ``InjectedFault`` whenever it is handed a sample
+  of ``fail_class`` while fewer than ``fail_times`` faults have been raised, and waits while
+  ``hold_file`` exists (a gate the test opens with ``release``). Every fault leaves
+  a file ``raised-<n>`` in the directory (created with O_EXCL, so two actors cannot both count
+  as fault n); a raise aborts the shard attempt that computes that class, so the count of those
+  files is the number of failed attempts of that shard.
+- ``unhooked_mlp``: ``workers.zoo.mlp`` with a no-op forward pre-hook on its first layer. The
+  partitioned engine retries anything that fails in its fast paths (per-class sums from hooks,
+  then vmap) with a slower one that gives the same rows, so an error raised there is swallowed
+  instead of failing the shard. A layer with a forward hook turns the hooks path off
+  (``workers/engines/partitioned.py``, ``_Hooked.plan``), and ``engine.block_rows: 1`` makes
+  every class go alone (no vmap packs): the loss is then always called on plain tensors, once
+  per class, and a fault fails the shard attempt, as a real error in user code would.
+- ``nan_dataset``: a probe set served as a ``Dataset`` with NaN in one sample's input, which
+  only the actor that computes that sample's class sees (the driver's preflight cannot check a
+  Dataset's inputs up front).
+- ``nan_probe`` (tensors with NaN in one sample: the driver's preflight catches it) and
+  ``other_model_checkpoint`` (weights that do not fit the job's model), for bad-input tests.
+- ``write_plan`` and ``faults_raised`` for the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from workers import zoo
+from workers.losses import partitioned_loss
+
+ENV = "CLASSGRAD_FAULTS"
+PLAN = "plan.json"
+HOLD_MAX_S = 120.0
+
+
+class InjectedFault(RuntimeError):
+    """The error the fault plan raises (an ordinary exception, as a bug in user code would be)."""
+
+
+def write_plan(directory: str | Path, *, fail_class: int | None = None, fail_times: int = 0,
+               delay_s: float = 0.0, hold: bool = False) -> str:
+    """Write a fault plan into ``directory`` (created); returns the directory as a string.
+    ``hold``: the loss waits while ``<directory>/hold`` exists (``release`` removes it), after
+    leaving ``<directory>/started``: a job that is surely running while a test looks at it."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    hold_file = path / "hold"
+    if hold:
+        hold_file.touch()
+    (path / PLAN).write_text(json.dumps({"fail_class": fail_class, "fail_times": fail_times,
+                                         "delay_s": delay_s, "hold_file": str(hold_file) if hold else None}))
+    return str(path)
+
+
+def release(directory: str | Path) -> None:
+    (Path(directory) / "hold").unlink(missing_ok=True)
+
+
+def started(directory: str | Path) -> bool:
+    return (Path(directory) / "started").exists()
+
+
+def faults_raised(directory: str | Path) -> int:
+    return len(list(Path(directory).glob("raised-*")))
+
+
+def _plan() -> tuple[Path, dict] | None:
+    directory = os.environ.get(ENV)
+    if not directory:
+        return None
+    try:
+        return Path(directory), json.loads((Path(directory) / PLAN).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _count_fault(directory: Path, fail_times: int, label: int) -> bool:
+    """Claim the next fault number below ``fail_times``; False when the budget is spent."""
+    for n in range(fail_times):
+        try:
+            fd = os.open(directory / f"raised-{n}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps({"pid": os.getpid(), "label": label, "time": time.time()}))
+        return True
+    return False
+
+
+@partitioned_loss
+def flaky_cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    found = _plan()
+    if found is not None:
+        directory, plan = found
+        if plan.get("delay_s"):
+            time.sleep(float(plan["delay_s"]))
+        hold = plan.get("hold_file")
+        if hold:  # a gate: wait (at most HOLD_MAX_S) while the test keeps the file
+            (directory / "started").touch()
+            deadline = time.monotonic() + HOLD_MAX_S
+            while os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        target = plan.get("fail_class")
+        if target is not None and bool((labels == target).any()):
+            if _count_fault(directory, int(plan.get("fail_times", 0)), int(target)):
+                raise InjectedFault(f"injected fault while computing class {target} (pid {os.getpid()})")
+    # Exactly what loss.kind=cross_entropy computes (workers/losses.py), so rows are identical.
+    return F.cross_entropy(outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs,
+                           labels, reduction="none")
+
+
+def _no_op(module: nn.Module, args: tuple) -> None:
+    return None
+
+
+def unhooked_mlp(num_classes: int = 10, **mlp_kwargs) -> nn.Module:
+    model = zoo.mlp(num_classes, **mlp_kwargs)
+    model[0].register_forward_pre_hook(_no_op)
+    return model
+
+
+class _Samples(Dataset):
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        return self.inputs[i], self.targets[i]
+
+
+def nan_dataset(nan_sample: int, **probe_kwargs) -> Dataset:
+    """``nan_probe(nan_sample, **probe_kwargs)`` served as a Dataset."""
+    return _Samples(*nan_probe(nan_sample, **probe_kwargs))
+
+
+def nan_probe(nan_sample: int, **probe_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``workers.zoo.synthetic_probe(**probe_kwargs)`` (tensors) with NaN in sample ``nan_sample``."""
+    inputs, targets = zoo.synthetic_probe(**probe_kwargs)
+    inputs = inputs.clone()
+    inputs[nan_sample] = float("nan")
+    return inputs, targets
+
+
+def other_model_checkpoint(path: str) -> str:
+    """Save the state dict of a model that is not ``small_cnn`` (keys that do not fit it)."""
+    torch.save(zoo.mlp(4, in_features=3, hidden=5).state_dict(), path)
+    return path

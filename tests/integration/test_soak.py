@@ -1,0 +1,156 @@
+"""Soak: 20,000 classes on 2 actors while one actor is killed every few seconds.
+
+The job (an MLP with 20,000 outputs; rows are the gradients of its first layer, 72 numbers, so
+the store stays small: 20,000 x 72 float32) runs in this process on the module's local Ray
+(``ray_local``, 2 CPUs). A killer thread ``ray.kill``s the current actor of one slot, then of
+the other, whatever it is doing (starting, computing, writing a chunk, marking a shard done):
+every ``KILL_EVERY_SHARDS`` completed shards, at least ``MIN_GAP_S`` apart, ``MAX_KILLS``
+times. The kill clock is the job's own progress, so a fast machine gets as many kills as a
+slow one (here: one every 2-6 s). The job must:
+
+- finish within ``DEADLINE_S`` (a liveness bound: a lost shard or a stuck queue would hang it,
+  not a performance goal; benchmarks measure speed);
+- complete every shard exactly once as far as the driver is concerned (``driver.completions``:
+  each of the 40 shards once), with every row readable (the reader refuses rows of shards not
+  marked done, and done rows that were never written);
+- match an uninterrupted run bit for bit (``harness.uninterrupted``: the same worker code in
+  this process, one torch thread like an actor): rows, losses and counts;
+- report what it survived: every kill (but perhaps the last, if it hit an actor with no shard
+  left) as a replaced actor, and the requeued shards as retries.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.config import JobConfig
+from service.driver import JobDriver
+from service.store import open_store
+from tests.integration.conftest import small_job
+from tests.integration.harness import (
+    assert_identical,
+    fresh_ray_auth_afterwards,
+    store_arrays,
+    uninterrupted,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_ray_auth_afterwards():
+    # Set up before ray_local, torn down after it: later modules find no stale token.
+    with fresh_ray_auth_afterwards():
+        yield
+
+C = 20_000
+SHARD_ROWS = 500  # 40 shards of ~0.2 s each on one core
+KILL_EVERY_SHARDS = 4  # kills once 2, 6, ... 30 shards are done: spread over the whole job,
+FIRST_KILL_AT = 2       # with 10 shards left after the last for it to land and be noticed
+MIN_GAP_S = 1.0
+MAX_KILLS = 8
+# Liveness bound for the whole job: about 15 s of work on 2 cores, plus 8 replacements of a few
+# seconds each, with room for a loaded CI machine; a hang (a lost shard) would never finish.
+DEADLINE_S = 120.0
+
+
+def soak_job(url: str) -> dict:
+    return small_job(
+        url,
+        model={"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 8}},
+        data={"kwargs": {"num_classes": C, "samples_per_class": 1, "kind": "vector", "input_shape": [8],
+                         "seed": 3}, "batch_size": 256},
+        loss={"num_classes": C},
+        params={"include": ["0.*"]},
+        # Kills land on running shards: each such shard counts an attempt, and each kill costs a
+        # replacement (the driver allows num_workers x max_attempts of those).
+        sharding={"shard_rows": SHARD_ROWS, "max_attempts": MAX_KILLS + 2},
+        store={"row_chunk": 50},
+        run={"progress": "none"},
+    )
+
+
+def _current_actor(ray, run_id: str, slot: int):
+    """The newest actor of a slot of the run, by its name ``classgrad-<run>-w<slot>-<generation>``."""
+    prefix = f"classgrad-{run_id}-w{slot}-"
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    if not named:
+        return None, None
+    newest = max(named, key=lambda a: int(a["name"][len(prefix):]))
+    return newest["name"], ray.get_actor(newest["name"], namespace=newest["namespace"])
+
+
+def _killer(driver: JobDriver, ray, stop: threading.Event, kills: list[tuple[str, float]]) -> None:
+    """Kill the current actor of slot 0, then of slot 1, and so on, once per KILL_EVERY_SHARDS
+    completed shards. Not before the first shards: an actor that dies before all of the job's
+    first actors are ready is taken for a failed start and fails the job (see
+    JobDriver._wait_ready), a gap of its own, not what this test soaks."""
+    next_at, last = FIRST_KILL_AT, 0.0
+    while not stop.wait(0.1) and len(kills) < MAX_KILLS:
+        if driver.summary.shards_done < next_at or time.monotonic() - last < MIN_GAP_S:
+            continue
+        try:
+            name, actor = _current_actor(ray, driver.run_id, len(kills) % 2)
+            if actor is None:
+                continue  # its replacement is not created yet
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - the job may be ending; a missed kill is not counted
+            continue
+        last = time.monotonic()
+        kills.append((name, last))
+        next_at += KILL_EVERY_SHARDS
+
+
+def test_20000_classes_survive_an_actor_killed_every_few_seconds(tmp_path, ray_local, record_property):
+    url = str(tmp_path / "soak.zarr")
+    config = JobConfig.model_validate(soak_job(url))
+    driver = JobDriver(config)
+    outcome: dict = {}
+    kills: list[tuple[str, float]] = []  # (actor name, when)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["summary"] = driver.run()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome["error"] = exc
+
+    job = threading.Thread(target=run, name="soak-driver")
+    killer = threading.Thread(target=_killer, args=(driver, ray_local, stop, kills), name="soak-killer")
+    t0 = time.monotonic()
+    job.start()
+    killer.start()
+    try:
+        wait_for(lambda: not job.is_alive(), DEADLINE_S, f"the soak job ({DEADLINE_S:.0f} s bound)", every_s=0.5)
+    finally:
+        stop.set()
+        killer.join(timeout=30)
+    seconds = time.monotonic() - t0
+    assert "error" not in outcome, f"{outcome.get('error')!r} after {len(kills)} kills"
+    summary = outcome["summary"]
+    # The figures, for --junitxml (CI keeps them): what the job survived, and how long it took.
+    gaps = np.diff([t0] + [at for _, at in kills])
+    for name, value in (("kills", len(kills)), ("actors_replaced", summary.actors_replaced),
+                        ("retries", summary.retries), ("seconds", round(seconds, 1)),
+                        ("seconds_between_kills", round(float(gaps[1:].mean()), 1) if len(gaps) > 1 else None)):
+        record_property(name, value)
+    assert summary.status == "complete"
+    assert len(kills) == MAX_KILLS, f"only {len(kills)} kills: {kills}"
+    # Every kill hit a live actor of this run, which the driver replaced when it noticed: when
+    # its next shard failed. A kill in the job's last seconds may hit an actor with no shard
+    # left, which nothing notices (and nothing needs to).
+    assert len(kills) - 1 <= summary.actors_replaced <= len(kills) and summary.retries >= 1, (summary, kills)
+    num_shards = -(-C // SHARD_ROWS)
+    assert dict(driver.completions) == {i: 1 for i in range(num_shards)}
+    store = open_store(url)
+    assert store.is_complete and store.attrs["runs"][-1]["actors_replaced"] == summary.actors_replaced
+    got = store_arrays(url)
+    assert np.isfinite(got["rows"]).all() and (got["count"] == 1).all()
+
+    clean = JobConfig.model_validate(soak_job(str(tmp_path / "clean.zarr")))
+    assert_identical(got, uninterrupted(clean))

@@ -1,0 +1,43 @@
+"""The README says what the code does: its config reference is generated from the code, its
+two commands are the ones CI runs, and every config in configs/ loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.cli import COMMANDS, build_parser
+from service.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_config_reference_in_readme_is_current():
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "config_reference.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
+    readme = (REPO / "README.md").read_text()
+    first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
+    assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]
+    assert "exec make test" in (REPO / ".ci" / "run").read_text()
+    makefile = (REPO / "Makefile").read_text()
+    assert "demo: setup\n\t.venv/bin/classgrad run configs/demo.yaml" in makefile
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_loads(path):
+    load_config(path)
+
+
+def test_every_command_is_in_the_readme_and_has_help():
+    readme = (REPO / "README.md").read_text()
+    parser = build_parser()
+    for name in COMMANDS:
+        assert f"`classgrad {name}" in readme, f"README does not mention classgrad {name}"
+    assert parser.format_help()
