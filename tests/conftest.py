@@ -70,7 +70,7 @@ def s3_storage_options(s3_server: str) -> dict:
 
 @pytest.fixture
 def s3_bucket(s3_storage_options: dict) -> str:
-    s3fs = pytest.importorskip("s3fs")
+    import s3fs
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**s3_storage_options).mkdir(name)
     return name

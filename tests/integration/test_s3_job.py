@@ -27,7 +27,7 @@ from tests.unit.engine_cases import max_relative_error
 from workers.engines import per_class_gradients
 from workers.factory import build_model, build_probe
 
-s3fs = pytest.importorskip("s3fs")
+import s3fs  # noqa: E402
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster; deselect with -m "not slow"
 
 REPO = Path(__file__).resolve().parents[2]

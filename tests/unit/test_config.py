@@ -181,7 +181,7 @@ _SECTION_KEYS = {
     "cluster": "address, inflight_per_worker, num_cpus_per_worker, num_gpus_per_worker, "
     "num_workers, runtime_env",
     "projection": "dim, kind, per_param, seed",
-    "run": "lease_ttl_s, log_every_s, progress",
+    "run": "actor_start_timeout_s, lease_ttl_s, log_every_s, progress",
 }
 _SECTIONS = "cluster, data, engine, loss, model, params, precision, projection, run, sharding, store"
 

@@ -107,7 +107,7 @@ def test_round_trip(tmp_path, dtype, codec, sharded):
 
 
 def test_bfloat16_rounds_to_nearest_even(tmp_path):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import ml_dtypes
     rng = np.random.default_rng(1)
     rows = rng.standard_normal((16, 64)).astype(np.float32)
     # Exact ties (low 16 bits 0x8000) with both parities of the kept bit.
@@ -303,9 +303,9 @@ def test_two_processes_write_different_shards_concurrently(tmp_path):
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_external_readers_agree(tmp_path, dtype, sharded):
-    da = pytest.importorskip("dask.array")
-    xr = pytest.importorskip("xarray")
-    ts = pytest.importorskip("tensorstore")
+    import dask.array as da
+    import tensorstore as ts
+    import xarray as xr
     path = tmp_path / "s"
     spec = make_spec(dtype=dtype, sharded=sharded, codec="zstd")
     fill(create_store(str(path), spec), make_rows(spec.num_classes, spec.dim))
