@@ -93,21 +93,46 @@ class ParamLayout:
         named = dict(model.named_parameters())
         return [named[s.name] for s in self.slots]
 
-    def flatten(self, grads: Sequence[torch.Tensor | None], batch_dims: int = 0) -> torch.Tensor:
+    def flatten(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        batch_dims: int = 0,
+        *,
+        out: torch.Tensor | None = None,
+        index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Concatenate per-parameter gradients into rows.
 
         ``grads[i]`` has shape ``(*batch, *slots[i].shape)`` or is ``None`` (no path to the loss:
         zero columns). Returns ``(*batch, dim)`` in float32 (float64 when the gradients are).
+
+        With ``out`` the rows are written straight into it (no new buffer, one copy per
+        parameter) and ``out`` is returned: ``out`` has shape ``(*batch, dim)``, or, with
+        ``index`` (int64 ``[k]``, ``batch_dims == 1``), rows ``out[index]`` receive the ``k``
+        rows in place.
         """
         ref = next((g for g in grads if g is not None), None)
         if ref is None:
             raise ValueError("flatten needs at least one gradient that is not None")
         batch = tuple(ref.shape[:batch_dims])
-        dtype = torch.promote_types(ref.dtype, torch.float32)
-        out = torch.zeros(*batch, self.dim, dtype=dtype, device=ref.device)
+        if out is None:
+            dtype = torch.promote_types(ref.dtype, torch.float32)
+            # Every column is written below (missing gradients as zeros): no need to zero first.
+            out = torch.empty(*batch, self.dim, dtype=dtype, device=ref.device)
+            index = None
+        elif index is not None and batch_dims != 1:
+            raise ValueError("flatten: index needs batch_dims == 1")
         for slot, g in zip(self.slots, grads, strict=True):
-            if g is not None:
-                out[..., slot.offset : slot.offset + slot.size] = g.reshape(*batch, slot.size)
+            cols = out[..., slot.offset : slot.offset + slot.size]
+            if index is None:
+                if g is None:
+                    cols.zero_()
+                else:
+                    cols.copy_(g.reshape(*batch, slot.size))
+            else:
+                value = (torch.zeros((len(index), slot.size), dtype=out.dtype, device=out.device) if g is None
+                         else g.reshape(len(index), slot.size).to(out.dtype))
+                cols.index_copy_(0, index, value)
         return out
 
     def unflatten(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:

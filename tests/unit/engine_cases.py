@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from workers import zoo
 from workers.engines import build_engine
@@ -34,6 +35,58 @@ def multi_margin(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.multi_margin_loss(outputs, labels, reduction="none")
 
 
+class StridedInplaceCNN(nn.Module):
+    """Strided and dilated convolutions followed by in-place ReLUs: the layer outputs the
+    partitioned engine's hooks capture are overwritten in place."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 4, 3, stride=2, dilation=2, padding=2), nn.ReLU(inplace=True),
+            nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.head = nn.Linear(6, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class TiedMLP(nn.Module):
+    """One weight shared by two layers (tied)."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(8, 8)
+        self.dec.weight = self.enc.weight
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.dec(torch.relu(self.enc(x)))))
+
+
+class WeightUsedOutside(nn.Module):
+    """A Linear's weight also used outside its module: hooks on the module miss that use."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.enc(x))
+        return self.head(h + 0.5 * h @ self.enc.weight)
+
+
+def bn_without_running_stats() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, NUM_CLASSES)).eval()
+
+
 @dataclass(frozen=True)
 class ModelCase:
     name: str
@@ -50,6 +103,12 @@ MODEL_CASES = {
                          dict(kind="image", input_shape=(3, 8, 8))),
     "bn_train": ModelCase("bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).train(),
                           dict(kind="image", input_shape=(3, 8, 8))),
+    "strided_inplace": ModelCase("strided_inplace", lambda: StridedInplaceCNN(NUM_CLASSES).eval(),
+                                 dict(kind="image", input_shape=(3, 9, 9))),
+    "tied": ModelCase("tied", lambda: TiedMLP(NUM_CLASSES).eval(), dict(kind="vector", input_shape=(8,))),
+    "weight_outside": ModelCase("weight_outside", lambda: WeightUsedOutside(NUM_CLASSES).eval(),
+                                dict(kind="vector", input_shape=(8,))),
+    "bn_no_stats": ModelCase("bn_no_stats", bn_without_running_stats, dict(kind="image", input_shape=(3, 8, 8))),
     "transformer": ModelCase("transformer", lambda: zoo.tiny_transformer(NUM_CLASSES, vocab=32, dim=8, max_len=8).eval(),
                              dict(kind="tokens", vocab=32, seq_len=6)),
 }
@@ -62,6 +121,8 @@ LOSS_CASES = {
     "custom_partitioned": multi_margin,
 }
 PARTITIONED_LOSSES = {"cross_entropy", "custom_partitioned"}
+# Models whose samples interact in the forward (batch statistics): only dense engines apply.
+BATCH_COUPLED_MODELS = {"bn_train", "bn_no_stats"}
 
 
 def probe_data(model_case: str, loss_case: str, samples_per_class: int = 3):

@@ -7,6 +7,7 @@ import torch
 
 from service.errors import InputError
 from tests.unit.engine_cases import (
+    BATCH_COUPLED_MODELS,
     EMPTY_CLASS, LOSS_CASES, MODEL_CASES, NUM_CLASSES, PARTITIONED_LOSSES, engine_for,
     max_relative_error, reference_rows, zero_rows,
 )
@@ -17,7 +18,7 @@ ENGINE_CASES = ["partitioned", "dense", "reference"]
 def _applicable(model_case: str, loss_case: str, engine: str) -> bool:
     if engine != "partitioned":
         return True
-    return loss_case in PARTITIONED_LOSSES and model_case != "bn_train"
+    return loss_case in PARTITIONED_LOSSES and model_case not in BATCH_COUPLED_MODELS
 
 
 MATRIX = [
@@ -108,6 +109,9 @@ def test_auto_picks_partitioned_only_when_samples_are_independent():
 def test_partitioned_refuses_batch_coupled_models_and_dense_losses():
     with pytest.raises(InputError, match="BatchNorm2d in train mode"):
         engine_for("bn_train", "cross_entropy", "partitioned")
+    with pytest.raises(InputError, match="treats samples independently"):
+        engine_for("bn_no_stats", "cross_entropy", "partitioned")
+    assert engine_for("bn_no_stats", "cross_entropy", "auto").name == "dense"
     with pytest.raises(InputError, match="'logit' is dense"):
         engine_for("mlp", "logit", "partitioned")
 

@@ -9,6 +9,8 @@ Holds:
   the helpers every engine shares: the forward pass under autocast with buffers left untouched
   and a seeded RNG per micro-batch, parameter selection, and loss checks.
 - ``samples_independent``: whether a model in its current mode treats samples independently.
+- ``choice_clock``: the clock engines time their own choices (block sizes, layouts) with.
+- ``NormInFloat32``: batch norm on half inputs computed in float32, so vmap can batch it.
 
 Engines never keep a graph beyond the rows they are computing, and never hold more than one
 group of rows, so memory does not grow with the number of classes.
@@ -17,12 +19,15 @@ group of rows, so memory does not grow with the number of classes.
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from service.errors import InputError
 from workers.amp import PrecisionPolicy
@@ -45,6 +50,19 @@ BATCH_COUPLED_TYPES: tuple[type[nn.Module], ...] = (
 FORWARD_SEED = 0x5EED
 
 
+def choice_clock(device: torch.device) -> Callable[[], float]:
+    """The clock engines time their own alternatives with (block sizes, memory layouts).
+
+    On a CPU with one intra-op thread (how each Ray actor runs), the CPU time of this thread:
+    other processes taking the cores do not distort it, so a busy machine does not make the
+    engine pick a slow option. Otherwise (several threads, or a GPU) wall time; GPU callers
+    synchronise before reading it.
+    """
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def samples_independent(model: nn.Module) -> bool:
     """True when each sample's output depends only on that sample (and no randomness).
 
@@ -57,6 +75,9 @@ def samples_independent(model: nn.Module) -> bool:
 
 
 def couples_samples(module: nn.Module) -> bool:
+    """Whether this one module, in its current mode, mixes samples or draws random numbers."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not module.track_running_stats:
+        return True  # no running statistics: batch statistics even in eval mode
     if not module.training or not isinstance(module, BATCH_COUPLED_TYPES):
         return False
     # Dropout with p=0 (common in transformer layers) draws nothing and changes nothing.
@@ -219,3 +240,18 @@ def tree_map_tensors(fn: Any, tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
     return tree
+
+
+class NormInFloat32(TorchFunctionMode):
+    """Runs batch norm on half-precision inputs in float32 and casts the result back.
+
+    Under vmap, autocast hands batch norm a half input with float32 statistics, which the CPU
+    kernel rejects; outside vmap the kernel computes in float32 internally anyway, so this
+    gives the same numbers while letting vmap batch BatchNorm models in fp16/bf16.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is F.batch_norm or func is torch.batch_norm) and args[0].dtype in (torch.float16, torch.bfloat16):
+            return func(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
+        return func(*args, **kwargs)

@@ -4,29 +4,49 @@ For class-partitioned losses (L_c depends only on the samples labelled c) on a m
 samples independently, row c is the gradient of the loss over class c's samples alone, so the
 whole matrix costs about one forward+backward over the probe set.
 
-To keep the hardware busy when classes are small, several classes are packed into one batch:
-their samples are laid out as ``[K classes, m samples]`` (short classes padded with weight-0
-copies of their own first sample, which add exactly zero) and ``torch.func.vmap(grad(...))``
-over the class axis returns K separate gradients from one batched pass. Classes larger than a
-batch are done alone, micro-batch by micro-batch. If vmap cannot handle a model, every class is
-done alone (same rows, slower). Packing groups classes of similar size to limit padding, then
-puts the rows back in the order asked for.
+To keep the hardware busy when classes are small, several classes are packed into one batch and
+their gradients split apart again, in one of two ways:
+
+- **Per-class sums from hooks** (when every selected parameter is the weight or bias of a plain
+  ``nn.Linear`` or ``nn.Conv2d``): a run of consecutive classes goes through one ordinary
+  forward and one backward that stops at the outputs of those layers; a class's weight gradient
+  is the sum over its samples of ``grad_output x input``, one batched matmul (Linear) or one
+  grouped convolution backward (Conv2d) per layer, written straight into the row buffer. No
+  padding in the forward, no per-sample gradients, no extra copy of the rows. It is checked
+  once against the plain single-class path on the first run and abandoned (for vmap) if it
+  ever disagrees.
+- **vmap** (any other model): samples laid out as ``[K classes, m samples]`` (short classes
+  padded with weight-0 copies of their own samples, which add exactly zero) and
+  ``torch.func.vmap(grad(...))`` over the class axis; packing groups classes of similar size to
+  limit padding.
+
+Classes larger than half a batch are done alone, micro-batch by micro-batch. If neither packing
+way can handle a model, every class is done alone (same rows, slower). Rows always come back in
+the order asked for, a group at a time; a group's buffer is kept small enough (``GROUP_BYTES``)
+for the C allocator to recycle it instead of mapping fresh, page-faulting memory each time.
+
+Speed choices that never change a row are measured once per process on the real runs (with the
+thread's CPU clock on a single-threaded CPU, so other processes do not skew them): the memory
+format of image inputs (channels-last is much faster for many CPU convolutions) and the layout
+of each grouped convolution.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from typing import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
 from service.errors import ClassgradError, InputError
 from workers.amp import rows_with_rescale
 from workers.engines.base import (
     GradientEngine,
+    NormInFloat32,
+    choice_clock,
     RowBlock,
     couples_samples,
     samples_independent,
@@ -35,6 +55,22 @@ from workers.engines.base import (
 from workers.engines.dense import ROW_BYTES_BUDGET
 
 log = logging.getLogger(__name__)
+
+# Rows of one group are written into one new buffer. Up to about this size the C allocator
+# recycles freed buffers; bigger ones are mapped fresh from the OS each time, and their first
+# write (page faults, zeroing by the kernel) costs several times the write itself.
+GROUP_BYTES = 32 << 20
+
+# Speed choices measured once per process; they never change a row, only how fast it comes.
+# Memory format of image inputs on the hook path, per (model, sample shape, dtype, device, precision):
+_INPUT_FORMAT: dict[tuple, str] = {}
+# Memory layout of each Conv2d's grouped weight-gradient computation, per shape:
+_CONV_LAYOUT: dict[tuple, str] = {}
+# Runs timed before the input format is settled: one warm-up, then four of each format,
+# alternating (real runs: the only cost is doing some of them in the slower format). Trials
+# are kept per process, so engines built one after another share them.
+_FORMAT_TRIALS = 9
+_FORMAT_TIMES: dict[tuple, list[list]] = {}  # [format, seconds per sample] per run
 
 
 def plan_packs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[list[list[int]], list[int]]:
@@ -64,19 +100,76 @@ def plan_packs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[lis
     return packs, singles
 
 
-class _NormInFloat32(TorchFunctionMode):
-    """Runs batch norm on half-precision inputs in float32 and casts the result back.
+def plan_runs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Split positions ``0..len(sizes)`` into runs of consecutive positions and single classes.
 
-    Under vmap, autocast hands batch norm a half input with float32 statistics, which the CPU
-    kernel rejects; outside vmap the kernel computes in float32 internally anyway, so this
-    gives the same numbers while letting vmap batch BatchNorm models in fp16/bf16.
+    A run holds at most ``batch_size`` samples and ``max_rows`` classes, and its padded
+    footprint ``K * max(size)`` (which only the per-class reduction pays) stays within two
+    batches. Classes bigger than half a batch go alone. Empty classes ride along in runs (their
+    rows come out zero). Returns ``(runs as (start, stop), singles)``.
+    """
+    runs: list[tuple[int, int]] = []
+    singles: list[int] = []
+    start, total, width = None, 0, 0
+    for pos, n in enumerate(sizes.tolist()):
+        if 2 * n > batch_size:
+            if start is not None:
+                runs.append((start, pos))
+                start = None
+            singles.append(pos)
+            continue
+        if start is not None:
+            k = pos - start + 1
+            if total + n > batch_size or k > max_rows or k * max(width, n) > 2 * batch_size:
+                runs.append((start, pos))
+                start = None
+        if start is None:
+            start, total, width = pos, 0, 0
+        total += n
+        width = max(width, n)
+    if start is not None:
+        runs.append((start, len(sizes)))
+    return runs, singles
+
+
+class _Hooked:
+    """The Linear/Conv2d layers that own the selected parameters, and which slot is which.
+
+    ``plan`` returns None when any selected parameter is not the plain weight or bias of an
+    ``nn.Linear`` or an ``nn.Conv2d`` (zero padding, one group) that the model calls as a
+    module, or when a parameter is shared (tied) or the layer already has forward hooks: then
+    per-class sums from hooks would not be exact, and vmap is used.
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is F.batch_norm or func is torch.batch_norm) and args[0].dtype in (torch.float16, torch.bfloat16):
-            return func(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
-        return func(*args, **kwargs)
+    def __init__(self, layers: dict[nn.Module, dict[str, object]]):
+        self.layers = layers
+
+    @classmethod
+    def plan(cls, model: nn.Module, layout) -> "_Hooked | None":
+        modules = dict(model.named_modules())
+        uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+        layers: dict[nn.Module, dict[str, object]] = {}
+        for slot in layout.slots:
+            owner, _, kind = slot.name.rpartition(".")
+            mod = modules.get(owner)
+            if type(mod) not in (nn.Linear, nn.Conv2d) or kind not in ("weight", "bias"):
+                return None
+            if uses[id(getattr(mod, kind))] != 1 or mod._forward_hooks or mod._forward_pre_hooks:
+                return None
+            if isinstance(mod, nn.Conv2d) and (
+                mod.groups != 1 or mod.padding_mode != "zeros" or isinstance(mod.padding, str)
+            ):
+                return None
+            layers.setdefault(mod, {})[kind] = slot
+        return cls(layers)
+
+
+def _grouped_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``[k, m, c, h, w]`` -> ``[m, k*c, h, w]`` (class k's channels as group k) in channels-last
+    memory, in one copy: the grouped convolution backward is about twice as fast on a CPU in
+    that layout as in NCHW, and faster than the plain one."""
+    k, m, c, h, w = t.shape
+    return t.permute(1, 3, 4, 0, 2).contiguous().view(m, h, w, k * c).permute(0, 3, 1, 2)
 
 
 class PartitionedEngine(GradientEngine):
@@ -99,17 +192,59 @@ class PartitionedEngine(GradientEngine):
             )
         labels = self.loss.labels(self.probe.targets)
         self.by_class = self.probe.samples_by_class(labels, self.loss.num_classes)
+        # The same index as one flat tensor: class c's samples are order[start[c] : start[c] + counts[c]],
+        # so a pack's padded sample grid is gathered with one indexing op instead of a loop.
+        self._order = torch.argsort(labels, stable=True)
+        self._start = torch.cumsum(self.counts, 0) - self.counts
+        self._row_dtype = torch.promote_types(self.compute_dtype, torch.float32)
         self._use_vmap = True
         self._vmapped = None
+        self._hooked = _Hooked.plan(self.model, self.layout)
+        self._hooks_checked = False
+        self._hook_clone = False
+
+    # --- where rows go ---------------------------------------------------------------------------
+    #
+    # Rows are written straight into the group's output buffer (``dest``): at a run of
+    # consecutive positions (a slice: a view, no copy) or at scattered positions (an index
+    # tensor: one indexed copy per parameter). No per-pack row buffer is built and copied again.
+
+    def _write(self, grads: Sequence[torch.Tensor | None], scales: torch.Tensor, dest: torch.Tensor,
+               where: slice | torch.Tensor) -> torch.Tensor:
+        """Write per-parameter gradients ``[k, *shape]`` (computed at loss scale ``scales``) as
+        rows ``dest[where]``, divided by the scale; return whether each row is certainly finite.
+
+        The check costs one read of the gradients: a row's sum is finite when all its entries
+        are (an inf or NaN entry always makes it inf or NaN). A non-finite sum of finite entries
+        (overflow of the sum) only sends the row to the exact check in ``rows_with_rescale``.
+        """
+        k = len(scales)
+        if bool((scales != 1).any()):
+            div = scales.to(self.device, self._row_dtype)
+            grads = [None if g is None else g / div.view(k, *[1] * (g.ndim - 1)) for g in grads]
+        total = None
+        for g in grads:
+            if g is not None:
+                part = g.reshape(k, -1).sum(dim=1, dtype=self._row_dtype)
+                total = part if total is None else total + part
+        if isinstance(where, slice):
+            self.layout.flatten(grads, batch_dims=1, out=dest[where])
+        else:
+            self.layout.flatten(grads, batch_dims=1, out=dest, index=where)
+        assert total is not None
+        return torch.isfinite(total)
 
     # --- one class alone -----------------------------------------------------------------------
 
-    def _single(self, c: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _single(self, c: int, scale: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor):
         idx = self.by_class[c]
         n = len(idx)
-        row = torch.zeros(self.layout.dim, dtype=torch.promote_types(self.compute_dtype, torch.float32),
-                          device=self.device)
-        value = torch.zeros((), dtype=row.dtype, device=self.device)
+        if n == 0:  # no samples: a zero row
+            dest[where] = 0
+            return torch.zeros(1, dtype=self._row_dtype, device=self.device), torch.ones(1, dtype=torch.bool)
+        s = float(scale[0])
+        acc: list[torch.Tensor | None] | None = None
+        value = torch.zeros((), dtype=self._row_dtype, device=self.device)
         for chunk in idx.split(self.probe.batch_size):
             x, y = self.probe.batch(chunk, self.device, self.compute_dtype)
             with self.forward_context(0):
@@ -118,11 +253,16 @@ class PartitionedEngine(GradientEngine):
             self.loss.check_outputs(out)
             part = self.loss.sample_losses(out, self.loss.labels(y)).sum() / n
             self.check_finite_loss(part.detach().reshape(1), torch.tensor([c]))
-            grads = torch.autograd.grad(part * scale, self.params, allow_unused=True)
+            grads = torch.autograd.grad(part * s, self.params, allow_unused=True)
             self.stats.backwards += 1
-            row += self.grads_to_rows(grads, batch_dims=0) / scale
+            if acc is None:
+                acc = list(grads)
+            else:  # a class bigger than a batch: its micro-batches add up
+                acc = [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
             value += part.detach()
-        return row, value
+        assert acc is not None
+        finite = self._write([None if g is None else g.unsqueeze(0) for g in acc], scale, dest, where)
+        return value.reshape(1), finite
 
     # --- several classes in one vmapped pass ---------------------------------------------------
 
@@ -133,7 +273,7 @@ class PartitionedEngine(GradientEngine):
         low_precision = precision.dtype != "fp32"
 
         def class_loss(params, x, y, w, s):
-            with precision.autocast(device), (_NormInFloat32() if low_precision else contextlib.nullcontext()):
+            with precision.autocast(device), (NormInFloat32() if low_precision else contextlib.nullcontext()):
                 out = functional_call(model, params, (x,))
             loss.check_outputs(out)
             value = (loss.sample_losses(out, loss.labels(y)) * w).sum()
@@ -141,30 +281,282 @@ class PartitionedEngine(GradientEngine):
 
         return vmap(grad(class_loss, has_aux=True), in_dims=(None, 0, 0, 0, 0))
 
-    def _pack(self, classes: list[int], scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor):
         if self._vmapped is None:
             self._vmapped = self._build_vmapped()
-        idx = [self.by_class[c] for c in classes]
-        width = max(len(i) for i in idx)
-        padded = torch.stack([torch.cat([i, i[:1].expand(width - len(i))]) for i in idx])
-        weights = torch.stack([
-            torch.cat([torch.full((len(i),), 1.0 / len(i)), torch.zeros(width - len(i))]) for i in idx
-        ]).to(self.device, self.compute_dtype)
+        cls = torch.tensor(classes)
+        counts = self.counts[cls]
+        k, width = len(classes), int(counts.max())
+        if width == 0:  # only empty classes
+            dest[where] = 0
+            return torch.zeros(k, dtype=self._row_dtype, device=self.device), torch.ones(k, dtype=torch.bool)
+        # [k, width] grid of sample indices; short classes repeat their own last sample with weight 0.
+        j = torch.arange(width)
+        take = self._start[cls].unsqueeze(1) + torch.minimum(j.unsqueeze(0), (counts - 1).unsqueeze(1))
+        padded = self._order[take]
+        weights = torch.where(j.unsqueeze(0) < counts.unsqueeze(1), 1.0 / counts.unsqueeze(1).double(), 0.0)
+        weights = weights.to(self.device, self.compute_dtype)
         x, y = self.probe.batch(padded.reshape(-1), self.device, self.compute_dtype)
-        k = len(classes)
         x, y = tree_map_tensors(lambda t: t.reshape(k, width, *t.shape[1:]), (x, y))
         params = {s.name: p.detach() for s, p in zip(self.layout.slots, self.params)}
-        grads, values = self._vmapped(params, x, y, weights, scales.to(self.compute_dtype))
+        # functional_call swaps the parameters in and out; a module registered under two names
+        # gets the swap twice and is left holding functorch tensors (a PyTorch quirk), which
+        # corrupts the model for everything after. Put the real parameters back regardless.
+        registered = [(m, name, q) for m in self.model.modules() for name, q in m._parameters.items()]
+        try:
+            grads, values = self._vmapped(params, x, y, weights, scales.to(self.device, self.compute_dtype))
+        finally:
+            for m, name, q in registered:
+                if m._parameters.get(name) is not q:
+                    m._parameters[name] = q
         self.stats.forwards += 1
         self.stats.backwards += 1
-        self.check_finite_loss(values.detach(), torch.tensor(classes))
-        rows = self.grads_to_rows([grads[s.name] for s in self.layout.slots], batch_dims=1)
-        return rows / scales.to(rows.dtype).unsqueeze(1), values.detach()
+        self.check_finite_loss(values.detach(), cls)
+        finite = self._write([grads[s.name] for s in self.layout.slots], scales, dest, where)
+        return values.detach(), finite
 
-    def _pack_or_singles(self, classes: list[int], scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # --- several classes from one ordinary pass, split by hooks -------------------------------
+
+    def _hook_rows(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
+                   where: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``classes`` into ``dest[where]`` from one forward and one backward (see the
+        module docstring); returns (losses, finite)."""
+        assert self._hooked is not None
+        layers = self._hooked.layers
+        cls = torch.tensor(classes)
+        counts = self.counts[cls]
+        k, total = len(classes), int(counts.sum())
+        rows = dest[where]
+        if total == 0:
+            rows.zero_()
+            return torch.zeros(k, dtype=self._row_dtype, device=self.device), torch.ones(k, dtype=torch.bool)
+        # The run's samples, class after class, with no padding.
+        local = torch.repeat_interleave(torch.arange(k), counts)
+        first = torch.cumsum(counts, 0) - counts
+        within = torch.arange(total) - first[local]
+        x, y = self.probe.batch(self._order[self._start[cls][local] + within], self.device, self.compute_dtype)
+        x, trying = self._input_format(x)
+        clock = choice_clock(self.device)
+        t_start = clock()
+
+        captured: list[tuple[nn.Module, torch.Tensor, torch.Tensor, int, int]] = []
+        clone = self._hook_clone
+
+        def keep(module, args, output):
+            captured.append((module, args[0], output, args[0]._version, output._version))
+            # A model that changes a layer's output in place (ReLU(inplace=True)) gets a copy, so
+            # the gradient is taken at the layer's own output.
+            return output.clone() if clone else None
+
+        handles = [m.register_forward_hook(keep) for m in layers]
+        try:
+            with self.forward_context(0):
+                out = self.model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        self.stats.forwards += 1
+        self.loss.check_outputs(out)
+        per_sample = self.loss.sample_losses(out, self.loss.labels(y))
+        dev_local = local.to(self.device)
+        weights = (1.0 / counts.clamp(min=1).double()).to(self.device, per_sample.dtype)[dev_local]
+        weighted = per_sample * weights
+        values = torch.zeros(k, dtype=weighted.dtype, device=self.device).index_add_(0, dev_local, weighted.detach())
+        self.check_finite_loss(values, cls)
+        scaled = bool((scales != 1).any())
+        objective = (weighted * scales.to(self.device, weighted.dtype)[dev_local]).sum() if scaled else weighted.sum()
+        grads = torch.autograd.grad(objective, [o for _, _, o, _, _ in captured], allow_unused=True) if captured else ()
+        self.stats.backwards += 1
+        if any(a._version != va or o._version != vo for _, a, o, va, vo in captured):
+            if not self._hook_clone:  # once: switch to copied outputs and redo the run
+                self._hook_clone = True
+                return self._hook_rows(classes, scales, dest, where)
+            raise RuntimeError("a hooked layer's input or output was modified in place")
+
+        dtype = rows.dtype
+        inv = (1.0 / scales.double()).to(self.device, dtype)[dev_local] if scaled else None
+        width = int(counts.max())
+        if bool((counts == width).all()):
+            spots = None  # every class has `width` samples: [total] is already [k, width]
+        else:
+            spots = (dev_local * width + within.to(self.device))
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [total, ...] -> [k, width, ...], zero rows as padding
+            t = t.to(dtype)
+            if spots is None:
+                return t.reshape(k, width, *t.shape[1:])
+            grid = t.new_zeros(k * width, *t.shape[1:])
+            return grid.index_copy_(0, spots, t).view(k, width, *t.shape[1:])
+
+        written: set[str] = set()
+        bounds: list[torch.Tensor] = []
+        exact: list[torch.Tensor] = []
+
+        def peak(t: torch.Tensor) -> torch.Tensor:  # max |t| in one pass, no temporary; NaN stays NaN
+            lo, hi = torch.aminmax(t)
+            return torch.maximum(-lo, hi)
+
+        def put(slot, value: torch.Tensor) -> None:
+            target = rows[:, slot.offset : slot.offset + slot.size]
+            if slot.name in written:
+                target.add_(value.reshape(k, slot.size))
+            else:
+                target.copy_(value.reshape(k, slot.size))
+                written.add(slot.name)
+
+        for (module, a, _, _, _), g in zip(captured, grads):
+            if g is None:
+                continue
+            slots = self._hooked.layers[module]
+            a = a.detach()
+            if inv is not None:
+                g = g.to(dtype) * inv.view(-1, *[1] * (g.ndim - 1))
+            if isinstance(module, nn.Linear):
+                G = padded(g.reshape(total, -1, g.shape[-1])).reshape(k, -1, g.shape[-1])
+                terms = G.shape[1]
+                if "weight" in slots:
+                    A = padded(a.reshape(total, -1, a.shape[-1])).reshape(k, -1, a.shape[-1])
+                    bounds.append(peak(G) * peak(A).clamp(min=1) * terms)
+                    slot = slots["weight"]
+                    if slot.name in written:
+                        put(slot, torch.bmm(G.transpose(1, 2), A))
+                    else:  # straight into the rows: no temporary, no copy
+                        view = rows[:, slot.offset : slot.offset + slot.size].view(k, *module.weight.shape)
+                        torch.bmm(G.transpose(1, 2), A, out=view)
+                        written.add(slot.name)
+                else:
+                    bounds.append(peak(G) * terms)
+                if "bias" in slots:
+                    put(slots["bias"], G.sum(dim=1))
+            else:  # Conv2d: per-class weight gradients as one grouped convolution backward
+                gw, gb = self._class_conv_grads(module, padded(g), padded(a), "weight" in slots, "bias" in slots)
+                # These outputs are small (a conv's parameters), so check them exactly.
+                exact.extend(t for t in (gw, gb) if t is not None)
+                if "weight" in slots:
+                    put(slots["weight"], gw)
+                if "bias" in slots:
+                    put(slots["bias"], gb)
+        for slot in self.layout.slots:
+            if slot.name not in written:  # no path to the loss in this run
+                rows[:, slot.offset : slot.offset + slot.size].zero_()
+        # Finite inputs with |g| * |a| * terms far below the float range cannot give an inf or NaN
+        # row: one cheap check on the layer tensors instead of a pass over the rows. Anything
+        # else goes to the exact per-row check.
+        checks = [(torch.stack(bounds) < 1e37).all()] if bounds else []
+        checks += [torch.isfinite(t).all() for t in exact]
+        ok = bool(torch.stack(checks).all()) if checks else True
+        if trying is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            trying.append((clock() - t_start) / total)
+        return values.detach(), torch.full((k,), ok, dtype=torch.bool)
+
+    def _input_format(self, x):
+        """Image inputs in the memory format that runs this model faster (channels-last is often
+        much faster for convolutions and pooling on a CPU, or with tensor cores). Decided from the
+        first runs themselves (real work, no extra passes). Returns ``(x, trial)``: ``trial`` is
+        a list to append this run's seconds per sample to while the format is being measured."""
+        if not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()):
+            return x, None
+        key = (id(self.model), tuple(x.shape[1:]), x.dtype, str(self.device), self.precision.dtype)
+        fmt, trial = _INPUT_FORMAT.get(key), None
+        if fmt is None:
+            trials = _FORMAT_TIMES.setdefault(key, [])
+            if len(trials) >= _FORMAT_TRIALS:
+                best: dict[str, float] = {}
+                for f, *t in trials[1:]:  # the first run pays one-off costs
+                    best[f] = min([best.get(f, float("inf")), *t])
+                fmt = _INPUT_FORMAT[key] = min(best, key=best.get)
+                note = "partitioned: image inputs %s (seconds per sample: %s)" % (
+                    fmt, {f: f"{t:.2e}" for f, t in best.items()})
+                log.info(note)
+                self.stats.notes.append(note)
+            else:
+                fmt = ("contiguous", "channels_last")[len(trials) % 2]
+                trial = [fmt]
+                trials.append(trial)
+        if fmt == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, trial
+
+    def _class_conv_grads(self, module: nn.Conv2d, G: torch.Tensor, A: torch.Tensor, want_w: bool, want_b: bool):
+        """Per-class weight and bias gradients of a Conv2d from ``G`` ``[k, m, cout, ho, wo]``
+        (gradient at its output) and ``A`` ``[k, m, cin, h, w]`` (its input): one convolution
+        backward with the k classes as k groups.
+
+        The memory layout matters on a CPU (channels-last can be twice as fast, or slower once
+        its copy is paid): the first call for each layer times both and keeps the faster.
+        """
+        k, m, cout = G.shape[:3]
+        weight = module.weight.detach().to(G.dtype).repeat(k, 1, 1, 1)
+
+        def run(layout: str):
+            if layout == "channels_last":
+                gg, ag = _grouped_channels_last(G), _grouped_channels_last(A)
+            else:
+                gg = G.transpose(0, 1).reshape(m, k * cout, *G.shape[3:])
+                ag = A.transpose(0, 1).reshape(m, k * A.shape[2], *A.shape[3:])
+            _, gw, gb = torch.ops.aten.convolution_backward(
+                gg, ag, weight, [k * cout], module.stride, module.padding, module.dilation, False, [0, 0],
+                k, [False, want_w, want_b],
+            )
+            return gw, gb
+
+        key = (module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
+               module.dilation, tuple(G.shape), tuple(A.shape), G.dtype, str(G.device),
+               G.is_contiguous(memory_format=torch.channels_last) if G.dim() == 4 else
+               G[0].is_contiguous(memory_format=torch.channels_last))
+        layout = _CONV_LAYOUT.get(key)
+        if layout is None:
+            clock = choice_clock(G.device)
+            timings = {}
+            for candidate in ("contiguous", "channels_last", "contiguous", "channels_last"):
+                t0 = clock()
+                result = run(candidate)
+                if G.is_cuda:
+                    torch.cuda.synchronize(G.device)
+                timings[candidate] = min(timings.get(candidate, float("inf")), clock() - t0)
+            layout = _CONV_LAYOUT[key] = min(timings, key=timings.get)
+            return result if layout == "channels_last" else run(layout)
+        return run(layout)
+
+    def _check_hooks(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice) -> None:
+        """Once per engine: two rows from hooks against the plain single-class path."""
+        nonempty = [i for i, c in enumerate(classes) if int(self.counts[c]) > 0]
+        if not nonempty:
+            return
+        picks = sorted({nonempty[0], nonempty[-1]})
+        got = dest[where][picks]
+        if not bool(torch.isfinite(got).all()):
+            return  # an fp16 overflow: check on a later run
+        want = torch.empty_like(got)
+        for j, i in enumerate(picks):
+            self._single(classes[i], scales[i : i + 1], want, slice(j, j + 1))
+        tol = 1e-4 if self.precision.dtype == "fp32" else 5e-2
+        err = float((got - want).abs().max())
+        if err > tol * max(float(want.abs().max()), 1e-30):
+            raise RuntimeError(f"per-class sums from hooks differ from the plain gradient by {err:.3g}")
+        self._hooks_checked = True
+
+    def _rows_into(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
+                   where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
+        if self._hooked is not None and isinstance(where, slice):
+            try:
+                result = self._hook_rows(classes, scales, dest, where)
+                if not self._hooks_checked:
+                    self._check_hooks(classes, scales, dest, where)
+                return result
+            except ClassgradError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - anything hooks cannot do exactly: vmap, same rows
+                self._hooked = None
+                msg = f"per-class sums from hooks unavailable ({type(exc).__name__}: {exc}); using vmap"
+                log.warning(msg)
+                self.stats.notes.append(msg)
         if self._use_vmap and len(classes) > 1:
             try:
-                return self._pack(classes, scales)
+                return self._pack(classes, scales, dest, where)
             except ClassgradError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any vmap limitation: fall back, same rows
@@ -172,45 +564,80 @@ class PartitionedEngine(GradientEngine):
                 msg = f"vmap cannot batch this model ({type(exc).__name__}: {exc}); classes done one at a time"
                 log.warning(msg)
                 self.stats.notes.append(msg)
-        pairs = [self._single(c, float(s)) for c, s in zip(classes, scales.tolist())]
-        return torch.stack([r for r, _ in pairs]), torch.stack([v for _, v in pairs])
+        if isinstance(where, slice):
+            first = where.start or 0
+            spots: list = [slice(first + i, first + i + 1) for i in range(len(classes))]
+        else:
+            spots = [where[i : i + 1] for i in range(len(classes))]
+        pairs = [self._single(c, scales[i : i + 1], dest, spot) for i, (c, spot) in enumerate(zip(classes, spots))]
+        return torch.cat([v for v, _ in pairs]), torch.cat([f for _, f in pairs])
+
+    def _checked(self, classes: list[int], dest: torch.Tensor, where: slice | torch.Tensor):
+        """Rows into ``dest[where]``, overflowed (fp16) rows recomputed: (losses, scales, recomputed)."""
+        k = len(classes)
+        first = torch.full((k,), self.precision.first_scale, dtype=torch.float32)
+        values, finite = self._rows_into(classes, first, dest, where)
+        if bool(finite.all()):  # the common case: no row needs a second look
+            return values, first, torch.zeros(k, dtype=torch.bool)
+        # Some row may be non-finite: hand the rows to the exact per-row check and recompute.
+        found = dict(enumerate(values))
+        pending = [dest[where]]
+
+        def compute(which: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+            if pending:  # the first call asks for every row at the first scale: already computed
+                return pending.pop()
+            sub = [classes[i] for i in which.tolist()]
+            buf = torch.empty(len(sub), self.layout.dim, dtype=self._row_dtype, device=self.device)
+            vals, _ = self._rows_into(sub, sc.cpu(), buf, slice(0, len(sub)))
+            for i, v in zip(which.tolist(), vals):
+                found[i] = v
+            return buf
+
+        rows, scales, again = rows_with_rescale(compute, k, self.precision, torch.tensor(classes), self.device)
+        dest[where] = rows
+        return torch.stack([found[i] for i in range(k)]), scales.cpu(), again.cpu()
 
     # --- public --------------------------------------------------------------------------------
 
     def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
         ids = self._check_classes(classes)
-        group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // (4 * self.layout.dim)))
+        row_bytes = 4 * self.layout.dim
+        # A power of two (at least 16) so groups stay aligned with power-of-two store row chunks.
+        small = 1 << max(4, (GROUP_BYTES // row_bytes).bit_length() - 1)
+        group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes), small)
         with self.selected_grads():
             for g0 in range(0, len(ids), group):
                 yield self._group(ids[g0 : g0 + group])
 
     def _group(self, ids: torch.Tensor) -> RowBlock:
         n = len(ids)
-        dtype = torch.promote_types(self.compute_dtype, torch.float32)
-        rows = torch.zeros(n, self.layout.dim, dtype=dtype, device=self.device)
+        dtype = self._row_dtype
+        rows = torch.empty(n, self.layout.dim, dtype=dtype, device=self.device)
         values = torch.zeros(n, dtype=dtype)
         scales = torch.ones(n)
         again = torch.zeros(n, dtype=torch.bool)
         sizes = self.counts[ids]
+        empty = (sizes == 0).nonzero().squeeze(1)
+        if len(empty):
+            rows[empty.to(self.device)] = 0  # a class without samples has a zero gradient
         max_rows = self.block_rows or len(ids)
-        packs, singles = plan_packs(sizes, self.probe.batch_size, max_rows)
-        for positions in packs + [[p] for p in singles]:
+        if self._hooked is not None:  # runs of consecutive classes: rows land in place
+            runs, singles = plan_runs(sizes, self.probe.batch_size, max_rows)
+            jobs = [list(range(a, b)) for a, b in runs]
+        else:
+            jobs, singles = plan_packs(sizes, self.probe.batch_size, max_rows)
+        for positions in jobs + [[p] for p in singles]:
             classes = ids[positions].tolist()
-            found: dict[int, torch.Tensor] = {}
-
-            def compute(which: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-                sub = [classes[i] for i in which.tolist()]
-                r, v = self._pack_or_singles(sub, sc)
-                for i, val in zip(which.tolist(), v):
-                    found[i] = val
-                return r
-
-            r, s, a = rows_with_rescale(compute, len(classes), self.precision, torch.tensor(classes), self.device)
+            p0 = positions[0]
+            if positions == list(range(p0, p0 + len(positions))):
+                where: slice | torch.Tensor = slice(p0, p0 + len(positions))
+            else:
+                where = torch.tensor(positions, device=self.device)
+            v, s, a = self._checked(classes, rows, where)
             pos = torch.tensor(positions)
-            rows[pos.to(self.device)] = r
-            values[pos] = torch.stack([found[i] for i in range(len(classes))]).cpu().to(dtype)
-            scales[pos] = s.cpu()
-            again[pos] = a.cpu()
+            values[pos] = v.cpu().to(dtype)
+            scales[pos] = s
+            again[pos] = a
         self.stats.rows += n
         self.stats.recomputed_rows += int(again.sum())
         return RowBlock(classes=ids, rows=rows, loss=values.float(), count=sizes.clone(),
