@@ -54,9 +54,11 @@ class ShardWriter:
                 return
             if self._error is not None:
                 continue  # drain: keep the producer from blocking after a failure
-            start, rows, loss, count = item
+            start, pieces = item
             try:
                 t0 = time.perf_counter()
+                # Blocks that already cover whole chunks arrive as one piece: no copy at all.
+                rows, loss, count = (parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*pieces))
                 self.stats.bytes += self.store.write_rows(start, rows, loss=loss, count=count)
                 self.stats.seconds += time.perf_counter() - t0
                 self.stats.rows += len(rows)
@@ -86,11 +88,22 @@ class ShardWriter:
             self._flush(whole)
 
     def _flush(self, n: int) -> None:
-        rows, loss, count = (np.concatenate(parts) for parts in zip(*self._pending))
-        self._queue.put((self.next_row, rows[:n], loss[:n], count[:n]))
+        """Hand the first ``n`` pending rows to the writer thread, as views (any joining of
+        pieces happens there, off the compute thread)."""
+        take: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        need = n
+        while need:
+            rows, loss, count = self._pending[0]
+            if len(rows) <= need:
+                take.append(self._pending.pop(0))
+                need -= len(rows)
+            else:
+                take.append((rows[:need], loss[:need], count[:need]))
+                self._pending[0] = (rows[need:], loss[need:], count[need:])
+                need = 0
+        self._queue.put((self.next_row, take))
         self.next_row += n
         self._pending_rows -= n
-        self._pending = [(rows[n:], loss[n:], count[n:])] if self._pending_rows else []
 
     def close(self) -> WriteStats:
         """Wait for every queued run; raise if a write failed or rows are missing."""
