@@ -259,3 +259,41 @@ def test_checkpoint_that_does_not_fit_is_refused(tmp_path):
     torch.save(zoo.mlp(NUM_CLASSES, hidden=8).state_dict(), tmp_path / "w.pt")
     with pytest.raises(InputError, match="does not fit the model"):
         load_checkpoint(zoo.small_cnn(NUM_CLASSES), str(tmp_path / "w.pt"))
+
+
+# --- the hook path's guards ------------------------------------------------------------------
+
+
+class GatedOutsideUse(nn.Module):
+    """A Linear's weight also used outside its module, but only for inputs whose first feature
+    is large: only the classes whose samples have such inputs get a gradient through that use.
+    Hooks on the module miss it, and two spot-checked rows of other classes cannot see it."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.enc(x))
+        gate = (x[:, :1] > 3).to(x.dtype)
+        return self.head(h + gate * (h @ self.enc.weight))
+
+
+def test_a_hooked_parameter_used_outside_its_layer_is_detected():
+    """Only a middle class (never one of the two spot-checked rows) is affected by the use of
+    ``enc.weight`` outside ``enc``; the engine must notice it in the graph and still return
+    exact rows (from vmap)."""
+    torch.manual_seed(1)
+    per_class = 4
+    y = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
+    x = torch.randn(len(y), 8) * 0.5
+    x[y == NUM_CLASSES // 2, 0] = 4.0
+    model = GatedOutsideUse(NUM_CLASSES).eval()
+    eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned")
+    got = torch.cat([b.rows for b in eng.iter_blocks(list(range(NUM_CLASSES)))])
+    want = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, engine="reference")
+    # fp32 engines against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5
+    assert any("hooks" in note for note in eng.stats.notes), eng.stats.notes

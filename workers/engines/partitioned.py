@@ -12,9 +12,11 @@ their gradients split apart again, in one of two ways:
   forward and one backward that stops at the outputs of those layers; a class's weight gradient
   is the sum over its samples of ``grad_output x input``, one batched matmul (Linear) or one
   grouped convolution backward (Conv2d) per layer, written straight into the row buffer. No
-  padding in the forward, no per-sample gradients, no extra copy of the rows. It is checked
-  once against the plain single-class path on the first run and abandoned (for vmap) if it
-  ever disagrees.
+  padding in the forward, no per-sample gradients, no extra copy of the rows. Inside its own
+  forward each hooked layer sees detached copies of its selected parameters, so every run can
+  check in the autograd graph that nothing else uses them (``x @ layer.weight`` elsewhere in
+  the model would escape the hooks); the first run is also checked against the plain
+  single-class path. Either failure abandons the hooks for vmap.
 - **vmap** (any other model): samples laid out as ``[K classes, m samples]`` (short classes
   padded with weight-0 copies of their own samples, which add exactly zero) and
   ``torch.func.vmap(grad(...))`` over the class axis; packing groups classes of similar size to
@@ -162,6 +164,22 @@ class _Hooked:
                 return None
             layers.setdefault(mod, {})[kind] = slot
         return cls(layers)
+
+
+def _reaches_any(fn, leaf_ids: set[int]) -> bool:
+    """Whether the autograd graph below ``fn`` accumulates into any tensor in ``leaf_ids``
+    (a walk over the graph's nodes, no computation)."""
+    stack, seen = [fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
+        if leaf is not None and id(leaf) in leaf_ids:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _grouped_channels_last(t: torch.Tensor) -> torch.Tensor:
@@ -341,20 +359,46 @@ class PartitionedEngine(GradientEngine):
 
         captured: list[tuple[nn.Module, torch.Tensor, torch.Tensor, int, int]] = []
         clone = self._hook_clone
+        # Inside its own forward a hooked layer sees detached copies of its selected parameters,
+        # so the graph holds no edge from the layer to them: any edge left after the forward is
+        # a use outside the layer (``x @ layer.weight``), which hooks would miss (checked below).
+        real = {m: {kind: getattr(m, kind) for kind in slots} for m, slots in layers.items()}
+        detached = {m: {kind: t.detach() for kind, t in kinds.items()} for m, kinds in real.items()}
+
+        def swap_in(module, args):
+            module._parameters.update(detached[module])
 
         def keep(module, args, output):
+            module._parameters.update(real[module])
+            if not output.requires_grad:  # nothing before it needs a gradient: start the graph here
+                output.requires_grad_()
             captured.append((module, args[0], output, args[0]._version, output._version))
             # A model that changes a layer's output in place (ReLU(inplace=True)) gets a copy, so
             # the gradient is taken at the layer's own output.
             return output.clone() if clone else None
 
-        handles = [m.register_forward_hook(keep) for m in layers]
+        handles = [m.register_forward_pre_hook(swap_in) for m in layers]
+        handles += [m.register_forward_hook(keep) for m in layers]
+        retry = False
         try:
             with self.forward_context(0):
                 out = self.model(x)
+        except RuntimeError:
+            # An in-place change of an output that starts the graph (a leaf) is refused by
+            # autograd: run again with copied outputs, once.
+            if clone:
+                raise
+            retry = True
         finally:
             for h in handles:
                 h.remove()
+            for m, kinds in real.items():  # also when the forward raised inside a layer
+                m._parameters.update(kinds)
+        if retry:
+            self._hook_clone = True
+            return self._hook_rows(classes, scales, dest, where)
+        if _reaches_any(out.grad_fn, {id(t) for kinds in real.values() for t in kinds.values()}):
+            raise RuntimeError("a selected parameter of a hooked layer is also used outside that layer's forward")
         self.stats.forwards += 1
         self.loss.check_outputs(out)
         per_sample = self.loss.sample_losses(out, self.loss.labels(y))
