@@ -297,3 +297,36 @@ def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
     assert max_relative_error(got, want) <= 1e-5
     assert any("hooks" in note for note in eng.stats.notes), eng.stats.notes
+
+
+class FrozenBranch(nn.Module):
+    """A layer with selected parameters run under no_grad (a fixed feature branch): its output
+    feeds the loss, but its parameters get no gradient."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.branch = nn.Linear(8, 8)
+        self.enc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            fixed = self.branch(x)
+        return self.head(torch.relu(self.enc(x)) + fixed)
+
+
+def test_a_hooked_layer_run_under_no_grad_gets_zero_rows():
+    model = FrozenBranch(NUM_CLASSES).eval()
+    x, y = zoo.synthetic_probe(NUM_CLASSES, 4, kind="vector", input_shape=(8,), seed=0)
+    eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned")
+    got = torch.cat([b.rows for b in eng.iter_blocks(list(range(NUM_CLASSES)))])
+    assert eng._hooked is not None  # the fast path itself is under test here
+    want = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, engine="reference")
+    # fp32 against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5
+    for name in ("branch.weight", "branch.bias"):
+        slot = eng.layout.slot(name)
+        assert not got[:, slot.offset : slot.offset + slot.size].any(), name
+    slot = eng.layout.slot("enc.weight")
+    assert got[:, slot.offset : slot.offset + slot.size].any()

@@ -370,7 +370,9 @@ class PartitionedEngine(GradientEngine):
 
         def keep(module, args, output):
             module._parameters.update(real[module])
-            if not output.requires_grad:  # nothing before it needs a gradient: start the graph here
+            # Nothing before it needs a gradient: start the graph here (unless the model runs
+            # this layer under no_grad, where its parameters truly get no gradient).
+            if not output.requires_grad and torch.is_grad_enabled():
                 output.requires_grad_()
             captured.append((module, args[0], output, args[0]._version, output._version))
             # A model that changes a layer's output in place (ReLU(inplace=True)) gets a copy, so
@@ -409,7 +411,13 @@ class PartitionedEngine(GradientEngine):
         self.check_finite_loss(values, cls)
         scaled = bool((scales != 1).any())
         objective = (weighted * scales.to(self.device, weighted.dtype)[dev_local]).sum() if scaled else weighted.sum()
-        grads = torch.autograd.grad(objective, [o for _, _, o, _, _ in captured], allow_unused=True) if captured else ()
+        # A layer run under no_grad has an output outside the graph: its parameters get no
+        # gradient (None, like an unused one).
+        live = [i for i, (_, _, o, _, _) in enumerate(captured) if o.requires_grad]
+        found = torch.autograd.grad(objective, [captured[i][2] for i in live], allow_unused=True) if live and objective.requires_grad else ()
+        grads: list[torch.Tensor | None] = [None] * len(captured)
+        for i, g in zip(live, found):
+            grads[i] = g
         self.stats.backwards += 1
         if any(a._version != va or o._version != vo for _, a, o, va, vo in captured):
             if not self._hook_clone:  # once: switch to copied outputs and redo the run
