@@ -68,17 +68,24 @@ class TiedMLP(nn.Module):
 
 
 class WeightUsedOutside(nn.Module):
-    """A Linear's weight also used outside its module: hooks on the module miss that use."""
+    """A Linear's weight also used outside its module: hooks on the module miss that use.
 
-    def __init__(self, num_classes: int):
+    With ``gate_above``, the outside use only counts for samples whose first feature is above
+    it, so only the classes of such samples get a gradient through it."""
+
+    def __init__(self, num_classes: int, gate_above: float | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.enc = nn.Linear(8, 8)
         self.head = nn.Linear(8, num_classes)
+        self.gate_above = gate_above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.enc(x))
-        return self.head(h + 0.5 * h @ self.enc.weight)
+        outside = 0.5 * h @ self.enc.weight
+        if self.gate_above is not None:
+            outside = outside * (x[:, :1] > self.gate_above).to(x.dtype)
+        return self.head(h + outside)
 
 
 def bn_without_running_stats() -> nn.Module:

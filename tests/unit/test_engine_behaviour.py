@@ -13,7 +13,7 @@ from torch import nn
 
 from service.config import BUILTIN_LOSS_KINDS
 from service.errors import InputError, RowOverflowError
-from tests.unit.engine_cases import NUM_CLASSES, engine_for, max_relative_error
+from tests.unit.engine_cases import NUM_CLASSES, WeightUsedOutside, engine_for, max_relative_error
 from workers import zoo
 from workers.engines import build_engine, per_class_gradients
 from workers.factory import build_model, load_checkpoint, preflight
@@ -264,23 +264,6 @@ def test_checkpoint_that_does_not_fit_is_refused(tmp_path):
 # --- the hook path's guards ------------------------------------------------------------------
 
 
-class GatedOutsideUse(nn.Module):
-    """A Linear's weight also used outside its module, but only for inputs whose first feature
-    is large: only the classes whose samples have such inputs get a gradient through that use.
-    Hooks on the module miss it, and two spot-checked rows of other classes cannot see it."""
-
-    def __init__(self, num_classes: int):
-        super().__init__()
-        torch.manual_seed(0)
-        self.enc = nn.Linear(8, 8)
-        self.head = nn.Linear(8, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.enc(x))
-        gate = (x[:, :1] > 3).to(x.dtype)
-        return self.head(h + gate * (h @ self.enc.weight))
-
-
 def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     """Only a middle class (never one of the two spot-checked rows) is affected by the use of
     ``enc.weight`` outside ``enc``; the engine must notice it in the graph and still return
@@ -290,7 +273,7 @@ def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     y = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
     x = torch.randn(len(y), 8) * 0.5
     x[y == NUM_CLASSES // 2, 0] = 4.0
-    model = GatedOutsideUse(NUM_CLASSES).eval()
+    model = WeightUsedOutside(NUM_CLASSES, gate_above=3.0).eval()
     eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned")
     got = torch.cat([b.rows for b in eng.iter_blocks(list(range(NUM_CLASSES)))])
     want = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, engine="reference")
