@@ -32,3 +32,9 @@ def storage_options(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--storage-option {item!r}: expected KEY=VALUE")
         options[key] = yaml.safe_load(value) if value else ""
     return options
+
+
+def given_options(args: argparse.Namespace, *names: str) -> dict:
+    """The options among ``names`` that were given on the command line (not None), as keyword
+    arguments: the library function's own defaults apply to the rest."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}

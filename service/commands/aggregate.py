@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, storage_options
+from service.commands import add_store_arguments, given_options, storage_options
 
 HELP = ("combine rows (mean, or per-class weights from a file) into one gradient shaped like the "
         "model's parameters, saved with safetensors")
@@ -27,9 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from service.analysis.aggregate import aggregate
 
-    given = {"weights": args.weights, "clip_norm": args.clip_norm, "block_rows": args.block_rows}
     summary = aggregate(args.store, args.out, storage_options=storage_options(args),
-                        **{key: value for key, value in given.items() if value is not None})
+                        **given_options(args, "weights", "clip_norm", "block_rows"))
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, storage_options
+from service.commands import add_store_arguments, given_options, storage_options
 
 HELP = ("write PNGs: similarity heatmap of the top-N classes (clustered), histogram of class "
         "gradient norms, per-parameter norms")
@@ -27,9 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from service.analysis.plot import plot_store
 
-    given = {"top_n": args.top_n, "metric": args.metric, "dpi": args.dpi}
     result = plot_store(args.store, args.out, storage_options=storage_options(args),
-                        **{key: value for key, value in given.items() if value is not None})
+                        **given_options(args, "top_n", "metric", "dpi"))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

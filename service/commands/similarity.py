@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, storage_options
+from service.commands import add_store_arguments, given_options, storage_options
 
 HELP = "compute the C x C class similarity (cosine or dot) and top-k neighbours into the store"
 
@@ -40,13 +40,11 @@ def main(args: argparse.Namespace) -> int:
     from service.analysis import fmt_bytes
     from service.analysis.similarity import compute_similarity
 
-    given = {"metric": args.metric, "top_k": args.top_k, "block_rows": args.block_rows,
-             "band_cols": args.band_cols, "block_mb": args.block_mb, "precision": args.precision,
-             "address": args.address, "num_cpus": args.num_cpus}
     summary = compute_similarity(
         args.store, storage_options=storage_options(args),
         executor="local" if args.local else "ray",
-        **{key: value for key, value in given.items() if value is not None})
+        **given_options(args, "metric", "top_k", "block_rows", "band_cols", "block_mb", "precision",
+                        "address", "num_cpus"))
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
