@@ -84,7 +84,6 @@ class GradientWorker:
             "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before, **self.identity,
         }
 
-
     def _check_lease(self, shard: int) -> None:
         """Refuse to mark a shard done for a run that no longer holds the store.
 
@@ -111,15 +110,19 @@ class GradientWorker:
                 yield block, None
             return
         pending: list[RowBlock] = []
+        gathered = 0
         for block in self.engine.iter_blocks(classes):
             pending.append(block)
-            if sum(len(b) for b in pending) >= self.project_rows:
-                merged = RowBlock.concat(pending)
-                pending = []
-                yield merged, self.projector.project(merged.rows.float())
+            gathered += len(block)
+            if gathered >= self.project_rows:
+                yield self._projected(pending)
+                pending, gathered = [], 0
         if pending:
-            merged = RowBlock.concat(pending)
-            yield merged, self.projector.project(merged.rows.float())
+            yield self._projected(pending)
+
+    def _projected(self, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
+        merged = RowBlock.concat(blocks)
+        return merged, self.projector.project(merged.rows)  # project() takes any float dtype
 
 
 def _node_id() -> str:

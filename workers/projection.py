@@ -150,8 +150,6 @@ def mix32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
     """``mix32`` elementwise on an int64 tensor with values in [0, 2^32); returns a new tensor."""
-    if x.dtype != torch.int64:
-        raise TypeError(f"mix32 needs an int64 tensor, got {x.dtype}")
     return mix32_(x.clone(memory_format=torch.contiguous_format))
 
 

@@ -11,6 +11,7 @@ Holds:
 - ``samples_independent``: whether a model in its current mode treats samples independently.
 - ``choice_clock``: the clock engines time their own choices (block sizes, layouts) with.
 - ``NormInFloat32``: batch norm on half inputs computed in float32, so vmap can batch it.
+- ``parameters_kept``: a model's own parameters back in place after ``functional_call``.
 
 Engines never keep a graph beyond the rows they are computing, and never hold more than one
 group of rows, so memory does not grow with the number of classes.
@@ -240,6 +241,23 @@ def tree_map_tensors(fn: Any, tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
     return tree
+
+
+@contextlib.contextmanager
+def parameters_kept(model: nn.Module) -> Iterator[None]:
+    """Every module holds its own parameter objects again when the block ends.
+
+    ``torch.func.functional_call`` swaps parameters in and out; a module registered under two
+    names gets the swap twice and is left holding functorch tensors (a PyTorch quirk), which
+    corrupts the model for everything after. This puts the real parameters back regardless.
+    """
+    registered = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()]
+    try:
+        yield
+    finally:
+        for m, name, p in registered:
+            if m._parameters.get(name) is not p:
+                m._parameters[name] = p
 
 
 class NormInFloat32(TorchFunctionMode):

@@ -3,8 +3,9 @@
 For losses where every sample touches every L_c (``logit``, ``bce``, a user's callable, or any
 loss through BatchNorm in train mode). Per micro-batch the model runs forward once; then blocks
 of rows are VJPs of that micro-batch's contribution to L with one-hot cotangents
-(``torch.autograd.grad(..., is_grads_batched=True)``), all on the one graph, which is released
-after the last block. Rows over several micro-batches are summed.
+(``torch.func.vmap`` over ``torch.func.vjp``; ``torch.autograd.grad(..., is_grads_batched=True)``
+for models that cannot run under ``torch.func``), all on the one graph, which is released after
+the last block. Rows over several micro-batches are summed.
 
 Memory: with one micro-batch, blocks stream out as they are computed (one block of rows alive).
 With several, a group of at most ``group_rows`` rows (fewer if ``D`` is large) is accumulated
@@ -29,7 +30,7 @@ import torch
 
 from service.errors import ClassgradError
 from workers.amp import rows_with_rescale
-from workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock
+from workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
 
 log = logging.getLogger(__name__)
 
@@ -129,18 +130,10 @@ class DenseEngine(GradientEngine):
             self.loss.check_outputs(outputs)
             return self.loss.batch_losses(outputs, y, self.norm)
 
-        # functional_call swaps parameters in and out; a module registered under two names gets
-        # the swap twice and would be left holding functorch tensors: put the real ones back.
-        registered = [(m, name, q) for m in self.model.modules() for name, q in m._parameters.items()]
         # Half-precision batch norm: computed in float32, or its backward cannot be vmapped.
         norm = NormInFloat32() if self.precision.dtype != "fp32" else contextlib.nullcontext()
-        try:
-            with self.forward_context(mb.index), norm:
-                values, vjp_fn = vjp(contribution, params)
-        finally:
-            for m, name, q in registered:
-                if m._parameters.get(name) is not q:
-                    m._parameters[name] = q
+        with parameters_kept(self.model), self.forward_context(mb.index), norm:
+            values, vjp_fn = vjp(contribution, params)
         self.stats.forwards += 1
         return _FuncGraph(values.detach(), vjp_fn, names)
 

@@ -51,6 +51,7 @@ from workers.engines.base import (
     choice_clock,
     RowBlock,
     couples_samples,
+    parameters_kept,
     samples_independent,
     tree_map_tensors,
 )
@@ -317,16 +318,8 @@ class PartitionedEngine(GradientEngine):
         x, y = self.probe.batch(padded.reshape(-1), self.device, self.compute_dtype)
         x, y = tree_map_tensors(lambda t: t.reshape(k, width, *t.shape[1:]), (x, y))
         params = {s.name: p.detach() for s, p in zip(self.layout.slots, self.params)}
-        # functional_call swaps the parameters in and out; a module registered under two names
-        # gets the swap twice and is left holding functorch tensors (a PyTorch quirk), which
-        # corrupts the model for everything after. Put the real parameters back regardless.
-        registered = [(m, name, q) for m in self.model.modules() for name, q in m._parameters.items()]
-        try:
+        with parameters_kept(self.model):
             grads, values = self._vmapped(params, x, y, weights, scales.to(self.device, self.compute_dtype))
-        finally:
-            for m, name, q in registered:
-                if m._parameters.get(name) is not q:
-                    m._parameters[name] = q
         self.stats.forwards += 1
         self.stats.backwards += 1
         self.check_finite_loss(values.detach(), cls)
@@ -383,7 +376,8 @@ class PartitionedEngine(GradientEngine):
         handles += [m.register_forward_hook(keep) for m in layers]
         retry = False
         try:
-            with self.forward_context(0):
+            # parameters_kept: the real parameters are back even when the forward raised inside a layer.
+            with parameters_kept(self.model), self.forward_context(0):
                 out = self.model(x)
         except RuntimeError:
             # An in-place change of an output that starts the graph (a leaf) is refused by
@@ -394,8 +388,6 @@ class PartitionedEngine(GradientEngine):
         finally:
             for h in handles:
                 h.remove()
-            for m, kinds in real.items():  # also when the forward raised inside a layer
-                m._parameters.update(kinds)
         if retry:
             self._hook_clone = True
             return self._hook_rows(classes, scales, dest, where)
