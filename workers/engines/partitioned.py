@@ -60,8 +60,9 @@ from workers.engines.dense import ROW_BYTES_BUDGET
 log = logging.getLogger(__name__)
 
 # Rows of one group are written into one new buffer. Up to about this size the C allocator
-# recycles freed buffers; bigger ones are mapped fresh from the OS each time, and their first
-# write (page faults, zeroing by the kernel) costs several times the write itself.
+# recycles freed buffers; bigger ones are mapped fresh from the OS each time, whose first write
+# (page faults, zeroing by the kernel) was once measured several times slower than the write
+# itself (not reproduced since: benchmarks/diagnostics.py --sections page-faults). Harmless either way.
 GROUP_BYTES = 32 << 20
 
 # Speed choices measured once per process; they never change a row, only how fast it comes.
