@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -42,7 +41,6 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from common import Case, fmt_s, interleaved, make_case, print_table  # noqa: E402
@@ -250,20 +248,24 @@ def main() -> None:
     def target(name: str, value: float, goal: str, met: bool, detail: str = "") -> None:
         targets.append({"name": name, "value": value, "goal": goal, "met": met, "detail": detail})
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
     def save() -> None:  # after every table, so a long run that dies keeps what it measured
-        out.write_text(json.dumps(report, indent=1, default=str))
+        common.write_report(args.out, report)
+
+    def table(section: str, model: str, title: str, case: Case, methods: dict, engine: str) -> tuple[dict, dict]:
+        """Time and check one table's methods, summarise against ``engine``, print, record."""
+        res = run_table(case, methods, engine, reps)
+        methods.clear()  # drop the rows they hold before the memcpy is timed
+        summ = summarise(case, res, engine, common.memcpy_seconds(case.num_classes, case.dim, args.device))
+        show(title, case, res, engine, summ)
+        report["sections"].setdefault(section, {})[model] = {"case": case.name, "dim": case.dim,
+                                                             "results": res, "summary": summ}
+        return res, summ
 
     for model in models:
         if "partitioned" in sections:
             case = make_case(model, C, spc, **kw)
-            res = run_table(case, partitioned_methods(case, args), "classgrad_partitioned", reps)
-            summ = summarise(case, res, "classgrad_partitioned", common.memcpy_seconds(C, case.dim, args.device))
-            show("partitioned loss", case, res, "classgrad_partitioned", summ)
-            report["sections"].setdefault("partitioned", {})[model] = {"case": case.name, "dim": case.dim,
-                                                                      "results": res, "summary": summ}
+            _, summ = table("partitioned", model, "partitioned loss", case, partitioned_methods(case, args),
+                            "classgrad_partitioned")
             target(f"{model}: partitioned >= 2x the fastest alternative ({summ['best_alternative']})",
                    summ["speedup_vs_best_alternative"], ">= 2", summ["speedup_vs_best_alternative"] >= 2)
             target(f"{model}: partitioned within 1.3x of the floor", summ["engine_over_floor"], "<= 1.3",
@@ -277,11 +279,8 @@ def main() -> None:
             case = make_case(model, tiny_C, args.tiny_max, tiny=True, **kw)
             methods = partitioned_methods(case, args, with_dense=False,
                                           alternatives=("seed_loop", "trak_vmap", "opacus_hooks"))
-            res = run_table(case, methods, "classgrad_partitioned", reps)
-            summ = summarise(case, res, "classgrad_partitioned", common.memcpy_seconds(tiny_C, case.dim, args.device))
-            show(f"tiny classes (1..{args.tiny_max} samples)", case, res, "classgrad_partitioned", summ)
-            report["sections"].setdefault("tiny", {})[model] = {"case": case.name, "dim": case.dim,
-                                                               "results": res, "summary": summ}
+            _, summ = table("tiny", model, f"tiny classes (1..{args.tiny_max} samples)", case, methods,
+                            "classgrad_partitioned")
             target(f"{model}: tiny classes within 1.3x of the floor", summ["engine_over_floor"], "<= 1.3",
                    summ["engine_over_floor"] <= 1.3, floor_detail(summ))
             del case
@@ -289,11 +288,7 @@ def main() -> None:
         if "dense" in sections:
             dense_C = args.classes or (128 if q else 256)
             case = make_case(model, dense_C, max(spc, -(-dense_n // dense_C)), loss="logit", max_samples=dense_n, **kw)
-            res = run_table(case, dense_methods(case, args), "classgrad_dense", reps)
-            summ = summarise(case, res, "classgrad_dense", common.memcpy_seconds(dense_C, case.dim, args.device))
-            show("dense loss", case, res, "classgrad_dense", summ)
-            report["sections"].setdefault("dense", {})[model] = {"case": case.name, "dim": case.dim,
-                                                                "results": res, "summary": summ}
+            res, summ = table("dense", model, "dense loss", case, dense_methods(case, args), "classgrad_dense")
             target(f"{model}: dense at least as fast as the fastest alternative ({summ['best_alternative']})",
                    summ["speedup_vs_best_alternative"], ">= 1", summ["speedup_vs_best_alternative"] >= 1,
                    f"block size chosen automatically: {res['classgrad_dense'].get('block_rows')}")
@@ -333,16 +328,12 @@ def main() -> None:
             report["sections"].setdefault("scaling", {})[model] = rows_out
             save()
 
-    print("\n== targets")
-    print_table(["target", "measured", "goal", "met", "detail"],
-                [[t["name"], f"{t['value']:.2f}", t["goal"], "yes" if t["met"] else "NO", t["detail"]]
-                 for t in targets])
+    common.print_targets(targets)
     bad = [n for s in report["sections"].values() for m in s.values() if isinstance(m, dict)
            for n, r in m["results"].items() if r.get("allclose") is False]
     if bad:
         print(f"\nrows that differ from classgrad's: {bad}")
     save()
-    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,14 @@ ALT_FP16_SCALE = 2.0**10
 # --- machine and environment ---------------------------------------------------------------
 
 
+def loadavg() -> list[float]:
+    """The 1, 5 and 15-minute load averages, rounded (empty where the system has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
@@ -174,9 +182,6 @@ class Case:
         assert total is not None
         return total
 
-    def row_bytes(self) -> int:
-        return 4 * self.dim
-
 
 def make_model(kind: str, num_classes: int, *, width: int = 8, hidden: int = 64, seed: int = 0) -> nn.Module:
     if kind == "cnn":
@@ -285,8 +290,11 @@ def memcpy_seconds(num_rows: int, dim: int, device: torch.device | str = "cpu", 
 # result in ``holder`` (for the allclose check), so timing and checking use the same code.
 
 
-def flat(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
+def flat(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradients as one row (zeros for a missing one), written into ``out`` if given."""
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)],
+                     out=out)
 
 
 def _timed_forward(case: Case) -> tuple[torch.Tensor, float]:
@@ -326,8 +334,7 @@ def seed_loop(case: Case, classes: Sequence[int], holder: dict) -> Callable[[], 
 
     def one_row(loss: torch.Tensor, row: torch.Tensor) -> None:
         loss.backward(retain_graph=True)
-        torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                   for p in case.params], out=row)
+        flat([p.grad for p in case.params], case.params, out=row)
         for p in case.params:
             if p.grad is not None:
                 p.grad.zero_()
@@ -351,8 +358,7 @@ def grad_loop(case: Case, classes: Sequence[int], holder: dict) -> Callable[[], 
 
     def one_row(loss: torch.Tensor, row: torch.Tensor) -> None:
         g = torch.autograd.grad(loss, case.params, retain_graph=True, allow_unused=True)
-        torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1)
-                   for t, p in zip(g, case.params)], out=row)
+        flat(g, case.params, out=row)
 
     return _per_class_loop(case, classes, holder, one_row)
 
@@ -624,6 +630,16 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in cells[1:]:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def print_targets(targets: Sequence[dict[str, Any]], value_format: str = ".2f") -> None:
+    """The targets table: name, measured value, goal, met, and the detail column when any
+    target has one."""
+    detail = any("detail" in t for t in targets)
+    print("\n== targets")
+    print_table(["target", "measured", "goal", "met"] + (["detail"] if detail else []),
+                [[t["name"], format(t["value"], value_format), t["goal"], "yes" if t["met"] else "NO"]
+                 + ([t.get("detail", "")] if detail else []) for t in targets])
 
 
 def write_report(out: str | Path, report: dict[str, Any]) -> Path:

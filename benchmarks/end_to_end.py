@@ -45,10 +45,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-from common import fmt_s, print_table  # noqa: E402
+from common import fmt_s, loadavg, print_table  # noqa: E402
 
 OUT = common.OUT_DIR / "end_to_end.json"
 
@@ -80,13 +79,6 @@ def job_config(classes: int, spc: int, hidden: int, url: str, workers: int, shar
         "cluster": {"num_workers": workers, "num_cpus_per_worker": 1},
         "run": {"progress": "none"},
     }
-
-
-def loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
@@ -304,10 +296,7 @@ def main() -> None:
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
     report["loadavg_after"] = loadavg()
-    print("\n== targets")
-    print_table(["target", "measured", "goal", "met", "detail"],
-                [[t["name"], f"{t['value']:.2f}", t["goal"], "yes" if t["met"] else "NO", t["detail"]]
-                 for t in report["targets"]])
+    common.print_targets(report["targets"])
     common.write_report(args.out, report)
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from common import print_table  # noqa: E402
@@ -120,9 +119,7 @@ def main() -> None:
         ratio = max(peaks) / min(peaks)
         targets.append({"name": f"{shape}: peak RSS C={classes[-1]:,} vs C={classes[0]:,}", "value": ratio,
                         "goal": "<= 1.10", "met": ratio <= 1.10})
-    print()
-    print_table(["target", "measured", "goal", "met"],
-                [[t["name"], f"{t['value']:.3f}", t["goal"], "yes" if t["met"] else "NO"] for t in targets])
+    common.print_targets(targets, ".3f")
     report = {"machine": common.machine_info(), "args": vars(args), "results": results, "targets": targets}
     common.write_report(args.out, report)
 

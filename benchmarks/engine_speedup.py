@@ -26,13 +26,11 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from common import Case, fmt_s, make_case, print_table  # noqa: E402
 
 from workers.amp import PrecisionPolicy  # noqa: E402
-from workers.engines import build_engine  # noqa: E402
 from workers.layout import ParamLayout  # noqa: E402
 from workers.probe import ProbeSet  # noqa: E402
 
@@ -55,14 +53,11 @@ def load_baseline(rev: str, tmp: Path) -> dict[str, type]:
     return classes
 
 
-def engine_run(case: Case, cls: type | None, kind: str, holder: dict):
+def baseline_run(case: Case, cls: type, holder: dict):
+    """The baseline engine, built fresh each run, all rows kept (``common.classgrad`` for now's)."""
     def run() -> None:
-        if cls is None:
-            eng = build_engine(case.model, (case.x, case.y), num_classes=case.num_classes, loss=case.loss,
-                               engine=kind, batch_size=case.batch_size)
-        else:
-            eng = cls(case.model, ProbeSet((case.x, case.y), batch_size=case.batch_size), case.loss,
-                      ParamLayout.from_model(case.model), precision=PrecisionPolicy(case.precision))
+        eng = cls(case.model, ProbeSet((case.x, case.y), batch_size=case.batch_size), case.loss,
+                  ParamLayout.from_model(case.model), precision=PrecisionPolicy(case.precision))
         holder["blocks"] = [b.rows for b in eng.iter_blocks(range(case.num_classes))]
         holder["classes"] = list(range(case.num_classes))
     return run
@@ -93,8 +88,8 @@ def main() -> None:
         for kind, kw in cases:
             case = make_case(**kw)
             old, new = {}, {}
-            t = common.interleaved({"baseline": engine_run(case, baseline[kind], kind, old),
-                                    "now": engine_run(case, None, kind, new)}, reps)
+            t = common.interleaved({"baseline": baseline_run(case, baseline[kind], old),
+                                    "now": common.classgrad(case, new, kind)}, reps)
             ok, err = common.compare(common.held_rows(new), new["classes"], common.held_rows(old), old["classes"],
                                      "fp32")
             rows.append({"engine": kind, "case": case.name, "dim": case.dim, "baseline_s": t["baseline"].best,

@@ -13,9 +13,9 @@ and extrapolated per row (said in the table). TRAK-style per-sample gradients ru
 parameters (Opacus itself refuses BatchNorm).
 
 "Kernel time / wall" is the sum of the GPU kernel times that torch.profiler records for one run
-of the method, over that run's wall time: near 1 means the GPU is kept busy, far below 1 means
-the method is launch- or host-bound. fp16 alternatives use a fixed loss scale of 1024;
-classgrad scales per row and recomputes overflowed rows.
+of the method, over the method's best wall time in the timed runs: near 1 means the GPU is kept
+busy, far below 1 means the method is launch- or host-bound. fp16 alternatives use a fixed loss
+scale of 1024; classgrad scales per row and recomputes overflowed rows.
 
 Run on a GPU machine (needs no Ray):
 
@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-from alternatives import add, subset  # noqa: E402
+from alternatives import add, run_table, subset  # noqa: E402
 from common import Case, fmt_s, print_table  # noqa: E402
 
 from workers import zoo  # noqa: E402
@@ -101,29 +99,17 @@ def run_precision(args, precision: str) -> dict[str, Any]:
         f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "")
     add(m, "classgrad_partitioned", lambda h: _rescaled(common.classgrad(case, h, "partitioned", rows), scale_to_rows))
 
-    timings = common.interleaved({n: v[0] for n, v in m.items()}, args.reps, case.device)
-    ref = m["classgrad_partitioned"][1]
-    ref_rows, ref_classes = common.held_rows(ref), ref["classes"]
-    results: dict[str, Any] = {}
-    t_eng = timings["classgrad_partitioned"].best
-    for name, (fn, holder, note) in m.items():
-        r: dict[str, Any] = {"seconds": timings[name].best, "median_s": timings[name].median, "note": note,
-                             "rows_per_s": len(rows) / timings[name].best}
-        if "rows" in holder or "blocks" in holder:
-            r["allclose"], r["max_rel_err"] = common.compare(common.held_rows(holder), holder["classes"], ref_rows,
-                                                             ref_classes, precision)
-        if "engine" in holder:
-            r["engine_notes"] = list(holder["engine"].stats.notes)
-        results[name] = r
-        holder.clear()
+    results = run_table(case, m, "classgrad_partitioned", args.reps)
+    for r in results.values():
+        r["rows_per_s"] = len(rows) / r["seconds"]  # per computed row (run_table's is per class of C)
+    for _, holder, _ in m.values():
+        holder.clear()  # the rows (65 MB each) are checked: free them before the profiled runs
+    t_eng = results["classgrad_partitioned"]["seconds"]
     for name in ("floor", "classgrad_partitioned", "trak_vmap"):
-        fn = m[name][0]
-        common.sync(case.device)
-        t0 = time.perf_counter()
-        fn()
-        common.sync(case.device)
-        wall = time.perf_counter() - t0
-        k = kernel_time(fn, case.device)
+        # Wall time: the best of the timed runs above (the same callable, synchronised); the
+        # profiled run only gives the kernel time (and is skipped off CUDA).
+        wall = results[name]["seconds"]
+        k = kernel_time(m[name][0], case.device)
         results[name]["profiled_wall_s"] = wall
         results[name]["kernel_s"] = k
         results[name]["kernel_over_wall"] = None if k is None else k / wall

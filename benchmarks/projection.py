@@ -24,39 +24,22 @@ Prints a table and writes ``benchmarks/out/projection.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import print_table  # noqa: E402
 
 from workers.projection import HASH_NAME, Projector  # noqa: E402
 
 GOAL = 0.50
-OUT = Path(__file__).resolve().parent / "out" / "projection.json"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-_clock = time.perf_counter
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    _sync(device)
-    start = _clock()
-    fn()
-    _sync(device)
-    return _clock() - start
+OUT = common.OUT_DIR / "projection.json"
 
 
 def matmul_only(x: torch.Tensor, block: torch.Tensor, block_rows: int) -> torch.Tensor:
@@ -79,16 +62,14 @@ def generation_ns_per_entry(p: Projector, device: torch.device, reps: int) -> fl
         for i in range(blocks):
             p._generate(0, i * block_rows, (i + 1) * block_rows, device, buf)
 
-    run()  # warm up (allocator, tables)
-    best = min(timed(run, device) for _ in range(reps))
+    best = common.interleaved({"generate": run}, reps, device)["generate"].best  # after a warm-up run
     return best / (blocks * block_rows * p.dim) * 1e9
 
 
 def peak_matmul_gflops(device: torch.device, reps: int, n: int = 4096) -> float:
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-    torch.mm(a, b)
-    best = min(timed(lambda: torch.mm(a, b), device) for _ in range(reps))
+    best = common.interleaved({"mm": lambda: torch.mm(a, b)}, reps, device)["mm"].best  # after a warm-up run
     return 2 * n**3 / best / 1e9
 
 
@@ -107,17 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, help="repetitions, best kept (default 3, quick 2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+    parser.add_argument("--clock", default="wall", choices=["cpu", "wall"],
                         help="wall: elapsed time; cpu: this process's CPU time, which other "
                         "processes on a shared machine disturb far less (use with --threads 1; "
                         "with more threads it also counts their spin-waiting)")
     parser.add_argument("--out", default=str(OUT), help="JSON output path")
     args = parser.parse_args(argv)
 
-    global _clock
-    _clock = CLOCKS[args.clock]
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu only measures CPU work")
+    common.set_clock(args.clock)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     d = args.dim_in or (1 << 18 if args.quick else 1 << 20)
@@ -152,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 if kind != "rademacher" and b != gauss_b:
                     continue
                 x = x_all[:b]
-                best_proj = best_mm = float("inf")
-                for _ in range(reps):  # interleaved, so a disturbance hits both
-                    best_mm = min(best_mm, timed(lambda: matmul_only(x, block, block_rows), device))
-                    best_proj = min(best_proj, timed(lambda: p.project(x), device))
+                # Interleaved, so a disturbance hits both; no warm-up (generation and peak ran first).
+                t = common.interleaved({"matmul": lambda: matmul_only(x, block, block_rows),
+                                        "project": lambda: p.project(x)}, reps, device, warmup=False)
+                best_mm, best_proj = t["matmul"].best, t["project"].best
                 flops = 2 * b * d * k
                 row = {
                     "kind": kind, "b": b, "dim_in": d, "k": k, "block_rows": block_rows,
@@ -172,24 +152,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"ratio {row['ratio']:.2f}", flush=True)
     load_after = os.getloadavg()
 
-    header = (f"{'kind':<11} {'b':>5} {'block':>6} {'proj s':>8} {'proj GF/s':>10} {'mm GF/s':>8} "
-              f"{'ratio':>6} {'vs peak':>8} {'rows/s':>8} {'>=50%':>6}")
     print()
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(f"{r['kind']:<11} {r['b']:>5} {r['block_rows']:>6} {r['project_s']:>8.2f} "
-              f"{r['project_gflops']:>10.1f} {r['matmul_gflops']:>8.1f} {r['ratio']:>6.2f} "
-              f"{r['ratio_to_peak']:>8.2f} {r['rows_per_s']:>8.1f} {'yes' if r['goal_met'] else 'no':>6}")
+    print_table(["kind", "b", "block", "proj s", "proj GF/s", "mm GF/s", "ratio", "vs peak", "rows/s", ">=50%"],
+                [[r["kind"], r["b"], r["block_rows"], f"{r['project_s']:.2f}", f"{r['project_gflops']:.1f}",
+                  f"{r['matmul_gflops']:.1f}", f"{r['ratio']:.2f}", f"{r['ratio_to_peak']:.2f}",
+                  f"{r['rows_per_s']:.1f}", "yes" if r["goal_met"] else "no"] for r in results])
     print(f"\nmatmul = torch.mm of the projection's own shapes without generation; peak = square "
           f"4096^3 mm ({peak:.0f} GFLOP/s). Goal: ratio >= {GOAL:.0%}.")
     print(f"1-min load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f} on "
           f"{os.cpu_count()} CPUs (other processes disturb CPU timings)")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    common.write_report(args.out, {
         "benchmark": "projection",
+        "machine": common.machine_info(),
         "device": str(device),
         "processor": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
@@ -202,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before_after": [load_before, load_after],
         "goal": GOAL,
         "results": results,
-    }, indent=2))
-    print(f"wrote {out}")
+    })
     return 0
 
 
