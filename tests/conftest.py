@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +18,14 @@ import uuid
 
 import pytest
 
+from tests.integration.cluster import free_port  # stdlib only: cheap to import here
+
 _MOTO_START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("moto") / "moto.log"
     with open(log_path, "wb") as log:

@@ -4,37 +4,31 @@
   workers' PYTHONPATH (so ``tests.integration.slow_models`` imports there), shut down after.
 - ``job_config``: builds a small, fast job config (a dict of overrides on top of defaults) whose
   store lives under tmp_path.
-- ``cli_env``: environment for running ``classgrad`` in a subprocess (repository on PYTHONPATH).
+
+Running ``classgrad`` in a subprocess: ``harness.classgrad_cli`` / ``harness.start_cli``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from service.config import JobConfig
-from tests.integration.harness import fresh_ray_auth_afterwards
-
-REPO = Path(__file__).resolve().parents[2]
-CLASSGRAD = [sys.executable, "-m", "service.cli"]
-
-
-def _with_repo_on_path(env: dict[str, str]) -> dict[str, str]:
-    env = dict(env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
+from tests.integration.harness import fresh_ray_auth_afterwards, repo_env
 
 
 @pytest.fixture(scope="module")
 def ray_local():
+    """A local Ray in this process for the module. Its teardown also leaves this process's Ray
+    auth state as a new process would find it (``harness.fresh_ray_auth_afterwards``, around
+    ``ray.init`` and ``ray.shutdown``), so later modules find no stale token: a module that starts
+    Ray in this process only through this fixture needs no fixture of its own for that."""
     import ray
 
     old = os.environ.get("PYTHONPATH")
-    os.environ.update(_with_repo_on_path({"PYTHONPATH": old or ""}))
+    os.environ.update(repo_env({"PYTHONPATH": old or ""}))
     with fresh_ray_auth_afterwards():
         ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
         try:
@@ -72,13 +66,3 @@ def job_config(tmp_path):
         return JobConfig.model_validate(small_job(str(tmp_path / "store.zarr"), **sections))
 
     return make
-
-
-def repo_env() -> dict[str, str]:
-    """This process's environment with the repository on PYTHONPATH, for subprocesses."""
-    return _with_repo_on_path(dict(os.environ))
-
-
-@pytest.fixture
-def cli_env() -> dict[str, str]:
-    return repo_env()

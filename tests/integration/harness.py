@@ -13,6 +13,7 @@
 - ``store_arrays``: rows, loss and count of a complete store (``rows`` raises if any row of a
   done shard is missing, or if a shard is not done).
 - ``assert_identical``: two such results are bit-identical.
+- ``reference_rows``: the float64 reference engine's rows for a job file (with overrides).
 - ``tmpfs``: a small real filesystem mounted for a test (a full disk, a read-only one).
 - ``ray_processes``, ``listening``, ``job_api_without_token``: the processes of a Ray instance,
   the TCP ports they listen on, and what a client without a token gets from each (loopback only).
@@ -157,6 +158,24 @@ def store_arrays(url: str, **options) -> dict[str, np.ndarray]:
 def assert_identical(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
     for name in ("rows", "loss", "count"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tensor:
+    """Rows of the float64 reference engine for the job's model (without its sleep, where it is a
+    ``slow_models`` one with ``delay_s``) and data. ``config_path`` is relative to the repository
+    root (or absolute)."""
+    from service.config import load_config
+    from workers.engines import per_class_gradients
+    from workers.factory import build_model, build_probe
+
+    config = load_config(REPO / config_path, overrides)
+    kwargs = {**config.model.kwargs, **({"delay_s": 0.0} if "delay_s" in config.model.kwargs else {})}
+    model = build_model(config.model.factory, kwargs, mode=config.model.mode).double()
+    # The whole probe set in one batch: a job's small batch may only exist to slow it down, and
+    # the reference loop would pay it once per class (rows do not depend on it).
+    probe = build_probe(config.data.factory, config.data.kwargs, batch_size=4096)
+    return per_class_gradients(model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind,
+                               params=list(config.params.include), engine="reference")
 
 
 def uninterrupted(config: JobConfig) -> dict[str, np.ndarray]:

@@ -40,21 +40,12 @@ from tests.integration.harness import (
     assert_identical,
     classgrad_cli,
     error_lines,
-    fresh_ray_auth_afterwards,
     store_arrays,
     tmpfs,
     trusted_state,
     uninterrupted,
     write_job,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_ray_auth_afterwards():
-    # Set up before ray_local, torn down after it: later modules find no stale token.
-    with fresh_ray_auth_afterwards():
-        yield
-
 
 C = 48
 

@@ -16,9 +16,15 @@ import numpy as np
 import pytest
 import yaml
 
-from service.errors import StoreError
 from service.store import open_store
-from tests.integration.conftest import CLASSGRAD, repo_env, small_job
+from tests.integration.conftest import small_job
+from tests.integration.harness import (
+    classgrad_cli,
+    kill_session,
+    shards_done,
+    start_cli,
+    wait_for,
+)
 
 SLOW = {
     "model": {"factory": "tests.integration.slow_models:slow_mlp",
@@ -35,13 +41,6 @@ def write_config(tmp_path, name: str, **sections) -> tuple[str, str]:
     return str(path), url
 
 
-def shards_done(url: str) -> int:
-    try:
-        return int(open_store(url).shard_done.sum())
-    except StoreError:
-        return 0  # not created yet
-
-
 def settled_shards_done(url: str, quiet_s: float = 3.0, timeout: float = 60.0) -> int:
     """Shards done once no new one has appeared for ``quiet_s`` seconds."""
     deadline = time.monotonic() + timeout
@@ -55,31 +54,8 @@ def settled_shards_done(url: str, quiet_s: float = 3.0, timeout: float = 60.0) -
     return last
 
 
-def start(config: str, env: dict) -> subprocess.Popen:
-    # A session of its own, so the test can clean up the Ray processes the driver started.
-    return subprocess.Popen([*CLASSGRAD, "run", config], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def wait_for_shards(proc: subprocess.Popen, url: str, n: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while shards_done(url) < n:
-        assert proc.poll() is None, f"job ended early: {proc.communicate()}"
-        assert time.monotonic() < deadline, "job made no progress"
-        time.sleep(0.1)
-
-
-def kill_session(proc: subprocess.Popen) -> None:
-    """Remove whatever the driver left (its local Ray), as a crashed machine would."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def run_to_end(config: str, env: dict) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*CLASSGRAD, "run", config], env=env, capture_output=True, text=True, timeout=300,
-                          start_new_session=True)
+def run_to_end(config: str) -> subprocess.CompletedProcess:
+    proc = classgrad_cli("run", config, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -88,15 +64,16 @@ def run_to_end(config: str, env: dict) -> subprocess.CompletedProcess:
 def uninterrupted(tmp_path_factory) -> np.ndarray:
     tmp = tmp_path_factory.mktemp("clean")
     config, url = write_config(tmp, "clean", **SLOW)
-    run_to_end(config, repo_env())
+    run_to_end(config)
     return open_store(url).rows(np.arange(48))
 
 
-def test_sigkill_driver_then_rerun_skips_done_shards(tmp_path, cli_env, uninterrupted):
+def test_sigkill_driver_then_rerun_skips_done_shards(tmp_path, uninterrupted):
     config, url = write_config(tmp_path, "killed", **SLOW)
-    proc = start(config, cli_env)
+    # A session of its own (start_cli), so kill_session removes the local Ray the driver started.
+    proc = start_cli("run", config)
     try:
-        wait_for_shards(proc, url, 3)
+        wait_for(lambda: shards_done(url) >= 3, 120, "3 shards done", alive=proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -107,7 +84,7 @@ def test_sigkill_driver_then_rerun_skips_done_shards(tmp_path, cli_env, uninterr
     store = open_store(url)
     assert 3 <= done_before < store.num_shards
 
-    rerun = run_to_end(config, cli_env)
+    rerun = run_to_end(config)
     store = open_store(url)
     last = store.attrs["runs"][-1]
     assert store.is_complete and last["status"] == "complete"
@@ -118,11 +95,11 @@ def test_sigkill_driver_then_rerun_skips_done_shards(tmp_path, cli_env, uninterr
     np.testing.assert_array_equal(store.rows(np.arange(48)), uninterrupted)
 
 
-def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, cli_env, uninterrupted):
+def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, uninterrupted):
     config, url = write_config(tmp_path, "interrupted", **SLOW)
-    proc = start(config, cli_env)
+    proc = start_cli("run", config)
     try:
-        wait_for_shards(proc, url, 2)
+        wait_for(lambda: shards_done(url) >= 2, 120, "2 shards done", alive=proc)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -132,7 +109,7 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, cli_env, uninterr
     store = open_store(url)
     assert store.attrs["runs"][-1]["status"] == "interrupted"
     assert store.lease_info() is None, "an interrupted run must release its lease"
-    run_to_end(config, cli_env)
+    run_to_end(config)
     np.testing.assert_array_equal(open_store(url).rows(np.arange(48)), uninterrupted)
 
 
@@ -141,9 +118,9 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, cli_env, uninterr
     ({"model": {"kwargs": {"num_classes": 47, "width": 4}}},
      r"model output has shape (4, 47), expected (batch, 48)"),
 ])
-def test_bad_config_prints_one_line_and_creates_no_store(tmp_path, cli_env, sections, message):
+def test_bad_config_prints_one_line_and_creates_no_store(tmp_path, sections, message):
     config, url = write_config(tmp_path, "bad", **sections)
-    proc = subprocess.run([*CLASSGRAD, "run", config], env=cli_env, capture_output=True, text=True, timeout=120)
+    proc = classgrad_cli("run", config, timeout=120)
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "classgrad:" in line]
     assert len(errors) == 1 and message in errors[0], proc.stderr

@@ -26,17 +26,14 @@ import pytest
 import torch
 
 from service.cli import main as cli_main
-from service.config import load_config
 from service.errors import StoreError
 from service.store import open_store
 from tests.integration.cluster import LocalRayCluster, free_port
+from tests.integration.harness import REPO, classgrad_cli, reference_rows, start_cli
 from tests.unit.engine_cases import max_relative_error
-from workers.engines import per_class_gradients
-from workers.factory import build_model, build_probe
 
 pytestmark = pytest.mark.slow  # real multi-node Ray clusters; deselect with -m "not slow"
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/cluster_s3.yaml"
 JOB_TIMEOUT_S = 240
 # The slow variant for the fault test: one forward per class (batch of 2 = one class's samples)
@@ -51,31 +48,13 @@ def cluster():
         yield c
 
 
-def classgrad(*args: str, env: dict, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Our CLI in a fresh process, from the repository root (the working dir it uploads)."""
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def reference_rows(overrides: list[str]) -> torch.Tensor:
-    """Rows of the float64 reference engine for the job's model (without its sleep) and data."""
-    config = load_config(REPO / CONFIG, overrides)
-    kwargs = {**config.model.kwargs, **({"delay_s": 0.0} if "delay_s" in config.model.kwargs else {})}
-    model = build_model(config.model.factory, kwargs, mode=config.model.mode).double()
-    # The whole probe set in one batch: the fault test's batch of 2 only exists to slow the job
-    # down, and the reference loop would pay it once per class (rows do not depend on it).
-    probe = build_probe(config.data.factory, config.data.kwargs, batch_size=4096)
-    return per_class_gradients(model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind,
-                               params=list(config.params.include), engine="reference")
-
-
 def check_store(url: str, overrides: list[str]) -> dict:
     """The store is complete, its rows equal the reference engine's; returns its last run."""
     store = open_store(url)
     assert store.is_complete and store.shard_done.all()
     rows = torch.from_numpy(store.rows(np.arange(store.num_classes)))
     # float32 rows against the float64 reference: the engine contract (tests/unit/test_engines.py).
-    assert max_relative_error(rows, reference_rows(overrides)) <= 1e-6
+    assert max_relative_error(rows, reference_rows(CONFIG, overrides)) <= 1e-6
     run = store.attrs["runs"][-1]
     assert run["status"] == "complete"
     return run
@@ -95,8 +74,8 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     overrides = [*SLOW, f"store.url={store}"]
     sets = [a for o in overrides for a in ("--set", o)]
     env = cluster.client_env()
-    first = subprocess.Popen([sys.executable, "-m", "service.cli", "submit", CONFIG, "--address", cluster.dashboard_url,
-                              *sets], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Our CLI runs from the repository root (harness.start_cli / classgrad_cli): the working dir it uploads.
+    first = start_cli("submit", CONFIG, "--address", cluster.dashboard_url, *sets, env=env)
     try:
         _wait_for_progress(store, 2, None)
         out, err = first.communicate(timeout=60)
@@ -109,9 +88,10 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
 
     # `jobs stop` reaches the driver as SIGINT (service/submit.py STOP_ENV): it records the run
     # as interrupted and releases the store's lease before Ray's SIGKILL.
-    stop = classgrad("jobs", "stop", job_id, "--wait", "--address", cluster.dashboard_url, env=env, timeout=90)
+    stop = classgrad_cli("jobs", "stop", job_id, "--wait", "--address", cluster.dashboard_url, env=env, timeout=90)
     assert stop.returncode == 0 and "stop requested" in stop.stdout, stop.stdout + stop.stderr
-    status = classgrad("jobs", "status", job_id, "--json", "--address", cluster.dashboard_url, env=env, timeout=60)
+    status = classgrad_cli("jobs", "status", job_id, "--json", "--address", cluster.dashboard_url, env=env,
+                          timeout=60)
     assert status.returncode == 0 and '"status": "STOPPED"' in status.stdout, status.stdout + status.stderr
     # The entrypoint is the module form, joining the cluster it runs in (see service/submit.py).
     assert f"python -m service.cli run {CONFIG}" in status.stdout and "cluster.address=auto" in status.stdout
@@ -121,7 +101,8 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     assert 2 <= done_at_stop < stopped.num_shards
 
     # The same command again resumes: done shards are skipped, the rest computed on two nodes.
-    again = classgrad("submit", CONFIG, "--address", cluster.dashboard_url, "--follow", *sets, env=env)
+    again = classgrad_cli("submit", CONFIG, "--address", cluster.dashboard_url, "--follow", *sets, env=env,
+                          timeout=JOB_TIMEOUT_S)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert ": complete" in again.stdout
     run = check_store(store, overrides)
@@ -141,8 +122,8 @@ def test_ray_job_submit_runs_the_same_job(cluster, tmp_path):
          "--set", f"store.url={store}", "--set", "cluster.address=auto"],
         cwd=REPO, env=cluster.client_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    status = classgrad("jobs", "status", job_id, "--address", cluster.dashboard_url,
-                       env=cluster.client_env(), timeout=60)
+    status = classgrad_cli("jobs", "status", job_id, "--address", cluster.dashboard_url,
+                           env=cluster.client_env(), timeout=60)
     assert status.returncode == 0 and f"job         {job_id}: SUCCEEDED" in status.stdout, status.stdout
     run = check_store(store, [f"store.url={store}"])
     assert len(set(run["nodes"])) == 2
@@ -188,9 +169,9 @@ def test_clients_without_the_token_are_refused(cluster, tmp_path, monkeypatch, c
 
 def test_a_failing_job_exits_3_with_its_own_error_line(cluster, tmp_path):
     # The factory's syntax is valid (checked locally), the module exists nowhere (found remotely).
-    r = classgrad("submit", CONFIG, "--address", cluster.dashboard_url, "--follow",
-                  "--set", f"store.url={tmp_path / 'bad.zarr'}", "--set", "model.factory=no_such_module:net",
-                  env=cluster.client_env())
+    r = classgrad_cli("submit", CONFIG, "--address", cluster.dashboard_url, "--follow",
+                      "--set", f"store.url={tmp_path / 'bad.zarr'}", "--set", "model.factory=no_such_module:net",
+                      env=cluster.client_env(), timeout=JOB_TIMEOUT_S)
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 3 and last.startswith("classgrad: error: job raysubmit_"), r.stderr[-2000:]
     assert " FAILED: classgrad: error: " in last and "no_such_module" in last, last
@@ -215,10 +196,8 @@ def _wait_for_progress(url: str, shards: int, proc: subprocess.Popen | None, tim
 def test_a_stopped_worker_node_mid_job_still_gives_a_complete_correct_store(cluster, tmp_path):
     store = str(tmp_path / "fault.zarr")
     overrides = [*SLOW, f"store.url={store}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "submit", CONFIG, "--address", cluster.dashboard_url, "--follow",
-         *[a for o in overrides for a in ("--set", o)]],
-        cwd=REPO, env=cluster.client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_cli("submit", CONFIG, "--address", cluster.dashboard_url, "--follow",
+                     *[a for o in overrides for a in ("--set", o)], env=cluster.client_env())
     try:
         done_before = _wait_for_progress(store, 3, proc)
         actors = cluster.actor_nodes("classgrad-")

@@ -32,21 +32,12 @@ from tests.integration.conftest import small_job
 from tests.integration.harness import (
     assert_identical,
     error_lines,
-    fresh_ray_auth_afterwards,
     shards_done,
     store_arrays,
     uninterrupted,
     wait_for,
     write_job,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_ray_auth_afterwards():
-    # Set up before ray_local, torn down after it: later modules find no stale token.
-    with fresh_ray_auth_afterwards():
-        yield
-
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -12,25 +12,19 @@ of the store, the job's logs and entrypoint, the client's output.
 from __future__ import annotations
 
 import secrets
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from service.config import load_config
 from service.store import open_store
 from tests.integration.cluster import LocalRayCluster
+from tests.integration.harness import classgrad_cli, reference_rows
 from tests.unit.engine_cases import max_relative_error
-from workers.engines import per_class_gradients
-from workers.factory import build_model, build_probe
 
 import s3fs  # noqa: E402
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster; deselect with -m "not slow"
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/cluster_s3.yaml"
 JOB_TIMEOUT_S = 240
 # Fresh, recognisable values per run: moto accepts any credentials, and a random secret cannot
@@ -47,25 +41,12 @@ def s3_cluster(s3_server: str):
         yield cluster
 
 
-def classgrad(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-
-
-def reference_rows(overrides: list[str]) -> torch.Tensor:
-    config = load_config(REPO / CONFIG, overrides)
-    model = build_model(config.model.factory, config.model.kwargs, mode=config.model.mode).double()
-    probe = build_probe(config.data.factory, config.data.kwargs, batch_size=4096)
-    return per_class_gradients(model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind,
-                               params=list(config.params.include), engine="reference")
-
-
 def test_s3_store_end_to_end_without_credentials_anywhere(s3_cluster, s3_server, s3_bucket):
     url = f"s3://{s3_bucket}/jobs/cluster_s3.zarr"
     # The submitting machine has no credentials: only the cluster's nodes do.
     client_env = {k: v for k, v in s3_cluster.client_env().items() if not k.startswith("AWS_")}
-    r = classgrad("submit", CONFIG, "--address", s3_cluster.dashboard_url, "--follow", "--set", f"store.url={url}",
-                  env=client_env)
+    r = classgrad_cli("submit", CONFIG, "--address", s3_cluster.dashboard_url, "--follow", "--set", f"store.url={url}",
+                      env=client_env, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     job_id = r.stdout.splitlines()[0].strip()
 
@@ -74,7 +55,7 @@ def test_s3_store_end_to_end_without_credentials_anywhere(s3_cluster, s3_server,
     assert store.is_complete
     rows = torch.from_numpy(store.rows(np.arange(store.num_classes)))
     # float32 rows against the float64 reference: the engine contract (tests/unit/test_engines.py).
-    assert max_relative_error(rows, reference_rows([f"store.url={url}"])) <= 1e-6
+    assert max_relative_error(rows, reference_rows(CONFIG, [f"store.url={url}"])) <= 1e-6
     run = store.attrs["runs"][-1]
     assert run["status"] == "complete" and len(set(run["nodes"])) == 2  # written from both nodes
     assert store.attrs["config"]["store"]["storage_options"] == {}
@@ -88,8 +69,10 @@ def test_s3_store_end_to_end_without_credentials_anywhere(s3_cluster, s3_server,
         for secret in (KEY_ID, SECRET, s3_server):
             assert secret.encode() not in data, (secret, key)
     # ... nor in what the driver printed (the job's logs), the job's record, or the client output.
-    logs = classgrad("jobs", "logs", job_id, "--address", s3_cluster.dashboard_url, env=client_env)
-    status = classgrad("jobs", "status", job_id, "--json", "--address", s3_cluster.dashboard_url, env=client_env)
+    logs = classgrad_cli("jobs", "logs", job_id, "--address", s3_cluster.dashboard_url, env=client_env,
+                         timeout=JOB_TIMEOUT_S)
+    status = classgrad_cli("jobs", "status", job_id, "--json", "--address", s3_cluster.dashboard_url,
+                           env=client_env, timeout=JOB_TIMEOUT_S)
     assert logs.returncode == 0 and "complete" in logs.stdout and '"SUCCEEDED"' in status.stdout
     for text in (logs.stdout, logs.stderr, status.stdout, r.stdout, r.stderr):
         assert KEY_ID not in text and SECRET not in text

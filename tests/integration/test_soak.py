@@ -33,20 +33,12 @@ from service.store import open_store
 from tests.integration.conftest import small_job
 from tests.integration.harness import (
     assert_identical,
-    fresh_ray_auth_afterwards,
     store_arrays,
     uninterrupted,
     wait_for,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_ray_auth_afterwards():
-    # Set up before ray_local, torn down after it: later modules find no stale token.
-    with fresh_ray_auth_afterwards():
-        yield
 
 C = 20_000
 SHARD_ROWS = 500  # 40 shards of ~0.2 s each on one core
