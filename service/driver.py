@@ -67,14 +67,10 @@ def prepare_store(config: JobConfig) -> PreparedJob:
     Every user error (bad factory, wrong output width, labels out of range, patterns that
     select nothing, a store made by another config) is raised here, before a store exists.
     """
-    from workers.actor import build_projector
-    from workers.factory import build_job_engine, preflight
+    from workers.actor import checked_engine
 
-    engine = build_job_engine(config, device="cpu")
-    preflight(engine)
+    engine, projector, dim = checked_engine(config, device="cpu")
     layout = engine.layout
-    projector = build_projector(config, layout.slots, layout.dim)
-    dim = projector.out_dim if projector else layout.dim
     spec = StoreSpec(
         num_classes=config.loss.num_classes,
         dim=dim,

@@ -1,8 +1,9 @@
 """``classgrad estimate``: what a job will cost, from its config and a short measured run.
 
 Holds ``Estimate`` and ``estimate_job``: the store's size (from the shapes alone), and the
-rows/s and peak memory of one actor, measured by running the job's own engine (and projection)
-on a sample of classes spread over the whole range, after a short warm-up that absorbs one-off
+rows/s and peak memory of one actor, measured by running the job's own engine (and projection,
+batched as a worker batches it: ``workers.actor.stored_blocks``) on a sample of classes spread
+over the whole range, after a short warm-up that absorbs one-off
 costs (tracing, block-size measurement). The job's rate assumes actors scale linearly, which
 ``benchmarks/end_to_end.py`` checks.
 """
@@ -63,14 +64,10 @@ def _peak_rss_bytes() -> int:
 def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str | None = None) -> Estimate:
     import torch
 
-    from workers.actor import build_projector
-    from workers.factory import build_job_engine, preflight
+    from workers.actor import checked_engine, project_rows_for, stored_blocks
 
-    engine = build_job_engine(config, device=device)
-    preflight(engine)
-    layout = engine.layout
-    projector = build_projector(config, layout.slots, layout.dim)
-    dim = projector.out_dim if projector else layout.dim
+    engine, projector, dim = checked_engine(config, device=device)
+    project_rows = project_rows_for(engine.layout.dim)
     C = config.loss.num_classes
     n = min(C, sample_rows or max(2 * config.store.row_chunk, 64))
     # Classes spread over the whole range: class sizes (and so partitioned cost) vary along it.
@@ -78,9 +75,9 @@ def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str 
     warm = sample[: max(1, min(len(sample) // 4, 16))]
 
     def compute(classes: list[int]) -> None:
-        for block in engine.iter_blocks(classes):
-            if projector is not None:
-                projector.project(block.rows.float())
+        # What a worker computes: engine blocks, gathered up to project_rows and projected.
+        for _ in stored_blocks(engine, projector, classes, project_rows):
+            pass
 
     compute(warm)
     if engine.device.type == "cuda":

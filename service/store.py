@@ -96,7 +96,7 @@ import struct
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c
@@ -128,8 +128,6 @@ _BF16_NAN = 0x7FC0
 # A row's max |stored value| is kept below 2**_TOP_EXP: float16 tops out at 65504 (~2**16),
 # so two binades of headroom keep rounding and later arithmetic from overflowing.
 _TOP_EXP = 14
-# verify_chunks reads this many elements per request at most (256 MiB of float32).
-_VERIFY_BAND_ELEMS = 1 << 26
 # Attributes that must match, besides the fingerprint, for a store to be reopened.
 _STRUCTURE_KEYS = (
     "num_classes", "dim", "shard_rows", "row_chunk", "col_chunk", "dtype", "codec", "sharded",
@@ -194,27 +192,11 @@ class StoreSpec:
             raise bad("codec", f"must be one of {', '.join(_CODECS)}, got {self.codec!r}")
         put("sharded", bool(self.sharded))
         put("layout", tuple(_param_entry(e) for e in self.layout))
-        if self.projection is not None:
-            if not isinstance(self.projection, dict):
-                raise bad("projection", f"must be a dict or None, got "
-                                        f"{type(self.projection).__name__}")
-            if self.layout:
-                raise bad("layout", "must be empty when the rows are projected")
-        elif self.layout:
-            expected = 0
-            for entry in self.layout:
-                if entry.offset != expected:
-                    raise bad("layout", f"entry {entry.name!r} starts at {entry.offset}, expected "
-                                        f"{expected} (entries must be contiguous, in row order)")
-                if entry.size != math.prod(entry.shape):
-                    raise bad("layout", f"entry {entry.name!r} has size {entry.size} but shape "
-                                        f"{entry.shape}")
-                expected += entry.size
-            if expected != self.dim:
-                raise bad("layout", f"sizes add up to {expected}, not dim ({self.dim})")
-            names = [e.name for e in self.layout]
-            if len(set(names)) != len(names):
-                raise bad("layout", "has duplicate parameter names")
+        # The checks ``classgrad verify`` runs on stored metadata; each problem starts with
+        # the field it is about ("layout ...", "projection ...").
+        problems = _check_layout([asdict(e) for e in self.layout], self.projection, self.dim)
+        if problems:
+            raise StoreError(f"store spec: {problems[0]}")
         if self.class_ids is not None:
             ids = tuple(int(i) for i in self.class_ids)
             if len(ids) != self.num_classes:
@@ -344,12 +326,6 @@ def _decode_rows(stored: np.ndarray, scale: np.ndarray | None, dtype: str) -> np
     return out
 
 
-def _is_fill(values: np.ndarray) -> np.ndarray:
-    if values.dtype == np.uint16:
-        return values == _BF16_NAN
-    return np.isnan(values)
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -370,7 +346,8 @@ def _ranges(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
     return [(int(sorted_ids[a]), int(sorted_ids[b - 1]) + 1) for a, b in zip(starts, stops)]
 
 
-def _fmt_ranges(ranges: list[tuple[int, int]], limit: int = 5) -> str:
+def fmt_ranges(ranges: list[tuple[int, int]], limit: int = 5) -> str:
+    """``[a, b), [c, d)``: the first ``limit`` ranges, then "and N more"."""
     text = ", ".join(f"[{a}, {b})" for a, b in ranges[:limit])
     if len(ranges) > limit:
         text += f" and {len(ranges) - limit} more"
@@ -383,6 +360,14 @@ def _is_corruption(exc: BaseException) -> bool:
     return not isinstance(exc, (OSError, ClassgradError))
 
 
+def local_path(url: str) -> str | None:
+    """The raw path part of a local store URL (``file://PATH`` or a plain path), as given (not
+    expanded nor made absolute); None for any other scheme (``s3://``, ``memory://``...)."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
 class _Location:
     """Where a store lives: the Zarr store object plus an fsspec view for the lease file."""
 
@@ -391,9 +376,9 @@ class _Location:
             raise StoreError(f"store url must be a non-empty string, got {url!r}")
         self.url = url
         self.options = dict(storage_options or {})
-        self.local = "://" not in url or url.startswith("file://")
+        path = local_path(url)
+        self.local = path is not None
         if self.local:
-            path = url[len("file://"):] if url.startswith("file://") else url
             self.path = os.path.abspath(os.path.expanduser(path))
             self.fs = fsspec.filesystem("file")
         else:
@@ -532,36 +517,44 @@ def _codecs(codec: str) -> list:
     return compressors
 
 
+def _array_table(num_classes: int, dim: int, row_chunk: int, col_chunk: int, num_shards: int,
+                 storage_dtype: str) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str]]:
+    """name -> (shape, chunks, dtype) of a store's arrays, in ``_ARRAYS`` order: what
+    ``_create`` makes and ``_check_arrays`` expects."""
+    C, rc = num_classes, row_chunk
+    return {
+        "grads": ((C, dim), (rc, col_chunk), storage_dtype),
+        "row_scale": ((C,), (rc,), "float32"),
+        "loss": ((C,), (rc,), "float32"),
+        "count": ((C,), (rc,), "int64"),
+        "shard_done": ((num_shards,), (1,), "uint8"),
+    }
+
+
+_ARRAY_DIMS = {"grads": ("class", "param"), "row_scale": ("class",), "loss": ("class",),
+               "count": ("class",), "shard_done": ("shard",)}
+
+
 def _create(loc: _Location, spec: StoreSpec) -> None:
     meta = _spec_to_meta(spec)
-    C, D = spec.num_classes, spec.dim
-    storage = _STORAGE_DTYPES[spec.dtype]
-    grads_fill = _BF16_NAN if spec.dtype == "bfloat16" else np.nan
-    shard = spec.sharded
-    arrays = [
-        # name, shape, chunks, shards, dtype, fill, dimension names
-        ("grads", (C, D), (spec.row_chunk, spec.col_chunk),
-         (spec.shard_rows, spec.col_chunk) if shard else None, storage, grads_fill,
-         ("class", "param")),
-        ("row_scale", (C,), (spec.row_chunk,), (spec.shard_rows,) if shard else None,
-         "float32", np.nan, ("class",)),
-        ("loss", (C,), (spec.row_chunk,), (spec.shard_rows,) if shard else None,
-         "float32", np.nan, ("class",)),
-        ("count", (C,), (spec.row_chunk,), (spec.shard_rows,) if shard else None,
-         "int64", -1, ("class",)),
-        ("shard_done", (spec.num_shards,), (1,), None, "uint8", 0, ("shard",)),
-    ]
+    fills = {"grads": _BF16_NAN if spec.dtype == "bfloat16" else np.nan, "row_scale": np.nan,
+             "loss": np.nan, "count": -1, "shard_done": 0}
+    table = _array_table(spec.num_classes, spec.dim, spec.row_chunk, spec.col_chunk,
+                         spec.num_shards, _STORAGE_DTYPES[spec.dtype])
     try:
         # The group is written first with state "creating" and flipped to "ready" last, so an
         # interrupted creation is recognised (and redone) instead of trusted.
         group = zarr.create_group(loc.zarr_store(read_only=False), zarr_format=3,
                                   attributes={_ATTR_KEY: meta})
-        for name, shape, chunks, shards, dtype, fill, dims in arrays:
+        for name, (shape, chunks, dtype) in table.items():
+            # Sharded stores keep one object per work shard (all its rows) per column chunk.
+            shards = (spec.shard_rows, *chunks[1:]) if spec.sharded and name != "shard_done" \
+                else None
             group.create_array(
-                name, shape=shape, chunks=chunks, shards=shards, dtype=dtype, fill_value=fill,
-                serializer=BytesCodec(endian="little"),
+                name, shape=shape, chunks=chunks, shards=shards, dtype=dtype,
+                fill_value=fills[name], serializer=BytesCodec(endian="little"),
                 compressors=_codecs(spec.codec if name != "shard_done" else "none"),
-                dimension_names=dims,
+                dimension_names=_ARRAY_DIMS[name],
             )
         meta["state"] = "ready"
         group.update_attributes({_ATTR_KEY: meta})
@@ -692,6 +685,11 @@ class GradStore:
     @property
     def url(self) -> str:
         return self._loc.url
+
+    @property
+    def local_path(self) -> str | None:
+        """The store's directory (absolute, ``~`` expanded) when it is local, else None."""
+        return self._loc.path if self._loc.local else None
 
     @property
     def spec(self) -> StoreSpec:
@@ -890,16 +888,12 @@ class GradStore:
     def is_complete(self) -> bool:
         return bool(self.shard_done.all())
 
-    def missing_ranges(self) -> list[tuple[int, int]]:
-        """Merged [start, stop) row ranges of shards not marked done."""
-        ranges: list[tuple[int, int]] = []
-        for shard in np.flatnonzero(~self.shard_done):
-            start, stop = self.shard_range(int(shard))
-            if ranges and ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], stop)
-            else:
-                ranges.append((start, stop))
-        return ranges
+    def missing_ranges(self, done: np.ndarray | None = None) -> list[tuple[int, int]]:
+        """Merged [start, stop) row ranges of shards not marked done. Pass ``done`` when the
+        caller has already read ``shard_done`` (each read is one request per shard on S3)."""
+        done = self.shard_done if done is None else np.asarray(done, dtype=bool)
+        s = self.shard_rows
+        return [(a * s, min(b * s, self.num_classes)) for a, b in _ranges(np.flatnonzero(~done))]
 
     # ----------------------------------------------------------------- reading
 
@@ -917,18 +911,23 @@ class GradStore:
             raise StoreError(f"row ids must lie in [0, {C}), got [{arr.min()}, {arr.max()}]")
         return arr
 
-    def _read(self, name: str, rows: np.ndarray, cols: slice | None = None) -> np.ndarray:
-        """Values of ``name`` at sorted unique ``rows`` (and ``cols`` for grads)."""
+    def _read(self, name: str, rows: np.ndarray,
+              cols: slice | np.ndarray | None = None) -> np.ndarray:
+        """Values of ``name`` at sorted unique ``rows`` (and ``cols``, a slice or sorted unique
+        indices, for 2-D arrays; default all)."""
         arr = self._arrays[name]
         contiguous = rows.size > 0 and rows[-1] - rows[0] + 1 == rows.size
         sel_rows = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows
-        selection = (sel_rows,) if arr.ndim == 1 else (sel_rows, cols or slice(None))
+        selection = (sel_rows,) if arr.ndim == 1 else \
+            (sel_rows, slice(None) if cols is None else cols)
         try:
             return arr.get_orthogonal_selection(selection)
         except ClassgradError:
             raise
         except Exception as exc:
-            raise self._read_error(name, rows, cols, exc) from None
+            # Index columns: every column chunk of the rows is checked.
+            raise self._read_error(name, rows, cols if isinstance(cols, slice) else None,
+                                   exc) from None
 
     def _read_all(self, name: str) -> np.ndarray:
         return self._read(name, np.arange(self._arrays[name].shape[0], dtype=np.int64))
@@ -994,7 +993,7 @@ class GradStore:
         present = done[np.searchsorted(done_shards, shards)]
         if not allow_missing and not present.all():
             raise StoreIncompleteError(
-                f"rows {_fmt_ranges(_ranges(uniq[~present]))} of store {self.url} are not "
+                f"rows {fmt_ranges(_ranges(uniq[~present]))} of store {self.url} are not "
                 f"written yet (their shards are not marked done); rerun the job to finish them, "
                 f"or pass allow_missing=True to get NaN rows")
         return present
@@ -1011,7 +1010,7 @@ class GradStore:
             holes = np.isnan(values).any(axis=1)
             if holes.any():
                 raise CorruptChunkError(
-                    f"rows {_fmt_ranges(_ranges(have[holes]))} of store {self.url} belong to "
+                    f"rows {fmt_ranges(_ranges(have[holes]))} of store {self.url} belong to "
                     f"shards marked done but read as never written (chunk objects missing); "
                     f"run `classgrad verify` and recompute those shards")
         else:
@@ -1059,7 +1058,7 @@ class GradStore:
             missing = self.missing_ranges()
             if missing:
                 raise StoreIncompleteError(
-                    f"rows {_fmt_ranges(missing)} of store {self.url} are not written yet; "
+                    f"rows {fmt_ranges(missing)} of store {self.url} are not written yet; "
                     f"rerun the job to finish them, or pass allow_missing=True for NaN rows")
         for start in range(0, self.num_classes, step):
             stop = min(start + step, self.num_classes)
@@ -1111,65 +1110,9 @@ class GradStore:
 
     def verify_chunks(self) -> list[str]:
         """Read every chunk of every array; return one line per problem (empty when sound):
-        chunks failing their checksum or decoding, chunks missing from shards marked done,
-        and shard_done values other than 0/1."""
-        problems: list[str] = []
-        try:
-            done = self.shard_done
-        except CorruptChunkError as exc:
-            return [str(exc)]
-        done_rows = np.repeat(done, self.shard_rows)[: self.num_classes]
-        for name in _ARRAYS:
-            arr = self._arrays[name]
-            rchunk = arr.chunks[0]
-            if arr.ndim == 1:
-                col_bands = [None]
-            else:
-                cchunk = arr.chunks[1]
-                band = max(1, _VERIFY_BAND_ELEMS // (rchunk * cchunk)) * cchunk
-                col_bands = [slice(c, min(c + band, arr.shape[1]))
-                             for c in range(0, arr.shape[1], band)]
-            for ri in range(-(-arr.shape[0] // rchunk)):
-                rows = slice(ri * rchunk, min((ri + 1) * rchunk, arr.shape[0]))
-                for cols in col_bands:
-                    sel = (rows,) if cols is None else (rows, cols)
-                    indices = [(ri,)] if cols is None else [
-                        (ri, j) for j in range(cols.start // arr.chunks[1],
-                                               -(-cols.stop // arr.chunks[1]))]
-                    try:
-                        block = arr[sel]
-                    except Exception as exc:
-                        if not _is_corruption(exc):
-                            problems.append(f"{name} rows [{rows.start}, {rows.stop}): cannot "
-                                            f"read: {_one_line(exc)}")
-                            continue
-                        problems += [self._describe_chunk(name, index, reason)
-                                     for index, reason in self._corrupt_chunks(name, indices)]
-                        continue
-                    if name == "shard_done":
-                        for s in np.flatnonzero(block > 1):
-                            problems.append(f"shard_done[{rows.start + s}] = {block[s]} "
-                                            f"(expected 0 or 1)")
-                    elif name in ("grads", "row_scale") and done_rows[rows].any():
-                        problems += self._missing_in_done(name, block, done_rows[rows], indices,
-                                                          cols.start if cols else 0)
-        return problems
-
-    def _missing_in_done(self, name: str, block: np.ndarray, done: np.ndarray,
-                         indices: list[tuple[int, ...]], col0: int) -> list[str]:
-        """Chunks of a block (whose first column is ``col0``) that still hold the fill value
-        in rows of done shards."""
-        arr = self._arrays[name]
-        out = []
-        for index in indices:
-            part = block[done]
-            if arr.ndim == 2:
-                c0 = index[1] * arr.chunks[1] - col0
-                part = part[:, c0: c0 + arr.chunks[1]]
-            if _is_fill(part).any():
-                out.append(self._describe_chunk(name, index, "missing although its shard is "
-                                                             "marked done"))
-        return out
+        the messages of ``scan_chunks`` (corrupt or unreadable chunks, chunks missing from
+        shards marked done, non-finite or invalid values, shard_done values other than 0/1)."""
+        return [p.message for p in self.scan_chunks()]
 
     # ----------------------------------------------------------------- run history
 
@@ -1261,7 +1204,8 @@ class GradStore:
     # (``classgrad similarity | inspect | verify | plot | aggregate``, ``service/analysis``):
     # a block reader with a column range, the arrays those jobs write (the class similarity
     # matrix and its top-k neighbour table) and the structured checks behind ``classgrad
-    # verify``. It is additive: nothing above this line uses it.
+    # verify``. It is additive: above this line only ``verify_chunks`` uses it (it reports
+    # ``scan_chunks``' messages).
 
     def block(self, start: int, stop: int, cols: slice | tuple[int, int] | None = None, *,
               allow_missing: bool = False) -> np.ndarray:
@@ -1442,22 +1386,12 @@ class GradStore:
     def _read_result(self, arr: zarr.Array, name: str, ids: np.ndarray,
                      cols: np.ndarray | None) -> np.ndarray:
         uniq, inverse = np.unique(ids, return_inverse=True)
-        sel_cols: Any = slice(None)
-        col_inverse = None
-        if cols is not None:
-            ucols, col_inverse = np.unique(cols, return_inverse=True)
-            sel_cols = ucols
+        ucols, col_inverse = (None, None) if cols is None else \
+            np.unique(cols, return_inverse=True)
         if uniq.size == 0:
             width = arr.shape[1] if cols is None else cols.size
             return np.empty((0, width), dtype=arr.dtype)
-        try:
-            out = self._read(name, uniq, None) if cols is None else \
-                arr.get_orthogonal_selection((uniq, sel_cols))
-        except ClassgradError:
-            raise
-        except Exception as exc:
-            raise self._read_error(name, uniq, None, exc) from None
-        out = out[inverse.reshape(-1)]
+        out = self._read(name, uniq, ucols)[inverse.reshape(-1)]
         return out if col_inverse is None else out[:, col_inverse.reshape(-1)]
 
     def similarity(self, ids: Any = None, cols: Any = None) -> np.ndarray:
@@ -1503,9 +1437,9 @@ class GradStore:
         - ``bad_value``: ``shard_done`` not 0 or 1, ``row_scale`` not positive and finite or
           ``count`` negative in a done row, a top-k index out of range.
 
-        ``verify_chunks`` folds a NaN value and a missing chunk into one message; this keeps
-        them apart by asking whether the chunk object exists (for sharded arrays: the shard
-        object, so a lost inner chunk of a written shard is reported as ``nonfinite``).
+        A NaN value and a missing chunk are told apart by asking whether the chunk object
+        exists (for sharded arrays: the shard object, so a lost inner chunk of a written shard
+        is reported as ``nonfinite``).
         """
         problems: list[ChunkProblem] = []
         try:
@@ -1601,7 +1535,7 @@ class GradStore:
                     continue
                 which = rows.start + local.start + np.flatnonzero(
                     part if part.ndim == 1 else part.any(axis=1))
-                where = f"rows {_fmt_ranges(_ranges(which))}"
+                where = f"rows {fmt_ranges(_ranges(which))}"
                 if not self._chunk_exists(name, index):
                     kind, why = "missing", "missing although its rows are marked done"
                 elif name in ("row_scale", "count", _SIM_INDEX):
@@ -1746,20 +1680,14 @@ def _check_layout(layout: Any, projection: Any, dim: int) -> list[str]:
 
 def _check_arrays(loc: _Location, meta: dict) -> list[str]:
     C, D = meta["num_classes"], meta["dim"]
-    rc, cc = meta["row_chunk"], min(meta["col_chunk"], D)
-    expected = {
-        "grads": ((C, D), _STORAGE_DTYPES.get(meta.get("dtype"), "?"), (rc, cc)),
-        "row_scale": ((C,), "float32", (rc,)),
-        "loss": ((C,), "float32", (rc,)),
-        "count": ((C,), "int64", (rc,)),
-        "shard_done": ((meta["num_shards"],), "uint8", (1,)),
-    }
+    expected = _array_table(C, D, meta["row_chunk"], min(meta["col_chunk"], D),
+                            meta["num_shards"], _STORAGE_DTYPES.get(meta.get("dtype"), "?"))
     out = []
     try:
         group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
     except Exception as exc:
         return [f"cannot open the group: {_one_line(exc)}"]
-    for name, (shape, dtype, chunks) in expected.items():
+    for name, (shape, chunks, dtype) in expected.items():
         try:
             arr = group[name]
         except KeyError:

@@ -226,9 +226,11 @@ def _check_store_url(url: str) -> None:
     if url.startswith("memory://"):
         raise JobSubmitError(f"store.url {url!r}: a memory:// store lives in one process; a cluster "
                              f"job needs s3://... or a path every node shares")
-    if "://" in url and not url.startswith("file://"):
+    from service.store import local_path
+
+    path = local_path(url)  # as written, so a relative path is caught before it is made absolute
+    if path is None:
         return
-    path = url[len("file://"):] if url.startswith("file://") else url
     if not os.path.isabs(os.path.expanduser(path)):
         raise JobSubmitError(
             f"store.url {url!r} is a relative path: on a cluster it would land in the job's temporary "

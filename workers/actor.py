@@ -5,6 +5,10 @@ with ``ray.remote``; tests and benchmarks can use it directly. It builds its mod
 engine and (optional) projector once, then for each shard: computes the rows block by block,
 hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
 row is stored, and returns a small report. Rows never travel back to the driver.
+
+Also holds what the driver and ``classgrad estimate`` share with it: ``build_projector``,
+``checked_engine`` (engine + preflight + projector + stored row width) and ``stored_blocks``
+(the blocks a worker stores, projected in batches of ``project_rows_for(dim)`` rows).
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import torch
 from service.config import JobConfig
 from service.errors import LeaseHeldError
 from service.store import open_store
-from workers.engines import RowBlock
-from workers.factory import build_job_engine
+from workers.engines import GradientEngine, RowBlock
+from workers.factory import build_job_engine, preflight
 from workers.projection import Projector
 from workers.writer import ShardWriter
 
@@ -39,6 +43,52 @@ def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
     return Projector(dim_in, p.dim, kind=p.kind, seed=p.seed, groups=groups)
 
 
+def checked_engine(config: JobConfig, device: str | None = None,
+                   ) -> tuple[GradientEngine, Projector | None, int]:
+    """The job's engine, checked against its real model and data (``preflight``), its
+    projector (None when rows are stored whole) and the width of a stored row."""
+    engine = build_job_engine(config, device=device)
+    preflight(engine)
+    layout = engine.layout
+    projector = build_projector(config, layout.slots, layout.dim)
+    return engine, projector, projector.out_dim if projector else layout.dim
+
+
+def project_rows_for(dim: int) -> int:
+    """Rows gathered per projection: enough to amortise generating R, at most ~1 GiB of rows
+    of ``dim`` float32 values."""
+    return max(1, min(256, PROJECT_BYTES // (4 * dim)))
+
+
+def stored_blocks(engine: GradientEngine, projector: Projector | None, classes: list[int],
+                  project_rows: int) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
+    """Engine blocks of ``classes`` with the rows to store: projected when the job projects.
+
+    Generating R costs about as much as applying it to a few dozen rows, so blocks are
+    gathered up to ``project_rows`` rows before each projection (bounded by a byte budget).
+    What a worker stores, and what ``classgrad estimate`` times.
+    """
+    if projector is None:
+        for block in engine.iter_blocks(classes):
+            yield block, None
+        return
+    pending: list[RowBlock] = []
+    gathered = 0
+    for block in engine.iter_blocks(classes):
+        pending.append(block)
+        gathered += len(block)
+        if gathered >= project_rows:
+            yield _projected(projector, pending)
+            pending, gathered = [], 0
+    if pending:
+        yield _projected(projector, pending)
+
+
+def _projected(projector: Projector, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
+    merged = RowBlock.concat(blocks)
+    return merged, projector.project(merged.rows)  # project() takes any float dtype
+
+
 class GradientWorker:
     """Computes shards of one job's per-class gradient matrix and writes them to its store."""
 
@@ -49,8 +99,7 @@ class GradientWorker:
             torch.set_num_threads(num_threads)
         self.engine = build_job_engine(self.config)
         self.projector = build_projector(self.config, self.engine.layout.slots, self.engine.layout.dim)
-        # Rows gathered per projection: enough to amortise generating R, at most ~1 GiB of rows.
-        self.project_rows = max(1, min(256, PROJECT_BYTES // (4 * self.engine.layout.dim)))
+        self.project_rows = project_rows_for(self.engine.layout.dim)
         store_cfg = self.config.store
         self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
         self.class_ids = self.store.class_ids
@@ -70,7 +119,8 @@ class GradientWorker:
         recomputed_before = self.engine.stats.recomputed_rows
         writer = ShardWriter(self.store, start, stop)
         try:
-            for block, rows in self._stored_blocks(self.class_ids[start:stop].tolist()):
+            classes = self.class_ids[start:stop].tolist()
+            for block, rows in stored_blocks(self.engine, self.projector, classes, self.project_rows):
                 writer.add(block, rows)
             written = writer.close()
         except BaseException:
@@ -98,31 +148,6 @@ class GradientWorker:
                 f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "
                 f"shard {shard} is not marked done"
             )
-
-    def _stored_blocks(self, classes: list[int]) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
-        """Engine blocks with the rows to store: projected when the job projects.
-
-        Generating R costs about as much as applying it to a few dozen rows, so blocks are
-        gathered up to ``project_rows`` rows before each projection (bounded by a byte budget).
-        """
-        if self.projector is None:
-            for block in self.engine.iter_blocks(classes):
-                yield block, None
-            return
-        pending: list[RowBlock] = []
-        gathered = 0
-        for block in self.engine.iter_blocks(classes):
-            pending.append(block)
-            gathered += len(block)
-            if gathered >= self.project_rows:
-                yield self._projected(pending)
-                pending, gathered = [], 0
-        if pending:
-            yield self._projected(pending)
-
-    def _projected(self, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
-        merged = RowBlock.concat(blocks)
-        return merged, self.projector.project(merged.rows)  # project() takes any float dtype
 
 
 def _node_id() -> str:

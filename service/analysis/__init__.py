@@ -10,8 +10,9 @@
 
 This package module holds what they share: ``BlockPlan`` and ``plan_blocks`` (how many rows and
 columns one read may hold, given a memory budget), ``iter_tiles`` (true float32 tiles in row and
-column order), ``done_ranges``, ``cosine_from_gram``, ``validated`` (options -> typed config,
-errors as one ``ConfigError`` line) and small formatting helpers. Nothing here imports torch,
+column order), ``done_ranges``, ``completion`` (shards and rows done, missing ranges),
+``cosine_from_gram``, ``validated`` (options -> typed config, errors as one ``ConfigError``
+line) and small formatting helpers. Nothing here imports torch,
 Ray or matplotlib; the modules that need them import them inside the functions that use them.
 """
 
@@ -86,17 +87,32 @@ def plan_blocks(store, *, block_rows: int | None = None, band_cols: int | None =
     return BlockPlan(block_rows=rows, band_cols=max(1, cols))
 
 
-def done_ranges(store) -> list[tuple[int, int]]:
-    """Merged [start, stop) row ranges of shards marked done."""
+def done_ranges(store, missing: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """Merged [start, stop) row ranges of shards marked done; ``missing`` is
+    ``store.missing_ranges()`` when the caller already has it (no second read)."""
     out: list[tuple[int, int]] = []
     prev = 0
-    for a, b in store.missing_ranges():
+    for a, b in store.missing_ranges() if missing is None else missing:
         if a > prev:
             out.append((prev, a))
         prev = b
     if prev < store.num_classes:
         out.append((prev, store.num_classes))
     return out
+
+
+def completion(store) -> dict:
+    """How far a store's job has got, from one read of ``shard_done``: shards_done,
+    shards_total, rows_done, complete and missing_ranges (a list of [start, stop) lists)."""
+    done = store.shard_done
+    missing = store.missing_ranges(done)
+    return {
+        "shards_done": int(done.sum()),
+        "shards_total": int(done.size),
+        "rows_done": int(store.num_classes - sum(b - a for a, b in missing)),
+        "complete": not missing,
+        "missing_ranges": [list(r) for r in missing],
+    }
 
 
 def iter_tiles(store, plan: BlockPlan, ranges: list[tuple[int, int]] | None = None,
@@ -155,5 +171,5 @@ def validated(model: type[BaseModel], what: str, **values) -> BaseModel:
         raise ConfigError(f"{what} option {field} ({flag}): {msg}{got}{more}") from None
 
 
-__all__ = ["BlockPlan", "DEFAULT_BLOCK_MB", "MIB", "ceil_div", "cosine_from_gram", "done_ranges",
-           "finite_summary", "fmt_bytes", "iter_tiles", "plan_blocks", "validated"]
+__all__ = ["BlockPlan", "DEFAULT_BLOCK_MB", "MIB", "ceil_div", "completion", "cosine_from_gram",
+           "done_ranges", "finite_summary", "fmt_bytes", "iter_tiles", "plan_blocks", "validated"]

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.analysis import DEFAULT_BLOCK_MB, done_ranges, plan_blocks, validated
+from service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
 from service.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def _check_rows_present(store, weights: np.ndarray) -> list[tuple[int, int]]:
         raise StoreIncompleteError(
             f"store {store.url} is incomplete: rows {shown} have non-zero weight but are not "
             f"written yet; finish the job (rerun `classgrad run`) first")
-    return done_ranges(store)
+    return done_ranges(store, missing)
 
 
 def weighted_sum(store, weights: np.ndarray, *, block_rows: int | None = None,
@@ -108,17 +108,14 @@ def weighted_sum(store, weights: np.ndarray, *, block_rows: int | None = None,
         raise ConfigError(f"expected {store.num_classes} weights, got shape {list(weights.shape)}")
     ranges = _check_rows_present(store, weights)
     plan = plan_blocks(store, block_rows=block_rows, block_mb=block_mb)
+    # Row blocks whose weights are all 0 are not read; iter_tiles keeps each remaining block
+    # whole (none is longer than plan.block_rows) and reads it band by band.
+    blocks = [(r0, r1) for start, stop in ranges for r0, r1 in plan.row_blocks(start, stop)
+              if weights[r0:r1].any()]
     acc = np.zeros(store.dim, dtype=np.float64)
-    for start, stop in ranges:
-        for r0, r1 in plan.row_blocks(start, stop):
-            w = weights[r0:r1]
-            if not w.any():
-                continue
-            w32 = w.astype(np.float32)
-            for c0, c1 in plan.bands(store.dim):
-                x = store.block(r0, r1, (c0, c1))
-                acc[c0:c1] += w32 @ x
-                del x
+    for r0, r1, c0, c1, x in iter_tiles(store, plan, blocks):
+        acc[c0:c1] += weights[r0:r1].astype(np.float32) @ x
+        del x
     return acc.astype(np.float32)
 
 

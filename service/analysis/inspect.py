@@ -15,6 +15,7 @@ import numpy as np
 
 from service.analysis import (
     DEFAULT_BLOCK_MB,
+    completion,
     done_ranges,
     finite_summary,
     fmt_bytes,
@@ -40,6 +41,12 @@ class GradNorms:
         """sqrt(sum over done classes of |g_c,p|^2): the norm of each parameter's columns."""
         return np.sqrt(np.nansum(self.param_sq, axis=0))
 
+    def top(self, n: int) -> np.ndarray:
+        """Rows of the (at most) ``n`` largest finite norms, largest first, ties by lower row."""
+        finite = np.isfinite(self.row)
+        ranked = np.argsort(-np.where(finite, self.row, -np.inf), kind="stable")
+        return ranked[: min(n, int(finite.sum()))]
+
 
 def _segments(offsets: np.ndarray, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
     """Split columns [c0, c1) at parameter boundaries: (starts relative to c0, parameter
@@ -51,14 +58,16 @@ def _segments(offsets: np.ndarray, c0: int, c1: int) -> tuple[np.ndarray, np.nda
 
 
 def grad_norms(store, *, block_rows: int | None = None, block_mb: float = DEFAULT_BLOCK_MB,
-               ) -> GradNorms:
-    """One pass over the rows of done shards, in blocks of at most ``block_mb`` MiB."""
+               ranges: list[tuple[int, int]] | None = None) -> GradNorms:
+    """One pass over the rows of done shards, in blocks of at most ``block_mb`` MiB; ``ranges``
+    is ``done_ranges(store)`` when the caller already has it."""
     C = store.num_classes
     names = [e.name for e in store.layout]
     offsets = np.array([e.offset for e in store.layout], dtype=np.int64)
     row_sq = np.full(C, np.nan)
     param_sq = np.full((C, len(names)), np.nan)
-    ranges = done_ranges(store)
+    if ranges is None:
+        ranges = done_ranges(store)
     for a, b in ranges:
         row_sq[a:b] = 0.0
         param_sq[a:b] = 0.0
@@ -85,14 +94,12 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None,
                   block_mb: float = DEFAULT_BLOCK_MB) -> dict:
     """Everything ``classgrad inspect`` shows, as a JSON-ready dict."""
     attrs = store.attrs
-    done = store.shard_done
-    missing = store.missing_ranges()
-    rows_done = store.num_classes - sum(b - a for a, b in missing)
-    norms = grad_norms(store, block_rows=block_rows, block_mb=block_mb)
+    comp = completion(store)  # the one read of shard_done
+    norms = grad_norms(store, block_rows=block_rows, block_mb=block_mb,
+                       ranges=done_ranges(store, comp["missing_ranges"]))
     row = norms.row
     finite = np.isfinite(row)
-    ranked = np.argsort(-np.where(finite, row, -np.inf), kind="stable")
-    order = ranked[: min(top, int(finite.sum()))]
+    order = norms.top(top)
     loss = store.loss()
     info = {
         "store": store.url,
@@ -110,11 +117,7 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None,
         "fingerprint": store.fingerprint,
         "layout": [{"name": e.name, "shape": list(e.shape), "size": e.size, "offset": e.offset}
                    for e in store.layout],
-        "completion": {
-            "shards_done": int(done.sum()), "shards_total": int(done.size),
-            "rows_done": int(rows_done), "complete": not missing,
-            "missing_ranges": [list(r) for r in missing],
-        },
+        "completion": comp,
         "class_norms": {
             **finite_summary(row),
             "zero_rows": int((row[finite] == 0).sum()),

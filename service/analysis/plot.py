@@ -215,8 +215,7 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
 
         raise StoreIncompleteError(f"store {url} has no rows written yet; nothing to plot")
     written = {}
-    ranked = np.argsort(-np.where(finite, norms.row, -np.inf), kind="stable")
-    top = np.sort(ranked[: min(config.top_n, int(finite.sum()))])
+    top = np.sort(norms.top(config.top_n))
     result: dict = {"files": written, "top_rows": top.tolist()}
     if len(top) >= 2:
         sim, metric, source = class_similarity(store, top, config.metric,

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Literal
@@ -424,7 +424,7 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
     like the command line's. Refuses incomplete stores, naming the missing rows.
     """
     from service.progress import Progress
-    from service.store import open_store
+    from service.store import fmt_ranges, open_store
 
     if config is None:
         config = validated(SimilarityConfig, "similarity", **options)
@@ -436,17 +436,15 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
     store = open_store(url, storage_options=storage_options, mode="r+")
     missing = store.missing_ranges()
     if missing:
-        shown = ", ".join(f"[{a}, {b})" for a, b in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise StoreIncompleteError(
-            f"store {url} is incomplete: rows {shown}{more} are not written yet (their shards "
-            f"are not marked done); finish the job (rerun `classgrad run`) first")
+            f"store {url} is incomplete: rows {fmt_ranges(missing)} are not written yet (their "
+            f"shards are not marked done); finish the job (rerun `classgrad run`) first")
     if store.num_classes < 2:
         raise StoreError(f"store {url} has {store.num_classes} class; similarity needs two")
     plan_similarity(store, config)  # checks the sizes before Ray starts (minutes on a cluster)
     run_id = f"similarity-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
     session = _ray_session(config.address) if config.executor == "ray" else None
-    with session if session is not None else _nullcontext() as ray:
+    with session if session is not None else nullcontext() as ray:
         workers = 1
         if ray is not None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1) // config.num_cpus))
@@ -479,7 +477,8 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
                 info={"block_rows": plan.block_rows, "band_cols": plan.band_cols,
                       "precision": plan.precision, "tasks": len(plan.blocks()),
                       "executor": config.executor, "memory_bound_bytes": bound["total"]})
-            args = (_absolute(url), storage_options, asdict(plan), run_id)
+            # A local path made absolute: a Ray worker's working directory is not the driver's.
+            args = (store.local_path or url, storage_options, asdict(plan), run_id)
             if ray is not None:
                 _run_ray(ray, args, plan, config, renew, done)
             else:
@@ -494,19 +493,6 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
             store.release_lease(run_id)
     summary["run_id"] = run_id
     return summary
-
-
-def _absolute(url: str) -> str:
-    """A local path made absolute: a Ray worker's working directory is not the driver's."""
-    if "://" in url and not url.startswith("file://"):
-        return url
-    path = url[len("file://"):] if url.startswith("file://") else url
-    return os.path.abspath(os.path.expanduser(path))
-
-
-@contextmanager
-def _nullcontext() -> Iterator[None]:
-    yield None
 
 
 def _summary(store, plan: SimilarityPlan, config: SimilarityConfig, reports: list[dict],

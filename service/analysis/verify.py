@@ -81,7 +81,7 @@ def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyRepo
     """Run every check on the store at ``url``. Raises ``StoreError`` only when there is no
     classgrad store there at all; everything else is reported."""
     from service.errors import StoreError
-    from service.store import check_metadata, open_store
+    from service.store import check_metadata, fmt_ranges, open_store
 
     report = VerifyReport(url)
     for line in check_metadata(url, storage_options=storage_options):
@@ -93,13 +93,11 @@ def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyRepo
             raise
         report.notes.append(f"the store cannot be opened, so its data was not checked: {exc}")
         return report
-    missing = store.missing_ranges()
+    done = store.shard_done
+    missing = store.missing_ranges(done)
     if missing:
-        shards = int((~store.shard_done).sum())
-        shown = ", ".join(f"[{a}, {b})" for a, b in missing[:5])
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        report.add(INCOMPLETE, f"{shards} of {store.num_shards} shards not marked done: rows "
-                               f"{shown}{more}")
+        report.add(INCOMPLETE, f"{int((~done).sum())} of {store.num_shards} shards not marked "
+                               f"done: rows {fmt_ranges(missing)}")
     for problem in store.scan_chunks():
         report.add(_KIND_FLAGS[problem.kind], problem.message)
     info = store.similarity_info()

@@ -16,18 +16,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def status_of(store) -> dict:
-    done = store.shard_done
+    from service.analysis import completion
+
     runs = store.attrs.get("runs", [])
     return {
         "store": store.url,
         "num_classes": store.num_classes,
         "dim": store.dim,
         "dtype": store.dtype,
-        "shards_done": int(done.sum()),
-        "shards_total": int(len(done)),
-        "rows_done": int(sum(b - a for a, b in (store.shard_range(i) for i in range(len(done)) if done[i]))),
-        "complete": bool(store.is_complete),
-        "missing_ranges": [list(r) for r in store.missing_ranges()],
+        **completion(store),  # shards_done, shards_total, rows_done, complete, missing_ranges
         "last_run": runs[-1] if runs else None,
         "runs": len(runs),
         "lease": store.lease_info(),
