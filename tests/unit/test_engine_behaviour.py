@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import pickle
@@ -13,9 +14,9 @@ from torch import nn
 
 from service.config import BUILTIN_LOSS_KINDS
 from service.errors import InputError, RowOverflowError
-from tests.unit.engine_cases import NUM_CLASSES, WeightUsedOutside, engine_for, max_relative_error
+from tests.unit.engine_cases import NUM_CLASSES, WeightUsedOutside, engine_for, max_relative_error, reference_rows
 from workers import zoo
-from workers.engines import build_engine, per_class_gradients
+from workers.engines import build_engine, dense, per_class_gradients
 from workers.factory import build_model, load_checkpoint, preflight
 from workers.layout import ParamLayout
 from workers.losses import LOSSES, create_loss, partitioned_loss
@@ -61,6 +62,33 @@ def test_dense_block_size_is_measured_when_not_given():
     eng.compute(range(NUM_CLASSES))
     assert eng.block_rows in (1, 2, 4)  # at most the 6 rows asked for, a power of two
     assert any("block_rows" in note for note in eng.stats.notes)
+
+
+@pytest.mark.parametrize("model_case", ["mlp", "cnn", "bn_train"])
+def test_dense_single_row_vjps_use_autograd_graphs_and_match_the_reference(model_case):
+    """Block size 1 runs one torch.autograd.grad per row (less per-call overhead than torch.func,
+    whose vmap only pays off for batched rows); the rows are the same."""
+    eng = engine_for(model_case, "logit", "dense", block_rows=1)
+    eng.probe.batch_size = 5  # several micro-batches: rows accumulated over graphs
+    rows = eng.compute(range(NUM_CLASSES)).rows
+    # The float64 reference's contract (see test_engines): a few float32 roundoffs.
+    assert max_relative_error(rows, reference_rows(model_case, "logit")[0]) <= 1e-6
+    with eng.selected_grads():
+        assert isinstance(eng._graph(next(eng.probe.micro_batches())), dense._AutogradGraph)
+
+
+def test_a_measured_block_size_of_one_is_reused_with_autograd_graphs(monkeypatch):
+    monkeypatch.setattr(dense, "BLOCK_CANDIDATES", (1,))  # the measurement can only pick 1
+    monkeypatch.setattr(dense, "_BLOCK_ROWS", {})
+    first = engine_for("mlp", "logit", "dense")
+    first.probe.batch_size = 1000
+    first.compute(range(NUM_CLASSES))
+    assert first.block_rows == 1
+    later = build_engine(first.model, first.probe, num_classes=NUM_CLASSES, loss="logit", engine="dense")
+    with later.selected_grads():
+        assert isinstance(later._graph(next(later.probe.micro_batches())), dense._AutogradGraph)
+    assert later.block_rows == 1
+    assert any("measured earlier" in note for note in later.stats.notes)
 
 
 # --- fp16: only the rows that overflow are recomputed -------------------------------------
@@ -280,6 +308,44 @@ def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
     assert max_relative_error(got, want) <= 1e-5
     assert any("hooks" in note for note in eng.stats.notes), eng.stats.notes
+
+
+def test_global_module_hooks_keep_rows_exact():
+    """A hook on every module that rescales Linear outputs changes the gradient of every layer
+    below it; per-class sums taken at the hooked layers' outputs would miss it, so the engine
+    must not use them while such hooks exist."""
+    def doubled(module, args, output):
+        return output * 2 if isinstance(module, nn.Linear) else None
+
+    x, y = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), seed=2)
+    model = zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval()
+    handle = nn.modules.module.register_module_forward_hook(doubled)
+    try:
+        got = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned")
+        want = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, engine="reference")
+    finally:
+        handle.remove()
+    # fp32 engines against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5
+
+
+def test_the_hook_check_runs_once_per_model():
+    """The spot check of hook rows against the plain path is of the model's structure: a second
+    engine on the same model skips it (fewer forwards); a different model object is checked."""
+    x, y = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), seed=2)
+    model = zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval()
+
+    def forwards(m) -> tuple[int, torch.Tensor]:
+        eng = build_engine(m, (x, y), num_classes=NUM_CLASSES, engine="partitioned", batch_size=64)
+        rows = eng.compute(range(NUM_CLASSES)).rows
+        assert eng._hooked is not None  # the hook path is what is under test
+        return eng.stats.forwards, rows
+
+    first, rows = forwards(model)
+    again, rows_again = forwards(model)
+    other, _ = forwards(copy.deepcopy(model))
+    assert again == 1 and first == other == 3  # one run of all classes, + 2 spot-checked rows
+    assert torch.equal(rows, rows_again)
 
 
 class FrozenBranch(nn.Module):

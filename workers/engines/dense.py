@@ -4,8 +4,8 @@ For losses where every sample touches every L_c (``logit``, ``bce``, a user's ca
 loss through BatchNorm in train mode). Per micro-batch the model runs forward once; then blocks
 of rows are VJPs of that micro-batch's contribution to L with one-hot cotangents
 (``torch.func.vmap`` over ``torch.func.vjp``; ``torch.autograd.grad(..., is_grads_batched=True)``
-for models that cannot run under ``torch.func``), all on the one graph, which is released after
-the last block. Rows over several micro-batches are summed.
+for models that cannot run under ``torch.func``; one ``torch.autograd.grad`` per row when the
+block size is 1), all on the one graph, which is released after the last block. Rows over several micro-batches are summed.
 
 Memory: with one micro-batch, blocks stream out as they are computed (one block of rows alive).
 With several, a group of at most ``group_rows`` rows (fewer if ``D`` is large) is accumulated
@@ -104,8 +104,13 @@ class DenseEngine(GradientEngine):
     # --- one block of VJPs --------------------------------------------------------------------
 
     def _graph(self, mb) -> "_AutogradGraph | _FuncGraph":
-        """Forward one micro-batch, keeping what its VJPs need."""
-        if self._use_func:
+        """Forward one micro-batch, keeping what its VJPs need.
+
+        With one row per VJP (a block size of 1, given or measured earlier) the graph is a
+        plain autograd one: torch.func's strength is batching rows under vmap, and for single
+        rows its per-call overhead made them 2-5% slower on the benchmark CNN."""
+        self._known_block_rows()
+        if self._use_func and self.block_rows != 1:
             try:
                 return self._func_graph(mb)
             except ClassgradError:
@@ -199,10 +204,18 @@ class DenseEngine(GradientEngine):
         """Most rows per batched VJP whose output gradient (``[rows, samples, C]``) fits the budget."""
         return max(1, VJP_BYTES_BUDGET // (4 * max(1, samples) * self.loss.num_classes))
 
-    def _block_key(self, graph) -> tuple:
-        """What the best block size depends on: the model, the micro-batch, the rows, the device."""
-        return (id(self.model), graph.values.shape, type(graph).__name__, self.probe.batch_size, len(self.probe), self.layout.dim,
-                str(self.device), self.precision.dtype, self.loss.name, torch.get_num_threads())
+    def _block_key(self) -> tuple:
+        """What the best block size depends on: the model, the micro-batch, the rows, the device,
+        and whether batched VJPs run under torch.func (faster batching than autograd's)."""
+        return (id(self.model), self.loss.num_classes, self._use_func, self.probe.batch_size, len(self.probe),
+                self.layout.dim, str(self.device), self.precision.dtype, self.loss.name, torch.get_num_threads())
+
+    def _known_block_rows(self) -> None:
+        """Take the block size measured earlier in this process for this model, if any."""
+        if self.block_rows is None:
+            self.block_rows = _BLOCK_ROWS.get(self._block_key())
+            if self.block_rows is not None:
+                self.stats.notes.append(f"dense block_rows={self.block_rows} (measured earlier in this process)")
 
     def _blocks(self, graph, classes: torch.Tensor, out: torch.Tensor | None = None):
         """``(slice, (rows, scales, again))`` for consecutive blocks covering ``classes``.
@@ -224,12 +237,9 @@ class DenseEngine(GradientEngine):
             pos += size
             return sl, result
 
+        self._known_block_rows()
         if self.block_rows is None:
-            key = self._block_key(graph)
-            self.block_rows = _BLOCK_ROWS.get(key)
-            if self.block_rows is not None:
-                self.stats.notes.append(f"dense block_rows={self.block_rows} (measured earlier in this process)")
-        if self.block_rows is None:
+            key = self._block_key()
             clock = choice_clock(self.device)
             limit = min(n, self._row_limit(), self._vjp_limit(self._samples))
             candidates = [b for b in BLOCK_CANDIDATES if b <= limit] or [1]

@@ -15,8 +15,8 @@ their gradients split apart again, in one of two ways:
   padding in the forward, no per-sample gradients, no extra copy of the rows. Inside its own
   forward each hooked layer sees detached copies of its selected parameters, so every run can
   check in the autograd graph that nothing else uses them (``x @ layer.weight`` elsewhere in
-  the model would escape the hooks); the first run is also checked against the plain
-  single-class path. Either failure abandons the hooks for vmap.
+  the model would escape the hooks); the first run on a model (per process) is also checked
+  against the plain single-class path. Either failure abandons the hooks for vmap.
 - **vmap** (any other model): samples laid out as ``[K classes, m samples]`` (short classes
   padded with weight-0 copies of their own samples, which add exactly zero) and
   ``torch.func.vmap(grad(...))`` over the class axis; packing groups classes of similar size to
@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -75,6 +76,11 @@ _CONV_LAYOUT: dict[tuple, str] = {}
 # are kept per process, so engines built one after another share them.
 _FORMAT_TRIALS = 9
 _FORMAT_TIMES: dict[tuple, list[list]] = {}  # [format, seconds per sample] per run
+# Models whose per-class sums from hooks passed the check against the plain single-class path
+# in this process, per (selected parameters, precision, device): the check is of the model's
+# structure, so later engines on the same model object (an estimate after a job, repeated
+# ``per_class_gradients`` calls) skip it. Weak keys: an entry goes with its model.
+_HOOKS_CHECKED: "weakref.WeakKeyDictionary[nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
 
 
 def plan_packs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[list[list[int]], list[int]]:
@@ -141,7 +147,8 @@ class _Hooked:
 
     ``plan`` returns None when any selected parameter is not the plain weight or bias of an
     ``nn.Linear`` or an ``nn.Conv2d`` (zero padding, one group) that the model calls as a
-    module, or when a parameter is shared (tied) or the layer already has forward hooks: then
+    module, or when a parameter is shared (tied) or the layer (or every module, through
+    ``register_module_forward_hook``) already has forward hooks: then
     per-class sums from hooks would not be exact, and vmap is used.
     """
 
@@ -150,6 +157,10 @@ class _Hooked:
 
     @classmethod
     def plan(cls, model: nn.Module, layout) -> "_Hooked | None":
+        from torch.nn.modules import module as module_state
+
+        if module_state._global_forward_hooks or module_state._global_forward_pre_hooks:
+            return None  # hooks on every module (they may change a layer's input or output)
         modules = dict(model.named_modules())
         uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         layers: dict[nn.Module, dict[str, object]] = {}
@@ -220,7 +231,7 @@ class PartitionedEngine(GradientEngine):
         self._use_vmap = True
         self._vmapped = None
         self._hooked = _Hooked.plan(self.model, self.layout)
-        self._hooks_checked = False
+        self._hooks_checked = self._hooks_key() in _HOOKS_CHECKED.get(self.model, ())
         self._hook_clone = False
 
     # --- where rows go ---------------------------------------------------------------------------
@@ -566,7 +577,8 @@ class PartitionedEngine(GradientEngine):
         return run(layout)
 
     def _check_hooks(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice) -> None:
-        """Once per engine: two rows from hooks against the plain single-class path."""
+        """Once per model (see ``_HOOKS_CHECKED``): two rows from hooks against the plain
+        single-class path."""
         nonempty = [i for i, c in enumerate(classes) if int(self.counts[c]) > 0]
         if not nonempty:
             return
@@ -582,6 +594,10 @@ class PartitionedEngine(GradientEngine):
         if err > tol * max(float(want.abs().max()), 1e-30):
             raise RuntimeError(f"per-class sums from hooks differ from the plain gradient by {err:.3g}")
         self._hooks_checked = True
+        _HOOKS_CHECKED.setdefault(self.model, set()).add(self._hooks_key())
+
+    def _hooks_key(self) -> tuple:
+        return (tuple(s.name for s in self.layout.slots), self.precision.dtype, self.device.type)
 
     def _rows_into(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
                    where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
