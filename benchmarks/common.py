@@ -557,8 +557,9 @@ def floor_dense(case: Case, probe_rows: int = 8) -> Callable[[], dict]:
 
 def classgrad(case: Case, holder: dict, engine: str, classes: Sequence[int] | None = None,
               keep: Sequence[int] | None = None, **options: Any) -> Callable[[], dict]:
-    """classgrad's engine, built fresh each time (so a dense engine measures its block size in
-    the timed run), rows consumed block by block and kept as they come (no extra copy), or,
+    """classgrad's engine, built fresh each time (its once-per-process choices, such as the dense
+    block size or the partitioned engine's hook check, are made in the warm-up run, as an actor
+    makes them on its first shard), rows consumed block by block and kept as they come (no extra copy), or,
     with ``keep``, only the rows of those classes (when all of them would not fit in memory).
     With ``classes`` (a subset), the time is extrapolated per row."""
     wanted = list(range(case.num_classes)) if classes is None else list(classes)

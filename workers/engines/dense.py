@@ -41,6 +41,10 @@ ROW_BYTES_BUDGET = 1 << 30
 # (block x micro-batch x C floats): with many classes this, not the rows, is what grows with
 # C, so it caps the block size (memory stays flat in C).
 VJP_BYTES_BUDGET = 256 << 20
+# Times each block size is tried while measuring (the best counts). Two were not enough on a
+# busy machine: a benchmark run once kept block size 4 for a CNN whose batched VJPs are 1.6x
+# slower per row than single ones. A size clearly slower after two tries is not tried again.
+MEASURE_TRIALS = 3
 # A measured block size smaller than this streams its rows in chunks of about this many.
 STREAM_ROWS = 32
 # Block sizes measured in this process, per (model, micro-batch shape, D, device, precision,
@@ -222,9 +226,9 @@ class DenseEngine(GradientEngine):
 
         Without a block size (none given, none measured yet in this process for this model and
         micro-batch), it is chosen on the way: one untimed warm-up row (the first call pays
-        one-off costs), then blocks of 1, 1, 2, 2, 4, 4, ... rows, each size timed twice (the
-        better time counts: machines are noisy), stopping once a size is 1.5x slower per row
-        than the best so far; the smallest size within 10% of the fastest is kept for the rest
+        one-off costs), then blocks of 1, 1, 1, 2, 2, 2, 4, ... rows, each size timed up to
+        ``MEASURE_TRIALS`` times (the best time counts: machines are noisy), stopping once a
+        size is, after two tries, 1.5x slower per row than the best so far; the smallest size within 10% of the fastest is kept for the rest
         of this call, later calls and other engines on the same model. The measured blocks are real rows, never recomputed.
         With ``out`` (``[len(classes), D]``), rows are written into it.
         """
@@ -244,7 +248,8 @@ class DenseEngine(GradientEngine):
             limit = min(n, self._row_limit(), self._vjp_limit(self._samples))
             candidates = [b for b in BLOCK_CANDIDATES if b <= limit] or [1]
             timings: dict[int, float] = {}
-            for size in [0] + [b for b in candidates for _ in range(2)]:  # 0: the warm-up row
+            tries: dict[int, int] = {}
+            for size in [0] + [b for b in candidates for _ in range(MEASURE_TRIALS)]:  # 0: the warm-up row
                 if pos + max(size, 1) > n:
                     break
                 t0 = clock()
@@ -255,9 +260,9 @@ class DenseEngine(GradientEngine):
                 yield sl, result
                 if size == 0:
                     continue
-                first = size not in timings
+                tries[size] = tries.get(size, 0) + 1
                 timings[size] = min(timings.get(size, float("inf")), elapsed / size)
-                if not first and timings[size] > 1.5 * min(timings.values()):
+                if tries[size] >= 2 and timings[size] > 1.5 * min(timings.values()):
                     break  # past the sweet spot; larger blocks only cost memory
             if timings:
                 # The smallest size within 10% of the best: on a noisy machine a big block can
