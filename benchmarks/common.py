@@ -569,8 +569,8 @@ def classgrad(case: Case, holder: dict, engine: str, classes: Sequence[int] | No
         sync(case.device)
         t0 = now()
         eng = build_engine(case.model, (case.x, case.y), num_classes=case.num_classes, loss=case.loss,
-                           precision=case.precision, engine=engine, batch_size=case.batch_size,
-                           device=case.device, **options)
+                           precision=case.precision, engine=engine, device=case.device,
+                           **{"batch_size": case.batch_size, **options})
         blocks, got = [], []
         for b in eng.iter_blocks(wanted):
             if kept is None:
