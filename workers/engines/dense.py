@@ -15,7 +15,7 @@ C floats, ``VJP_BYTES_BUDGET``) does not grow with C either.
 
 The block size, when not given, is chosen from a short measurement on the first blocks: sizes
 1, 2, 4, ... are timed per row on real rows (nothing is computed twice) and the smallest size
-within 10% of the fastest is kept (once per process, per model and micro-batch shape).
+within 5% of the fastest is kept (once per process, per model and micro-batch shape).
 Rows are written straight into their block (or group) buffer, and checked for inf/NaN with one
 read (a row sum); only a row that may be non-finite goes through the exact per-row check.
 """
@@ -228,7 +228,7 @@ class DenseEngine(GradientEngine):
         micro-batch), it is chosen on the way: one untimed warm-up row (the first call pays
         one-off costs), then blocks of 1, 1, 1, 2, 2, 2, 4, ... rows, each size timed up to
         ``MEASURE_TRIALS`` times (the best time counts: machines are noisy), stopping once a
-        size is, after two tries, 1.5x slower per row than the best so far; the smallest size within 10% of the fastest is kept for the rest
+        size is, after two tries, 1.5x slower per row than the best so far; the smallest size within 5% of the fastest is kept for the rest
         of this call, later calls and other engines on the same model. The measured blocks are real rows, never recomputed.
         With ``out`` (``[len(classes), D]``), rows are written into it.
         """
@@ -265,10 +265,10 @@ class DenseEngine(GradientEngine):
                 if tries[size] >= 2 and timings[size] > 1.5 * min(timings.values()):
                     break  # past the sweet spot; larger blocks only cost memory
             if timings:
-                # The smallest size within 10% of the best: on a noisy machine a big block can
+                # The smallest size within 5% of the best: on a noisy machine a big block can
                 # look a little faster by chance, and smaller blocks hold less memory.
                 best = min(timings.values())
-                self.block_rows = _BLOCK_ROWS[key] = min(b for b, t in timings.items() if t <= 1.1 * best)
+                self.block_rows = _BLOCK_ROWS[key] = min(b for b, t in timings.items() if t <= 1.05 * best)
                 note = "dense block_rows=%d chosen from per-row times %s" % (
                     self.block_rows, {b: f"{t * 1e3:.2f}ms" for b, t in timings.items()})
                 log.info(note)
