@@ -2,10 +2,12 @@
 
 Sections (``--sections``, comma-separated; default all):
 
-- ``dense-gap``: why the dense engine trails the per-class loop on the CNN. Times one VJP per
-  row on the engine's two micro-batch graphs against one on the loop's graph (the same two
-  micro-batches summed into one L), and the engine's per-row bookkeeping alone, with a
-  stand-in graph that returns ready gradients.
+- ``dense-gap``: why the dense engine trails the per-class loop on the CNN. Times, for every
+  row (``--rows``, default all 256), one VJP per row on each of the engine's two micro-batch
+  graphs against one VJP on the loop's graph (the same two micro-batches summed into one L,
+  both graphs alive), the engine itself with block size 1, and the engine's per-row
+  bookkeeping alone, with a stand-in graph that returns ready gradients. Graphs are rebuilt
+  every repetition, and the timings alternate.
 - ``worker-split``: where the end-to-end job's extra time goes (MLP, C = 10,000). The engine
   alone, the actor's class (``GradientWorker``, no Ray) with the store's writes replaced by a
   no-op, and with real writes (reporting the writer thread's time in the store), alternated.
@@ -51,18 +53,24 @@ def dense_gap(reps: int, rows: int) -> dict[str, Any]:
     clock = time.process_time
     times: dict[str, list[float]] = {}
     with eng.selected_grads():
-        contribs = [eng.forward(mb)[1] for mb in eng.probe.micro_batches()]
-        L = case.loss_vector()
         for _ in range(reps):
+            contribs = [eng.forward(mb)[1] for mb in eng.probe.micro_batches()]
             t0 = clock()
             for c in range(rows):
                 for part in contribs:
                     torch.autograd.grad(part[c], eng.params, retain_graph=True)
-            times.setdefault("VJP on the engine's micro-batch graphs", []).append((clock() - t0) / rows)
+            times.setdefault("a VJP on each of the engine's 2 micro-batch graphs", []).append((clock() - t0) / rows)
+            del contribs
+            L = case.loss_vector()
             t0 = clock()
             for c in range(rows):
                 torch.autograd.grad(L[c], case.params, retain_graph=True)
-            times.setdefault("VJP on the loop's graph", []).append((clock() - t0) / rows)
+            times.setdefault("one VJP on the loop's graph (both micro-batches)", []).append((clock() - t0) / rows)
+            del L
+            t0 = clock()
+            for _block in eng.iter_blocks(range(rows)):
+                pass
+            times.setdefault("the engine, block size 1 (its 2 forwards included)", []).append((clock() - t0) / rows)
 
         # Bookkeeping alone: the engine's row path around a graph whose VJP is already done.
         eng._use_func = False
@@ -186,7 +194,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="dense-gap,worker-split,gaussian-chunks,page-faults")
     parser.add_argument("--reps", type=int, default=5, help="repetitions (worker-split: 2)")
-    parser.add_argument("--rows", type=int, default=32, help="dense-gap: rows per timed VJP loop")
+    parser.add_argument("--rows", type=int, default=256, help="dense-gap: rows per timed VJP loop (at most 256)")
     parser.add_argument("--classes", type=int, default=10_000, help="worker-split: C")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()

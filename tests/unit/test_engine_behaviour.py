@@ -310,6 +310,34 @@ def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     assert any("hooks" in note for note in eng.stats.notes), eng.stats.notes
 
 
+def _bn1d_mlp() -> nn.Module:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, NUM_CLASSES)).eval()
+    with torch.no_grad():  # running statistics far from (0, 1), so x_hat matters
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.3, 3.0)
+    return model
+
+
+@pytest.mark.parametrize("case", ["bn2d", "bn1d"])
+def test_eval_mode_batchnorm_layers_take_the_hook_path(case):
+    """A ResNet's BatchNorm weights and biases (eval mode: running statistics) are split by
+    class from hooks like Linear and Conv2d ones, exactly."""
+    if case == "bn2d":
+        model = zoo.bn_cnn(NUM_CLASSES, width=4).eval()
+        data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8), imbalance=1.0, seed=5)
+    else:
+        model = _bn1d_mlp()
+        data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), imbalance=1.0, seed=5)
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
+    got = eng.compute(range(NUM_CLASSES)).rows
+    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes  # no fallback to vmap
+    assert any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in eng._hooked.layers)
+    want = per_class_gradients(model, data, num_classes=NUM_CLASSES, engine="reference")
+    # fp32 engines against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5
+
+
 def test_global_module_hooks_keep_rows_exact():
     """A hook on every module that rescales Linear outputs changes the gradient of every layer
     below it; per-class sums taken at the hooked layers' outputs would miss it, so the engine

@@ -8,10 +8,12 @@ To keep the hardware busy when classes are small, several classes are packed int
 their gradients split apart again, in one of two ways:
 
 - **Per-class sums from hooks** (when every selected parameter is the weight or bias of a plain
-  ``nn.Linear`` or ``nn.Conv2d``): a run of consecutive classes goes through one ordinary
-  forward and one backward that stops at the outputs of those layers; a class's weight gradient
-  is the sum over its samples of ``grad_output x input``, one batched matmul (Linear) or one
-  grouped convolution backward (Conv2d) per layer, written straight into the row buffer. No
+  ``nn.Linear``, ``nn.Conv2d`` or eval-mode ``nn.BatchNorm1d/2d``, as in a ResNet): a run of
+  consecutive classes goes through one ordinary forward and one backward that stops at the
+  outputs of those layers; a class's weight gradient is the sum over its samples of
+  ``grad_output x input``, one batched matmul (Linear) or one grouped convolution backward
+  (Conv2d) per layer, written straight into the row buffer (BatchNorm: sums of
+  ``grad_output`` and ``grad_output x normalised input`` per class and channel). No
   padding in the forward, no per-sample gradients, no extra copy of the rows. Inside its own
   forward each hooked layer sees detached copies of its selected parameters, so every run can
   check in the autograd graph that nothing else uses them (``x @ layer.weight`` elsewhere in
@@ -76,6 +78,8 @@ _CONV_LAYOUT: dict[tuple, str] = {}
 # are kept per process, so engines built one after another share them.
 _FORMAT_TRIALS = 9
 _FORMAT_TIMES: dict[tuple, list[list]] = {}  # [format, seconds per sample] per run
+# Layers whose weight and bias gradients the hook path splits by class (BatchNorm in eval mode).
+_HOOKED_TYPES = (nn.Linear, nn.Conv2d, nn.BatchNorm1d, nn.BatchNorm2d)
 # Models whose per-class sums from hooks passed the check against the plain single-class path
 # in this process, per (selected parameters, precision, device): the check is of the model's
 # structure, so later engines on the same model object (an estimate after a job, repeated
@@ -143,11 +147,11 @@ def plan_runs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[list
 
 
 class _Hooked:
-    """The Linear/Conv2d layers that own the selected parameters, and which slot is which.
+    """The Linear/Conv2d/BatchNorm layers that own the selected parameters, and which slot is which.
 
     ``plan`` returns None when any selected parameter is not the plain weight or bias of an
-    ``nn.Linear`` or an ``nn.Conv2d`` (zero padding, one group) that the model calls as a
-    module, or when a parameter is shared (tied) or the layer (or every module, through
+    ``nn.Linear``, an ``nn.Conv2d`` (zero padding, one group) or an eval-mode
+    ``nn.BatchNorm1d/2d`` (running statistics) that the model calls as a module, or when a parameter is shared (tied) or the layer (or every module, through
     ``register_module_forward_hook``) already has forward hooks: then
     per-class sums from hooks would not be exact, and vmap is used.
     """
@@ -167,8 +171,10 @@ class _Hooked:
         for slot in layout.slots:
             owner, _, kind = slot.name.rpartition(".")
             mod = modules.get(owner)
-            if type(mod) not in (nn.Linear, nn.Conv2d) or kind not in ("weight", "bias"):
+            if type(mod) not in _HOOKED_TYPES or kind not in ("weight", "bias"):
                 return None
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and (mod.training or mod.running_var is None):
+                return None  # batch statistics couple samples (the engine refuses them anyway)
             if uses[id(getattr(mod, kind))] != 1 or mod._forward_hooks or mod._forward_pre_hooks:
                 return None
             if isinstance(mod, nn.Conv2d) and (
@@ -177,6 +183,24 @@ class _Hooked:
                 return None
             layers.setdefault(mod, {})[kind] = slot
         return cls(layers)
+
+
+def _class_norm_grads(module: nn.modules.batchnorm._BatchNorm, G: torch.Tensor, A: torch.Tensor,
+                      want_w: bool, want_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-class weight and bias gradients ``[k, C]`` of an eval-mode BatchNorm from ``G``
+    ``[k, m, C, ...]`` (gradient at its output) and ``A`` (its input, same shape). Its output is
+    ``weight * x_hat + bias`` with ``x_hat`` from the running statistics, so a class's bias
+    gradient is the sum of G over its samples and positions, and its weight gradient the same
+    sum of ``G * x_hat``."""
+    reduce = [1, *range(3, G.dim())]
+    gb = G.sum(dim=reduce) if want_b else None
+    gw = None
+    if want_w:
+        shape = (1, 1, G.shape[2]) + (1,) * (G.dim() - 3)
+        mean = module.running_mean.to(G.dtype).view(shape)
+        invstd = torch.rsqrt(module.running_var.to(G.dtype) + module.eps).view(shape)
+        gw = (G * ((A - mean) * invstd)).sum(dim=reduce)
+    return gw, gb
 
 
 def _reaches_any(fn, leaf_ids: set[int]) -> bool:
@@ -484,9 +508,10 @@ class PartitionedEngine(GradientEngine):
                     bounds.append(peak(G) * terms)
                 if "bias" in slots:
                     put(slots["bias"], G.sum(dim=1))
-            else:  # Conv2d: per-class weight gradients as one grouped convolution backward
-                gw, gb = self._class_conv_grads(module, padded(g), padded(a), "weight" in slots, "bias" in slots)
-                # These outputs are small (a conv's parameters), so check them exactly.
+            else:  # Conv2d: one grouped convolution backward; BatchNorm: per-class sums
+                grads_of = _class_norm_grads if isinstance(module, nn.modules.batchnorm._BatchNorm) else self._class_conv_grads
+                gw, gb = grads_of(module, padded(g), padded(a), "weight" in slots, "bias" in slots)
+                # These outputs are small (a layer's parameters), so check them exactly.
                 exact.extend(t for t in (gw, gb) if t is not None)
                 if "weight" in slots:
                     put(slots["weight"], gw)
