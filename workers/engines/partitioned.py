@@ -470,7 +470,7 @@ class PartitionedEngine(GradientEngine):
 
         written: set[str] = set()
         bounds: list[torch.Tensor] = []
-        exact: list[torch.Tensor] = []
+        summed: list[torch.Tensor] = []
 
         def peak(t: torch.Tensor) -> torch.Tensor:  # max |t| in one pass, no temporary; NaN stays NaN
             lo, hi = torch.aminmax(t)
@@ -511,8 +511,10 @@ class PartitionedEngine(GradientEngine):
             else:  # Conv2d: one grouped convolution backward; BatchNorm: per-class sums
                 grads_of = _class_norm_grads if isinstance(module, nn.modules.batchnorm._BatchNorm) else self._class_conv_grads
                 gw, gb = grads_of(module, padded(g), padded(a), "weight" in slots, "bias" in slots)
-                # These outputs are small (a layer's parameters), so check them exactly.
-                exact.extend(t for t in (gw, gb) if t is not None)
+                # Checked by their sum (one read): finite only if every entry is. These are k
+                # copies of a layer's parameters: small in a small CNN, 45M floats for a
+                # ResNet-18 run of 4 classes, where an exact isfinite (four passes) cost 15%.
+                summed.extend(t.sum() for t in (gw, gb) if t is not None)
                 if "weight" in slots:
                     put(slots["weight"], gw)
                 if "bias" in slots:
@@ -524,7 +526,7 @@ class PartitionedEngine(GradientEngine):
         # row: one cheap check on the layer tensors instead of a pass over the rows. Anything
         # else goes to the exact per-row check.
         checks = [(torch.stack(bounds) < 1e37).all()] if bounds else []
-        checks += [torch.isfinite(t).all() for t in exact]
+        checks += [torch.isfinite(torch.stack(summed)).all()] if summed else []
         ok = bool(torch.stack(checks).all()) if checks else True
         if trying is not None:
             if self.device.type == "cuda":
@@ -569,7 +571,10 @@ class PartitionedEngine(GradientEngine):
         its copy is paid): the first call for each layer times both and keeps the faster.
         """
         k, m, cout = G.shape[:3]
-        weight = module.weight.detach().to(G.dtype).repeat(k, 1, 1, 1)
+        # Only the weight's shape matters for its own gradient (the input's gradient is not
+        # asked for), so a zero-stride stand-in of the grouped shape; a copy of the weight per
+        # class (``repeat``) cost a ResNet-18 run 45M floats of writes with 4 classes.
+        weight = G.new_zeros(()).expand(k * cout, *module.weight.shape[1:])
 
         def run(layout: str):
             if layout == "channels_last":
