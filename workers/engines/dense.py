@@ -5,7 +5,8 @@ loss through BatchNorm in train mode). Per micro-batch the model runs forward on
 of rows are VJPs of that micro-batch's contribution to L with one-hot cotangents
 (``torch.func.vmap`` over ``torch.func.vjp``; ``torch.autograd.grad(..., is_grads_batched=True)``
 for models that cannot run under ``torch.func``; one ``torch.autograd.grad`` per row when the
-block size is 1), all on the one graph, which is released after the last block. Rows over several micro-batches are summed.
+block size is 1), all on the one graph, which is released after the last block. Rows over
+several micro-batches are summed.
 
 Memory: with one micro-batch, blocks stream out as they are computed (one block of rows alive).
 With several, a group of at most ``group_rows`` rows (fewer if ``D`` is large) is accumulated
@@ -228,8 +229,9 @@ class DenseEngine(GradientEngine):
         micro-batch), it is chosen on the way: one untimed warm-up row (the first call pays
         one-off costs), then blocks of 1, 1, 1, 2, 2, 2, 4, ... rows, each size timed up to
         ``MEASURE_TRIALS`` times (the best time counts: machines are noisy), stopping once a
-        size is, after two tries, 1.5x slower per row than the best so far; the smallest size within 5% of the fastest is kept for the rest
-        of this call, later calls and other engines on the same model. The measured blocks are real rows, never recomputed.
+        size is, after two tries, 1.5x slower per row than the best so far; the smallest size
+        within 5% of the fastest is kept for the rest of this call, later calls and other
+        engines on the same model. The measured blocks are real rows, never recomputed.
         With ``out`` (``[len(classes), D]``), rows are written into it.
         """
         n, pos = len(classes), 0

@@ -151,9 +151,10 @@ class _Hooked:
 
     ``plan`` returns None when any selected parameter is not the plain weight or bias of an
     ``nn.Linear``, an ``nn.Conv2d`` (zero padding, one group) or an eval-mode
-    ``nn.BatchNorm1d/2d`` (running statistics) that the model calls as a module, or when a parameter is shared (tied) or the layer (or every module, through
-    ``register_module_forward_hook``) already has forward hooks: then
-    per-class sums from hooks would not be exact, and vmap is used.
+    ``nn.BatchNorm1d/2d`` (running statistics) that the model calls as a module, or when a
+    parameter is shared (tied) or the layer (or every module, through
+    ``register_module_forward_hook``) already has forward hooks: then per-class sums from hooks
+    would not be exact, and vmap is used.
     """
 
     def __init__(self, layers: dict[nn.Module, dict[str, object]]):
@@ -509,7 +510,8 @@ class PartitionedEngine(GradientEngine):
                 if "bias" in slots:
                     put(slots["bias"], G.sum(dim=1))
             else:  # Conv2d: one grouped convolution backward; BatchNorm: per-class sums
-                grads_of = _class_norm_grads if isinstance(module, nn.modules.batchnorm._BatchNorm) else self._class_conv_grads
+                is_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+                grads_of = _class_norm_grads if is_norm else self._class_conv_grads
                 gw, gb = grads_of(module, padded(g), padded(a), "weight" in slots, "bias" in slots)
                 # Checked by their sum (one read): finite only if every entry is. These are k
                 # copies of a layer's parameters: small in a small CNN, 45M floats for a
