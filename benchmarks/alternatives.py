@@ -133,7 +133,7 @@ def dense_methods(case: Case, args) -> dict:
     C = case.num_classes
     # Every row, like every other method here: a dense row costs a loop about what it costs the
     # engine, and the best of a few short (extrapolated) runs is biased low against the best of
-    # a few long ones (a run of 16 rows swung 2.5-3.2 s extrapolated where 256 rows held at 3.2 s).
+    # a few long ones (a run of 16 rows swings far more than a run of 256).
     m: dict = {}
     add(m, "seed_loop", lambda h: common.seed_loop(case, range(C), h), "every row")
     add(m, "grad_loop", lambda h: common.grad_loop(case, range(C), h), "every row")

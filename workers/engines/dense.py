@@ -43,7 +43,7 @@ ROW_BYTES_BUDGET = 1 << 30
 # C, so it caps the block size (memory stays flat in C).
 VJP_BYTES_BUDGET = 256 << 20
 # Times each block size is tried while measuring (the best counts). Two were not enough on a
-# busy machine: a benchmark run once kept block size 4 for a CNN whose batched VJPs are 1.6x
+# busy machine: a benchmark run once kept block size 4 for a CNN whose batched VJPs are
 # slower per row than single ones. A size clearly slower after two tries is not tried again.
 MEASURE_TRIALS = 3
 # A measured block size smaller than this streams its rows in chunks of about this many.
