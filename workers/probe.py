@@ -6,6 +6,7 @@ same order, and the per-class sample index that the partitioned engine uses.
 
 Inputs stay where the user put them and are fetched per batch; only targets (small) are held
 whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and a stack.
+Image batches can be asked for channels-last (the partitioned engine's measured choice).
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ def _stack(items: Sequence[Any]) -> Any:
     if isinstance(first, dict):
         return {k: _stack([it[k] for it in items]) for k in first}
     return torch.as_tensor(items)
+
+
+def _in_format(batch: Any, memory_format: torch.memory_format) -> Any:
+    """4-D floating tensors of ``batch`` in ``memory_format``; everything else as it is."""
+    if _is_image(batch):
+        return batch.contiguous(memory_format=memory_format)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_in_format(b, memory_format) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _in_format(v, memory_format) for k, v in batch.items()}
+    return batch
 
 
 def _to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
@@ -83,17 +95,22 @@ class ProbeSet:
     def __len__(self) -> int:
         return len(self.targets)
 
-    def inputs(self, indices: torch.Tensor) -> Any:
-        """Inputs of the given samples, batched, on the CPU."""
+    def inputs(self, indices: torch.Tensor, memory_format: torch.memory_format | None = None) -> Any:
+        """Inputs of the given samples, batched, where they are held. ``memory_format``
+        (``torch.channels_last``) lays 4-D floating tensors out that way, gathered in the same
+        pass where the inputs are held as tensors."""
         if self._dataset is None:
-            return _index(self._inputs, indices)
-        return _stack([self._dataset[int(i)][0] for i in indices])
+            return _index(self._inputs, indices, memory_format)
+        batch = _stack([self._dataset[int(i)][0] for i in indices])
+        return batch if memory_format is None else _in_format(batch, memory_format)
 
     def batch(
-        self, indices: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+        self, indices: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None,
+        memory_format: torch.memory_format | None = None,
     ) -> tuple[Any, torch.Tensor]:
-        """(inputs, targets) of the given samples on ``device``; floating inputs cast to ``dtype``."""
-        x = _to_device(self.inputs(indices), device, dtype)
+        """(inputs, targets) of the given samples on ``device``; floating inputs cast to ``dtype``,
+        4-D floating inputs in ``memory_format`` if given."""
+        x = _to_device(self.inputs(indices, memory_format), device, dtype)
         y = self.targets[indices].to(device, non_blocking=True)
         return x, y
 
@@ -132,11 +149,20 @@ class ProbeSet:
         return list(torch.split(order, counts.tolist()))
 
 
-def _index(inputs: Any, indices: torch.Tensor) -> Any:
+def _is_image(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+
+
+def _index(inputs: Any, indices: torch.Tensor, memory_format: torch.memory_format | None = None) -> Any:
     if isinstance(inputs, torch.Tensor):
-        return inputs[indices]
+        if memory_format == torch.channels_last and _is_image(inputs):
+            # Gathering from an NHWC view writes the batch channels-last in one pass; indexing
+            # and then converting reads and writes it twice.
+            picked = torch.index_select(inputs.permute(0, 2, 3, 1), 0, indices.to(inputs.device))
+            return picked.permute(0, 3, 1, 2)
+        return _in_format(inputs[indices], memory_format) if memory_format is not None else inputs[indices]
     if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_index(x, indices) for x in inputs)
+        return type(inputs)(_index(x, indices, memory_format) for x in inputs)
     if isinstance(inputs, dict):
-        return {k: _index(v, indices) for k, v in inputs.items()}
+        return {k: _index(v, indices, memory_format) for k, v in inputs.items()}
     raise InputError(f"data: unsupported input type {type(inputs).__name__}")

@@ -12,6 +12,7 @@ Holds:
 - ``choice_clock``: the clock engines time their own choices (block sizes, layouts) with.
 - ``NormInFloat32``: batch norm on half inputs computed in float32, so vmap can batch it.
 - ``parameters_kept``: a model's own parameters back in place after ``functional_call``.
+- ``reaches_any``: whether an autograd graph uses given tensors (a walk, no computation).
 
 Engines never keep a graph beyond the rows they are computing, and never hold more than one
 group of rows, so memory does not grow with the number of classes.
@@ -241,6 +242,22 @@ def tree_map_tensors(fn: Any, tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
     return tree
+
+
+def reaches_any(fn, leaf_ids: set[int]) -> bool:
+    """Whether the autograd graph below ``fn`` accumulates into any tensor in ``leaf_ids``
+    (a walk over the graph's nodes, no computation)."""
+    stack, seen = [fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
+        if leaf is not None and id(leaf) in leaf_ids:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 @contextlib.contextmanager

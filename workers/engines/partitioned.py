@@ -55,6 +55,7 @@ from workers.engines.base import (
     RowBlock,
     couples_samples,
     parameters_kept,
+    reaches_any,
     samples_independent,
     tree_map_tensors,
 )
@@ -204,22 +205,6 @@ def _class_norm_grads(module: nn.modules.batchnorm._BatchNorm, G: torch.Tensor, 
     return gw, gb
 
 
-def _reaches_any(fn, leaf_ids: set[int]) -> bool:
-    """Whether the autograd graph below ``fn`` accumulates into any tensor in ``leaf_ids``
-    (a walk over the graph's nodes, no computation)."""
-    stack, seen = [fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf tensor
-        if leaf is not None and id(leaf) in leaf_ids:
-            return True
-        stack.extend(n for n, _ in node.next_functions)
-    return False
-
-
 def _grouped_channels_last(t: torch.Tensor) -> torch.Tensor:
     """``[k, m, c, h, w]`` -> ``[m, k*c, h, w]`` (class k's channels as group k) in channels-last
     memory, in one copy: the grouped convolution backward is about twice as fast on a CPU in
@@ -258,6 +243,8 @@ class PartitionedEngine(GradientEngine):
         self._hooked = _Hooked.plan(self.model, self.layout)
         self._hooks_checked = self._hooks_key() in _HOOKS_CHECKED.get(self.model, ())
         self._hook_clone = False
+        # Once channels-last inputs are chosen, batches are gathered that way (one pass, not two).
+        self._gather_format: torch.memory_format | None = None
 
     # --- where rows go ---------------------------------------------------------------------------
     #
@@ -382,7 +369,8 @@ class PartitionedEngine(GradientEngine):
         local = torch.repeat_interleave(torch.arange(k), counts)
         first = torch.cumsum(counts, 0) - counts
         within = torch.arange(total) - first[local]
-        x, y = self.probe.batch(self._order[self._start[cls][local] + within], self.device, self.compute_dtype)
+        x, y = self.probe.batch(self._order[self._start[cls][local] + within], self.device, self.compute_dtype,
+                                memory_format=self._gather_format)
         x, trying = self._input_format(x)
         clock = choice_clock(self.device)
         t_start = clock()
@@ -428,7 +416,7 @@ class PartitionedEngine(GradientEngine):
         if retry:
             self._hook_clone = True
             return self._hook_rows(classes, scales, dest, where)
-        if _reaches_any(out.grad_fn, {id(t) for kinds in real.values() for t in kinds.values()}):
+        if reaches_any(out.grad_fn, {id(t) for kinds in real.values() for t in kinds.values()}):
             raise RuntimeError("a selected parameter of a hooked layer is also used outside that layer's forward")
         self.stats.forwards += 1
         self.loss.check_outputs(out)
@@ -560,7 +548,9 @@ class PartitionedEngine(GradientEngine):
                 fmt = ("contiguous", "channels_last")[len(trials) % 2]
                 trial = [fmt]
                 trials.append(trial)
-        if fmt == "channels_last":
+        if trial is None and fmt == "channels_last":
+            self._gather_format = torch.channels_last
+        if fmt == "channels_last":  # a no-op once batches are gathered channels-last
             x = x.contiguous(memory_format=torch.channels_last)
         return x, trial
 
