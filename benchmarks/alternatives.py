@@ -10,11 +10,13 @@ Sections (each model: ``--models``, default the small CNN and the MLP of ``worke
    the floor (one forward+backward of the summed loss), and classgrad's partitioned and dense
    engines.
 2. **tiny**: many tiny classes (each class keeps a random 1..4 samples), ``--tiny-classes`` C.
-3. **dense** (``logit`` loss: L_c = mean class-c logit, every sample touches every row) on a
-   probe set of ``--dense-samples`` samples: the loops, batched one-hot VJPs, jacrev, the floor
-   (C single-row VJPs) and classgrad's dense engine with its block size measured automatically,
-   once with the table's micro-batches and once with one batch of all samples (the graph
-   memory the loops use, since they keep every micro-batch's graph).
+3. **dense** (``--dense-losses``, default ``logit`` then ``bce``: every sample touches every
+   row) on a probe set of ``--dense-samples`` samples: the loops, batched one-hot VJPs, jacrev,
+   the floor (C single-row VJPs) and classgrad's dense engine, once with the table's
+   micro-batches and once with one batch of all samples (the graph memory the loops use, since
+   they keep every micro-batch's graph). ``logit`` is linear in the outputs, so the engine
+   takes rows through the model's final Linear layer (F VJPs, not C); ``bce`` is not, so it
+   shows the per-row path, whose block size is measured automatically.
 4. **scaling**: the seed-style loop against the partitioned engine at C = ``--scaling-classes``.
 
 On a partitioned loss, methods whose cost is C backward passes (the loops, batched VJPs,
@@ -142,7 +144,8 @@ def dense_methods(case: Case, args) -> dict:
     for chunk in args.chunks:
         add(m, f"jacrev[{chunk}]", lambda h, chunk=chunk: common.func_jacrev(case, range(C), h, chunk))
     add(m, "floor", lambda h: common.floor_dense(case), "C single-row VJPs (one timed, x C)")
-    add(m, "classgrad_dense", lambda h: common.classgrad(case, h, "dense"), "block size measured automatically")
+    add(m, "classgrad_dense", lambda h: common.classgrad(case, h, "dense"),
+        "rows through the head" if case.loss.linear_in_outputs else "block size measured automatically")
     # The loops keep the graph of every micro-batch until their last row (L sums them); the
     # engine keeps one micro-batch's graph at a time. Given the loops' memory (one batch of
     # all samples), the engine needs one VJP per row instead of one per micro-batch.
@@ -206,6 +209,9 @@ def main() -> None:
     parser.add_argument("--tiny-classes", type=int, help="C of the tiny-classes table (default 1000, quick 512)")
     parser.add_argument("--tiny-max", type=int, default=4, help="tiny classes keep 1..this many samples")
     parser.add_argument("--dense-samples", type=int, help="probe samples of the dense table (default 512, quick 256)")
+    parser.add_argument("--dense-losses", default="logit,bce",
+                        help="comma-separated dense losses, one table each: logit (rows through the head), "
+                             "bce (one VJP per row)")
     parser.add_argument("--scaling-classes", help="C values of the loop-vs-engine table (default 256,1000,10000; "
                                                   "quick 256,1000)")
     parser.add_argument("--scaling-spc", type=int, default=2, help="samples per class in the scaling table")
@@ -295,17 +301,22 @@ def main() -> None:
                    summ["engine_over_floor"] <= 1.3, floor_detail(summ))
             del case
             save()
-        if "dense" in sections:
+        for dense_loss in (args.dense_losses.split(",") if "dense" in sections else []):
             dense_C = args.classes or (128 if q else 256)
-            case = make_case(model, dense_C, max(spc, -(-dense_n // dense_C)), loss="logit", max_samples=dense_n, **kw)
-            res, summ = table("dense", model, "dense loss", case, dense_methods(case, args), "classgrad_dense")
-            target(f"{model}: dense at least as fast as the fastest alternative ({summ['best_alternative']})",
-                   summ["speedup_vs_best_alternative"], ">= 1", summ["speedup_vs_best_alternative"] >= 1,
-                   f"block size chosen automatically: {res['classgrad_dense'].get('block_rows')}")
+            case = make_case(model, dense_C, max(spc, -(-dense_n // dense_C)), loss=dense_loss, max_samples=dense_n,
+                             **kw)
+            section = "dense" if dense_loss == "logit" else f"dense_{dense_loss}"
+            res, summ = table(section, model, f"dense loss ({dense_loss})", case, dense_methods(case, args),
+                              "classgrad_dense")
+            how = "; ".join(n for n in res["classgrad_dense"].get("engine_notes", []) if n.startswith("dense:"))
+            target(f"{model}: dense ({dense_loss}) at least as fast as the fastest alternative "
+                   f"({summ['best_alternative']})", summ["speedup_vs_best_alternative"], ">= 1",
+                   summ["speedup_vs_best_alternative"] >= 1,
+                   f"block size: {res['classgrad_dense'].get('block_rows')}; {how}")
             same = summ["best_alternative_s"] / res["classgrad_dense[one batch]"]["seconds"]
-            target(f"{model}: dense with the loops' graph memory (one batch) vs {summ['best_alternative']}",
-                   same, ">= 1", same >= 1,
-                   f"block size chosen automatically: {res['classgrad_dense[one batch]'].get('block_rows')}")
+            target(f"{model}: dense ({dense_loss}) with the loops' graph memory (one batch) vs "
+                   f"{summ['best_alternative']}", same, ">= 1", same >= 1,
+                   f"block size: {res['classgrad_dense[one batch]'].get('block_rows')}")
             del case
             save()
         if "scaling" in sections:

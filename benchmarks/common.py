@@ -194,14 +194,17 @@ def make_model(kind: str, num_classes: int, *, width: int = 8, hidden: int = 64,
 
 
 def make_probe(kind: str, num_classes: int, samples_per_class: int, *, image_size: int = 16,
-               tiny: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               tiny: bool = False, multilabel: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and labels, samples grouped by class. ``tiny``: each class keeps a random
-    1..``samples_per_class`` of its samples (the many-tiny-classes case)."""
+    1..``samples_per_class`` of its samples (the many-tiny-classes case). ``multilabel``:
+    multi-hot targets (the ``bce`` loss)."""
     if kind == "mlp":
-        x, y = zoo.synthetic_probe(num_classes, samples_per_class, kind="vector", input_shape=(32,), seed=seed)
+        x, y = zoo.synthetic_probe(num_classes, samples_per_class, kind="vector", input_shape=(32,),
+                                   multilabel=multilabel, seed=seed)
     else:
         size = 32 if kind == "resnet18" and image_size == 16 else image_size
-        x, y = zoo.synthetic_probe(num_classes, samples_per_class, kind="image", input_shape=(3, size, size), seed=seed)
+        x, y = zoo.synthetic_probe(num_classes, samples_per_class, kind="image", input_shape=(3, size, size),
+                                   multilabel=multilabel, seed=seed)
     if tiny:
         g = torch.Generator().manual_seed(seed + 1)
         keep_n = torch.randint(1, samples_per_class + 1, (num_classes,), generator=g)
@@ -215,7 +218,8 @@ def make_probe(kind: str, num_classes: int, samples_per_class: int, *, image_siz
 def make_case(model: str, num_classes: int, samples_per_class: int, *, loss: str = "cross_entropy",
               precision: str = "fp32", device: str = "cpu", tiny: bool = False, image_size: int = 16,
               width: int = 8, hidden: int = 64, max_samples: int | None = None, seed: int = 0) -> Case:
-    x, y = make_probe(model, num_classes, samples_per_class, image_size=image_size, tiny=tiny, seed=seed)
+    x, y = make_probe(model, num_classes, samples_per_class, image_size=image_size, tiny=tiny,
+                      multilabel=loss == "bce", seed=seed)
     if max_samples is not None and len(y) > max_samples:  # dense: a probe set independent of C
         pick = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:max_samples].sort().values
         x, y = x[pick], y[pick]

@@ -46,7 +46,9 @@ OUT = common.OUT_DIR / "diagnostics.json"
 def dense_gap(reps: int, rows: int) -> dict[str, Any]:
     from workers.engines import build_engine
 
-    case = common.make_case("cnn", 256, 8, loss="logit", max_samples=512)
+    # bce: a dense loss that is not linear in the outputs, so the engine computes one VJP per row
+    # (with ``logit`` it would take rows through the head instead: nothing per row to compare).
+    case = common.make_case("cnn", 256, 8, loss="bce", max_samples=512)
     eng = build_engine(case.model, (case.x, case.y), num_classes=case.num_classes, loss=case.loss,
                        precision=case.precision, engine="dense", batch_size=case.batch_size,
                        device=case.device, block_rows=1)

@@ -1,8 +1,9 @@
 """Peak memory of the dense engine streaming the rows of many classes (issue 2's memory check).
 
 For each C (``--classes``, default 1,000 and 10,000) a fresh subprocess builds the MLP of
-``workers.zoo`` with C outputs and the dense engine on a ``logit`` loss (every sample touches
-every row), then streams all C rows block by block, discarding each block (``--sink discard``)
+``workers.zoo`` with C outputs and the dense engine on a dense loss (``--loss``: ``bce``, one VJP
+per row, by default; ``logit``, rows through the head), then streams all C rows block by block,
+discarding each block (``--sink discard``)
 or writing it to a ``.npy`` memmap on disk (``--sink disk``). It reports its peak RSS
 (``ru_maxrss``), the RSS right before the rows start, and the peak of the memory the rows
 phase added. The row width is kept the same for every C: rows are the gradients of the first
@@ -56,7 +57,9 @@ def child(args) -> None:
     model = zoo.mlp(C, in_features=32, hidden=args.hidden, depth=2).eval()
     x = torch.randn(samples, 32, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, C, (samples,), generator=torch.Generator().manual_seed(1))
-    engine = build_engine(model, (x, y), num_classes=C, loss="logit", engine="dense", batch_size=batch,
+    if args.loss == "bce":  # multi-hot targets: each sample's label
+        y = torch.nn.functional.one_hot(y, C).float()
+    engine = build_engine(model, (x, y), num_classes=C, loss=args.loss, engine="dense", batch_size=batch,
                           params=["0.*", "2.*"])
     sink = None
     if args.sink == "disk":
@@ -88,6 +91,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="MLP width (row width D = 32h + h + h^2 + h)")
     parser.add_argument("--shapes", default="stream,accumulate")
     parser.add_argument("--sink", default="discard", choices=["discard", "disk"])
+    parser.add_argument("--loss", default="bce", choices=["bce", "logit"],
+                        help="bce: one VJP per row (the streaming this checks); logit: rows through the head")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--child-classes", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-shape", help=argparse.SUPPRESS)
@@ -103,12 +108,13 @@ def main() -> None:
         for shape in args.shapes.split(","):
             for C in classes:
                 out = subprocess.run([sys.executable, __file__, "--child-classes", str(C), "--child-shape", shape,
-                                      "--child-dir", tmp, "--sink", args.sink, "--hidden", str(args.hidden)],
+                                      "--child-dir", tmp, "--sink", args.sink, "--hidden", str(args.hidden),
+                                      "--loss", args.loss],
                                      capture_output=True, text=True, check=True)
                 results.append(json.loads(out.stdout.strip().splitlines()[-1]))
                 for f in Path(tmp).glob("*.npy"):
                     f.unlink()
-    print(f"== dense engine, logit loss, rows streamed and {args.sink}ed, fresh process per case")
+    print(f"== dense engine, {args.loss} loss, rows streamed and {args.sink}ed, fresh process per case")
     print_table(["shape", "C", "D", "block", "peak RSS", "RSS before rows", "added by rows", "seconds"],
                 [[r["shape"], f"{r['classes']:,}", f"{r['dim']:,}", str(r["block_rows"]), f"{r['peak_rss_mib']:.0f} MiB",
                   f"{r['rss_before_rows_mib']:.0f} MiB", f"{r['rows_phase_added_mib']:.0f} MiB", f"{r['seconds']:.1f}"]

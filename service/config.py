@@ -242,7 +242,8 @@ class EngineConfig(_Section):
     block_rows: PositiveInt | None = Field(
         None,
         description="Rows per VJP block of the dense engine (the graph is kept while one block "
-        "runs); null = chosen by a short measurement.",
+        "runs); null = chosen by a short measurement. Not used when rows go through the model's "
+        "final Linear layer (a loss linear in the outputs: see the dense engine).",
     )
     group_rows: PositiveInt = Field(
         256,

@@ -118,7 +118,15 @@ MODEL_CASES = {
     "bn_no_stats": ModelCase("bn_no_stats", bn_without_running_stats, dict(kind="image", input_shape=(3, 8, 8))),
     "transformer": ModelCase("transformer", lambda: zoo.tiny_transformer(NUM_CLASSES, vocab=32, dim=8, max_len=8).eval(),
                              dict(kind="tokens", vocab=32, seq_len=6)),
+    # Fewer features into the final Linear layer than classes: the dense engine's rows through
+    # the head (workers.engines.head) apply to linear losses.
+    "narrow_mlp": ModelCase("narrow_mlp", lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=5).eval(),
+                            dict(kind="vector", input_shape=(8,))),
+    "narrow_bn_train": ModelCase("narrow_bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=1).train(),
+                                 dict(kind="image", input_shape=(3, 8, 8))),
 }
+# Models whose final Linear layer has fewer input features than there are classes.
+NARROW_HEAD_MODELS = {"narrow_mlp", "narrow_bn_train"}
 
 LOSS_CASES = {
     "cross_entropy": "cross_entropy",
@@ -129,7 +137,7 @@ LOSS_CASES = {
 }
 PARTITIONED_LOSSES = {"cross_entropy", "custom_partitioned"}
 # Models whose samples interact in the forward (batch statistics): only dense engines apply.
-BATCH_COUPLED_MODELS = {"bn_train", "bn_no_stats"}
+BATCH_COUPLED_MODELS = {"bn_train", "bn_no_stats", "narrow_bn_train"}
 
 
 def probe_data(model_case: str, loss_case: str, samples_per_class: int = 3):

@@ -14,7 +14,10 @@ from torch import nn
 
 from service.config import BUILTIN_LOSS_KINDS
 from service.errors import InputError, RowOverflowError
-from tests.unit.engine_cases import NUM_CLASSES, WeightUsedOutside, engine_for, max_relative_error, reference_rows
+from tests.unit.engine_cases import (
+    MODEL_CASES, NARROW_HEAD_MODELS, NUM_CLASSES, WeightUsedOutside, engine_for, max_relative_error, probe_data,
+    reference_rows,
+)
 from workers import zoo
 from workers.engines import build_engine, dense, per_class_gradients
 from workers.factory import build_model, load_checkpoint, preflight
@@ -89,6 +92,110 @@ def test_a_measured_block_size_of_one_is_reused_with_autograd_graphs(monkeypatch
         assert isinstance(later._graph(next(later.probe.micro_batches())), dense._AutogradGraph)
     assert later.block_rows == 1
     assert any("measured earlier" in note for note in later.stats.notes)
+
+
+# --- dense rows through the final Linear layer (workers.engines.head) ----------------------
+
+HEAD_NOTE = "through the final Linear layer"
+
+
+def _head_engine(model, data, **options):
+    return build_engine(model, data, num_classes=NUM_CLASSES, loss="logit", engine="dense", **options)
+
+
+@pytest.mark.parametrize("batch_size", [1000, 5])
+@pytest.mark.parametrize("selection", ["all", "body", "head"])
+@pytest.mark.parametrize("model_case", sorted(NARROW_HEAD_MODELS))
+def test_linear_loss_rows_go_through_the_head_and_match_the_reference(model_case, selection, batch_size):
+    """F features into the head (< C classes): F VJPs per micro-batch (plus one for the loss's
+    sample weights) replace C, whichever parameters a row holds, over one or several
+    micro-batches, BatchNorm in train mode included."""
+    model = MODEL_CASES[model_case].build()
+    head_name = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    options = {"all": {}, "body": {"exclude": [f"{head_name}.*"]}, "head": {"params": [f"{head_name}.*"]}}[selection]
+    data = probe_data(model_case, "logit")
+    eng = _head_engine(model, data, batch_size=batch_size, **options)
+    got = eng.compute(range(NUM_CLASSES))
+    assert any(HEAD_NOTE in n for n in eng.stats.notes), eng.stats.notes
+    features = dict(model.named_modules())[head_name].in_features
+    vjps = 0 if selection == "head" else features
+    assert eng.stats.backwards == (vjps + 1) * eng.probe.num_micro_batches
+    want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss="logit",
+                        engine="reference", batch_size=batch_size, **options).compute(range(NUM_CLASSES))
+    # The float64 reference's contract (see test_engines): a few float32 roundoffs.
+    assert max_relative_error(got.rows, want.rows) <= 1e-6
+    torch.testing.assert_close(got.loss.double(), want.loss, rtol=1e-6, atol=1e-7)
+
+
+def test_the_head_basis_is_kept_for_later_calls_until_a_parameter_changes():
+    """An actor asks one engine for shard after shard: the basis does not depend on the classes,
+    so later shards cost no forward pass, until the model's parameters change."""
+    model = MODEL_CASES["narrow_mlp"].build()
+    data = probe_data("narrow_mlp", "logit")
+    eng = _head_engine(model, data, batch_size=5)
+    first = eng.compute([0, 1, 2]).rows
+    forwards = eng.stats.forwards
+    later = eng.compute([3, 4, 5, 0]).rows
+    assert eng.stats.forwards == forwards  # no forward pass for the second shard
+    assert torch.equal(later[3], first[0])
+    with torch.no_grad():
+        model[0].weight.mul_(1.5)
+    changed = eng.compute([0]).rows
+    assert eng.stats.forwards == 2 * forwards
+    want = per_class_gradients(model, data, num_classes=NUM_CLASSES, loss="logit", engine="reference",
+                               batch_size=5, classes=[0])
+    # fp32 against the fp32 reference: summation order only.
+    assert max_relative_error(changed, want) <= 1e-5
+
+
+class _ScaledHead(nn.Module):
+    """Logits scaled after the final Linear layer: the output is not the head's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = MODEL_CASES["narrow_mlp"].build()
+
+    def forward(self, x):
+        return self.body(x) * 2.0
+
+
+class _TiedHead(nn.Module):
+    """The head's weight also used below it (h depends on W): rows through the head would miss
+    that path."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(8, 5)
+        self.head = nn.Linear(5, NUM_CLASSES)
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x)) + 0.1 * (x[:, :NUM_CLASSES] @ self.head.weight)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("case", ["bce", "fp16", "scaled_output", "tied_head", "wide_head"])
+def test_rows_go_one_vjp_each_when_the_head_path_does_not_apply(case):
+    """Each condition of the head path, broken once: the engine says why and computes rows per
+    class, still matching the reference."""
+    model = {"scaled_output": _ScaledHead, "tied_head": _TiedHead}.get(case, MODEL_CASES["narrow_mlp"].build)()
+    if case == "wide_head":
+        model = MODEL_CASES["mlp"].build()  # 16 features for 6 classes: no gain
+    model = model.eval()
+    loss = "bce" if case == "bce" else "logit"
+    data = probe_data("narrow_mlp", loss, samples_per_class=8)
+    precision = "fp16" if case == "fp16" else "fp32"
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, loss=loss, engine="dense", precision=precision,
+                       batch_size=5)
+    got = eng.compute(range(NUM_CLASSES)).rows
+    assert not any(HEAD_NOTE in n for n in eng.stats.notes)
+    reason = {"bce": "not declared linear", "fp16": "fp16 loss scaling", "scaled_output": "not the output of one",
+              "tied_head": "also used below it", "wide_head": "no final nn.Linear"}[case]
+    assert any(reason in n for n in eng.stats.notes), eng.stats.notes
+    want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss=loss,
+                        engine="reference", batch_size=5).compute(range(NUM_CLASSES)).rows
+    # fp32: a few roundoffs (test_engines' contract); fp16: test_engines' low-precision bound.
+    assert max_relative_error(got, want) <= (1e-2 if case == "fp16" else 1e-6)
 
 
 # --- fp16: only the rows that overflow are recomputed -------------------------------------

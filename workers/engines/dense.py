@@ -19,12 +19,20 @@ The block size, when not given, is chosen from a short measurement on the first 
 within 5% of the fastest is kept (once per process, per model and micro-batch shape).
 Rows are written straight into their block (or group) buffer, and checked for inf/NaN with one
 read (a row sum); only a row that may be non-finite goes through the exact per-row check.
+
+Rows through the head: for a loss linear in the outputs (``logit``) on a model that ends in an
+``nn.Linear`` with fewer input features F than classes, a basis of F VJPs per micro-batch
+replaces the C per-row ones and rows are a matrix product (``workers.engines.head``, which
+lists the conditions). The basis is built in one pass over the probe set and kept for later
+calls until a parameter changes; when a condition fails, the engine notes why and runs the
+VJPs per row as above.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -32,6 +40,7 @@ import torch
 from service.errors import ClassgradError
 from workers.amp import rows_with_rescale
 from workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
+from workers.engines.head import HeadBasis, NoHeadPath, head_basis, parameter_versions
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,9 @@ STREAM_ROWS = 32
 # Block sizes measured in this process, per (model, micro-batch shape, D, device, precision,
 # loss, threads): an actor measures once, not once per shard.
 _BLOCK_ROWS: dict[tuple, int] = {}
+# Why rows cannot go through the head (see ``workers.engines.head``), per model object and job
+# shape in this process: found once (it may take a forward pass), not once per engine.
+_NO_HEAD: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str]]" = weakref.WeakKeyDictionary()
 
 
 class _AutogradGraph:
@@ -105,6 +117,7 @@ class DenseEngine(GradientEngine):
         self._all_classes = torch.arange(self.loss.num_classes)
         self._block_rows_given = self.block_rows is not None
         self._samples = min(self.probe.batch_size, len(self.probe))  # rows of the current micro-batch
+        self._head: HeadBasis | None = None  # kept for later calls (an actor's next shard) while valid
 
     # --- one block of VJPs --------------------------------------------------------------------
 
@@ -285,12 +298,54 @@ class DenseEngine(GradientEngine):
         if len(ids) == 0:
             return
         with self.selected_grads():
-            if self.probe.num_micro_batches == 1:
+            head = self._head_basis()
+            if head is not None:
+                yield from self._through_head(head, ids)
+            elif self.probe.num_micro_batches == 1:
                 yield from self._stream(ids)
             else:
                 group = min(self.group_rows, self._row_limit())
                 for g0 in range(0, len(ids), group):
                     yield from self._accumulate(ids[g0 : g0 + group])
+
+    def _head_basis(self) -> HeadBasis | None:
+        """The basis for rows through the model's final Linear layer (``workers.engines.head``),
+        or None (with a note saying why) when that path does not apply."""
+        if self._head is not None and self._head.versions == parameter_versions(self.model):
+            return self._head
+        self._head = None
+        key = (self.loss.name, self.loss.num_classes, tuple(self.layout.names), self.precision.dtype, str(self.device))
+        known = _NO_HEAD.setdefault(self.model, {})
+        reason = known.get(key)
+        if reason is None:
+            try:
+                self._head = head_basis(self, ROW_BYTES_BUDGET)
+            except NoHeadPath as exc:
+                reason = str(exc)
+                if exc.lasting:
+                    known[key] = reason
+        if reason is not None:
+            msg = f"dense: one VJP per row ({reason})"
+            if msg not in self.stats.notes:  # once per engine, not once per shard
+                log.info(msg)
+                self.stats.notes.append(msg)
+            return None
+        msg = (f"dense: rows through the final Linear layer ({self._head.head.in_features} VJPs per "
+               f"micro-batch instead of one per class)")
+        log.info(msg)
+        self.stats.notes.append(msg)
+        return self._head
+
+    def _through_head(self, head: HeadBasis, ids: torch.Tensor) -> Iterator[RowBlock]:
+        """Rows as ``W[classes] @ R`` plus the head's own columns, a group at a time."""
+        dev_ids = ids.to(self.device)
+        dtype = torch.promote_types(self.compute_dtype, torch.float32)
+        group = min(self.group_rows, self._row_limit())
+        for g0 in range(0, len(ids), group):
+            sub = dev_ids[g0 : g0 + group]
+            rows = head.rows(sub, dtype)
+            yield self._block(ids[g0 : g0 + group], rows, head.losses[sub], torch.ones(len(sub)),
+                              torch.zeros(len(sub), dtype=torch.bool))
 
     def _stream(self, ids: torch.Tensor) -> Iterator[RowBlock]:
         """One micro-batch: one forward, then every block on its graph, yielded as computed.
