@@ -10,13 +10,15 @@ Sections (each model: ``--models``, default the small CNN and the MLP of ``worke
    the floor (one forward+backward of the summed loss), and classgrad's partitioned and dense
    engines.
 2. **tiny**: many tiny classes (each class keeps a random 1..4 samples), ``--tiny-classes`` C.
-3. **dense** (``--dense-losses``, default ``logit`` then ``bce``: every sample touches every
-   row) on a probe set of ``--dense-samples`` samples: the loops, batched one-hot VJPs, jacrev,
-   the floor (C single-row VJPs) and classgrad's dense engine, once with the table's
-   micro-batches and once with one batch of all samples (the graph memory the loops use, since
-   they keep every micro-batch's graph). ``logit`` is linear in the outputs, so the engine
-   takes rows through the model's final Linear layer (F VJPs, not C); ``bce`` is not, so it
-   shows the per-row path, whose block size is measured automatically.
+3. **dense** (``--dense-losses``, default ``logit``, ``bce`` and ``log_softmax``: every sample
+   touches every row) on a probe set of ``--dense-samples`` samples: the loops, batched one-hot
+   VJPs, jacrev, the floor (C single-row VJPs) and classgrad's dense engine, once with the
+   table's micro-batches and once with one batch of all samples (the graph memory the loops
+   use, since they keep every micro-batch's graph). The three losses take the engine's three
+   paths: ``logit`` (linear in the outputs) rows from a basis of F VJPs through the model's
+   final Linear layer; ``bce`` (each L_c sees output column c only) one VJP per row starting at
+   that layer's input; ``log_softmax`` (a user's loss that sees every column) one VJP per row
+   through the whole model. Block sizes of per-row VJPs are measured automatically.
 4. **scaling**: the seed-style loop against the partitioned engine at C = ``--scaling-classes``.
 
 On a partitioned loss, methods whose cost is C backward passes (the loops, batched VJPs,
@@ -145,7 +147,7 @@ def dense_methods(case: Case, args) -> dict:
         add(m, f"jacrev[{chunk}]", lambda h, chunk=chunk: common.func_jacrev(case, range(C), h, chunk))
     add(m, "floor", lambda h: common.floor_dense(case), "C single-row VJPs (one timed, x C)")
     add(m, "classgrad_dense", lambda h: common.classgrad(case, h, "dense"),
-        "rows through the head" if case.loss.linear_in_outputs else "block size measured automatically")
+        "rows from a basis through the head" if case.loss.linear_in_outputs else "block size measured automatically")
     # The loops keep the graph of every micro-batch until their last row (L sums them); the
     # engine keeps one micro-batch's graph at a time. Given the loops' memory (one batch of
     # all samples), the engine needs one VJP per row instead of one per micro-batch.
@@ -209,9 +211,10 @@ def main() -> None:
     parser.add_argument("--tiny-classes", type=int, help="C of the tiny-classes table (default 1000, quick 512)")
     parser.add_argument("--tiny-max", type=int, default=4, help="tiny classes keep 1..this many samples")
     parser.add_argument("--dense-samples", type=int, help="probe samples of the dense table (default 512, quick 256)")
-    parser.add_argument("--dense-losses", default="logit,bce",
-                        help="comma-separated dense losses, one table each: logit (rows through the head), "
-                             "bce (one VJP per row)")
+    parser.add_argument("--dense-losses", default="logit,bce,log_softmax",
+                        help="comma-separated dense losses, one table each: logit (a basis through the head), "
+                             "bce (per-row VJPs from the head's input), log_softmax (per-row VJPs through the "
+                             "whole model)")
     parser.add_argument("--scaling-classes", help="C values of the loop-vs-engine table (default 256,1000,10000; "
                                                   "quick 256,1000)")
     parser.add_argument("--scaling-spc", type=int, default=2, help="samples per class in the scaling table")

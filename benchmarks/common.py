@@ -135,7 +135,7 @@ class Case:
     x: torch.Tensor
     y: torch.Tensor
     num_classes: int
-    loss_kind: str = "cross_entropy"
+    loss_kind: str | Callable = "cross_entropy"
     precision: str = "fp32"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     batch_size: int = 256
@@ -183,6 +183,17 @@ class Case:
         return total
 
 
+def log_softmax_mean(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A dense loss that sees every output column (L_c = -mean log-softmax of class c): no head
+    path applies, so the dense engine's VJPs run through the whole model (``--dense-losses
+    log_softmax``)."""
+    return -F.log_softmax(outputs.float(), dim=1).mean(dim=0)
+
+
+# Dense losses by the names the benchmarks take: built-in kinds, and the one above.
+DENSE_LOSSES: dict[str, Any] = {"logit": "logit", "bce": "bce", "log_softmax": log_softmax_mean}
+
+
 def make_model(kind: str, num_classes: int, *, width: int = 8, hidden: int = 64, seed: int = 0) -> nn.Module:
     if kind == "cnn":
         return zoo.small_cnn(num_classes, width=width, seed=seed).eval()
@@ -220,6 +231,7 @@ def make_case(model: str, num_classes: int, samples_per_class: int, *, loss: str
               width: int = 8, hidden: int = 64, max_samples: int | None = None, seed: int = 0) -> Case:
     x, y = make_probe(model, num_classes, samples_per_class, image_size=image_size, tiny=tiny,
                       multilabel=loss == "bce", seed=seed)
+    loss = DENSE_LOSSES.get(loss, loss)
     if max_samples is not None and len(y) > max_samples:  # dense: a probe set independent of C
         pick = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:max_samples].sort().values
         x, y = x[pick], y[pick]

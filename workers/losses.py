@@ -31,8 +31,11 @@ class LossKind(ABC):
 
     name: str = ""
     partitioned: bool = False
-    # L_c = sum_n w_n * outputs[n, c] with sample weights w that do not depend on c (``logit``):
-    # the dense engine may then take rows through the model's final Linear layer.
+    # L_c depends on the outputs only through column c (``logit``, ``bce``): the dense engine may
+    # then start each row's backward at the input of the model's final Linear layer.
+    per_column: bool = False
+    # Moreover L_c = sum_n w_n * outputs[n, c] with sample weights w that do not depend on c
+    # (``logit``): rows then come from a basis of one VJP per feature into that layer.
     linear_in_outputs: bool = False
 
     def __init__(self, num_classes: int):
@@ -133,12 +136,14 @@ class DenseLoss(LossKind):
         fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         name: str,
         multi_hot_targets: bool = False,
+        per_column: bool = False,
         linear_in_outputs: bool = False,
     ):
         super().__init__(num_classes)
         self._fn = fn
         self.name = name
         self.multi_hot_targets = multi_hot_targets
+        self.per_column = per_column or linear_in_outputs
         self.linear_in_outputs = linear_in_outputs
 
     def validate_targets(self, targets: torch.Tensor) -> None:
@@ -208,7 +213,7 @@ def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
 
 register_loss("cross_entropy")(lambda c: PartitionedLoss(c, _cross_entropy, "cross_entropy"))
 register_loss("logit")(lambda c: DenseLoss(c, _logit, "logit", linear_in_outputs=True))
-register_loss("bce")(lambda c: DenseLoss(c, _bce, "bce", multi_hot_targets=True))
+register_loss("bce")(lambda c: DenseLoss(c, _bce, "bce", multi_hot_targets=True, per_column=True))
 
 
 def create_loss(kind: str | Callable, num_classes: int) -> LossKind:

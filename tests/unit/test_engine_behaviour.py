@@ -15,8 +15,8 @@ from torch import nn
 from service.config import BUILTIN_LOSS_KINDS
 from service.errors import InputError, RowOverflowError
 from tests.unit.engine_cases import (
-    MODEL_CASES, NARROW_HEAD_MODELS, NUM_CLASSES, WeightUsedOutside, engine_for, max_relative_error, probe_data,
-    reference_rows,
+    BATCH_SIZE, MODEL_CASES, NARROW_HEAD_MODELS, NUM_CLASSES, WeightUsedOutside, engine_for, log_softmax_mean,
+    max_relative_error, probe_data, reference_rows,
 )
 from workers import zoo
 from workers.engines import build_engine, dense, per_class_gradients
@@ -50,8 +50,10 @@ def test_dense_rows_come_from_one_forward_per_micro_batch_in_several_blocks(loss
     expected_forwards = micro_batches or eng.probe.num_micro_batches
     assert expected_forwards == (1 if batch_size == 1000 else 3)
     assert counter.calls == expected_forwards == eng.stats.forwards
-    # 6 rows in blocks of 2: three batched VJPs per micro-batch, all on the same graph.
-    assert eng.stats.backwards == 3 * expected_forwards
+    # 6 rows in blocks of 2: three batched VJPs per micro-batch, all on the same graph; logit
+    # and bce (per-column losses) start them at the head's input, after one more VJP that gives
+    # the loss's gradient at the outputs.
+    assert eng.stats.backwards == (3 + (loss_case in ("logit", "bce"))) * expected_forwards
     if micro_batches == 1:
         assert [len(b) for b in blocks] == [2, 2, 2]  # streamed as computed
     del blocks
@@ -71,11 +73,12 @@ def test_dense_block_size_is_measured_when_not_given():
 def test_dense_single_row_vjps_use_autograd_graphs_and_match_the_reference(model_case):
     """Block size 1 runs one torch.autograd.grad per row (less per-call overhead than torch.func,
     whose vmap only pays off for batched rows); the rows are the same."""
-    eng = engine_for(model_case, "logit", "dense", block_rows=1)
+    # A loss that sees every output column (no head graph): VJPs through the whole model.
+    eng = engine_for(model_case, "custom_dense", "dense", block_rows=1)
     eng.probe.batch_size = 5  # several micro-batches: rows accumulated over graphs
     rows = eng.compute(range(NUM_CLASSES)).rows
     # The float64 reference's contract (see test_engines): a few float32 roundoffs.
-    assert max_relative_error(rows, reference_rows(model_case, "logit")[0]) <= 1e-6
+    assert max_relative_error(rows, reference_rows(model_case, "custom_dense")[0]) <= 1e-6
     with eng.selected_grads():
         assert isinstance(eng._graph(next(eng.probe.micro_batches())), dense._AutogradGraph)
 
@@ -83,11 +86,11 @@ def test_dense_single_row_vjps_use_autograd_graphs_and_match_the_reference(model
 def test_a_measured_block_size_of_one_is_reused_with_autograd_graphs(monkeypatch):
     monkeypatch.setattr(dense, "BLOCK_CANDIDATES", (1,))  # the measurement can only pick 1
     monkeypatch.setattr(dense, "_BLOCK_ROWS", {})
-    first = engine_for("mlp", "logit", "dense")
+    first = engine_for("mlp", "custom_dense", "dense")  # VJPs through the whole model
     first.probe.batch_size = 1000
     first.compute(range(NUM_CLASSES))
     assert first.block_rows == 1
-    later = build_engine(first.model, first.probe, num_classes=NUM_CLASSES, loss="logit", engine="dense")
+    later = build_engine(first.model, first.probe, num_classes=NUM_CLASSES, loss=log_softmax_mean, engine="dense")
     with later.selected_grads():
         assert isinstance(later._graph(next(later.probe.micro_batches())), dense._AutogradGraph)
     assert later.block_rows == 1
@@ -174,28 +177,58 @@ class _TiedHead(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("case", ["bce", "fp16", "scaled_output", "tied_head", "wide_head"])
-def test_rows_go_one_vjp_each_when_the_head_path_does_not_apply(case):
-    """Each condition of the head path, broken once: the engine says why and computes rows per
-    class, still matching the reference."""
+GRAPH_NOTE = "backward starts at the input of the final Linear layer"
+
+
+@pytest.mark.parametrize("case", ["bce", "custom_dense", "fp16", "scaled_output", "tied_head", "wide_head"])
+def test_rows_take_the_next_path_when_a_head_condition_fails(case):
+    """Each condition, broken once: the engine notes why and takes the next path (basis, then
+    per-row VJPs from the head's input, then per-row VJPs through the whole model), rows still
+    matching the reference."""
     model = {"scaled_output": _ScaledHead, "tied_head": _TiedHead}.get(case, MODEL_CASES["narrow_mlp"].build)()
     if case == "wide_head":
-        model = MODEL_CASES["mlp"].build()  # 16 features for 6 classes: no gain
+        model = MODEL_CASES["mlp"].build()  # 16 features for 6 classes: a basis would not pay
     model = model.eval()
-    loss = "bce" if case == "bce" else "logit"
-    data = probe_data("narrow_mlp", loss, samples_per_class=8)
+    loss = {"bce": "bce", "custom_dense": log_softmax_mean}.get(case, "logit")
+    data = probe_data("narrow_mlp", "bce" if case == "bce" else "logit", samples_per_class=8)
     precision = "fp16" if case == "fp16" else "fp32"
     eng = build_engine(model, data, num_classes=NUM_CLASSES, loss=loss, engine="dense", precision=precision,
                        batch_size=5)
     got = eng.compute(range(NUM_CLASSES)).rows
-    assert not any(HEAD_NOTE in n for n in eng.stats.notes)
-    reason = {"bce": "not declared linear", "fp16": "fp16 loss scaling", "scaled_output": "not the output of one",
-              "tied_head": "also used below it", "wide_head": "no final nn.Linear"}[case]
-    assert any(reason in n for n in eng.stats.notes), eng.stats.notes
+    notes = " | ".join(eng.stats.notes)
+    assert HEAD_NOTE not in notes
+    reason = {"bce": "not declared linear in outputs", "custom_dense": "not declared per column",
+              "fp16": "fp16 loss scaling", "scaled_output": "not the output of one",
+              "tied_head": "also used below it", "wide_head": "at least as many input features"}[case]
+    assert reason in notes, notes
+    # bce and a wide head still start each row's backward at the head's input; the others cannot.
+    assert (GRAPH_NOTE in notes) == (case in ("bce", "wide_head")), notes
     want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss=loss,
                         engine="reference", batch_size=5).compute(range(NUM_CLASSES)).rows
     # fp32: a few roundoffs (test_engines' contract); fp16: test_engines' low-precision bound.
     assert max_relative_error(got, want) <= (1e-2 if case == "fp16" else 1e-6)
+
+
+@pytest.mark.parametrize("block_rows", [1, 3])
+@pytest.mark.parametrize("selection", ["all", "body", "head"])
+@pytest.mark.parametrize("model_case", ["mlp", "bn_train", "transformer"])
+def test_per_column_rows_start_at_the_head_input_and_match_the_reference(model_case, selection, block_rows):
+    """bce (L_c sees only output column c): each row's backward starts at the head's input with
+    the rank-one cotangent a[:, c] W[c]; the head's columns are written directly. Single and
+    batched VJPs, over several micro-batches, any parameter selection."""
+    model = MODEL_CASES[model_case].build()
+    head_name = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    options = {"all": {}, "body": {"exclude": [f"{head_name}.*"]}, "head": {"params": [f"{head_name}.*"]}}[selection]
+    data = probe_data(model_case, "bce")
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, loss="bce", engine="dense", batch_size=BATCH_SIZE,
+                       block_rows=block_rows, **options)
+    got = eng.compute(range(NUM_CLASSES))
+    assert any(GRAPH_NOTE in n for n in eng.stats.notes), eng.stats.notes
+    want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss="bce",
+                        engine="reference", batch_size=BATCH_SIZE, **options).compute(range(NUM_CLASSES))
+    # The float64 reference's contract (see test_engines): a few float32 roundoffs.
+    assert max_relative_error(got.rows, want.rows) <= 1e-6
+    torch.testing.assert_close(got.loss.double(), want.loss, rtol=1e-6, atol=1e-7)
 
 
 # --- fp16: only the rows that overflow are recomputed -------------------------------------

@@ -40,7 +40,7 @@ import torch
 from service.errors import ClassgradError
 from workers.amp import rows_with_rescale
 from workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
-from workers.engines.head import HeadBasis, NoHeadPath, head_basis, parameter_versions
+from workers.engines.head import HeadBasis, HeadGraph, HeadSplit, NoHeadPath, head_basis, head_graph, parameter_versions
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,17 @@ _BLOCK_ROWS: dict[tuple, int] = {}
 _NO_HEAD: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str]]" = weakref.WeakKeyDictionary()
 
 
+def _one_hot(values: torch.Tensor, classes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Cotangents ``[k, C]``: row i is ``scales[i]`` at ``classes[i]``, zero elsewhere."""
+    cot = torch.zeros(len(classes), values.shape[0], dtype=values.dtype, device=values.device)
+    cot[torch.arange(len(classes), device=values.device), classes] = scales.to(values.dtype)
+    return cot
+
+
+# Every graph below answers ``batched(classes, scales)`` (gradients with a leading row axis) and
+# ``single(c, scale)`` (one row): the VJPs of L_c at loss scale ``scale``, in row order.
+
+
 class _AutogradGraph:
     """One micro-batch's L contribution with its autograd graph; VJPs by ``torch.autograd.grad``
     (batched: ``is_grads_batched``). Works for every model, including BatchNorm in train mode."""
@@ -73,11 +84,12 @@ class _AutogradGraph:
         self.contrib, self.params = contrib, list(params)
         self.values = contrib.detach()
 
-    def batched(self, cot: torch.Tensor) -> Sequence[torch.Tensor | None]:
-        return torch.autograd.grad(self.contrib, self.params, grad_outputs=cot, is_grads_batched=True,
-                                   retain_graph=True, allow_unused=True)
+    def batched(self, classes: torch.Tensor, scales: torch.Tensor) -> Sequence[torch.Tensor | None]:
+        return torch.autograd.grad(self.contrib, self.params, grad_outputs=_one_hot(self.values, classes, scales),
+                                   is_grads_batched=True, retain_graph=True, allow_unused=True)
 
-    def single(self, cot: torch.Tensor) -> Sequence[torch.Tensor | None]:
+    def single(self, c: torch.Tensor, scale: torch.Tensor) -> Sequence[torch.Tensor | None]:
+        cot = _one_hot(self.values, c.view(1), scale.view(1))[0]
         return torch.autograd.grad(self.contrib, self.params, grad_outputs=cot, retain_graph=True, allow_unused=True)
 
 
@@ -92,15 +104,15 @@ class _FuncGraph:
     def _ordered(self, grads: dict) -> list[torch.Tensor | None]:
         return [grads.get(n) for n in self.names]
 
-    def batched(self, cot: torch.Tensor) -> Sequence[torch.Tensor | None]:
+    def batched(self, classes: torch.Tensor, scales: torch.Tensor) -> Sequence[torch.Tensor | None]:
         if self._vmapped is None:
             from torch.func import vmap
 
             self._vmapped = vmap(self.vjp_fn)
-        return self._ordered(self._vmapped(cot)[0])
+        return self._ordered(self._vmapped(_one_hot(self.values, classes, scales))[0])
 
-    def single(self, cot: torch.Tensor) -> Sequence[torch.Tensor | None]:
-        return self._ordered(self.vjp_fn(cot)[0])
+    def single(self, c: torch.Tensor, scale: torch.Tensor) -> Sequence[torch.Tensor | None]:
+        return self._ordered(self.vjp_fn(_one_hot(self.values, c.view(1), scale.view(1))[0])[0])
 
 
 class DenseEngine(GradientEngine):
@@ -118,15 +130,24 @@ class DenseEngine(GradientEngine):
         self._block_rows_given = self.block_rows is not None
         self._samples = min(self.probe.batch_size, len(self.probe))  # rows of the current micro-batch
         self._head: HeadBasis | None = None  # kept for later calls (an actor's next shard) while valid
+        self._head_split: HeadSplit | None | bool = None  # per-row graphs from the head: not tried / split / False
 
     # --- one block of VJPs --------------------------------------------------------------------
 
-    def _graph(self, mb) -> "_AutogradGraph | _FuncGraph":
+    def _graph(self, mb) -> "_AutogradGraph | _FuncGraph | HeadGraph":
         """Forward one micro-batch, keeping what its VJPs need.
 
-        With one row per VJP (a block size of 1, given or measured earlier) the graph is a
-        plain autograd one: torch.func's strength is batching rows under vmap, and for single
-        rows its per-call overhead made them 2-5% slower on the benchmark CNN."""
+        For a ``per_column`` loss (``logit``, ``bce``) on a model that ends in an ``nn.Linear``,
+        the graph stops at that layer's input (``HeadGraph``): each row's backward skips the
+        loss and the head. Otherwise, with one row per VJP (a block size of 1, given or
+        measured earlier) the graph is a plain autograd one: torch.func's strength is batching
+        rows under vmap, and for single rows its per-call overhead made them 2-5% slower on the
+        benchmark CNN."""
+        if self._head_split is not False:
+            graph = self._head_graph(mb)
+            if graph is not None:
+                self._known_block_rows()
+                return graph
         self._known_block_rows()
         if self._use_func and self.block_rows != 1:
             try:
@@ -140,6 +161,41 @@ class DenseEngine(GradientEngine):
                 self.stats.notes.append(msg)
         _, contrib = self.forward(mb)
         return _AutogradGraph(contrib, self.params)
+
+    def _head_graph(self, mb) -> HeadGraph | None:
+        """Micro-batch ``mb``'s graph up to the head's input, or None (noted once) when that
+        path does not apply; then every later micro-batch takes the whole model."""
+        reason = self._no_head("graph")
+        if reason is None:
+            try:
+                graph, split = head_graph(self, mb, self._head_split)
+            except NoHeadPath as exc:
+                reason = self._no_head("graph", exc)
+            else:
+                if self._head_split is None:
+                    self._note("dense: each row's backward starts at the input of the final Linear layer "
+                               "(the loss and the head are not differentiated per row)")
+                self._head_split = split
+                return graph
+        self._head_split = False
+        self._note(f"dense: VJPs through the whole model ({reason})")
+        return None
+
+    def _no_head(self, path: str, found: NoHeadPath | None = None) -> str | None:
+        """Why rows cannot take a head ``path`` (``basis`` or ``graph``) for this model and job,
+        as found earlier in this process; with ``found``, remember it (when it is lasting)."""
+        key = (path, self.loss.name, self.loss.num_classes, tuple(self.layout.names), self.precision.dtype,
+               str(self.device))
+        known = _NO_HEAD.setdefault(self.model, {})
+        if found is not None and found.lasting:
+            known[key] = str(found)
+        return str(found) if found is not None else known.get(key)
+
+    def _note(self, msg: str) -> None:
+        """A note on how rows are computed, once per engine (not once per shard)."""
+        if msg not in self.stats.notes:
+            log.info(msg)
+            self.stats.notes.append(msg)
 
     def _func_graph(self, mb) -> _FuncGraph:
         from torch.func import functional_call, vjp
@@ -164,13 +220,10 @@ class DenseEngine(GradientEngine):
                   out: torch.Tensor | None = None, unit_scale: bool = False) -> torch.Tensor:
         """Rows ``d contrib[classes[k]] / d params``, computed at loss scale ``scales[k]`` and
         unscaled; written into ``out`` when given (no temporary row buffer)."""
-        values = graph.values
-        cot = torch.zeros(len(classes), values.shape[0], dtype=values.dtype, device=values.device)
-        cot[torch.arange(len(classes), device=values.device), classes] = scales.to(values.dtype)
         grads = None
         if self._batched_vjp and len(classes) > 1:
             try:
-                grads = graph.batched(cot)
+                grads = graph.batched(classes, scales)
                 self.stats.backwards += 1
             except RuntimeError as exc:
                 self._batched_vjp = False
@@ -180,7 +233,7 @@ class DenseEngine(GradientEngine):
         if grads is None:
             per_row = []
             for k in range(len(classes)):
-                per_row.append(graph.single(cot[k]))
+                per_row.append(graph.single(classes[k], scales[k]))
                 self.stats.backwards += 1
             if len(per_row) == 1:  # one row: a batch of one is a view, no stacking
                 grads = [None if g is None else g.unsqueeze(0) for g in per_row[0]]
@@ -224,8 +277,9 @@ class DenseEngine(GradientEngine):
 
     def _block_key(self) -> tuple:
         """What the best block size depends on: the model, the micro-batch, the rows, the device,
-        and whether batched VJPs run under torch.func (faster batching than autograd's)."""
-        return (id(self.model), self.loss.num_classes, self._use_func, self.probe.batch_size, len(self.probe),
+        and the kind of graph (from the head, torch.func, or autograd)."""
+        kind = "head" if isinstance(self._head_split, HeadSplit) else "func" if self._use_func else "autograd"
+        return (id(self.model), self.loss.num_classes, kind, self.probe.batch_size, len(self.probe),
                 self.layout.dim, str(self.device), self.precision.dtype, self.loss.name, torch.get_num_threads())
 
     def _known_block_rows(self) -> None:
@@ -314,26 +368,17 @@ class DenseEngine(GradientEngine):
         if self._head is not None and self._head.versions == parameter_versions(self.model):
             return self._head
         self._head = None
-        key = (self.loss.name, self.loss.num_classes, tuple(self.layout.names), self.precision.dtype, str(self.device))
-        known = _NO_HEAD.setdefault(self.model, {})
-        reason = known.get(key)
+        reason = self._no_head("basis")
         if reason is None:
             try:
                 self._head = head_basis(self, ROW_BYTES_BUDGET)
             except NoHeadPath as exc:
-                reason = str(exc)
-                if exc.lasting:
-                    known[key] = reason
+                reason = self._no_head("basis", exc)
         if reason is not None:
-            msg = f"dense: one VJP per row ({reason})"
-            if msg not in self.stats.notes:  # once per engine, not once per shard
-                log.info(msg)
-                self.stats.notes.append(msg)
+            self._note(f"dense: one VJP per row ({reason})")
             return None
-        msg = (f"dense: rows through the final Linear layer ({self._head.head.in_features} VJPs per "
-               f"micro-batch instead of one per class)")
-        log.info(msg)
-        self.stats.notes.append(msg)
+        self._note(f"dense: rows through the final Linear layer ({self._head.split.head.in_features} VJPs per "
+                   f"micro-batch instead of one per class)")
         return self._head
 
     def _through_head(self, head: HeadBasis, ids: torch.Tensor) -> Iterator[RowBlock]:
