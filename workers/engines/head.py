@@ -251,7 +251,7 @@ class HeadGraph:
     written directly."""
 
     def __init__(self, values: torch.Tensor, h: torch.Tensor, column_grads: torch.Tensor, split: HeadSplit,
-                 layout: ParamLayout, params: list[torch.Tensor]):
+                 params: list[torch.Tensor]):
         self.values = values  # this micro-batch's contribution to L [C]
         self._h, self._a, self._split = h, column_grads, split
         self._order = [id(p) for p in params]  # row order of every selected parameter
@@ -297,4 +297,4 @@ def head_graph(engine, mb, split: HeadSplit | None) -> tuple[HeadGraph, HeadSpli
     body = bool(split.body_params) and h.requires_grad
     (column_grads,) = torch.autograd.grad(contrib.sum(), out, retain_graph=body)
     engine.stats.backwards += 1
-    return HeadGraph(contrib.detach(), h, column_grads.detach(), split, engine.layout, engine.params), split
+    return HeadGraph(contrib.detach(), h, column_grads.detach(), split, engine.params), split
