@@ -20,12 +20,17 @@ within 5% of the fastest is kept (once per process, per model and micro-batch sh
 Rows are written straight into their block (or group) buffer, and checked for inf/NaN with one
 read (a row sum); only a row that may be non-finite goes through the exact per-row check.
 
-Rows through the head: for a loss linear in the outputs (``logit``) on a model that ends in an
-``nn.Linear`` with fewer input features F than classes, a basis of F VJPs per micro-batch
-replaces the C per-row ones and rows are a matrix product (``workers.engines.head``, which
-lists the conditions). The basis is built in one pass over the probe set and kept for later
-calls until a parameter changes; when a condition fails, the engine notes why and runs the
-VJPs per row as above.
+Shortcuts through the model's final ``nn.Linear`` (``workers.engines.head``, which lists the
+conditions), tried in this order:
+1. a loss linear in the outputs (``logit``) with fewer input features F than classes: a basis
+   of F VJPs per micro-batch replaces the C per-row ones and rows are a matrix product; the
+   basis is built in one pass over the probe set and kept for later calls until a parameter
+   changes;
+2. a loss whose L_c sees output column c only (``bce``; ``logit`` where 1 does not apply): the
+   graph stops at the head's input (``HeadGraph``) and each row's VJP starts there, so no row
+   pays for the backward of the loss and the head;
+3. otherwise VJPs through the whole model, as above.
+The engine notes which path it took and why.
 """
 
 from __future__ import annotations
