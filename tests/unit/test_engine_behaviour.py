@@ -209,6 +209,24 @@ def test_rows_take_the_next_path_when_a_head_condition_fails(case):
     assert max_relative_error(got, want) <= (1e-2 if case == "fp16" else 1e-6)
 
 
+def test_a_head_path_found_not_to_apply_is_not_tried_again_on_that_model():
+    """Finding that the output is not the head's own costs a forward pass; a later engine on the
+    same model (an estimate after a job, the next benchmark run) knows it without one."""
+    model = _ScaledHead().eval()
+    data = probe_data("narrow_mlp", "logit")
+
+    def forwards() -> int:
+        eng = build_engine(model, data, num_classes=NUM_CLASSES, loss="logit", engine="dense", batch_size=1000)
+        eng.compute(range(NUM_CLASSES))
+        assert any("not the output of one" in n for n in eng.stats.notes), eng.stats.notes
+        return eng.stats.forwards
+
+    first, later = forwards(), forwards()
+    # One micro-batch: the first engine tried the basis and the head graph (a forward each), then
+    # ran its rows through the whole model; the later one runs only that forward.
+    assert (first, later) == (3, 1)
+
+
 @pytest.mark.parametrize("block_rows", [1, 3])
 @pytest.mark.parametrize("selection", ["all", "body", "head"])
 @pytest.mark.parametrize("model_case", ["mlp", "bn_train", "transformer"])
