@@ -153,6 +153,8 @@ class GradientEngine(ABC):
         self.params = layout.parameters(self.model)
         # Inputs follow the model's floating dtype (a float64 model gets float64 inputs).
         self.compute_dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        # Rows and losses are kept in at least float32 (half-precision models included).
+        self.row_dtype = torch.promote_types(self.compute_dtype, torch.float32)
 
     @abstractmethod
     def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:

@@ -389,11 +389,10 @@ class DenseEngine(GradientEngine):
     def _through_head(self, head: HeadBasis, ids: torch.Tensor) -> Iterator[RowBlock]:
         """Rows as ``W[classes] @ R`` plus the head's own columns, a group at a time."""
         dev_ids = ids.to(self.device)
-        dtype = torch.promote_types(self.compute_dtype, torch.float32)
         group = min(self.group_rows, self._row_limit())
         for g0 in range(0, len(ids), group):
             sub = dev_ids[g0 : g0 + group]
-            rows = head.rows(sub, dtype)
+            rows = head.rows(sub, self.row_dtype)
             yield self._block(ids[g0 : g0 + group], rows, head.losses[sub], torch.ones(len(sub)),
                               torch.zeros(len(sub), dtype=torch.bool))
 
@@ -424,8 +423,7 @@ class DenseEngine(GradientEngine):
         chunk = b if self._block_rows_given else max(b, min(STREAM_ROWS, self._row_limit()) // b * b)
         for c0 in range(pos, n, chunk):
             sub = dev_ids[c0 : c0 + chunk]
-            buf = torch.empty(len(sub), self.layout.dim, dtype=torch.promote_types(self.compute_dtype, torch.float32),
-                              device=self.device)
+            buf = torch.empty(len(sub), self.layout.dim, dtype=self.row_dtype, device=self.device)
             parts = [(scales, again) for _, (_, scales, again) in self._blocks(graph, sub, out=buf)]
             yield self._block(ids[c0 : c0 + len(sub)], buf, values[sub], torch.cat([p[0] for p in parts]),
                               torch.cat([p[1] for p in parts]))
@@ -435,8 +433,7 @@ class DenseEngine(GradientEngine):
         """Several micro-batches: every micro-batch passes once, its rows added into the group
         (the first micro-batch writes its rows in place)."""
         dev_ids = ids.to(self.device)
-        acc = torch.empty(len(ids), self.layout.dim, dtype=torch.promote_types(self.compute_dtype, torch.float32),
-                          device=self.device)
+        acc = torch.empty(len(ids), self.layout.dim, dtype=self.row_dtype, device=self.device)
         values = torch.zeros(len(ids), dtype=acc.dtype, device=self.device)
         min_scale = torch.full((len(ids),), float("inf"), device=self.device)
         again = torch.zeros(len(ids), dtype=torch.bool, device=self.device)

@@ -96,6 +96,10 @@ class HeadSplit:
                 runs.append((full.offset, compact.offset, full.size))
         return cls(head, head_slots, [p for _, p in body], body_layout, runs)
 
+    def runs_through_body(self, h: torch.Tensor) -> bool:
+        """Whether rows need VJPs below the head: selected parameters there, and a graph to them."""
+        return bool(self.body_params) and h.requires_grad
+
 
 def _head_candidates(engine, declared: str) -> list[nn.Linear]:
     """Linear layers that could be the head, checked before any forward pass; ``declared``
@@ -122,8 +126,8 @@ def _head_candidates(engine, declared: str) -> list[nn.Linear]:
 
 
 def _forward_to_head(engine, mb, candidates: list[nn.Linear], head: nn.Linear | None):
-    """One micro-batch's forward, watching the candidates: ``(outputs, h, head, targets)``."""
-    x, y = engine.probe.batch(mb.indices, engine.device, engine.compute_dtype)
+    """The engine's forward of one micro-batch, watching the candidates:
+    ``(outputs, contribution to L, h, head)``."""
     calls: dict[nn.Module, list] = {m: [] for m in candidates}
 
     def keep(module, args, output):
@@ -131,13 +135,10 @@ def _forward_to_head(engine, mb, candidates: list[nn.Linear], head: nn.Linear | 
 
     handles = [m.register_forward_hook(keep) for m in candidates]
     try:
-        with engine.forward_context(mb.index):
-            out = engine.model(x)
+        out, contrib = engine.forward(mb)
     finally:
         for handle in handles:
             handle.remove()
-    engine.stats.forwards += 1
-    engine.loss.check_outputs(out)
     found = [m for m, seen in calls.items() if len(seen) == 1 and seen[0][1] is out]
     if len(found) != 1 or (head is not None and found[0] is not head):
         raise NoHeadPath("the model's output is not the output of one nn.Linear called once")
@@ -149,7 +150,7 @@ def _forward_to_head(engine, mb, candidates: list[nn.Linear], head: nn.Linear | 
         raise NoHeadPath("the head's parameters are also used below it")
     if not out.requires_grad:
         raise NoHeadPath("the outputs do not depend on the selected parameters")
-    return out, h, head, y
+    return out, contrib, h, head
 
 
 # --- losses linear in the outputs: a basis of F VJPs -------------------------------------------
@@ -193,11 +194,11 @@ def head_basis(engine, row_bytes_budget: int) -> HeadBasis:
     candidates = [m for m in _head_candidates(engine, "linear_in_outputs") if m.in_features < engine.loss.num_classes]
     if not candidates:
         raise NoHeadPath(f"the head has at least as many input features as its {engine.loss.num_classes} outputs")
-    dtype = torch.promote_types(engine.compute_dtype, torch.float32)
+    dtype = engine.row_dtype
     split = basis = feature_sum = weight_sum = None
     losses = torch.zeros(engine.loss.num_classes, dtype=dtype, device=engine.device)
     for number, mb in enumerate(engine.probe.micro_batches()):
-        out, h, head, y = _forward_to_head(engine, mb, candidates, split.head if split else None)
+        out, contrib, h, head = _forward_to_head(engine, mb, candidates, split.head if split else None)
         if split is None:
             split = HeadSplit.of(engine, head)
             features, body_dim = head.in_features, split.body_layout.dim
@@ -206,8 +207,7 @@ def head_basis(engine, row_bytes_budget: int) -> HeadBasis:
             basis = torch.zeros(features, body_dim, dtype=dtype, device=engine.device)
             feature_sum = torch.zeros(features, dtype=dtype, device=engine.device)
             weight_sum = torch.zeros((), dtype=dtype, device=engine.device)
-        body = bool(split.body_params) and h.requires_grad
-        contrib = engine.loss.batch_losses(out, y, engine.norm)
+        body = split.runs_through_body(h)
         engine.check_finite_loss(contrib.detach(), torch.arange(engine.loss.num_classes))
         losses += contrib.detach().to(dtype)
         (grad_out,) = torch.autograd.grad(contrib.sum(), out, retain_graph=body)
@@ -251,16 +251,16 @@ class HeadGraph:
     written directly."""
 
     def __init__(self, values: torch.Tensor, h: torch.Tensor, column_grads: torch.Tensor, split: HeadSplit,
-                 params: list[torch.Tensor]):
+                 params: list[torch.Tensor], row_dtype: torch.dtype):
         self.values = values  # this micro-batch's contribution to L [C]
-        self._h, self._a, self._split = h, column_grads, split
+        self._h, self._a, self._split, self._dtype = h, column_grads, split, row_dtype
         self._order = [id(p) for p in params]  # row order of every selected parameter
-        self._body = bool(split.body_params) and h.requires_grad
+        self._body = split.runs_through_body(h)
 
     def _grads(self, classes: torch.Tensor, scales: torch.Tensor, batched: bool) -> list[torch.Tensor | None]:
         split, h = self._split, self._h
         k = len(classes)
-        dtype = torch.promote_types(self._a.dtype, torch.float32)  # rows' dtype: float32, or float64
+        dtype = self._dtype
         a = self._a[:, classes].t().to(dtype) * scales.to(self._a.device, dtype).unsqueeze(1)  # [k, N]
         weight = split.head.weight.detach()[classes].to(dtype)  # [k, F]
         found: dict[int, torch.Tensor | None] = {}
@@ -291,10 +291,8 @@ class HeadGraph:
 def head_graph(engine, mb, split: HeadSplit | None) -> tuple[HeadGraph, HeadSplit]:
     """The head graph of micro-batch ``mb`` (``split``: from an earlier micro-batch, or None)."""
     candidates = _head_candidates(engine, "per_column")
-    out, h, head, y = _forward_to_head(engine, mb, candidates, split.head if split else None)
+    out, contrib, h, head = _forward_to_head(engine, mb, candidates, split.head if split else None)
     split = split or HeadSplit.of(engine, head)
-    contrib = engine.loss.batch_losses(out, y, engine.norm)
-    body = bool(split.body_params) and h.requires_grad
-    (column_grads,) = torch.autograd.grad(contrib.sum(), out, retain_graph=body)
+    (column_grads,) = torch.autograd.grad(contrib.sum(), out, retain_graph=split.runs_through_body(h))
     engine.stats.backwards += 1
-    return HeadGraph(contrib.detach(), h, column_grads.detach(), split, engine.params), split
+    return HeadGraph(contrib.detach(), h, column_grads.detach(), split, engine.params, engine.row_dtype), split

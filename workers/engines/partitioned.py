@@ -237,7 +237,6 @@ class PartitionedEngine(GradientEngine):
         # so a pack's padded sample grid is gathered with one indexing op instead of a loop.
         self._order = torch.argsort(labels, stable=True)
         self._start = torch.cumsum(self.counts, 0) - self.counts
-        self._row_dtype = torch.promote_types(self.compute_dtype, torch.float32)
         self._use_vmap = True
         self._vmapped = None
         self._hooked = _Hooked.plan(self.model, self.layout)
@@ -263,12 +262,12 @@ class PartitionedEngine(GradientEngine):
         """
         k = len(scales)
         if bool((scales != 1).any()):
-            div = scales.to(self.device, self._row_dtype)
+            div = scales.to(self.device, self.row_dtype)
             grads = [None if g is None else g / div.view(k, *[1] * (g.ndim - 1)) for g in grads]
         total = None
         for g in grads:
             if g is not None:
-                part = g.reshape(k, -1).sum(dim=1, dtype=self._row_dtype)
+                part = g.reshape(k, -1).sum(dim=1, dtype=self.row_dtype)
                 total = part if total is None else total + part
         if isinstance(where, slice):
             self.layout.flatten(grads, batch_dims=1, out=dest[where])
@@ -284,10 +283,10 @@ class PartitionedEngine(GradientEngine):
         n = len(idx)
         if n == 0:  # no samples: a zero row
             dest[where] = 0
-            return torch.zeros(1, dtype=self._row_dtype, device=self.device), torch.ones(1, dtype=torch.bool)
+            return torch.zeros(1, dtype=self.row_dtype, device=self.device), torch.ones(1, dtype=torch.bool)
         s = float(scale[0])
         acc: list[torch.Tensor | None] | None = None
-        value = torch.zeros((), dtype=self._row_dtype, device=self.device)
+        value = torch.zeros((), dtype=self.row_dtype, device=self.device)
         for chunk in idx.split(self.probe.batch_size):
             x, y = self.probe.batch(chunk, self.device, self.compute_dtype)
             with self.forward_context(0):
@@ -332,7 +331,7 @@ class PartitionedEngine(GradientEngine):
         k, width = len(classes), int(counts.max())
         if width == 0:  # only empty classes
             dest[where] = 0
-            return torch.zeros(k, dtype=self._row_dtype, device=self.device), torch.ones(k, dtype=torch.bool)
+            return torch.zeros(k, dtype=self.row_dtype, device=self.device), torch.ones(k, dtype=torch.bool)
         # [k, width] grid of sample indices; short classes repeat their own last sample with weight 0.
         j = torch.arange(width)
         take = self._start[cls].unsqueeze(1) + torch.minimum(j.unsqueeze(0), (counts - 1).unsqueeze(1))
@@ -364,7 +363,7 @@ class PartitionedEngine(GradientEngine):
         rows = dest[where]
         if total == 0:
             rows.zero_()
-            return torch.zeros(k, dtype=self._row_dtype, device=self.device), torch.ones(k, dtype=torch.bool)
+            return torch.zeros(k, dtype=self.row_dtype, device=self.device), torch.ones(k, dtype=torch.bool)
         # The run's samples, class after class, with no padding.
         local = torch.repeat_interleave(torch.arange(k), counts)
         first = torch.cumsum(counts, 0) - counts
@@ -670,7 +669,7 @@ class PartitionedEngine(GradientEngine):
             if pending:  # the first call asks for every row at the first scale: already computed
                 return pending.pop()
             sub = [classes[i] for i in which.tolist()]
-            buf = torch.empty(len(sub), self.layout.dim, dtype=self._row_dtype, device=self.device)
+            buf = torch.empty(len(sub), self.layout.dim, dtype=self.row_dtype, device=self.device)
             vals, _ = self._rows_into(sub, sc.cpu(), buf, slice(0, len(sub)))
             for i, v in zip(which.tolist(), vals):
                 found[i] = v
@@ -694,7 +693,7 @@ class PartitionedEngine(GradientEngine):
 
     def _group(self, ids: torch.Tensor) -> RowBlock:
         n = len(ids)
-        dtype = self._row_dtype
+        dtype = self.row_dtype
         rows = torch.empty(n, self.layout.dim, dtype=dtype, device=self.device)
         values = torch.zeros(n, dtype=dtype)
         scales = torch.ones(n)
