@@ -2,7 +2,9 @@
 
 Holds ``ProbeSet``: the probe data as given (a ``Dataset`` of ``(input, target)`` or a pair of
 tensors), its targets gathered once on the CPU, the micro-batches every engine walks in the
-same order, and the per-class sample index that the partitioned engine uses.
+same order, and the per-class sample index that the partitioned engine uses; and
+``tree_map_tensors``, which maps a function over the tensors of a batch (inputs may be nests of
+tuples, lists and dicts).
 
 Inputs stay where the user put them and are fetched per batch; only targets (small) are held
 whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and a stack.
@@ -32,28 +34,29 @@ def _stack(items: Sequence[Any]) -> Any:
     return torch.as_tensor(items)
 
 
+def tree_map_tensors(fn: Any, tree: Any) -> Any:
+    """Apply ``fn`` to every tensor in a nest of tuples, lists and dicts (a batch of inputs);
+    anything else is kept as it is."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(tree_map_tensors(fn, t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
+    return tree
+
+
 def _in_format(batch: Any, memory_format: torch.memory_format) -> Any:
     """4-D floating tensors of ``batch`` in ``memory_format``; everything else as it is."""
-    if _is_image(batch):
-        return batch.contiguous(memory_format=memory_format)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_in_format(b, memory_format) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _in_format(v, memory_format) for k, v in batch.items()}
-    return batch
+    return tree_map_tensors(lambda t: t.contiguous(memory_format=memory_format) if _is_image(t) else t, batch)
 
 
 def _to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    if isinstance(batch, torch.Tensor):
-        batch = batch.to(device, non_blocking=True)
-        if dtype is not None and batch.is_floating_point():
-            batch = batch.to(dtype)
-        return batch
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device, dtype) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device, dtype) for k, v in batch.items()}
-    return batch
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, non_blocking=True)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    return tree_map_tensors(move, batch)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from workers import zoo
 from workers.losses import partitioned_loss
@@ -137,20 +137,9 @@ def unhooked_mlp(num_classes: int = 10, **mlp_kwargs) -> nn.Module:
     return model
 
 
-class _Samples(Dataset):
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
-        self.inputs, self.targets = inputs, targets
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, i: int):
-        return self.inputs[i], self.targets[i]
-
-
 def nan_dataset(nan_sample: int, **probe_kwargs) -> Dataset:
     """``nan_probe(nan_sample, **probe_kwargs)`` served as a Dataset."""
-    return _Samples(*nan_probe(nan_sample, **probe_kwargs))
+    return TensorDataset(*nan_probe(nan_sample, **probe_kwargs))
 
 
 def nan_probe(nan_sample: int, **probe_kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -567,24 +567,13 @@ def test_a_hooked_layer_run_under_no_grad_gets_zero_rows():
     assert got[:, slot.offset : slot.offset + slot.size].any()
 
 
-class _ProbeDataset(torch.utils.data.Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
-
-
 @pytest.mark.parametrize("held", ["tensor", "tuple", "dataset"])
 def test_probe_batches_gathered_channels_last_hold_the_same_values(held):
     from workers.probe import ProbeSet
 
     x, y = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 5, 7), seed=1)
     extra = torch.arange(len(y) * 2.0).view(len(y), 2)  # not an image: left as it is
-    data = {"tensor": (x, y), "tuple": ((x, extra), y), "dataset": _ProbeDataset(x, y)}[held]
+    data = {"tensor": (x, y), "tuple": ((x, extra), y), "dataset": torch.utils.data.TensorDataset(x, y)}[held]
     probe = ProbeSet(data)
     pick = torch.tensor([7, 2, 11, 2, 0])
     got, labels = probe.batch(pick, torch.device("cpu"), torch.float32, memory_format=torch.channels_last)

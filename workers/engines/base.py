@@ -25,7 +25,7 @@ import contextlib
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -234,17 +234,6 @@ class GradientEngine(ABC):
 
     def grads_to_rows(self, grads: Sequence[torch.Tensor | None], batch_dims: int) -> torch.Tensor:
         return self.layout.flatten(grads, batch_dims=batch_dims)
-
-
-def tree_map_tensors(fn: Any, tree: Any) -> Any:
-    """Apply ``fn`` to every tensor in a nest of tuples, lists and dicts."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(tree_map_tensors(fn, t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
-    return tree
 
 
 def reaches_any(fn, leaf_ids: set[int]) -> bool:

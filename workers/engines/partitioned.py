@@ -57,9 +57,9 @@ from workers.engines.base import (
     parameters_kept,
     reaches_any,
     samples_independent,
-    tree_map_tensors,
 )
 from workers.engines.dense import ROW_BYTES_BUDGET
+from workers.probe import tree_map_tensors
 
 log = logging.getLogger(__name__)
 
