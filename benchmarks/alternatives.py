@@ -1,7 +1,7 @@
 """classgrad's engines next to the usual alternatives, on the same model, probe set, classes and
 precision, timed in one run (issue 6).
 
-Sections (each model: ``--models``, default the small CNN and the MLP of ``workers.zoo``):
+Sections (each model: ``--models``, default the small CNN and the MLP of ``classgrad.workers.zoo``):
 
 1. **partitioned** (mean cross-entropy per class, ``--classes`` C, ``--spc`` samples per class):
    the seed-style ``.backward(retain_graph=True)`` loop, the ``autograd.grad`` loop, batched

@@ -11,7 +11,7 @@ Holds:
   per-sample gradients by ``torch.func.vmap(grad)`` summed by label (TRAK-style), per-sample
   gradients from hooks summed by label (Opacus-style), the floor, and classgrad's engines.
 
-Every method computes the same L (the loss object of ``workers.losses``, micro-batch by
+Every method computes the same L (the loss object of ``classgrad.workers.losses``, micro-batch by
 micro-batch, exactly as the engines do), so rows can be compared with ``allclose``.
 Nothing here asserts on time.
 """
@@ -38,9 +38,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers import zoo  # noqa: E402
-from workers.engines import build_engine  # noqa: E402
-from workers.losses import create_loss  # noqa: E402
+from classgrad.workers import zoo  # noqa: E402
+from classgrad.workers.engines import build_engine  # noqa: E402
+from classgrad.workers.losses import create_loss  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -45,7 +45,7 @@ OUT = common.OUT_DIR / "diagnostics.json"
 
 
 def dense_gap(reps: int, rows: int) -> dict[str, Any]:
-    from workers.engines import build_engine
+    from classgrad.workers.engines import build_engine
 
     # log_softmax: a dense loss that sees every output column, so the engine's VJPs run through
     # the whole model as the loops' do (logit and bce take paths through the head instead).
@@ -105,9 +105,9 @@ def dense_gap(reps: int, rows: int) -> dict[str, Any]:
 
 def worker_split(reps: int, classes: int) -> dict[str, Any]:
     import end_to_end
-    from service.config import JobConfig
-    from service.driver import prepare_store
-    from workers.actor import GradientWorker
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.driver import prepare_store
+    from classgrad.workers.runtime.actor import GradientWorker
 
     torch.set_num_threads(1)
     workdir = Path(tempfile.mkdtemp(prefix="classgrad-diag-"))
@@ -144,7 +144,7 @@ def worker_split(reps: int, classes: int) -> dict[str, Any]:
 
 
 def gaussian_chunks(reps: int) -> dict[str, Any]:
-    from workers import projection as P
+    from classgrad.workers import projection as P
 
     torch.set_num_threads(1)
     k, rows = 4096, 1024

@@ -1,8 +1,8 @@
 """The whole job through Ray and the store, next to the engine alone (issue 6).
 
-1. **Job vs engine alone.** One job (the MLP of ``workers.zoo``, ``--classes`` C with
+1. **Job vs engine alone.** One job (the MLP of ``classgrad.workers.zoo``, ``--classes`` C with
    ``--spc`` samples each, rows = the second hidden layer's gradients so the store stays a
-   few hundred MB) runs through ``service.driver.JobDriver`` on a local Ray with 1 actor, and
+   few hundred MB) runs through ``classgrad.service.runtime.driver.JobDriver`` on a local Ray with 1 actor, and
    again with 2 actors (one CPU and one torch thread each). The same engine computes the same
    rows in this process without Ray or a store ("engine alone", one torch thread). Per-row time
    of the job = (time from "actors ready" to "last shard done") / C: Ray start-up
@@ -59,17 +59,17 @@ def job_config(classes: int, spc: int, hidden: int, url: str, workers: int, shar
     if MODEL == "cnn":
         # The benchmark CNN (zoo.small_cnn, width 8, 3x16x16 images); rows = the two convolutions
         # and the first head layer (D = 2,448): compute-bound, like most real models.
-        model = {"factory": "workers.zoo:small_cnn", "kwargs": {"num_classes": classes, "width": 8}}
+        model = {"factory": "classgrad.workers.zoo:small_cnn", "kwargs": {"num_classes": classes, "width": 8}}
         data = {"kind": "image", "input_shape": [3, 16, 16]}
         params = ["features.*", "head.0.*"]
     else:
-        model = {"factory": "workers.zoo:mlp",
+        model = {"factory": "classgrad.workers.zoo:mlp",
                  "kwargs": {"num_classes": classes, "in_features": 32, "hidden": hidden, "depth": 2}}
         data = {"kind": "vector", "input_shape": [32]}
         params = ["2.*"]
     return {
         "model": model,
-        "data": {"factory": "workers.zoo:synthetic_probe",
+        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
                  "kwargs": {"num_classes": classes, "samples_per_class": spc, "seed": 0, **data},
                  "batch_size": 256},
         "loss": {"kind": "cross_entropy", "num_classes": classes},
@@ -84,8 +84,8 @@ def job_config(classes: int, spc: int, hidden: int, url: str, workers: int, shar
 def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
     """Every row computed by the job's engine in this process (one thread), blocks discarded
     except a few sample rows kept for the store check."""
-    from service.config import JobConfig
-    from workers.factory import build_job_engine
+    from classgrad.service.config import JobConfig
+    from classgrad.workers.runtime.factory import build_job_engine
 
     config = JobConfig.model_validate(config_dict)
     t0 = time.perf_counter()
@@ -106,9 +106,9 @@ def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
 
 def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The job through JobDriver on the already running local Ray; phases timed."""
-    from service.config import JobConfig
-    from service.driver import JobDriver
-    from service.store import open_store
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.driver import JobDriver
+    from classgrad.service.store import open_store
 
     import psutil
     import ray
@@ -159,7 +159,7 @@ def rss_child(args) -> None:
     """In a fresh process: a GradientWorker computes and writes every shard; print peak RSS."""
     import resource
 
-    from workers.actor import GradientWorker
+    from classgrad.workers.runtime.actor import GradientWorker
 
     config = json.loads(Path(args.rss_child).read_text())
     t0 = time.perf_counter()
@@ -174,8 +174,8 @@ def rss_child(args) -> None:
 
 
 def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
-    from service.config import JobConfig
-    from service.driver import prepare_store
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.driver import prepare_store
 
     url = str(workdir / f"rss_{classes}.zarr")
     cfg = job_config(classes, args.spc, args.hidden, url, 1, args.shard_rows)

@@ -3,7 +3,7 @@
 For each dense loss (``--losses``: ``logit``, rows from a basis through the head; ``bce``, one
 VJP per row from the head's input; ``log_softmax``, one VJP per row through the whole model,
 not run by default: minutes per case at C = 10,000) and each C (``--classes``, default 1,000 and
-10,000) a fresh subprocess builds the MLP of ``workers.zoo`` with C outputs and the dense
+10,000) a fresh subprocess builds the MLP of ``classgrad.workers.zoo`` with C outputs and the dense
 engine, then streams all C rows block by block, discarding each block (``--sink discard``)
 or writing it to a ``.npy`` memmap on disk (``--sink disk``). It reports its peak RSS
 (``ru_maxrss``), the RSS right before the rows start, and the peak of the memory the rows
@@ -49,8 +49,8 @@ def child(args) -> None:
     import numpy as np
     import torch
 
-    from workers import zoo
-    from workers.engines import build_engine
+    from classgrad.workers import zoo
+    from classgrad.workers.engines import build_engine
 
     torch.set_num_threads(1)
     C, shape = args.child_classes, args.child_shape

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import Case, fmt_s, make_case, print_table  # noqa: E402
 
-from workers.amp import PrecisionPolicy  # noqa: E402
-from workers.layout import ParamLayout  # noqa: E402
-from workers.probe import ProbeSet  # noqa: E402
+from classgrad.workers.amp import PrecisionPolicy  # noqa: E402
+from classgrad.workers.layout import ParamLayout  # noqa: E402
+from classgrad.workers.probe import ProbeSet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = common.OUT_DIR / "engine_speedup.json"

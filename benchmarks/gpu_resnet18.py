@@ -1,7 +1,7 @@
 """ResNet-18 with 10,000 classes on a GPU: classgrad's engines next to the alternatives, in fp32,
 fp16 and bf16, with rows/s, ratios, and GPU kernel time against wall time (issue 6, GPU part).
 
-The model is ``workers.zoo.resnet18`` (11M parameters plus a 512 x C head: D = 16.3M at
+The model is ``classgrad.workers.zoo.resnet18`` (11M parameters plus a 512 x C head: D = 16.3M at
 C = 10,000) in eval mode, on 32x32 images, the loss the class-partitioned mean cross-entropy.
 Every row is 65 MB, so all 10,000 cannot be held: each method computes the rows of ``--rows``
 evenly spaced classes (``--spc`` probe samples each, the probe set being those classes'
@@ -40,7 +40,7 @@ import common  # noqa: E402
 from alternatives import add, run_table, subset  # noqa: E402
 from common import Case, fmt_s, print_table  # noqa: E402
 
-from workers import zoo  # noqa: E402
+from classgrad.workers import zoo  # noqa: E402
 
 OUT = common.OUT_DIR / "gpu_resnet18.json"
 

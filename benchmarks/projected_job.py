@@ -33,8 +33,8 @@ OUT = common.OUT_DIR / "projected_job.json"
 
 def job(classes: int, url: str, dim: int | None) -> dict[str, Any]:
     return {
-        "model": {"factory": "workers.zoo:small_cnn", "kwargs": {"num_classes": classes, "width": 16}},
-        "data": {"factory": "workers.zoo:synthetic_probe",
+        "model": {"factory": "classgrad.workers.zoo:small_cnn", "kwargs": {"num_classes": classes, "width": 16}},
+        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
                  "kwargs": {"num_classes": classes, "samples_per_class": 4, "input_shape": [3, 16, 16]}},
         "loss": {"num_classes": classes},
         "params": {"exclude": ["head.2.*"]},  # the last layer grows with C; the rest does not
@@ -47,9 +47,9 @@ def job(classes: int, url: str, dim: int | None) -> dict[str, Any]:
 
 
 def run(config: dict) -> dict[str, Any]:
-    from service.config import JobConfig
-    from service.driver import JobDriver
-    from service.store import open_store
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.driver import JobDriver
+    from classgrad.service.store import open_store
 
     t0 = time.perf_counter()
     summary = JobDriver(JobConfig.model_validate(config)).run()

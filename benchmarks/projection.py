@@ -1,4 +1,4 @@
-"""Projection throughput (``workers.projection.Projector``) next to this machine's float32
+"""Projection throughput (``classgrad.workers.projection.Projector``) next to this machine's float32
 matmul throughput, measured in the same run.
 
 For each batch size b the projection of rows [b, D] to k columns (R generated block by block,
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from common import print_table  # noqa: E402
 
-from workers.projection import HASH_NAME, Projector  # noqa: E402
+from classgrad.workers.projection import HASH_NAME, Projector  # noqa: E402
 
 GOAL = 0.50
 OUT = common.OUT_DIR / "projection.json"

@@ -40,9 +40,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.analysis import fmt_bytes  # noqa: E402
-from service.analysis.similarity import PeakMemory, compute_similarity, top_k_rows  # noqa: E402
-from service.store import StoreSpec, create_store, open_store  # noqa: E402
+from classgrad.service.analysis import fmt_bytes  # noqa: E402
+from classgrad.service.analysis.similarity import PeakMemory, compute_similarity, top_k_rows  # noqa: E402
+from classgrad.service.store import StoreSpec, create_store, open_store  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "similarity.json"
 MIB = 1 << 20
@@ -86,9 +86,9 @@ def idle_worker_rss(ray) -> int:
     """RSS of a worker that has imported what a task imports, doing nothing."""
     @ray.remote(num_cpus=1)
     def probe() -> int:
-        import service.analysis.similarity  # noqa: F401
-        import service.store  # noqa: F401
-        from service.analysis.similarity import _rss
+        import classgrad.service.analysis.similarity  # noqa: F401
+        import classgrad.service.store  # noqa: F401
+        from classgrad.service.analysis.similarity import _rss
 
         return _rss()
 

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.store import StoreSpec, create_store  # noqa: E402
+from classgrad.service.store import StoreSpec, create_store  # noqa: E402
 
 GOAL = 0.70
 OUT = Path(__file__).resolve().parent / "out" / "store_write.json"

@@ -43,7 +43,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from service.errors import ConfigError
+from classgrad.service.errors import ConfigError
 
 __all__ = [
     "BUILTIN_LOSS_KINDS",
@@ -88,11 +88,25 @@ PositiveFiniteFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFiniteFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
+# Import paths written before classgrad had one namespace (`workers.zoo:mlp`): accepted and
+# rewritten to today's module, so old job files (and the configs recorded in old stores) still work.
+_LEGACY_PREFIXES = (("workers.", "classgrad.workers."), ("service.", "classgrad.service."))
+
+
+def canonical_import_path(value: str) -> str:
+    """``value`` with a pre-namespace module prefix (``workers.``/``service.``) rewritten."""
+    for old, new in _LEGACY_PREFIXES:
+        if value.startswith(old):
+            return new + value[len(old):]
+    return value
+
+
 def _check_import_path(value: str) -> str:
+    value = canonical_import_path(value)
     if not _IMPORT_PATH_RE.match(value):
         raise PydanticCustomError(
             "import_path",
-            "must be an import path 'module:function' (e.g. 'workers.zoo:small_cnn'), got {value}",
+            "must be an import path 'module:function' (e.g. 'classgrad.workers.zoo:small_cnn'), got {value}",
             {"value": repr(value)},
         )
     return value
@@ -108,7 +122,7 @@ class ModelConfig(_Section):
     """The model whose per-class gradients are computed; one replica is built in each actor."""
 
     factory: str = Field(
-        "workers.zoo:small_cnn",
+        "classgrad.workers.zoo:small_cnn",
         description="Import path `module:function` of a function returning the `nn.Module`.",
     )
     kwargs: dict[str, Any] = Field(
@@ -147,7 +161,7 @@ class DataConfig(_Section):
     """The probe set the per-class losses are computed on."""
 
     factory: str = Field(
-        "workers.zoo:synthetic_probe",
+        "classgrad.workers.zoo:synthetic_probe",
         description="Import path `module:function` of a function returning a `Dataset` of "
         "`(input, target)` or a pair of tensors `(inputs, targets)`.",
     )
@@ -174,7 +188,7 @@ class LossConfig(_Section):
         "multi-hot targets, dense) or an import path `module:function` of either a function "
         "`(outputs, targets) -> [C]` giving per-class means over the samples it is given "
         "(dense), or a per-sample loss `(outputs, labels) -> [n]` marked with "
-        "`@workers.losses.partitioned_loss` (class-partitioned: L_c is its mean over class c).",
+        "`@classgrad.workers.losses.partitioned_loss` (class-partitioned: L_c is its mean over class c).",
     )
     num_classes: PositiveInt = Field(
         description="C, the number of classes (rows of the store); the model's output must have "

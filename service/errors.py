@@ -1,7 +1,8 @@
 """Errors a user can cause, shared by the driver, workers and the CLI.
 
 Holds: ``ClassgradError`` (the base the CLI turns into one line and exit code 2) and its
-subclasses, one per kind of problem. Nothing here imports torch or Ray, so every part of the
+subclasses, one per kind of problem, and ``first_line`` (the one line of a library's error that
+a message quotes). Nothing here imports torch or Ray, so every part of the
 project (and readers of the store) can raise and catch them.
 """
 
@@ -49,3 +50,16 @@ class RowOverflowError(ClassgradError):
 
 class ShardFailedError(ClassgradError):
     """A shard failed more times than allowed; the message names the shard and its error."""
+
+
+def first_line(exc: BaseException | str) -> str:
+    """The first non-empty line of an exception's message (or of a text), for one-line errors.
+
+    Library exceptions (botocore, Ray, zarr) often carry several lines; a classgrad message
+    quotes only the first. An exception with no message gives its type's name.
+    """
+    text = exc if isinstance(exc, str) else str(exc)
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return "" if isinstance(exc, str) else type(exc).__name__

@@ -106,7 +106,7 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 from zarr.storage import FsspecStore, LocalStore
 
-from service.errors import (
+from classgrad.service.errors import (
     ClassgradError,
     CorruptChunkError,
     LeaseHeldError,

@@ -18,7 +18,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from service.errors import InputError, RowOverflowError
+from classgrad.service.errors import InputError, RowOverflowError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

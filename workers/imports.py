@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from service.errors import InputError
+from classgrad.service.errors import InputError
 
 
 def import_object(path: str, *, what: str = "factory") -> Any:

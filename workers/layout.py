@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from service.errors import InputError
+from classgrad.service.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from service.errors import InputError
-from workers.imports import import_object
+from classgrad.service.errors import InputError
+from classgrad.workers.imports import import_object
 
 
 class LossKind(ABC):

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from service.errors import InputError
+from classgrad.service.errors import InputError
 
 
 def _stack(items: Sequence[Any]) -> Any:

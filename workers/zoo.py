@@ -1,7 +1,7 @@
 """Small models and a synthetic probe set, built in code (nothing is downloaded).
 
 Holds the model factories that configs, tests and benchmarks name by import path
-(``workers.zoo:mlp`` ...) and ``synthetic_probe``, a seeded probe set for any number of classes.
+(``classgrad.workers.zoo:mlp`` ...) and ``synthetic_probe``, a seeded probe set for any number of classes.
 
 Models (every one maps a batch to ``[batch, num_classes]`` logits):
 - ``mlp``: Linear/ReLU stack on vectors.

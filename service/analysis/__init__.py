@@ -1,4 +1,4 @@
-"""Downstream jobs on a finished store: one module per role, all built on ``service.store``.
+"""Downstream jobs on a finished store: one module per role, all built on ``classgrad.service.store``.
 
 - ``similarity``: the C x C class similarity (cosine or dot) and its top-k neighbour table,
   computed out of core as Ray tasks (or in-process) and written back into the store.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from service.errors import ConfigError
+from classgrad.service.errors import ConfigError
 
 # Default memory budget for one block of rows read at once (rows x columns x 4 bytes).
 DEFAULT_BLOCK_MB = 64.0

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
-from service.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
+from classgrad.service.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None,
     """``classgrad aggregate``: combine the rows of the store at ``url`` with the weights in
     ``options`` (``AggregateConfig`` fields) and write ``out`` (safetensors). Returns a
     summary (norm before and after clipping, tensors written, ...)."""
-    from service.store import open_store
+    from classgrad.service.store import open_store
 
     config: AggregateConfig = validated(AggregateConfig, "aggregate", **options)
     store = open_store(url, storage_options=storage_options)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.analysis import (
+from classgrad.service.analysis import (
     DEFAULT_BLOCK_MB,
     completion,
     done_ranges,

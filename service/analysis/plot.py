@@ -33,7 +33,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,9 @@ def _bars(names: list[str], totals: np.ndarray, path: Path, dpi: int) -> None:
 def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
                **options) -> dict:
     """Write the PNGs of the store at ``url`` into ``out_dir``; return what was written."""
-    from service.analysis.inspect import grad_norms
-    from service.errors import ConfigError
-    from service.store import open_store
+    from classgrad.service.analysis.inspect import grad_norms
+    from classgrad.service.errors import ConfigError
+    from classgrad.service.store import open_store
 
     config: PlotConfig = validated(PlotConfig, "plot", **options)
     try:
@@ -211,7 +211,7 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
     norms = grad_norms(store, block_rows=config.block_rows, block_mb=config.block_mb)
     finite = np.isfinite(norms.row)
     if not finite.any():
-        from service.errors import StoreIncompleteError
+        from classgrad.service.errors import StoreIncompleteError
 
         raise StoreIncompleteError(f"store {url} has no rows written yet; nothing to plot")
     written = {}

@@ -46,8 +46,8 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, validated
-from service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, validated
+from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, s
                run_id: str) -> dict:
     """One task: compute rows [start, stop) of the matrix and their top-k from the store, write
     them into the store, and return a small report (rows, seconds, bytes read, memory)."""
-    from service.store import open_store
+    from classgrad.service.store import open_store
 
     meter = PeakMemory()
     t0 = time.perf_counter()
@@ -423,8 +423,8 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
     ``options`` are ``SimilarityConfig`` fields (``metric="dot"``, ``top_k=5``, ...), checked
     like the command line's. Refuses incomplete stores, naming the missing rows.
     """
-    from service.progress import Progress
-    from service.store import fmt_ranges, open_store
+    from classgrad.service.runtime.progress import Progress
+    from classgrad.service.store import fmt_ranges, open_store
 
     if config is None:
         config = validated(SimilarityConfig, "similarity", **options)

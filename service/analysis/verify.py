@@ -80,8 +80,8 @@ class VerifyReport:
 def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyReport:
     """Run every check on the store at ``url``. Raises ``StoreError`` only when there is no
     classgrad store there at all; everything else is reported."""
-    from service.errors import StoreError
-    from service.store import check_metadata, fmt_ranges, open_store
+    from classgrad.service.errors import StoreError
+    from classgrad.service.store import check_metadata, fmt_ranges, open_store
 
     report = VerifyReport(url)
     for line in check_metadata(url, storage_options=storage_options):

@@ -10,7 +10,7 @@ import argparse
 
 import yaml
 
-from service.errors import ConfigError
+from classgrad.service.errors import ConfigError
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:

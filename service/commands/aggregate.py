@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, given_options, storage_options
+from classgrad.service.commands import add_store_arguments, given_options, storage_options
 
 HELP = ("combine rows (mean, or per-class weights from a file) into one gradient shaped like the "
         "model's parameters, saved with safetensors")
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.analysis.aggregate import aggregate
+    from classgrad.service.analysis.aggregate import aggregate
 
     summary = aggregate(args.store, args.out, storage_options=storage_options(args),
                         **given_options(args, "weights", "clip_norm", "block_rows"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands.run import add_config_arguments
+from classgrad.service.commands.run import add_config_arguments
 
 HELP = "estimate a job's store size, memory per actor and rows/s from a short measured run"
 
@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.config import load_config
-    from service.errors import ConfigError
-    from service.estimate import estimate_job
+    from classgrad.service.config import load_config
+    from classgrad.service.errors import ConfigError
+    from classgrad.service.runtime.estimate import estimate_job
 
     if args.sample_rows is not None and args.sample_rows <= 0:
         raise ConfigError(f"--sample-rows must be > 0, got {args.sample_rows}")

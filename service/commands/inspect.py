@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, storage_options
+from classgrad.service.commands import add_store_arguments, storage_options
 
 HELP = "show a store's shape, dtype, parameter layout, completion and gradient norms"
 
@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.analysis.inspect import format_report, inspect_store
-    from service.errors import ConfigError
-    from service.store import open_store
+    from classgrad.service.analysis.inspect import format_report, inspect_store
+    from classgrad.service.errors import ConfigError
+    from classgrad.service.store import open_store
 
     if args.top < 0:
         raise ConfigError(f"--top must be >= 0, got {args.top}")

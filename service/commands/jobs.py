@@ -2,7 +2,7 @@
 
 Also holds ``add_address_argument``, the ``--address`` option shared with ``classgrad submit``.
 Every failure (cluster unreachable, token missing or wrong, unknown job id) is one line and a
-non-zero exit code; see ``service.submit`` for how the address and the auth token are found.
+non-zero exit code; see ``classgrad.service.runtime.submit`` for how the address and the auth token are found.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _details(info) -> dict:
 
 def finish_followed(client, job_id: str) -> int:
     """Follow a job's logs to stdout; 0 if it succeeded, else JobFailedError (exit 3)."""
-    from service import submit
+    from classgrad.service.runtime import submit
 
     def write(chunk: str) -> None:
         sys.stdout.write(chunk)
@@ -89,7 +89,7 @@ def finish_followed(client, job_id: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service import submit
+    from classgrad.service.runtime import submit
 
     quiet_ray_logging(args)
     client = submit.connect(args.address)

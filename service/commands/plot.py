@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, given_options, storage_options
+from classgrad.service.commands import add_store_arguments, given_options, storage_options
 
 HELP = ("write PNGs: similarity heatmap of the top-N classes (clustered), histogram of class "
         "gradient norms, per-parameter norms")
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.analysis.plot import plot_store
+    from classgrad.service.analysis.plot import plot_store
 
     result = plot_store(args.store, args.out, storage_options=storage_options(args),
                         **given_options(args, "top_n", "metric", "dpi"))

@@ -24,8 +24,8 @@ def _stop_like_ctrl_c(signum, frame) -> None:
 def main(args: argparse.Namespace) -> int:
     import signal
 
-    from service.config import load_config
-    from service.driver import JobDriver
+    from classgrad.service.config import load_config
+    from classgrad.service.runtime.driver import JobDriver
 
     # Pod deletion, `ray job stop` and `kill` send SIGTERM: stop as cleanly as on Ctrl-C, so the
     # run is recorded as interrupted and its lease released.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, given_options, storage_options
+from classgrad.service.commands import add_store_arguments, given_options, storage_options
 
 HELP = "compute the C x C class similarity (cosine or dot) and top-k neighbours into the store"
 
@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.analysis import fmt_bytes
-    from service.analysis.similarity import compute_similarity
+    from classgrad.service.analysis import fmt_bytes
+    from classgrad.service.analysis.similarity import compute_similarity
 
     summary = compute_similarity(
         args.store, storage_options=storage_options(args),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands import add_store_arguments, storage_options
+from classgrad.service.commands import add_store_arguments, storage_options
 
 HELP = "show a store's progress: shards done, missing rows, last runs"
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def status_of(store) -> dict:
-    from service.analysis import completion
+    from classgrad.service.analysis import completion
 
     runs = store.attrs.get("runs", [])
     return {
@@ -32,7 +32,7 @@ def status_of(store) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.store import open_store
+    from classgrad.service.store import open_store
 
     store = open_store(args.store, storage_options=storage_options(args))
     info = status_of(store)

@@ -1,8 +1,8 @@
 """``classgrad submit CONFIG --address URL``: run a job file on a Ray cluster as a Ray job.
 
 The working directory travels as the job's ``working_dir``; the job runs
-``python -m service.cli run CONFIG --set ... --set cluster.address=auto`` on the head node (see
-``service.submit`` for why). Prints the job id on stdout (alone on its line, so scripts can
+``python -m classgrad run CONFIG --set ... --set cluster.address=auto`` on the head node (see
+``classgrad.service.runtime.submit`` for why). Prints the job id on stdout (alone on its line, so scripts can
 capture it); with ``--follow`` the job's logs follow and the exit code is the job's: 0 if it
 succeeded, 3 if it failed or was stopped.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.commands.jobs import add_address_argument, finish_followed, quiet_ray_logging
-from service.commands.run import add_config_arguments
+from classgrad.service.commands.jobs import add_address_argument, finish_followed, quiet_ray_logging
+from classgrad.service.commands.run import add_config_arguments
 
 HELP = "submit a job file to a Ray cluster as a Ray job (prints the job id)"
 
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service import submit
+    from classgrad.service.runtime import submit
 
     submission = submit.prepare_submission(args.config, args.overrides, working_dir=args.working_dir,
                                            excludes=args.exclude, python=args.python)

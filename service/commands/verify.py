@@ -1,12 +1,12 @@
 """``classgrad verify STORE``: completeness, checksums, NaN/Inf, metadata; the exit code says
-what failed (bit flags, see ``service.analysis.verify``)."""
+what failed (bit flags, see ``classgrad.service.analysis.verify``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from service.commands import add_store_arguments, storage_options
+from classgrad.service.commands import add_store_arguments, storage_options
 
 HELP = ("check a store: completeness, every chunk's checksum, NaN/Inf, metadata; exit code 0 "
         "if sound, else the OR of 4 incomplete, 8 corrupt chunk, 16 NaN/Inf, 32 metadata")
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from service.analysis.verify import verify_store
+    from classgrad.service.analysis.verify import verify_store
 
     report = verify_store(args.store, storage_options=storage_options(args))
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())

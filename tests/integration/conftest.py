@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from service.config import JobConfig
+from classgrad.service.config import JobConfig
 from tests.integration.harness import fresh_ray_auth_afterwards, repo_env
 
 
@@ -44,8 +44,8 @@ def ray_local():
 def small_job(store_url: str, **sections: Any) -> dict:
     """A job of 48 classes on a small CNN, 12 shards of 4 rows, 2 actors; override by section."""
     base: dict[str, Any] = {
-        "model": {"factory": "workers.zoo:small_cnn", "kwargs": {"num_classes": 48, "width": 4}},
-        "data": {"factory": "workers.zoo:synthetic_probe",
+        "model": {"factory": "classgrad.workers.zoo:small_cnn", "kwargs": {"num_classes": 48, "width": 4}},
+        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
                  "kwargs": {"num_classes": 48, "samples_per_class": 3, "imbalance": 1.0, "empty_classes": [5],
                             "input_shape": [3, 8, 8], "seed": 2},
                  "batch_size": 16},

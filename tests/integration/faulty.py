@@ -16,7 +16,7 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
   a file ``raised-<n>`` in the directory (created with O_EXCL, so two actors cannot both count
   as fault n); a raise aborts the shard attempt that computes that class, so the count of those
   files is the number of failed attempts of that shard.
-- ``unhooked_mlp``: ``workers.zoo.mlp`` with a no-op forward pre-hook on its first layer. The
+- ``unhooked_mlp``: ``classgrad.workers.zoo.mlp`` with a no-op forward pre-hook on its first layer. The
   partitioned engine retries anything that fails in its fast paths (per-class sums from hooks,
   then vmap) with a slower one that gives the same rows, so an error raised there is swallowed
   instead of failing the shard. A layer with a forward hook turns the hooks path off
@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from workers import zoo
-from workers.losses import partitioned_loss
+from classgrad.workers import zoo
+from classgrad.workers.losses import partitioned_loss
 
 ENV = "CLASSGRAD_FAULTS"
 PLAN = "plan.json"
@@ -143,7 +143,7 @@ def nan_dataset(nan_sample: int, **probe_kwargs) -> Dataset:
 
 
 def nan_probe(nan_sample: int, **probe_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``workers.zoo.synthetic_probe(**probe_kwargs)`` (tensors) with NaN in sample ``nan_sample``."""
+    """``classgrad.workers.zoo.synthetic_probe(**probe_kwargs)`` (tensors) with NaN in sample ``nan_sample``."""
     inputs, targets = zoo.synthetic_probe(**probe_kwargs)
     inputs = inputs.clone()
     inputs[nan_sample] = float("nan")

@@ -1,6 +1,6 @@
 """Helpers the reliability tests share: run the CLI, wait with a deadline, compare stores.
 
-- ``classgrad_cli`` / ``start_cli``: ``python -m service.cli ...`` in a subprocess of its own
+- ``classgrad_cli`` / ``start_cli``: ``python -m classgrad ...`` in a subprocess of its own
   session (so whatever it starts can be removed with ``kill_session``), from the repository
   root, with the repository on PYTHONPATH.
 - ``error_lines``: the ``classgrad:`` lines of a CLI's stderr (there must be exactly one).
@@ -37,12 +37,12 @@ import pytest
 import torch
 import yaml
 
-from service.config import JobConfig
-from service.errors import StoreError
-from service.store import open_store
+from classgrad.service.config import JobConfig
+from classgrad.service.errors import StoreError
+from classgrad.service.store import open_store
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "service.cli"]
+CLI = [sys.executable, "-m", "classgrad"]
 
 
 def fault_job(url: str, plan_dir: str | None = None, **sections) -> dict:
@@ -164,9 +164,9 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
     """Rows of the float64 reference engine for the job's model (without its sleep, where it is a
     ``slow_models`` one with ``delay_s``) and data. ``config_path`` is relative to the repository
     root (or absolute)."""
-    from service.config import load_config
-    from workers.engines import per_class_gradients
-    from workers.factory import build_model, build_probe
+    from classgrad.service.config import load_config
+    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.runtime.factory import build_model, build_probe
 
     config = load_config(REPO / config_path, overrides)
     kwargs = {**config.model.kwargs, **({"delay_s": 0.0} if "delay_s" in config.model.kwargs else {})}
@@ -180,8 +180,8 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
 
 def uninterrupted(config: JobConfig) -> dict[str, np.ndarray]:
     """Run every shard of ``config`` once, in order, in this process (no Ray, no faults)."""
-    from service.driver import prepare_store
-    from workers.actor import GradientWorker
+    from classgrad.service.runtime.driver import prepare_store
+    from classgrad.workers.runtime.actor import GradientWorker
 
     threads = torch.get_num_threads()
     try:
@@ -236,8 +236,8 @@ def trusted_state(url: str, config: JobConfig | None = None) -> str:
     if done.size:
         assert config is not None, "done shards but no config to check them against"
         from tests.unit.engine_cases import max_relative_error
-        from workers.engines import per_class_gradients
-        from workers.factory import build_model, build_probe
+        from classgrad.workers.engines import per_class_gradients
+        from classgrad.workers.runtime.factory import build_model, build_probe
 
         model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint,
                             config.model.mode).double()

@@ -12,7 +12,7 @@ import time
 import torch
 from torch import nn
 
-from workers import zoo
+from classgrad.workers import zoo
 
 
 class Slow(nn.Module):

@@ -1,9 +1,9 @@
 """Bad input, as a user gives it: ``classgrad run`` ends with one line, a non-zero exit, no
 traceback, and leaves no store that a rerun (or a reader) would wrongly trust.
 
-The table (``CASES``) runs the real CLI entry point in this process (``service.cli.main``, the
+The table (``CASES``) runs the real CLI entry point in this process (``classgrad.service.commands.cli.main``, the
 function the console script calls); ``test_in_a_real_process`` repeats a few cases in a fresh
-``python -m service.cli`` process to show the real exit status and that no traceback leaks,
+``python -m classgrad`` process to show the real exit status and that no traceback leaks,
 also from a Ray actor. Each case builds its job (usually ``conftest.small_job`` with one thing
 wrong) and names the text its one error line must contain.
 
@@ -29,10 +29,10 @@ from typing import Callable
 import pytest
 from pydantic import ValidationError
 
-from service.cli import main as cli_main
-from service.config import JobConfig
-from service.driver import prepare_store
-from service.store import open_store
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.config import JobConfig
+from classgrad.service.runtime.driver import prepare_store
+from classgrad.service.store import open_store
 from tests.integration import faulty
 from tests.integration.cluster import free_port
 from tests.integration.conftest import small_job
@@ -90,7 +90,7 @@ def case(message: str):
     return register
 
 
-VECTOR = {"model": {"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
+VECTOR = {"model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
           "data": {"kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
                               "seed": 2}}}
 
@@ -99,7 +99,7 @@ VECTOR = {"model": {"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "
 
 @case("malformed YAML")
 def malformed_yaml(t: Ctx):
-    return [t.raw("model: {factory: workers.zoo:small_cnn\nloss: [num_classes: 48\n")]
+    return [t.raw("model: {factory: classgrad.workers.zoo:small_cnn\nloss: [num_classes: 48\n")]
 
 
 @case("the top level must be a mapping of sections")
@@ -129,7 +129,7 @@ def wrong_type_string_for_int(t: Ctx):
 
 @case("config error: model: expected a mapping, got a list")
 def wrong_type_list_for_section(t: Ctx):
-    return [t.raw("model: [workers.zoo:small_cnn]\nloss: {num_classes: 48}\n")]
+    return [t.raw("model: [classgrad.workers.zoo:small_cnn]\nloss: {num_classes: 48}\n")]
 
 
 @case("config error: cluster.num_workers: Input should be greater than 0")
@@ -144,7 +144,7 @@ def wrong_value_unknown_dtype(t: Ctx):
 
 @case("config error: loss.num_classes: Field required")
 def missing_required_key(t: Ctx):
-    return [t.raw("model: {factory: 'workers.zoo:small_cnn'}\n")]
+    return [t.raw("model: {factory: 'classgrad.workers.zoo:small_cnn'}\n")]
 
 
 @case("sharding.shard_rows must be a multiple of store.row_chunk (4), got 6")
@@ -154,7 +154,7 @@ def shard_rows_not_a_multiple_of_row_chunk(t: Ctx):
 
 @case("model.factory: must be an import path 'module:function'")
 def factory_path_syntax(t: Ctx):
-    return [t.job(model={"factory": "workers.zoo.small_cnn"})]
+    return [t.job(model={"factory": "classgrad.workers.zoo.small_cnn"})]
 
 
 @case("--set cluster.num_gpu: unknown key")
@@ -179,29 +179,29 @@ def model_factory_cannot_import(t: Ctx):
     return [t.job(model={"factory": "no_such_module:build"})]
 
 
-@case("model.factory 'workers.zoo:no_such_model': module 'workers.zoo' has no attribute")
+@case("model.factory 'classgrad.workers.zoo:no_such_model': module 'classgrad.workers.zoo' has no attribute")
 def model_factory_missing_attribute(t: Ctx):
-    return [t.job(model={"factory": "workers.zoo:no_such_model"})]
+    return [t.job(model={"factory": "classgrad.workers.zoo:no_such_model"})]
 
 
-@case("model.factory 'workers.zoo:small_cnn' raised TypeError")
+@case("model.factory 'classgrad.workers.zoo:small_cnn' raised TypeError")
 def model_factory_raises(t: Ctx):
     return [t.job(model={"kwargs": {"num_classes": C, "width": 4, "depth": 3}})]
 
 
-@case("model.factory 'workers.zoo:mlp' raised RuntimeError: Trying to create tensor with negative dimension")
+@case("model.factory 'classgrad.workers.zoo:mlp' raised RuntimeError: Trying to create tensor with negative dimension")
 def model_factory_raises_inside(t: Ctx):
-    return [t.job(model={"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "hidden": -1}})]
+    return [t.job(model={"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "hidden": -1}})]
 
 
-@case("data.factory 'workers.zoo:synthetic_probe' raised ValueError: synthetic_probe kind must be")
+@case("data.factory 'classgrad.workers.zoo:synthetic_probe' raised ValueError: synthetic_probe kind must be")
 def data_factory_raises(t: Ctx):
     return [t.job(data={"kwargs": {"num_classes": C, "kind": "audio"}})]
 
 
-@case("model.factory 'workers.zoo:synthetic_probe' returned tuple, not an nn.Module")
+@case("model.factory 'classgrad.workers.zoo:synthetic_probe' returned tuple, not an nn.Module")
 def model_factory_returns_no_module(t: Ctx):
-    return [t.job(model={"factory": "workers.zoo:synthetic_probe", "kwargs": {"num_classes": C}})]
+    return [t.job(model={"factory": "classgrad.workers.zoo:synthetic_probe", "kwargs": {"num_classes": C}})]
 
 
 @case("model output has shape (4, 50), expected (batch, 48)")
@@ -229,9 +229,9 @@ def nan_inputs_only_an_actor_sees(t: Ctx):
                                    "input_shape": [3, 8, 8], "seed": 2}})]
 
 
-@case("loss.kind 'workers.zoo:no_such_loss': module 'workers.zoo' has no attribute")
+@case("loss.kind 'classgrad.workers.zoo:no_such_loss': module 'classgrad.workers.zoo' has no attribute")
 def loss_function_missing(t: Ctx):
-    return [t.job(loss={"kind": "workers.zoo:no_such_loss"})]
+    return [t.job(loss={"kind": "classgrad.workers.zoo:no_such_loss"})]
 
 
 @case("params: include=['no_such_layer.*'] exclude=[] select no parameters")
@@ -241,7 +241,7 @@ def params_select_nothing(t: Ctx):
 
 @case("engine.kind=partitioned needs a model that treats samples independently")
 def partitioned_engine_with_batchnorm_in_train_mode(t: Ctx):
-    return [t.job(model={"factory": "workers.zoo:bn_cnn", "mode": "train"}, engine={"kind": "partitioned"})]
+    return [t.job(model={"factory": "classgrad.workers.zoo:bn_cnn", "mode": "train"}, engine={"kind": "partitioned"})]
 
 
 @case("no such file")

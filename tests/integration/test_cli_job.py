@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from service.store import open_store
+from classgrad.service.store import open_store
 from tests.integration.conftest import small_job
 from tests.integration.harness import (
     classgrad_cli,

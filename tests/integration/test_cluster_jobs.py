@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
-from service.cli import main as cli_main
-from service.errors import StoreError
-from service.store import open_store
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import StoreError
+from classgrad.service.store import open_store
 from tests.integration.cluster import LocalRayCluster, free_port
 from tests.integration.harness import REPO, classgrad_cli, reference_rows, start_cli
 from tests.unit.engine_cases import max_relative_error
@@ -94,7 +94,7 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
                           timeout=60)
     assert status.returncode == 0 and '"status": "STOPPED"' in status.stdout, status.stdout + status.stderr
     # The entrypoint is the module form, joining the cluster it runs in (see service/submit.py).
-    assert f"python -m service.cli run {CONFIG}" in status.stdout and "cluster.address=auto" in status.stdout
+    assert f"python -m classgrad run {CONFIG}" in status.stdout and "cluster.address=auto" in status.stdout
     stopped = open_store(store)
     assert stopped.attrs["runs"][-1]["status"] == "interrupted" and stopped.lease_info() is None
     done_at_stop = int(stopped.shard_done.sum())
@@ -118,7 +118,7 @@ def test_ray_job_submit_runs_the_same_job(cluster, tmp_path):
     # Ray's own client needs RAY_AUTH_MODE=token and the token (cluster.client_env gives both).
     r = subprocess.run(
         [ray_cli, "job", "submit", "--address", cluster.dashboard_url, "--submission-id", job_id,
-         "--working-dir", str(REPO), "--", "python", "-m", "service.cli", "run", CONFIG,
+         "--working-dir", str(REPO), "--", "python", "-m", "classgrad", "run", CONFIG,
          "--set", f"store.url={store}", "--set", "cluster.address=auto"],
         cwd=REPO, env=cluster.client_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -10,7 +10,7 @@
 
 The two jobs end with rows bit-identical to an uninterrupted run (``harness.uninterrupted``).
 They run in this process on the module's local Ray (``ray_local``); the second driver is the
-real CLI entry point (``service.cli.main``), which fails at the lease, before it touches Ray.
+real CLI entry point (``classgrad.service.commands.cli.main``), which fails at the lease, before it touches Ray.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 
 import pytest
 
-from service.cli import main as cli_main
-from service.config import JobConfig
-from service.driver import JobDriver, prepare_store
-from service.errors import LeaseHeldError
-from service.store import open_store
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.config import JobConfig
+from classgrad.service.runtime.driver import JobDriver, prepare_store
+from classgrad.service.errors import LeaseHeldError
+from classgrad.service.store import open_store
 from tests.integration.conftest import small_job
 from tests.integration.harness import (
     assert_identical,
@@ -41,7 +41,7 @@ from tests.integration.harness import (
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-MLP = {"model": {"factory": "workers.zoo:mlp", "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16}},
+MLP = {"model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16}},
        "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
                            "empty_classes": [5], "seed": 2}}}
 # The same MLP, 0.15 s per forward: the first driver holds the store for several seconds.
@@ -110,7 +110,7 @@ def test_a_stale_lease_is_taken_over_after_its_ttl(tmp_path, capsys, caplog):
     assert "is in use by run 'hung-run'" in line, line
 
     wait_for(lambda: time.time() - heartbeat > 2.0, 10, "the hung run's lease to pass its TTL")
-    caplog.set_level(logging.WARNING, logger="service.store")
+    caplog.set_level(logging.WARNING, logger="classgrad.service.store")
     assert cli_main(["run", path]) == 0, capsys.readouterr().err[-3000:]
     assert "taking over the stale lease of run 'hung-run'" in caplog.text
     assert "last heartbeat" in caplog.text and "> 2s" in caplog.text

@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.config import JobConfig
-from service.store import open_store
+from classgrad.service.config import JobConfig
+from classgrad.service.store import open_store
 from tests.integration import faulty
 from tests.integration.cluster import LocalRayCluster
 from tests.integration.harness import (

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from service.driver import JobDriver
-from service.store import open_store
+from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.store import open_store
 from tests.unit.engine_cases import max_relative_error
-from workers.engines import per_class_gradients
-from workers.factory import build_model, build_probe
+from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.runtime.factory import build_model, build_probe
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.store import open_store
+from classgrad.service.store import open_store
 from tests.integration.cluster import LocalRayCluster
 from tests.integration.harness import classgrad_cli, reference_rows
 from tests.unit.engine_cases import max_relative_error

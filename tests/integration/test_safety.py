@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.cli import main as cli_main
-from service.store import open_store
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.store import open_store
 from tests.integration import faulty
 from tests.integration.harness import (
     LOOPBACK,

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.analysis.similarity import compute_similarity
-from service.cli import main as cli_main
-from service.errors import CorruptChunkError, StoreError
-from service.store import ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.analysis.similarity import compute_similarity
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import CorruptChunkError, StoreError
+from classgrad.service.store import ParamEntry, StoreSpec, create_store, open_store
 from tests.unit.test_analysis_helpers import dense_similarity, synthetic_store, write_all
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,7 +81,7 @@ def test_ray_tasks_on_object_storage(ray_local, s3_bucket, s3_storage_options):
     # float32 products over 48 terms: see the unit tests' float32_bound.
     assert (np.abs(reader.similarity() - ref) <= 52 * U * np.outer(norms, norms)).all()
     assert reader.similarity_neighbours()[0].shape == (64, 2)
-    from service.analysis.verify import verify_store
+    from classgrad.service.analysis.verify import verify_store
 
     assert verify_store(url, storage_options=s3_storage_options).code == 0
 

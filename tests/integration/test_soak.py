@@ -27,9 +27,9 @@ import time
 import numpy as np
 import pytest
 
-from service.config import JobConfig
-from service.driver import JobDriver
-from service.store import open_store
+from classgrad.service.config import JobConfig
+from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.store import open_store
 from tests.integration.conftest import small_job
 from tests.integration.harness import (
     assert_identical,
@@ -54,7 +54,7 @@ DEADLINE_S = 120.0
 def soak_job(url: str) -> dict:
     return small_job(
         url,
-        model={"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 8}},
+        model={"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 8}},
         data={"kwargs": {"num_classes": C, "samples_per_class": 1, "kind": "vector", "input_shape": [8],
                          "seed": 3}, "batch_size": 256},
         loss={"num_classes": C},

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.errors import StoreError, StoreMismatchError
-from service.store import ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.errors import StoreError, StoreMismatchError
+from classgrad.service.store import ParamEntry, StoreSpec, create_store, open_store
 
 import s3fs  # noqa: E402
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers import zoo
-from workers.engines import build_engine
-from workers.losses import partitioned_loss
+from classgrad.workers import zoo
+from classgrad.workers.engines import build_engine
+from classgrad.workers.losses import partitioned_loss
 
 NUM_CLASSES = 6
 EMPTY_CLASS = 4
@@ -119,7 +119,7 @@ MODEL_CASES = {
     "transformer": ModelCase("transformer", lambda: zoo.tiny_transformer(NUM_CLASSES, vocab=32, dim=8, max_len=8).eval(),
                              dict(kind="tokens", vocab=32, seq_len=6)),
     # Fewer features into the final Linear layer than classes: the dense engine's rows through
-    # the head (workers.engines.head) apply to linear losses.
+    # the head (classgrad.workers.engines.head) apply to linear losses.
     "narrow_mlp": ModelCase("narrow_mlp", lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=5).eval(),
                             dict(kind="vector", input_shape=(8,))),
     "narrow_bn_train": ModelCase("narrow_bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=1).train(),

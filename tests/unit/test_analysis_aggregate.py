@@ -1,4 +1,4 @@
-"""``service.analysis.aggregate``: weighted combinations of the rows of a real 500-class store
+"""``classgrad.service.analysis.aggregate``: weighted combinations of the rows of a real 500-class store
 (an MLP's per-class gradients) equal numpy's; the file is state-dict shaped; loading it into
 ``.grad`` gives the same SGD-with-momentum steps as setting ``.grad`` by hand; projected and
 incomplete stores and bad weight files are refused with one clear line."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from service.analysis.aggregate import aggregate, load_into_grad, load_weights, weighted_sum
-from service.cli import main as cli_main
-from service.errors import ConfigError, InputError, StoreError, StoreIncompleteError
+from classgrad.service.analysis.aggregate import aggregate, load_into_grad, load_weights, weighted_sum
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import ConfigError, InputError, StoreError, StoreIncompleteError
 from tests.unit.test_analysis_helpers import model_store, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff

@@ -5,7 +5,7 @@ and a check that they hold what they claim.
   rows of very different norms, a zero row), in any store dtype, with a parameter layout or as
   a projected store; returns the store and the true float32 rows a reader returns.
 - ``model_store``: a real store: the per-class gradients of a small MLP on a synthetic probe
-  set, computed in-process by ``workers.engines.per_class_gradients`` and written with
+  set, computed in-process by ``classgrad.workers.engines.per_class_gradients`` and written with
   ``write_rows``; returns (store, model, rows).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.store import ParamEntry, StoreSpec, create_store
+from classgrad.service.store import ParamEntry, StoreSpec, create_store
 
 LAYOUT = (ParamEntry("layer.weight", (8, 10), 0, 80), ParamEntry("layer.bias", (8,), 80, 8),
           ParamEntry("head.weight", (2, 4), 88, 8))
@@ -57,9 +57,9 @@ def synthetic_store(path, *, num_classes: int = 500, dim: int = DIM, dtype: str 
 
 def model_store(path, *, num_classes: int = 500, dtype: str = "float32"):
     """(store, model, rows): per-class gradients of a small MLP (D = 4,572 for 500 classes)."""
-    from workers.engines import per_class_gradients
-    from workers.layout import ParamLayout
-    from workers.zoo import mlp, synthetic_probe
+    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.layout import ParamLayout
+    from classgrad.workers.zoo import mlp, synthetic_probe
 
     model = mlp(num_classes=num_classes, in_features=8, hidden=8, depth=1, seed=1).eval()
     data = synthetic_probe(num_classes=num_classes, samples_per_class=2, kind="vector",

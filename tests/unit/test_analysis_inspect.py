@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from service.analysis.inspect import grad_norms, inspect_store
-from service.cli import main as cli_main
+from classgrad.service.analysis.inspect import grad_norms, inspect_store
+from classgrad.service.commands.cli import main as cli_main
 from tests.unit.test_analysis_helpers import LAYOUT, ZERO_ROW, synthetic_store
 
 U = 2.0**-24

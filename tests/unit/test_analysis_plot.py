@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.analysis.plot import average_linkage_order, class_similarity, plot_store
-from service.analysis.similarity import compute_similarity
-from service.cli import main as cli_main
+from classgrad.service.analysis.plot import average_linkage_order, class_similarity, plot_store
+from classgrad.service.analysis.similarity import compute_similarity
+from classgrad.service.commands.cli import main as cli_main
 from tests.unit.test_analysis_helpers import dense_similarity, synthetic_store
 
 
@@ -80,7 +80,7 @@ def test_average_linkage_order_groups_planted_clusters():
 
 
 def test_bad_options(tmp_path):
-    from service.errors import ConfigError
+    from classgrad.service.errors import ConfigError
 
     synthetic_store(tmp_path / "s", num_classes=20)
     with pytest.raises(ConfigError, match=r"top_n \(--top-n\)"):

@@ -1,4 +1,4 @@
-"""``service.analysis.similarity`` without Ray (the in-process executor runs the very task
+"""``classgrad.service.analysis.similarity`` without Ray (the in-process executor runs the very task
 function Ray runs): the stored matrix and top-k table equal a dense numpy computation on a
 500-class store, for every store dtype, projected stores, cosine and dot, column bands; reruns
 replace the result; incomplete stores and bad options are refused with one clear line."""
@@ -10,15 +10,15 @@ import sys
 import numpy as np
 import pytest
 
-from service.analysis.similarity import (
+from classgrad.service.analysis.similarity import (
     SimilarityConfig,
     compute_similarity,
     plan_similarity,
     top_k_rows,
 )
-from service.cli import main as cli_main
-from service.errors import ConfigError, StoreError, StoreIncompleteError
-from service.store import open_store
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import ConfigError, StoreError, StoreIncompleteError
+from classgrad.service.store import open_store
 from tests.unit.test_analysis_helpers import ZERO_ROW, dense_similarity, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff
@@ -194,9 +194,9 @@ def test_help_states_the_config_defaults():
     import argparse
     import re
 
-    from service.analysis.aggregate import AggregateConfig
-    from service.analysis.plot import PlotConfig
-    from service.commands import aggregate, plot, similarity
+    from classgrad.service.analysis.aggregate import AggregateConfig
+    from classgrad.service.analysis.plot import PlotConfig
+    from classgrad.service.commands import aggregate, plot, similarity
 
     cases = [
         (similarity, SimilarityConfig, {"--top-k": "top_k", "--metric": "metric",

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import zarr
 
-from service.analysis.similarity import compute_similarity
-from service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, NONFINITE, verify_store
-from service.cli import main as cli_main
+from classgrad.service.analysis.similarity import compute_similarity
+from classgrad.service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, NONFINITE, verify_store
+from classgrad.service.commands.cli import main as cli_main
 from tests.unit.test_analysis_helpers import synthetic_store
 
 # synthetic_store: 200 classes x 96, chunks 16 x 40, shards of 64 rows (4 shards).
@@ -58,7 +58,7 @@ def test_flipped_byte_is_a_corrupt_chunk(sound, capsys):
 
 
 def test_missing_shard_and_deleted_chunk_are_incomplete(sound, capsys):
-    from service.store import open_store
+    from classgrad.service.store import open_store
 
     open_store(str(sound), mode="r+").clear_shard_done(1)
     code, out = verify(sound, capsys)
@@ -123,7 +123,7 @@ def test_broken_layout_is_reported_even_though_the_store_cannot_open(sound, caps
 
 
 def test_flags_combine_and_json(sound, capsys):
-    from service.store import open_store
+    from classgrad.service.store import open_store
 
     open_store(str(sound), mode="r+").clear_shard_done(3)
     chunk = sound / "loss" / "c" / "0"
@@ -137,7 +137,7 @@ def test_flags_combine_and_json(sound, capsys):
 
 
 def test_similarity_arrays_are_checked(sound, capsys):
-    from service.store import open_store
+    from classgrad.service.store import open_store
 
     compute_similarity(str(sound), executor="local", top_k=3)
     assert verify(sound, capsys)[0] == 0

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import common  # noqa: E402
 
-from workers.engines import per_class_gradients  # noqa: E402
+from classgrad.workers.engines import per_class_gradients  # noqa: E402
 
 NUM_CLASSES = 6
 

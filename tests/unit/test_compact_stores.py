@@ -7,22 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from service.config import JobConfig
-from service.driver import prepare_store
-from service.estimate import estimate_job
-from service.store import open_store
-from workers.actor import GradientWorker
-from workers.engines import per_class_gradients
-from workers.factory import build_model, build_probe
-from workers.projection import Projector
+from classgrad.service.config import JobConfig
+from classgrad.service.runtime.driver import prepare_store
+from classgrad.service.runtime.estimate import estimate_job
+from classgrad.service.store import open_store
+from classgrad.workers.runtime.actor import GradientWorker
+from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.runtime.factory import build_model, build_probe
+from classgrad.workers.projection import Projector
 
 C = 24
 
 
 def config_for(tmp_path, **sections) -> JobConfig:
     base = {
-        "model": {"factory": "workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
-        "data": {"factory": "workers.zoo:synthetic_probe",
+        "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
+        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
                  "kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8]}},
         "loss": {"num_classes": C},
         "sharding": {"shard_rows": 8},

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import JobConfig, config_reference_markdown, load_config
-from service.errors import ClassgradError, ConfigError
+from classgrad.service.config import JobConfig, config_reference_markdown, load_config
+from classgrad.service.errors import ClassgradError, ConfigError
 
 # loss.num_classes is the one required key: it fixes the store's shape, so it is never guessed.
 NC = "loss.num_classes=10"
@@ -35,9 +35,9 @@ def _error(*overrides: str, path: Path | str | None = None) -> str:
 
 def test_defaults_load() -> None:
     cfg = load_config(overrides=[NC])
-    assert cfg.model.factory == "workers.zoo:small_cnn"
+    assert cfg.model.factory == "classgrad.workers.zoo:small_cnn"
     assert cfg.model.kwargs == {} and cfg.model.checkpoint is None and cfg.model.mode == "eval"
-    assert cfg.data.factory == "workers.zoo:synthetic_probe" and cfg.data.batch_size == 256
+    assert cfg.data.factory == "classgrad.workers.zoo:synthetic_probe" and cfg.data.batch_size == 256
     assert cfg.loss.kind == "cross_entropy" and cfg.loss.num_classes == 10
     assert cfg.precision.dtype == "fp32"
     assert cfg.precision.init_scale == 65536.0 and cfg.precision.min_scale == 1.0
@@ -253,9 +253,9 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
             "or an import path 'module:function')",
         ),
         # bad import path / device / address / checkpoint syntax
-        ([NC, "model.factory=workers.zoo.small_cnn"], "model.factory: must be an import path 'module:function'"),
-        ([NC, "model.factory=workers.zoo:1net"], "model.factory: must be an import path"),
-        ([NC, "model.factory='workers.zoo:'"], "model.factory: must be an import path"),
+        ([NC, "model.factory=classgrad.workers.zoo.small_cnn"], "model.factory: must be an import path 'module:function'"),
+        ([NC, "model.factory=classgrad.workers.zoo:1net"], "model.factory: must be an import path"),
+        ([NC, "model.factory='classgrad.workers.zoo:'"], "model.factory: must be an import path"),
         ([NC, "data.factory=:probe"], "data.factory: must be an import path"),
         ([NC, "data.factory=a-b:c"], "data.factory: must be an import path"),
         ([NC, "loss.kind=my losses:f"], "loss.kind: must be an import path"),

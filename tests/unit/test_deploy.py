@@ -6,7 +6,7 @@
   has the GPUs and CPUs the config asks for.
 - One Ray version everywhere: requirements/lock.txt, the Dockerfile, ``rayVersion`` and image tags.
 - Every ``configs/*.yaml`` and ``classgrad`` subcommand that the deployment guide names exists.
-- ``service.submit``: the entrypoint and runtime env it builds, what it refuses before uploading
+- ``classgrad.service.runtime.submit``: the entrypoint and runtime env it builds, what it refuses before uploading
   anything, how it finds the job server address and the auth token.
 """
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.cli import COMMANDS
-from service.config import load_config
-from service.errors import ConfigError
-from service.submit import (
+from classgrad.service.commands.cli import COMMANDS
+from classgrad.service.config import load_config
+from classgrad.service.errors import ConfigError
+from classgrad.service.runtime.submit import (
     DEFAULT_EXCLUDES,
     STOP_ENV,
     JobSubmitError,
@@ -69,7 +69,7 @@ def parse_entrypoint(entrypoint: str) -> tuple[str, str, list[str]]:
     if argv[0] == "classgrad":
         rest = argv[1:]
     else:
-        assert argv[:3] in (["python", "-m", "service.cli"], ["python3", "-m", "service.cli"]), argv
+        assert argv[:3] in (["python", "-m", "classgrad"], ["python3", "-m", "classgrad"]), argv
         rest = argv[3:]
     sub, config, *options = rest
     overrides = [options[i + 1] for i, a in enumerate(options) if a == "--set"]
@@ -176,7 +176,7 @@ def test_the_guide_names_real_configs_and_commands():
 def test_gpu_examples_are_one_computation_on_one_and_on_eight_gpus():
     one = load_config(REPO / "configs/gpu_resnet18_1gpu.yaml")
     multi = load_config(REPO / "configs/gpu_resnet18_multi.yaml")
-    assert one.model.factory == "workers.zoo:resnet18" and one.loss.num_classes == 10000
+    assert one.model.factory == "classgrad.workers.zoo:resnet18" and one.loss.num_classes == 10000
     assert one.fingerprint() == multi.fingerprint()  # a store started on one can be finished on the other
     assert one.cluster.num_workers * one.cluster.num_gpus_per_worker == 1
     assert multi.cluster.num_workers * multi.cluster.num_gpus_per_worker == 8
@@ -190,7 +190,7 @@ def test_entrypoint_and_runtime_env(monkeypatch):
     sub = prepare_submission("configs/cluster_s3.yaml", ["store.url=s3://b/x.zarr", "cluster.num_workers=4"],
                              working_dir=".", excludes=["data/"])
     assert shlex.split(sub.entrypoint) == [
-        "python", "-m", "service.cli", "run", "configs/cluster_s3.yaml", "--set", "store.url=s3://b/x.zarr",
+        "python", "-m", "classgrad", "run", "configs/cluster_s3.yaml", "--set", "store.url=s3://b/x.zarr",
         "--set", "cluster.num_workers=4", "--set", "cluster.address=auto"]
     assert sub.runtime_env["working_dir"] == str(REPO)
     assert set(DEFAULT_EXCLUDES) | {"data/"} == set(sub.runtime_env["excludes"])
@@ -201,7 +201,7 @@ def test_entrypoint_and_runtime_env(monkeypatch):
     # An explicit address wins over the default `auto`; the Python is configurable.
     own = prepare_submission(REPO / "configs/cluster_s3.yaml", ["cluster.address=10.0.0.1:6379"],
                              working_dir=REPO, python="/opt/py/bin/python")
-    assert own.entrypoint.startswith("/opt/py/bin/python -m service.cli run configs/cluster_s3.yaml")
+    assert own.entrypoint.startswith("/opt/py/bin/python -m classgrad run configs/cluster_s3.yaml")
     assert "cluster.address=auto" not in own.entrypoint
 
 

@@ -3,17 +3,17 @@ of a user error (fail at once) or of something a replacement can fix."""
 
 from __future__ import annotations
 
-from service.driver import _cause_line, _creation_error
-from service.errors import InputError
+from classgrad.service.runtime.driver import _cause_line, _creation_error
+from classgrad.service.errors import InputError
 
 # The text of a real ActorDiedError for a constructor that raised (Ray 2.60), ANSI codes included.
 CREATION_FAILED = (
     "The actor died because of an error raised in its creation task, \x1b[36mray::GradientWorker.__init__()"
-    "\x1b[39m (pid=28203, ip=192.0.2.2, actor_id=9e7b, repr=<workers.actor.GradientWorker object>)\n"
+    "\x1b[39m (pid=28203, ip=192.0.2.2, actor_id=9e7b, repr=<classgrad.workers.runtime.actor.GradientWorker object>)\n"
     "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
     '  File "/work/main/workers/factory.py", line 77, in _call_factory\n'
     "    raise InputError(...)\n"
-    "service.errors.InputError: model.factory 'x:y' raised ValueError: boom\n"
+    "classgrad.service.errors.InputError: model.factory 'x:y' raised ValueError: boom\n"
 )
 NODE_LOST = ("The actor died unexpectedly before finishing this task.\n"
              "\tclass_name: GradientWorker\n\tactor_id: 1234\n"
@@ -34,6 +34,6 @@ def test_a_constructor_user_error_is_recognised_and_named():
 def test_other_deaths_are_for_a_replacement():
     assert _creation_error(_Err(NODE_LOST)) is None
     assert _cause_line(_Err(NODE_LOST)) == "The actor died unexpectedly before finishing this task."
-    crash = CREATION_FAILED.replace("service.errors.InputError", "RuntimeError")
+    crash = CREATION_FAILED.replace("classgrad.service.errors.InputError", "RuntimeError")
     assert _creation_error(_Err(crash)) is None  # a bug or a lost GPU may not happen again
     assert _cause_line(_Err(crash)).startswith("RuntimeError: model.factory")

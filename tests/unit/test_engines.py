@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.errors import InputError
+from classgrad.service.errors import InputError
 from tests.unit.engine_cases import (
     BATCH_COUPLED_MODELS,
     EMPTY_CLASS, LOSS_CASES, MODEL_CASES, NUM_CLASSES, PARTITIONED_LOSSES, engine_for,

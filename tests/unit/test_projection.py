@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.errors import ConfigError, InputError
-from workers.projection import (
+from classgrad.service.errors import ConfigError, InputError
+from classgrad.workers.projection import (
     HASH_NAME,
     PROJECTIONS,
     Projector,

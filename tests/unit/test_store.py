@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import zarr
 
-from service.errors import (
+from classgrad.service.errors import (
     CorruptChunkError,
     LeaseHeldError,
     StoreError,
     StoreIncompleteError,
     StoreMismatchError,
 )
-from service.store import FORMAT_VERSION, ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.store import FORMAT_VERSION, ParamEntry, StoreSpec, create_store, open_store
 
 DTYPES = ["float32", "float16", "bfloat16"]
 CODECS = ["none", "zstd", "blosc"]
@@ -407,7 +407,7 @@ def test_fingerprint_rules(tmp_path, caplog):
     with pytest.raises(StoreMismatchError, match="different dtype"):
         create_store(url, make_spec(dtype="float16"))
 
-    with caplog.at_level(logging.WARNING, logger="service.store"):
+    with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
         new = create_store(url, make_spec(fingerprint="fp-2"), overwrite=True)
     assert "overwrite" in caplog.text
     assert new.fingerprint == "fp-2" and not new.shard_done.any()
@@ -534,7 +534,7 @@ def test_lease(tmp_path, caplog):
 
     # A lease whose heartbeat is older than its holder's TTL is stale: taken over, with a warning.
     store.acquire_lease("run-a", ttl_s=0.0)  # the holder renews with a TTL of 0: stale at once
-    with caplog.at_level(logging.WARNING, logger="service.store"):
+    with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
         other.acquire_lease("run-b", ttl_s=60.0)
     assert "stale lease of run 'run-a'" in caplog.text
     with pytest.raises(LeaseHeldError, match="lost its lease .* run 'run-b'"):
@@ -560,7 +560,7 @@ def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, cap
     (tmp_path / "s" / "lease.json").write_text(json.dumps(lease))
     store = open_store(url, mode="r+")
     assert store.lease_info()["run_id"] == "run-dead"
-    with caplog.at_level(logging.WARNING, logger="service.store"):
+    with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
         store.acquire_lease("run-new", ttl_s=60.0)  # fresh heartbeat, but the holder is gone
     assert "its driver process is gone" in caplog.text
     assert store.lease_info()["run_id"] == "run-new"

@@ -15,15 +15,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from service.errors import InputError
-from workers.amp import PrecisionPolicy
-from workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
-from workers.engines.dense import DenseEngine
-from workers.engines.partitioned import PartitionedEngine
-from workers.engines.reference import ReferenceEngine
-from workers.layout import ParamLayout
-from workers.losses import LossKind, create_loss
-from workers.probe import ProbeSet
+from classgrad.service.errors import InputError
+from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
+from classgrad.workers.engines.dense import DenseEngine
+from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.engines.reference import ReferenceEngine
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.losses import LossKind, create_loss
+from classgrad.workers.probe import ProbeSet
 
 __all__ = [
     "ENGINES", "EngineStats", "GradientEngine", "RowBlock", "create_engine", "per_class_gradients",

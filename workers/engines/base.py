@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from service.errors import InputError
-from workers.amp import PrecisionPolicy
-from workers.layout import ParamLayout
-from workers.losses import LossKind
-from workers.probe import MicroBatch, ProbeSet
+from classgrad.service.errors import InputError
+from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.losses import LossKind
+from classgrad.workers.probe import MicroBatch, ProbeSet
 
 # Layers whose train-mode output for one sample depends on the other samples in the batch, or
 # on random draws: with any of them in train mode, a class's row is not the gradient of its own

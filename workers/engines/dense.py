@@ -20,7 +20,7 @@ within 5% of the fastest is kept (once per process, per model and micro-batch sh
 Rows are written straight into their block (or group) buffer, and checked for inf/NaN with one
 read (a row sum); only a row that may be non-finite goes through the exact per-row check.
 
-Shortcuts through the model's final ``nn.Linear`` (``workers.engines.head``, which lists the
+Shortcuts through the model's final ``nn.Linear`` (``classgrad.workers.engines.head``, which lists the
 conditions), tried in this order:
 1. a loss linear in the outputs (``logit``) with fewer input features F than classes: a basis
    of F VJPs per micro-batch replaces the C per-row ones and rows are a matrix product; the
@@ -42,10 +42,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from service.errors import ClassgradError
-from workers.amp import rows_with_rescale
-from workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
-from workers.engines.head import HeadBasis, HeadGraph, HeadSplit, NoHeadPath, head_basis, head_graph, parameter_versions
+from classgrad.service.errors import ClassgradError
+from classgrad.workers.amp import rows_with_rescale
+from classgrad.workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
+from classgrad.workers.engines.head import HeadBasis, HeadGraph, HeadSplit, NoHeadPath, head_basis, head_graph, parameter_versions
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ STREAM_ROWS = 32
 # Block sizes measured in this process, per (model, micro-batch shape, D, device, precision,
 # loss, threads): an actor measures once, not once per shard.
 _BLOCK_ROWS: dict[tuple, int] = {}
-# Why rows cannot go through the head (see ``workers.engines.head``), per model object and job
+# Why rows cannot go through the head (see ``classgrad.workers.engines.head``), per model object and job
 # shape in this process: found once (it may take a forward pass), not once per engine.
 _NO_HEAD: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str]]" = weakref.WeakKeyDictionary()
 
@@ -368,7 +368,7 @@ class DenseEngine(GradientEngine):
                     yield from self._accumulate(ids[g0 : g0 + group])
 
     def _head_basis(self) -> HeadBasis | None:
-        """The basis for rows through the model's final Linear layer (``workers.engines.head``),
+        """The basis for rows through the model's final Linear layer (``classgrad.workers.engines.head``),
         or None (with a note saying why) when that path does not apply."""
         if self._head is not None and self._head.versions == parameter_versions(self.model):
             return self._head

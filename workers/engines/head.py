@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.engines.base import reaches_any
-from workers.layout import ParamLayout, ParamSlot
+from classgrad.workers.engines.base import reaches_any
+from classgrad.workers.layout import ParamLayout, ParamSlot
 
 _FP_BYTES = 4
 

@@ -46,9 +46,9 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from service.errors import ClassgradError, InputError
-from workers.amp import rows_with_rescale
-from workers.engines.base import (
+from classgrad.service.errors import ClassgradError, InputError
+from classgrad.workers.amp import rows_with_rescale
+from classgrad.workers.engines.base import (
     GradientEngine,
     NormInFloat32,
     choice_clock,
@@ -58,8 +58,8 @@ from workers.engines.base import (
     reaches_any,
     samples_independent,
 )
-from workers.engines.dense import ROW_BYTES_BUDGET
-from workers.probe import tree_map_tensors
+from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
+from classgrad.workers.probe import tree_map_tensors
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from workers.amp import rows_with_rescale
-from workers.engines.base import GradientEngine, RowBlock
+from classgrad.workers.amp import rows_with_rescale
+from classgrad.workers.engines.base import GradientEngine, RowBlock
 
 
 class ReferenceEngine(GradientEngine):

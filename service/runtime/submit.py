@@ -16,13 +16,14 @@ How a submitted job runs (see deploy/README.md): the working directory (the proj
 ``DEFAULT_EXCLUDES``, .gitignore'd and .rayignore'd files) is uploaded as the job's
 ``working_dir``; every process of the job (the entrypoint and all actors, on every node) starts
 in its own copy of it, with it first on ``sys.path``. The entrypoint is
-``python -m service.cli run CONFIG --set ... --set cluster.address=auto``:
+``python -m classgrad run CONFIG --set ... --set cluster.address=auto``:
 
-- ``python -m service.cli`` rather than the ``classgrad`` console script, because a console
-  script imports the *installed* package, while ``-m`` puts the working directory first on
-  ``sys.path``: when the project itself is the working dir the code that runs is exactly the
-  code that was submitted, and when the working dir is a user's own project (factories,
-  configs) ``service`` comes from the classgrad installed in the image. ``python`` is whatever
+- ``python -m classgrad`` rather than the ``classgrad`` console script, because a console
+  script does not put the working directory on ``sys.path``, while ``-m`` puts it first: the
+  user's own modules in the working dir (factories, losses) import as they do locally, and
+  ``classgrad`` itself comes from the classgrad installed in the image (the repository keeps
+  the package's code under ``src/``, ``service/`` and ``workers/``, which are not importable
+  as ``classgrad`` without an install). ``python`` is whatever
   the cluster's PATH gives (the image's Python; on a test cluster, the venv's); ``--python``
   changes it.
 - ``cluster.address=auto`` because inside a Ray job the driver must join the cluster it runs
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.errors import ClassgradError
+from classgrad.service.errors import ClassgradError
 
 if TYPE_CHECKING:  # Ray is imported only when a client is made (``classgrad --help`` stays fast)
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -226,7 +227,7 @@ def _check_store_url(url: str) -> None:
     if url.startswith("memory://"):
         raise JobSubmitError(f"store.url {url!r}: a memory:// store lives in one process; a cluster "
                              f"job needs s3://... or a path every node shares")
-    from service.store import local_path
+    from classgrad.service.store import local_path
 
     path = local_path(url)  # as written, so a relative path is caught before it is made absolute
     if path is None:
@@ -247,7 +248,7 @@ def prepare_submission(config: str | os.PathLike, overrides: Sequence[str] = (),
     The config must lie inside ``working_dir`` (it travels with it); its store must be usable
     from every node (object storage, or an absolute path on a shared filesystem).
     """
-    from service.config import load_config
+    from classgrad.service.config import load_config
 
     job = load_config(config, list(overrides))  # every config error surfaces here, locally
     _check_store_url(job.store.url)
@@ -260,7 +261,7 @@ def prepare_submission(config: str | os.PathLike, overrides: Sequence[str] = (),
     except ValueError:
         raise JobSubmitError(f"config {config} is outside the working dir {wd}: it must travel with it "
                              f"(move it in, or pass --working-dir)") from None
-    args = [python, "-m", "service.cli", "run", rel]
+    args = [python, "-m", "classgrad", "run", rel]
     for item in overrides:
         args += ["--set", item]
     if not any(o.split("=", 1)[0].strip() == "cluster.address" for o in overrides):

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from service.errors import InputError
-from workers.amp import PrecisionPolicy
-from workers.engines import GradientEngine, create_engine
-from workers.imports import import_object
-from workers.layout import ParamLayout
-from workers.losses import create_loss
-from workers.probe import ProbeSet
+from classgrad.service.errors import InputError
+from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.engines import GradientEngine, create_engine
+from classgrad.workers.imports import import_object
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.losses import create_loss
+from classgrad.workers.probe import ProbeSet
 
 if TYPE_CHECKING:
-    from service.config import JobConfig
+    from classgrad.service.config import JobConfig
 
 log = logging.getLogger(__name__)
 

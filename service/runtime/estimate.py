@@ -2,7 +2,7 @@
 
 Holds ``Estimate`` and ``estimate_job``: the store's size (from the shapes alone), and the
 rows/s and peak memory of one actor, measured by running the job's own engine (and projection,
-batched as a worker batches it: ``workers.actor.stored_blocks``) on a sample of classes spread
+batched as a worker batches it: ``classgrad.workers.runtime.actor.stored_blocks``) on a sample of classes spread
 over the whole range, after a short warm-up that absorbs one-off
 costs (tracing, block-size measurement). The job's rate assumes actors scale linearly, which
 ``benchmarks/end_to_end.py`` checks.
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from service.config import JobConfig
+from classgrad.service.config import JobConfig
 
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # row_scale + loss (float32) + count (int64) per row.
@@ -64,7 +64,7 @@ def _peak_rss_bytes() -> int:
 def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str | None = None) -> Estimate:
     import torch
 
-    from workers.actor import checked_engine, project_rows_for, stored_blocks
+    from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
     engine, projector, dim = checked_engine(config, device=device)
     project_rows = project_rows_for(engine.layout.dim)

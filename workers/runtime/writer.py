@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from service.errors import StoreError
-from service.store import GradStore
-from workers.engines import RowBlock
+from classgrad.service.errors import StoreError
+from classgrad.service.store import GradStore
+from classgrad.workers.engines import RowBlock
 
 _STOP = object()
 

@@ -21,13 +21,13 @@ from typing import Any, Iterator
 
 import torch
 
-from service.config import JobConfig
-from service.errors import LeaseHeldError
-from service.store import open_store
-from workers.engines import GradientEngine, RowBlock
-from workers.factory import build_job_engine, preflight
-from workers.projection import Projector
-from workers.writer import ShardWriter
+from classgrad.service.config import JobConfig
+from classgrad.service.errors import LeaseHeldError
+from classgrad.service.store import open_store
+from classgrad.workers.engines import GradientEngine, RowBlock
+from classgrad.workers.runtime.factory import build_job_engine, preflight
+from classgrad.workers.projection import Projector
+from classgrad.workers.runtime.writer import ShardWriter
 
 log = logging.getLogger(__name__)
 

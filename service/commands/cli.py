@@ -14,20 +14,21 @@ import logging
 import sys
 from typing import Sequence
 
-from service.errors import ClassgradError
+import classgrad
+from classgrad.service.errors import ClassgradError
 
-# name -> module under service.commands; each defines HELP, add_arguments(parser), main(args).
+# name -> module under classgrad.service.commands; each defines HELP, add_arguments(parser), main(args).
 COMMANDS: dict[str, str] = {
-    "run": "service.commands.run",
-    "status": "service.commands.status",
-    "estimate": "service.commands.estimate",
-    "inspect": "service.commands.inspect",
-    "verify": "service.commands.verify",
-    "similarity": "service.commands.similarity",
-    "aggregate": "service.commands.aggregate",
-    "plot": "service.commands.plot",
-    "submit": "service.commands.submit",
-    "jobs": "service.commands.jobs",
+    "run": "classgrad.service.commands.run",
+    "status": "classgrad.service.commands.status",
+    "estimate": "classgrad.service.commands.estimate",
+    "inspect": "classgrad.service.commands.inspect",
+    "verify": "classgrad.service.commands.verify",
+    "similarity": "classgrad.service.commands.similarity",
+    "aggregate": "classgrad.service.commands.aggregate",
+    "plot": "classgrad.service.commands.plot",
+    "submit": "classgrad.service.commands.submit",
+    "jobs": "classgrad.service.commands.jobs",
 }
 
 
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="debug logging (classgrad's own; other libraries stay at INFO)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
+    parser.add_argument("--version", action="version", version=f"classgrad {classgrad.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -61,8 +63,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
     # carry request headers, an access key id included, so they stay at INFO.
     logging.basicConfig(level=logging.INFO if args.verbose else level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for name in ("service", "workers"):
-        logging.getLogger(name).setLevel(level)
+    logging.getLogger("classgrad").setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,12 +27,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from service.config import JobConfig
-from service import errors
-from service.errors import ClassgradError, ShardFailedError, StoreError
-from service.plan import Shard, dispatch_order, plan_shards
-from service.progress import Progress
-from service.store import GradStore, ParamEntry, StoreSpec, create_store
+from classgrad.service.config import JobConfig
+from classgrad.service import errors
+from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError
+from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
+from classgrad.service.runtime.progress import Progress
+from classgrad.service.store import GradStore, ParamEntry, StoreSpec, create_store
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def prepare_store(config: JobConfig) -> PreparedJob:
     Every user error (bad factory, wrong output width, labels out of range, patterns that
     select nothing, a store made by another config) is raised here, before a store exists.
     """
-    from workers.actor import checked_engine
+    from classgrad.workers.runtime.actor import checked_engine
 
     engine, projector, dim = checked_engine(config, device="cpu")
     layout = engine.layout
@@ -307,7 +307,7 @@ class JobDriver:
 
         cfg = self.config
         self._connect()
-        from workers.actor import GradientWorker
+        from classgrad.workers.runtime.actor import GradientWorker
 
         self._actor_cls = ray.remote(GradientWorker)
         self._warn_about_secrets()
@@ -453,7 +453,7 @@ def _creation_error(exc: BaseException) -> ClassgradError | None:
     if "creation task" not in text:
         return None
     match = _exception_line(text)
-    if not match or not match["type"].startswith("service.errors."):
+    if not match or not match["type"].startswith("classgrad.service.errors."):
         return None
     kind = getattr(errors, match["type"].rsplit(".", 1)[-1], ClassgradError)
     if not (isinstance(kind, type) and issubclass(kind, ClassgradError)):

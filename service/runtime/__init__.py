@@ -1,0 +1,6 @@
+"""The driver's runtime: plans shards, runs Ray actors over them, submits jobs, estimates.
+
+Holds nothing itself; its modules are ``driver`` (one job on Ray), ``plan`` (classes -> shards),
+``progress``, ``submit`` (Ray Jobs) and ``estimate``. Imports only the bottom layer
+(``classgrad.service`` errors, config, store) and ``classgrad.workers``.
+"""

@@ -1,0 +1,55 @@
+"""classgrad: per-class gradients of PyTorch models, computed on Ray into a chunked Zarr store.
+
+Holds the public Python API, the names DESIGN.md promises:
+
+- ``per_class_gradients(model, data, num_classes=C, ...)``: the rows in this process, no Ray.
+- ``open_store(url)``: read a store (true values, parameter views, completeness).
+- ``JobConfig`` and ``load_config(path, overrides)``: a job's typed config.
+- ``run_job(config)``: run a job on Ray from Python, as ``classgrad run`` does.
+- ``__version__``.
+
+The package is small on purpose: the driver side is ``classgrad.service``, the compute side
+``classgrad.workers``. Names are resolved on first use so that ``import classgrad`` (and the
+CLI, which lives under it) does not pay for torch or Ray before it needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("classgrad")
+except PackageNotFoundError:  # imported from a tree that was never installed
+    __version__ = "0+unknown"
+
+if TYPE_CHECKING:
+    from classgrad.service.config import JobConfig, load_config
+    from classgrad.service.runtime.driver import run_job
+    from classgrad.service.store import open_store
+    from classgrad.workers.engines import per_class_gradients
+
+# public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
+_EXPORTS = {
+    "per_class_gradients": "classgrad.workers.engines",
+    "open_store": "classgrad.service.store",
+    "JobConfig": "classgrad.service.config",
+    "load_config": "classgrad.service.config",
+    "run_job": "classgrad.service.runtime.driver",
+}
+
+__all__ = ["JobConfig", "__version__", "load_config", "open_store", "per_class_gradients", "run_job"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'classgrad' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,7 @@
+"""``python -m classgrad``: the same command line as the ``classgrad`` script."""
+
+import sys
+
+from classgrad.service.commands.cli import main
+
+sys.exit(main())
