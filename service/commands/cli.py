@@ -14,8 +14,8 @@ import logging
 import sys
 from typing import Sequence
 
-import classgrad
 from classgrad.service.errors import ClassgradError
+from classgrad.service.version import __version__
 
 # name -> module under classgrad.service.commands; each defines HELP, add_arguments(parser), main(args).
 COMMANDS: dict[str, str] = {
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="debug logging (classgrad's own; other libraries stay at INFO)")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
-    parser.add_argument("--version", action="version", version=f"classgrad {classgrad.__version__}")
+    parser.add_argument("--version", action="version", version=f"classgrad {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)

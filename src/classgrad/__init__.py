@@ -16,13 +16,9 @@ CLI, which lives under it) does not pay for torch or Ray before it needs them.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = version("classgrad")
-except PackageNotFoundError:  # imported from a tree that was never installed
-    __version__ = "0+unknown"
+from classgrad.service.version import __version__
 
 if TYPE_CHECKING:
     from classgrad.service.config import JobConfig, load_config
