@@ -7,7 +7,8 @@ Holds only re-exports; the parts live in:
   ``placement`` (sharding, store, cluster, run): one pydantic model per section, with the
   defaults (here and nowhere else) and a description per field;
 - ``job``: ``JobConfig``, which holds every section and does the cross-field checks;
-- ``fingerprint``: what makes two stores interchangeable; ``redaction``: secrets hidden from the config written into a store;
+- ``fingerprint``: what makes two stores interchangeable, and today's fingerprint of a config
+  recorded in an older store; ``redaction``: secrets hidden from the config written into a store;
 - ``loading``: ``load_config``, YAML file + ``--set a.b=c`` overrides -> ``JobConfig``, every
   problem a ``ConfigError`` with one line that names the field;
 - ``reference``: the README's config reference, generated from the field descriptions.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from classgrad.service.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
 from classgrad.service.config.fields import canonical_import_path
-from classgrad.service.config.fingerprint import FINGERPRINT_VERSION
+from classgrad.service.config.fingerprint import FINGERPRINT_VERSION, recorded_fingerprint
 from classgrad.service.config.inputs import (
     BUILTIN_LOSS_KINDS,
     CHECKPOINT_SUFFIXES,
@@ -54,4 +55,5 @@ __all__ = [
     "canonical_import_path",
     "config_reference_markdown",
     "load_config",
+    "recorded_fingerprint",
 ]

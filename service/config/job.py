@@ -1,7 +1,7 @@
 """The whole job file: ``JobConfig``, its cross-field checks, fingerprint and redacted form.
 
 Holds ``JobConfig``: every section (missing ones take their defaults), the checks that need more
-than one section, ``resolved_device``, ``fingerprint`` (see ``fingerprint``) and
+than one section, ``resolved_device``, ``fingerprint``/``same_job`` (see ``fingerprint``) and
 ``redacted`` (the config as written into the store, secrets hidden).
 """
 
@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from classgrad.service.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
-from classgrad.service.config.fingerprint import FINGERPRINT_FIELDS, fingerprint
+from classgrad.service.config.fingerprint import FINGERPRINT_FIELDS, fingerprint, recorded_fingerprint
 from classgrad.service.config.inputs import DENSE_LOSS_KINDS, DataConfig, LossConfig, ModelConfig
 from classgrad.service.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
 from classgrad.service.config.redaction import redact
@@ -97,9 +97,15 @@ class JobConfig(BaseModel):
         A store is resumed only by a config with the same fingerprint, so this includes the
         model, data, loss, precision, parameter selection, engine algorithm, shard and chunk
         layout, stored dtype/codec and projection; it excludes where the store lives, its
-        credentials, the cluster and the driver's behaviour.
+        credentials, the cluster and the driver's behaviour. Keys left at their defaults are not
+        hashed and import paths are hashed in their canonical spelling (see ``fingerprint``).
         """
         return fingerprint({name: getattr(self, name) for name in FINGERPRINT_FIELDS})
+
+    def same_job(self, recorded: Mapping[str, Any]) -> bool:
+        """Whether a config recorded in a store (``attrs["config"]``, possibly written by an
+        older classgrad under an older fingerprint scheme) computes what this config computes."""
+        return recorded_fingerprint(recorded) == self.fingerprint()
 
     def redacted(self) -> dict[str, Any]:
         """The whole config as a JSON-able dict, with secrets replaced by ``"***"``.
