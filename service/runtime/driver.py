@@ -32,7 +32,7 @@ from classgrad.service import errors
 from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError
 from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress
-from classgrad.service.store import GradStore, ParamEntry, StoreSpec, create_store
+from classgrad.service.store import GradStore, ParamEntry, StoreSpec, create_store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,24 @@ class PreparedJob:
     dim: int
 
 
+def resumable_fingerprint(config: JobConfig) -> str:
+    """The config's fingerprint, or the one recorded in its existing store when that store was made
+    by the same job under an older fingerprint scheme (so it is resumed rather than refused)."""
+    fingerprint = config.fingerprint()
+    if config.store.overwrite:  # the store is replaced anyway; the new one records today's fingerprint
+        return fingerprint
+    try:
+        attrs = open_store(config.store.url, storage_options=config.store.storage_options).attrs
+    except StoreError:  # no usable store there: create_store creates it or says what is wrong
+        return fingerprint
+    recorded = attrs.get("fingerprint")
+    if isinstance(recorded, str) and recorded != fingerprint and config.same_job(attrs.get("config")):
+        log.info("store %s: same job under an older fingerprint scheme (%s); resuming it",
+                 config.store.url, recorded)
+        return recorded
+    return fingerprint
+
+
 def prepare_store(config: JobConfig) -> PreparedJob:
     """Check the job against its real model and data, then create (or reopen) its store.
 
@@ -84,7 +102,7 @@ def prepare_store(config: JobConfig) -> PreparedJob:
         loss_kind=engine.loss.name,
         projection=projector.describe() if projector else None,
         config=config.redacted(),
-        fingerprint=config.fingerprint(),
+        fingerprint=resumable_fingerprint(config),
         versions=library_versions(),
     )
     store = create_store(config.store.url, spec, storage_options=config.store.storage_options,

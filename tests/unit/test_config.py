@@ -1,4 +1,4 @@
-"""Unit tests of service/config.py: defaults, YAML + overrides, one-line errors naming the field,
+"""Unit tests of service/config/: defaults, YAML + overrides, one-line errors naming the field,
 fingerprint, redaction and the generated config reference."""
 
 from __future__ import annotations

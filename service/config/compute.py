@@ -1,0 +1,109 @@
+"""The sections that say how rows are computed: precision, parameter selection, engine, projection.
+
+Holds ``PrecisionConfig``, ``ParamsConfig``, ``EngineConfig`` and ``ProjectionConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
+from pydantic_core import PydanticCustomError
+
+from classgrad.service.config.fields import DEVICE_RE, PositiveFiniteFloat, Section
+
+__all__ = ["EngineConfig", "ParamsConfig", "PrecisionConfig", "ProjectionConfig"]
+
+
+class PrecisionConfig(Section):
+    """Arithmetic precision of the forward/backward pass (parameters and rows stay as asked)."""
+
+    dtype: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp32",
+        description="`fp32`, or `fp16`/`bf16` under `torch.autocast`; fp16 uses loss scaling.",
+    )
+    init_scale: PositiveFiniteFloat = Field(
+        65536.0,
+        description="fp16 only: loss scale S the backward starts with; rows are divided by S "
+        "and a row that overflows is recomputed with S halved.",
+    )
+    min_scale: PositiveFiniteFloat = Field(
+        1.0,
+        description="fp16 only: smallest scale tried before a row that is still non-finite "
+        "fails the job (naming the class); at most `init_scale`.",
+    )
+
+
+class ParamsConfig(Section):
+    """Which parameters form the columns of a row (in `model.named_parameters()` order)."""
+
+    include: list[str] = Field(
+        default_factory=list,
+        description="fnmatch patterns of parameter names to keep; empty = every parameter "
+        "with `requires_grad`.",
+    )
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="fnmatch patterns of parameter names to drop (applied after `include`).",
+    )
+
+
+class EngineConfig(Section):
+    """How rows are computed inside one actor."""
+
+    kind: Literal["auto", "partitioned", "dense", "reference"] = Field(
+        "auto",
+        description="`partitioned` (one forward+backward per class's samples), `dense` "
+        "(block VJPs from one forward per micro-batch), `reference` (slow per-class loop, for "
+        "checking), or `auto`: partitioned when the loss is class-partitioned and the model "
+        "treats samples independently, dense otherwise.",
+    )
+    block_rows: PositiveInt | None = Field(
+        None,
+        description="Rows per VJP block of the dense engine (the graph is kept while one block "
+        "runs); null = chosen by a short measurement. Not used when rows go through the model's "
+        "final Linear layer (a loss linear in the outputs: see the dense engine).",
+    )
+    group_rows: PositiveInt = Field(
+        256,
+        description="Rows accumulated at once over the micro-batches of the probe set (bounds "
+        "the memory of the row accumulator: group_rows × D floats).",
+    )
+    device: str | None = Field(
+        None,
+        description="Torch device of each actor (`cpu`, `cuda`, `cuda:N`, `mps`); null = `cuda` "
+        "when `cluster.num_gpus_per_worker` > 0, else `cpu`.",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_syntax(cls, value: str | None) -> str | None:
+        if value is not None and not DEVICE_RE.match(value):
+            raise PydanticCustomError(
+                "device",
+                "must be cpu, cuda, cuda:N or mps, got {value}",
+                {"value": repr(value)},
+            )
+        return value
+
+
+class ProjectionConfig(Section):
+    """Optional random projection of each row to `dim` columns (Johnson–Lindenstrauss)."""
+
+    dim: PositiveInt | None = Field(
+        None, description="k, the stored row length; null = store full rows (no projection)."
+    )
+    kind: Literal["rademacher", "gaussian"] = Field(
+        "rademacher",
+        description="Distribution of the random matrix's entries: random signs or Gaussian.",
+    )
+    seed: NonNegativeInt = Field(
+        0,
+        description="Seed of the projection; the matrix is regenerated block by block from it, "
+        "identically on every worker.",
+    )
+    per_param: bool = Field(
+        False,
+        description="Use a separate projection for each selected parameter instead of one over "
+        "the whole row.",
+    )

@@ -1,0 +1,70 @@
+"""Shared pieces of the config sections: the section base, bounded number types, syntax checks.
+
+Holds:
+
+- ``Section``: the base of every section (unknown keys are errors, values frozen once validated);
+- ``PositiveFiniteFloat``/``NonNegativeFiniteFloat``: the bounded float field types;
+- ``canonical_import_path`` (pre-namespace ``workers.``/``service.`` prefixes rewritten) and
+  ``check_import_path`` (that, then the ``module:function`` syntax);
+- the syntax of torch devices and Ray addresses (``DEVICE_RE``, ``ADDRESS_RE``).
+
+Only syntax is checked here: an import happens in the actor, where the module has to exist.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "ADDRESS_RE",
+    "DEVICE_RE",
+    "NonNegativeFiniteFloat",
+    "PositiveFiniteFloat",
+    "Section",
+    "canonical_import_path",
+    "check_import_path",
+]
+
+# "package.module:function" or "module:Class.attr".
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_IMPORT_PATH_RE = re.compile(rf"^{_IDENT}(\.{_IDENT})*:{_IDENT}(\.{_IDENT})*$")
+DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(:\d+)?$")
+# Ray addresses ray.init accepts: "auto", "local", a Ray client URL, or the GCS "host:port".
+ADDRESS_RE = re.compile(r"^(auto|local|ray://\S+|(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5})$")
+
+PositiveFiniteFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFiniteFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+# Import paths written before classgrad had one namespace (`workers.zoo:mlp`): accepted and
+# rewritten to today's module, so old job files (and the configs recorded in old stores) still work.
+_LEGACY_PREFIXES = (("workers.", "classgrad.workers."), ("service.", "classgrad.service."))
+
+
+def canonical_import_path(value: str) -> str:
+    """``value`` with a pre-namespace module prefix (``workers.``/``service.``) rewritten."""
+    for old, new in _LEGACY_PREFIXES:
+        if value.startswith(old):
+            return new + value[len(old):]
+    return value
+
+
+def check_import_path(value: str) -> str:
+    """``value`` canonicalised; a ``PydanticCustomError`` unless it reads ``module:function``."""
+    value = canonical_import_path(value)
+    if not _IMPORT_PATH_RE.match(value):
+        raise PydanticCustomError(
+            "import_path",
+            "must be an import path 'module:function' (e.g. 'classgrad.workers.zoo:small_cnn'), got {value}",
+            {"value": repr(value)},
+        )
+    return value
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are fixed once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)

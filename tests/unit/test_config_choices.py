@@ -1,0 +1,33 @@
+"""The config's choice lists equal the registries they name (the config is the bottom layer and
+cannot import them, so this test is what keeps the two from drifting apart)."""
+
+from __future__ import annotations
+
+import typing
+
+from classgrad.service.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig, ProjectionConfig
+from classgrad.workers.engines import ENGINES
+from classgrad.workers.losses import LOSSES, DenseLoss, create_loss
+from classgrad.workers.projection import PROJECTIONS
+
+
+def _choices(section: type, key: str) -> set[str]:
+    return set(typing.get_args(section.model_fields[key].annotation))
+
+
+def test_engine_kinds_are_the_engine_registry_and_auto() -> None:
+    assert _choices(EngineConfig, "kind") == set(ENGINES) | {"auto"}
+
+
+def test_projection_kinds_are_the_projection_registry() -> None:
+    assert _choices(ProjectionConfig, "kind") == set(PROJECTIONS)
+
+
+def test_loss_kinds_are_the_loss_registry() -> None:
+    assert set(BUILTIN_LOSS_KINDS) == set(LOSSES)
+
+
+def test_dense_loss_kinds_are_the_registry_losses_that_are_dense() -> None:
+    # num_classes only sizes the loss; any positive value builds the same kind.
+    dense = {name for name in LOSSES if isinstance(create_loss(name, 3), DenseLoss)}
+    assert set(DENSE_LOSS_KINDS) == dense
