@@ -66,7 +66,8 @@ class ConvFactors(OuterFactors):
                 gg, ag, weight, [k * cout], module.stride, module.padding, module.dilation, False, [0, 0],
                 k * module.groups, [False, want_weight, want_bias],
             )
-            return gw, gb
+            # An output masked off may still come back (uninitialised): only what was asked for.
+            return (gw if want_weight else None), (gb if want_bias else None)
 
         key = (module.in_channels, module.out_channels, module.groups, module.kernel_size, module.stride,
                module.padding, module.dilation, tuple(G.shape), tuple(A.shape), G.dtype, str(G.device),

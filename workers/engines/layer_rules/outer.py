@@ -43,7 +43,7 @@ def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
     """Per-class weight (and bias) gradients of an outer-product layer into ``out``."""
     direct = factors.direct_sums(out.wants("weight"), out.wants("bias"))
     if direct is not None:
-        gw, gb = direct
+        gw, gb = (t if out.wants(kind) else None for kind, t in zip(("weight", "bias"), direct))
         # Checked by their sum (one read): these are k copies of a layer's parameters (45M floats
         # for a ResNet-18 run of 4 classes, where an exact isfinite takes four passes).
         out.check_sums(gw, gb)
