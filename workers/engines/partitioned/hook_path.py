@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_state  # where global forward hooks are kept
 
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, choice_clock
@@ -49,8 +50,6 @@ class HookPlan:
 
     @classmethod
     def plan(cls, model: nn.Module, layout: ParamLayout) -> "HookPlan | None":
-        from torch.nn.modules import module as module_state  # the registry of global hooks
-
         if module_state._global_forward_hooks or module_state._global_forward_pre_hooks:
             return None  # hooks on every module (they may change a layer's input or output)
         modules = dict(model.named_modules())
