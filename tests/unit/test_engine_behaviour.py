@@ -19,7 +19,7 @@ from tests.unit.engine_cases import (
     max_relative_error, probe_data, reference_rows,
 )
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, dense, per_class_gradients
+from classgrad.workers.engines import build_engine, choices, dense, per_class_gradients
 from classgrad.workers.runtime.factory import build_model, load_checkpoint, preflight
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LOSSES, create_loss, partitioned_loss
@@ -85,7 +85,7 @@ def test_dense_single_row_vjps_use_autograd_graphs_and_match_the_reference(model
 
 def test_a_measured_block_size_of_one_is_reused_with_autograd_graphs(monkeypatch):
     monkeypatch.setattr(dense, "BLOCK_CANDIDATES", (1,))  # the measurement can only pick 1
-    monkeypatch.setattr(dense, "_BLOCK_ROWS", {})
+    monkeypatch.setattr(choices, "BLOCK_ROWS", {})
     first = engine_for("mlp", "custom_dense", "dense")  # VJPs through the whole model
     first.probe.batch_size = 1000
     first.compute(range(NUM_CLASSES))
@@ -603,9 +603,7 @@ class _AlwaysFormat(dict):
 def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
     """Whichever input layout the engine settles on (it times both), conv rows from hooks match
     the reference; channels-last batches are then gathered in that layout."""
-    from classgrad.workers.engines import partitioned
-
-    monkeypatch.setattr(partitioned, "_INPUT_FORMAT", _AlwaysFormat(fmt))
+    monkeypatch.setattr(choices, "INPUT_FORMAT", _AlwaysFormat(fmt))
     model = zoo.small_cnn(NUM_CLASSES, width=4).eval()
     data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8), imbalance=1.0, seed=5)
     eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)

@@ -37,15 +37,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from typing import Iterator, Sequence
 
 import torch
 
 from classgrad.service.errors import ClassgradError
 from classgrad.workers.amp import rows_with_rescale
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
-from classgrad.workers.engines.head import HeadBasis, HeadGraph, HeadSplit, NoHeadPath, head_basis, head_graph, parameter_versions
+from classgrad.workers.engines.head import (
+    HeadBasis, HeadGraph, HeadSplit, NoHeadPath, head_basis, head_graph, parameter_versions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +64,9 @@ VJP_BYTES_BUDGET = 256 << 20
 MEASURE_TRIALS = 3
 # A measured block size smaller than this streams its rows in chunks of about this many.
 STREAM_ROWS = 32
-# Block sizes measured in this process, per (model, micro-batch shape, D, device, precision,
-# loss, threads): an actor measures once, not once per shard.
-_BLOCK_ROWS: dict[tuple, int] = {}
-# Why rows cannot go through the head (see ``classgrad.workers.engines.head``), per model object and job
-# shape in this process: found once (it may take a forward pass), not once per engine.
-_NO_HEAD: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, str]]" = weakref.WeakKeyDictionary()
+# Measured block sizes and the reasons rows cannot go through the head are kept per process in
+# ``classgrad.workers.engines.choices`` (``BLOCK_ROWS``, ``NO_HEAD``): an actor measures once, not
+# once per shard.
 
 
 def _one_hot(values: torch.Tensor, classes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -191,7 +190,7 @@ class DenseEngine(GradientEngine):
         as found earlier in this process; with ``found``, remember it (when it is lasting)."""
         key = (path, self.loss.name, self.loss.num_classes, tuple(self.layout.names), self.precision.dtype,
                str(self.device))
-        known = _NO_HEAD.setdefault(self.model, {})
+        known = choices.NO_HEAD.setdefault(self.model, {})
         if found is not None and found.lasting:
             known[key] = str(found)
         return str(found) if found is not None else known.get(key)
@@ -290,7 +289,7 @@ class DenseEngine(GradientEngine):
     def _known_block_rows(self) -> None:
         """Take the block size measured earlier in this process for this model, if any."""
         if self.block_rows is None:
-            self.block_rows = _BLOCK_ROWS.get(self._block_key())
+            self.block_rows = choices.BLOCK_ROWS.get(self._block_key())
             if self.block_rows is not None:
                 self.stats.notes.append(f"dense block_rows={self.block_rows} (measured earlier in this process)")
 
@@ -342,7 +341,7 @@ class DenseEngine(GradientEngine):
                 # The smallest size within 5% of the best: on a noisy machine a big block can
                 # look a little faster by chance, and smaller blocks hold less memory.
                 best = min(timings.values())
-                self.block_rows = _BLOCK_ROWS[key] = min(b for b, t in timings.items() if t <= 1.05 * best)
+                self.block_rows = choices.BLOCK_ROWS[key] = min(b for b, t in timings.items() if t <= 1.05 * best)
                 note = "dense block_rows=%d chosen from per-row times %s" % (
                     self.block_rows, {b: f"{t * 1e3:.2f}ms" for b, t in timings.items()})
                 log.info(note)

@@ -1,0 +1,257 @@
+"""Each registered layer rule against the float64 reference engine, and the rule registry itself.
+
+A tiny model is built around the layer under test; the partitioned engine must take the hook
+path (the rule is what is under test) and give the reference engine's rows on a float64 copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from classgrad.workers import zoo
+from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines.layer_rules import (
+    RULES, ClassGrid, ClassRows, LayerCapture, LayerRows, class_outer_sums, register_rule, rule_for,
+)
+from classgrad.workers.engines.layer_rules.conv import ConvFactors
+from classgrad.workers.layout import ParamSlot
+from tests.unit.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
+
+BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices():
+    """Every test measures and spot-checks anew (the first-run check is part of each rule's path)."""
+    choices.clear()
+    yield
+    choices.clear()
+
+
+def _randomised(model: nn.Module) -> nn.Module:
+    """Eval mode, with running statistics and affine parameters away from their defaults (so
+    ``x_hat`` differs from ``x`` and every parameter matters)."""
+    torch.manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return model.eval()
+
+
+class Tokens(nn.Module):
+    """``[N, F]`` -> ``[N, shape...]``: gives the next layer several positions per sample."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], *self.shape)
+
+
+def _conv_head(*body: nn.Module, channels: int) -> nn.Sequential:
+    return nn.Sequential(*body, nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * channels, NUM_CLASSES))
+
+
+def _build(case: str) -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    image, vector = dict(kind="image", input_shape=(3, 9, 9)), dict(kind="vector", input_shape=(8,))
+    models = {
+        "linear": (lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)), vector),
+        "linear_no_bias": (lambda: nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(),
+                                                 nn.Linear(16, NUM_CLASSES, bias=False)), vector),
+        "linear_positions": (lambda: nn.Sequential(Tokens(2, 4), nn.Linear(4, 6), nn.Tanh(), nn.Flatten(),
+                                                   nn.Linear(12, NUM_CLASSES)), vector),
+        "conv": (lambda: _conv_head(nn.Conv2d(3, 4, 3), channels=4), image),
+        "conv_no_bias": (lambda: _conv_head(nn.Conv2d(3, 4, 3, bias=False), channels=4), image),
+        "conv_strided": (lambda: _conv_head(nn.Conv2d(3, 4, 3, stride=2, padding=(2, 1), dilation=2), channels=4),
+                         image),
+        "conv_grouped": (lambda: _conv_head(nn.Conv2d(3, 6, 1), nn.Conv2d(6, 4, 3, groups=2, padding=1),
+                                            nn.Conv2d(4, 4, 3, groups=4, stride=2), channels=4), image),
+        "batchnorm1d": (lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(),
+                                              nn.Linear(16, NUM_CLASSES)), vector),
+        "batchnorm1d_positions": (lambda: nn.Sequential(Tokens(2, 4), nn.BatchNorm1d(2), nn.Tanh(), nn.Flatten(),
+                                                        nn.Linear(8, NUM_CLASSES)), vector),
+        "batchnorm2d": (lambda: _conv_head(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), channels=4), image),
+    }
+    build, data_kwargs = models[case]
+    return _randomised(build()), data_kwargs
+
+
+def _data(data_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Imbalanced classes, one empty, one bigger than half a batch (done alone)."""
+    return zoo.synthetic_probe(NUM_CLASSES, 3, imbalance=1.0, empty_classes=[EMPTY_CLASS], seed=3, **data_kwargs)
+
+
+def _rows(model: nn.Module, data, params=None):
+    """(engine, its rows, the float64 reference engine's rows)."""
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=BATCH_SIZE,
+                       params=params)
+    got = eng.compute(range(NUM_CLASSES)).rows
+    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, engine="reference",
+                       batch_size=BATCH_SIZE, params=params).compute(range(NUM_CLASSES)).rows
+    return eng, got, ref
+
+
+RULE_CASES = {  # case -> the layer types whose rule must be used
+    "linear": {nn.Linear}, "linear_no_bias": {nn.Linear}, "linear_positions": {nn.Linear},
+    "conv": {nn.Conv2d, nn.Linear}, "conv_no_bias": {nn.Conv2d, nn.Linear}, "conv_strided": {nn.Conv2d, nn.Linear},
+    "conv_grouped": {nn.Conv2d, nn.Linear}, "batchnorm1d": {nn.BatchNorm1d, nn.Linear},
+    "batchnorm1d_positions": {nn.BatchNorm1d, nn.Linear}, "batchnorm2d": {nn.BatchNorm2d, nn.Conv2d, nn.Linear},
+}
+
+
+@pytest.mark.parametrize("case", sorted(RULE_CASES))
+def test_each_rule_matches_the_float64_reference(case):
+    model, data_kwargs = _build(case)
+    eng, got, ref = _rows(model, _data(data_kwargs))
+    # The hook path itself is under test: no fallback to vmap, and the spot check passed.
+    assert eng._hooked is not None and eng._hooked.checked and not eng.stats.notes, eng.stats.notes
+    assert {r.module_type for r in eng._hooked.plan.rules.values()} == RULE_CASES[case]
+    # float32 has a unit roundoff of 6e-8; these tiny models sum at most a few hundred terms per
+    # entry, so the normwise error stays within a few roundoffs (the engines' contract, as in
+    # test_engines).
+    assert max_relative_error(got, ref) <= 1e-6
+    assert torch.equal(zero_rows(got), zero_rows(ref))  # the empty class, and only it
+
+
+@pytest.mark.parametrize("case,params", [
+    ("conv", ["0.bias"]),  # a conv's bias alone
+    ("batchnorm2d", ["1.weight"]),  # a norm layer's weight alone
+    ("linear", ["2.bias", "0.weight"]),  # a weight in one layer, a bias in another
+])
+def test_rules_compute_only_the_selected_parameters(case, params):
+    model, data_kwargs = _build(case)
+    eng, got, ref = _rows(model, _data(data_kwargs), params=params)
+    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes
+    assert got.shape == ref.shape and got.shape[1] < sum(p.numel() for p in model.parameters())
+    # Same contract as above: a few float32 roundoffs.
+    assert max_relative_error(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("groups,stride,dilation,padding", [(1, 1, 1, 0), (2, 2, 1, 1), (3, 1, 2, (2, 0))])
+def test_conv_token_factors_give_the_grouped_kernels_sums(groups, stride, dilation, padding):
+    """The Conv2d rule's outer-product factors (what a projection inside the backward will use)
+    and its fast kernel (one grouped convolution backward) give the same per-class sums."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
+    counts = torch.tensor([3, 1, 2])
+    x = torch.randn(int(counts.sum()), 6, 7, 8, dtype=torch.float64)
+    g = torch.randn_like(conv(x))
+    k, width = len(counts), int(counts.max())
+    local = torch.repeat_interleave(torch.arange(k), counts)
+    within = torch.arange(len(local)) - (torch.cumsum(counts, 0) - counts)[local]
+    seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, torch.float64))
+    slots = {"weight": ParamSlot("weight", tuple(conv.weight.shape), 0, conv.weight.numel()),
+             "bias": ParamSlot("bias", tuple(conv.bias.shape), conv.weight.numel(), conv.bias.numel())}
+    dim = conv.weight.numel() + conv.bias.numel()
+
+    class FromTokens(ConvFactors):
+        def direct_sums(self, want_weight: bool, want_bias: bool) -> None:
+            return None
+
+    results = []
+    for factors in (ConvFactors(conv, seen), FromTokens(conv, seen)):
+        run = ClassRows(torch.full((k, dim), float("nan"), dtype=torch.float64))
+        class_outer_sums(factors, LayerRows(run, slots))
+        assert run.certainly_finite()
+        results.append(run.rows)
+    want = torch.stack([torch.cat([t.flatten() for t in torch.autograd.grad(
+        (conv(x[local == i]) * g[local == i]).sum(), [conv.weight, conv.bias])]) for i in range(k)])
+    # float64 sums of at most a few hundred products of O(1) numbers, in different orders.
+    torch.testing.assert_close(results[0], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(results[1], want, rtol=1e-12, atol=1e-12)
+
+
+class Scale(nn.Module):
+    """A user's layer: ``x * weight + bias``, per feature (no built-in rule)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
+        self.bias = nn.Parameter(0.1 * torch.randn(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+def _scale_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), Scale(8), nn.Tanh(), nn.Linear(8, NUM_CLASSES)).eval()
+
+
+@pytest.fixture
+def scale_rule():
+    """Registers ``register(sums)`` as the rule for ``Scale`` for one test; the calls it got."""
+    calls: list[int] = []
+
+    def register(factor: float = 1.0) -> list[int]:
+        @register_rule(Scale)
+        def scale_sums(module: Scale, seen: LayerCapture, out: LayerRows) -> None:
+            calls.append(seen.k)
+            G = seen.grads_by_class()
+            gw = factor * (G * seen.inputs_by_class()).sum(dim=1) if out.wants("weight") else None
+            gb = G.sum(dim=1) if out.wants("bias") else None
+            out.check_sums(gw, gb)
+            for kind, value in (("weight", gw), ("bias", gb)):
+                if value is not None:
+                    out.put(kind, value)
+        return calls
+
+    yield register
+    RULES.pop(Scale, None)
+
+
+def test_a_user_registered_rule_is_used(scale_rule):
+    model = _scale_model()
+    data = _data(dict(kind="vector", input_shape=(8,)))
+    eng, _, _ = _rows(model, data)
+    assert eng._hooked is None  # no rule for Scale: vmap
+    calls = scale_rule()
+    eng, got, ref = _rows(model, data)
+    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes
+    assert calls and rule_for(model[1]).sums.__name__ == "scale_sums"
+    # A few float32 roundoffs, as for the built-in rules.
+    assert max_relative_error(got, ref) <= 1e-6
+
+
+def test_a_wrong_user_rule_is_caught_by_the_spot_check(scale_rule):
+    """The first run's check against the plain single-class path holds for every rule: a rule
+    that gets its sums wrong is abandoned for vmap, and the rows are still exact."""
+    scale_rule(factor=2.0)
+    eng, got, ref = _rows(_scale_model(), _data(dict(kind="vector", input_shape=(8,))))
+    assert eng._hooked is None
+    assert any("differ from the plain gradient" in note for note in eng.stats.notes), eng.stats.notes
+    # The vmap rows: a few float32 roundoffs, as above.
+    assert max_relative_error(got, ref) <= 1e-6
+
+
+def test_the_registry_refuses_a_second_rule_and_matches_exact_types():
+    with pytest.raises(ValueError, match="already registered"):
+        register_rule(nn.Linear)(lambda module, seen, out: None)
+    with pytest.raises(TypeError):
+        register_rule(int)
+
+    class MyLinear(nn.Linear):  # a subclass may change forward: no rule unless registered
+        pass
+
+    assert rule_for(nn.Linear(2, 2)) is RULES[nn.Linear]
+    assert rule_for(MyLinear(2, 2)) is None
+    assert rule_for(nn.BatchNorm2d(2).train()).applies(nn.BatchNorm2d(2).train()) is not None
+    assert rule_for(nn.Conv2d(2, 2, 3, padding="same")).applies(nn.Conv2d(2, 2, 3, padding="same")) is not None
+
+
+def test_choices_clear_forgets_every_choice():
+    model = nn.Linear(2, 2)
+    choices.INPUT_FORMAT[("a",)] = "contiguous"
+    choices.BLOCK_ROWS[("a",)] = 4
+    choices.HOOKS_CHECKED[model] = {("a",)}
+    choices.clear()
+    assert not choices.INPUT_FORMAT and not choices.BLOCK_ROWS and model not in choices.HOOKS_CHECKED

@@ -1,0 +1,49 @@
+"""The engines' process-wide speed choices: what was measured or found once, kept for later engines.
+
+Holds every cache the engines keep across engine objects, in one place, and ``clear()`` (for
+tests). None of them changes a row: they only decide how fast rows come, or skip a check that
+already passed on the same model. They are process-wide because an actor (or a script calling
+``per_class_gradients`` repeatedly) builds many engines on one model and one probe shape, and
+each measurement costs real runs; keys hold everything the choice depends on.
+
+- ``INPUT_FORMAT``: memory format (``"contiguous"`` or ``"channels_last"``) of image inputs on
+  the partitioned engine's hook path; key ``(id(model), sample shape, dtype, device,
+  precision)``. Settled from ``FORMAT_TRIALS`` timed real runs.
+- ``FORMAT_TIMES``: those runs while the format is still being measured, ``[format, seconds per
+  sample]`` each; same key.
+- ``CONV_LAYOUT``: memory layout of each Conv2d's grouped weight-gradient computation (the
+  Conv2d layer rule); key: the layer's geometry and the shapes, dtype, device and memory
+  format of its input and output gradient.
+- ``HOOKS_CHECKED``: models whose per-class sums from hooks passed the spot check against the
+  plain single-class path, with the ``(selected parameters, precision, device, layer rules)``
+  they passed for. The check is of the model's structure, so later engines on the same model
+  object skip it. Weak keys: an entry goes with its model.
+- ``BLOCK_ROWS``: the dense engine's measured block size; key ``(id(model), classes, graph kind,
+  batch size, probe size, D, device, precision, loss, threads)``.
+- ``NO_HEAD``: why dense rows cannot go through the model's final Linear layer, per model
+  (weak keys) and ``(path, loss, classes, parameters, precision, device)``: found once (it may
+  take a forward pass), not once per engine.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+
+# Runs timed before the input format is settled: one warm-up, then four of each format,
+# alternating (real runs: the only cost is doing some of them in the slower format).
+FORMAT_TRIALS = 9
+
+INPUT_FORMAT: dict[tuple, str] = {}
+FORMAT_TIMES: dict[tuple, list[list]] = {}
+CONV_LAYOUT: dict[tuple, str] = {}
+HOOKS_CHECKED: "weakref.WeakKeyDictionary[nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
+BLOCK_ROWS: dict[tuple, int] = {}
+NO_HEAD: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def clear() -> None:
+    """Forget every choice (tests: the next engine measures and checks again)."""
+    for cache in (INPUT_FORMAT, FORMAT_TIMES, CONV_LAYOUT, HOOKS_CHECKED, BLOCK_ROWS, NO_HEAD):
+        cache.clear()

@@ -1,0 +1,42 @@
+"""The layer rule for eval-mode ``nn.BatchNorm1d/2d``: per-class sums of ``g`` and ``g * x_hat``.
+
+Holds ``batchnorm_sums``, registered for both types, and ``running_statistics`` (when it
+applies). In eval mode the output is ``weight * x_hat + bias`` with ``x_hat`` normalised by the
+running statistics, so a class's bias gradient is the sum of ``g`` over its samples and
+positions, and its weight gradient the same sum of ``g * x_hat``. (In train mode batch
+statistics couple the samples; the partitioned engine refuses such models anyway.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from classgrad.workers.engines.layer_rules.registry import register_rule
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+
+
+def running_statistics(module: nn.modules.batchnorm._BatchNorm) -> str | None:
+    if module.training or module.running_var is None:
+        return "batch statistics (train mode, or no running statistics) couple the samples"
+    return None
+
+
+@register_rule(nn.BatchNorm1d, applies=running_statistics)
+@register_rule(nn.BatchNorm2d, applies=running_statistics)
+def batchnorm_sums(module: nn.modules.batchnorm._BatchNorm, seen: LayerCapture, out: LayerRows) -> None:
+    G = seen.grads_by_class()  # [k, m, C, ...]
+    reduce = [1, *range(3, G.dim())]
+    gb = G.sum(dim=reduce) if out.wants("bias") else None
+    gw = None
+    if out.wants("weight"):
+        A = seen.inputs_by_class()
+        shape = (1, 1, G.shape[2]) + (1,) * (G.dim() - 3)
+        mean = module.running_mean.to(G.dtype).view(shape)
+        invstd = torch.rsqrt(module.running_var.to(G.dtype) + module.eps).view(shape)
+        gw = (G * ((A - mean) * invstd)).sum(dim=reduce)
+    out.check_sums(gw, gb)  # one read each: finite only if every entry is
+    if gw is not None:
+        out.put("weight", gw)
+    if gb is not None:
+        out.put("bias", gb)

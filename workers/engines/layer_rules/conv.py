@@ -1,0 +1,108 @@
+"""The layer rule for ``nn.Conv2d``: per-class weight and bias gradients from one grouped
+convolution backward, with the run's classes as groups.
+
+Holds ``ConvFactors`` (the layer's outer-product factors: one token per output pixel, the input
+patch as its input factor; ``direct_sums`` is the fast kernel), ``conv2d_sums`` (registered for
+``nn.Conv2d``) and ``zero_padding`` (when it applies: zero padding given as numbers; grouped,
+strided and dilated convolutions are fine).
+
+The memory layout of the grouped backward matters on a CPU (channels-last can be twice as fast,
+or slower once its copy is paid): the first call for each layer shape times both and keeps the
+faster (``choices.CONV_LAYOUT``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from classgrad.workers.engines import choices
+from classgrad.workers.engines.base import choice_clock
+from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
+from classgrad.workers.engines.layer_rules.registry import register_rule
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+
+
+def zero_padding(module: nn.Conv2d) -> str | None:
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return f"padding {module.padding!r} in mode {module.padding_mode!r}"
+    return None
+
+
+def grouped_channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``[k, m, c, h, w]`` -> ``[m, k*c, h, w]`` (class k's channels as group k) in channels-last
+    memory, in one copy: the grouped convolution backward is about twice as fast on a CPU in
+    that layout as in NCHW, and faster than the plain one."""
+    k, m, c, h, w = t.shape
+    return t.permute(1, 3, 4, 0, 2).contiguous().view(m, h, w, k * c).permute(0, 3, 1, 2)
+
+
+class ConvFactors(OuterFactors):
+    """A Conv2d's per-class gradients from ``G`` ``[k, m, cout, ho, wo]`` (gradient at its output)
+    and ``A`` ``[k, m, cin, h, w]`` (its input); ``blocks`` are the layer's groups."""
+
+    def __init__(self, module: nn.Conv2d, seen: LayerCapture):
+        self.module = module
+        self.G = seen.grads_by_class()
+        self.A = seen.inputs_by_class()
+
+    def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One convolution backward with the k classes as k times the layer's groups."""
+        module, G, A = self.module, self.G, self.A
+        k, m, cout = G.shape[:3]
+        # Only the weight's shape matters for its own gradient (the input's gradient is not
+        # asked for), so a zero-stride stand-in of the grouped shape; a copy of the weight per
+        # class (``repeat``) cost a ResNet-18 run 45M floats of writes with 4 classes.
+        weight = G.new_zeros(()).expand(k * cout, *module.weight.shape[1:])
+
+        def run(layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if layout == "channels_last":
+                gg, ag = grouped_channels_last(G), grouped_channels_last(A)
+            else:
+                gg = G.transpose(0, 1).reshape(m, k * cout, *G.shape[3:])
+                ag = A.transpose(0, 1).reshape(m, k * A.shape[2], *A.shape[3:])
+            _, gw, gb = torch.ops.aten.convolution_backward(
+                gg, ag, weight, [k * cout], module.stride, module.padding, module.dilation, False, [0, 0],
+                k * module.groups, [False, want_weight, want_bias],
+            )
+            # An output masked off may still come back (uninitialised): only what was asked for.
+            return (gw if want_weight else None), (gb if want_bias else None)
+
+        key = (module.in_channels, module.out_channels, module.groups, module.kernel_size, module.stride,
+               module.padding, module.dilation, tuple(G.shape), tuple(A.shape), G.dtype, str(G.device),
+               G[0].is_contiguous(memory_format=torch.channels_last))
+        layout = choices.CONV_LAYOUT.get(key)
+        if layout is None:
+            clock = choice_clock(G.device)
+            timings: dict[str, float] = {}
+            for candidate in ("contiguous", "channels_last", "contiguous", "channels_last"):
+                t0 = clock()
+                result = run(candidate)
+                if G.is_cuda:
+                    torch.cuda.synchronize(G.device)
+                timings[candidate] = min(timings.get(candidate, float("inf")), clock() - t0)
+            layout = choices.CONV_LAYOUT[key] = min(timings, key=timings.get)
+            return result if layout == "channels_last" else run(layout)
+        return run(layout)
+
+    def grad_tokens(self) -> torch.Tensor:
+        """``[k * groups, m * ho * wo, cout / groups]``."""
+        G, groups = self.G, self.module.groups
+        k, m, cout = G.shape[:3]
+        tokens = G.reshape(k, m, groups, cout // groups, -1).permute(0, 2, 1, 4, 3)
+        return tokens.reshape(k * groups, -1, cout // groups)
+
+    def input_tokens(self) -> torch.Tensor:
+        """``[k * groups, m * ho * wo, cin / groups * kh * kw]``: the patch of every output pixel."""
+        module, A, groups = self.module, self.A, self.module.groups
+        k, m = A.shape[:2]
+        patches = F.unfold(A.reshape(k * m, *A.shape[2:]), module.kernel_size, module.dilation, module.padding,
+                           module.stride)  # [k * m, cin * kh * kw, ho * wo], channel-major
+        tokens = patches.reshape(k, m, groups, patches.shape[1] // groups, -1).permute(0, 2, 1, 4, 3)
+        return tokens.reshape(k * groups, -1, patches.shape[1] // groups)
+
+
+@register_rule(nn.Conv2d, applies=zero_padding)
+def conv2d_sums(module: nn.Conv2d, seen: LayerCapture, out: LayerRows) -> None:
+    class_outer_sums(ConvFactors(module, seen), out)

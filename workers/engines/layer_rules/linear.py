@@ -1,0 +1,36 @@
+"""The layer rule for ``nn.Linear``: per-class sums of ``g x^T`` over samples and positions.
+
+Holds ``LinearFactors`` (the layer's token factors: every sample, and every position of a
+sequence input, is a token) and ``linear_sums``, registered for ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
+from classgrad.workers.engines.layer_rules.registry import register_rule
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+
+
+class LinearFactors(OuterFactors):
+    """``[total, ..., features]`` input and output gradient as ``[k, tokens, features]``."""
+
+    def __init__(self, seen: LayerCapture):
+        self.seen = seen
+
+    def _tokens(self, t: torch.Tensor) -> torch.Tensor:
+        seen = self.seen
+        return seen.by_class(t.reshape(seen.total, -1, t.shape[-1])).reshape(seen.k, -1, t.shape[-1])
+
+    def grad_tokens(self) -> torch.Tensor:
+        return self._tokens(self.seen.grads)
+
+    def input_tokens(self) -> torch.Tensor:
+        return self._tokens(self.seen.inputs)
+
+
+@register_rule(nn.Linear)
+def linear_sums(module: nn.Linear, seen: LayerCapture, out: LayerRows) -> None:
+    class_outer_sums(LinearFactors(seen), out)

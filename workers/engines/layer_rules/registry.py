@@ -1,0 +1,101 @@
+"""The registry of layer rules: how one layer type's per-class parameter gradients come from hooks.
+
+Holds ``LayerRule``, ``RULES`` (module type -> rule), ``register_rule`` (a decorator) and
+``rule_for`` (the lookup; exact type, since a subclass may change ``forward``).
+
+The partitioned engine's hook path runs a run of consecutive classes through one ordinary
+forward, capturing at every layer that owns selected parameters its input ``x`` and (after one
+backward that stops there) the gradient ``g`` at its output. A rule turns those into the layer's
+per-class weight and bias gradients. Adding a layer type is adding one function::
+
+    @register_rule(MyLayer, applies=lambda m: None if m.plain else "not plain")
+    def my_layer_sums(module: MyLayer, seen: LayerCapture, out: LayerRows) -> None:
+        G = seen.grads_by_class()           # [k, width, ...]: class i's samples, zero padding
+        if out.wants("bias"):
+            out.check_sums(bias := G.sum(dim=1))
+            out.put("bias", bias)
+
+The interface (types in ``rule_io`` and ``outer``):
+
+- ``applies(module) -> str | None``: None when the rule is exact for this layer as configured,
+  else why not (then the whole model takes the vmap path). Called once, when an engine is built.
+- ``sums(module, seen, out)``: ``seen`` (``LayerCapture``) holds the layer's input and output
+  gradient for the run's samples (``[total, ...]``, class after class, already divided by the
+  fp16 loss scale) and lays them out by class (``[k, width, ...]``, padded with zero rows, which
+  add exactly zero to any sum of products). ``out`` (``LayerRows``) receives per-class gradients
+  ``[k, *parameter shape]`` with ``put(kind, value)`` for each ``kind`` it ``wants``; it may be
+  handed a view of the rows to write into (``fresh``), so no temporary is made.
+- Finite rows: every rule gives ``out`` cheap evidence that its sums are finite, either a bound
+  (``out.bound(t)``: a tensor that is finite and below 1e37 only if no entry can overflow) or
+  the sums themselves (``out.check_sums(*tensors)``: summed, one read). Rows without that
+  evidence go to the exact per-row check and are recomputed at a smaller fp16 loss scale.
+- Layers whose weight gradient is a sum of outer products over tokens (Linear: one token per
+  sample and position; Conv: one per output pixel, with the input patch as the input factor)
+  do not form their sums themselves: they describe their factors (``outer.OuterFactors``) and
+  call ``outer.class_outer_sums``, the one place that forms the per-class sums
+  ``sum_t g_t x_t^T`` (and the bias sums ``sum_t g_t``). A projection inside the backward
+  (``P_out (sum_t g_t x_t^T) P_in^T = sum_t (P_out g_t)(P_in x_t)^T``) goes there once, for
+  every such layer: project the token factors, then the same batched product.
+- Layers with any other structure (norm layers: sums of ``g`` and ``g * x_hat``) compute their
+  per-class sums directly, as above.
+
+What every rule gets for free, from the hook path (not the rules' job): a layer whose selected
+parameters are also used outside its own forward is found on the autograd graph (and the
+engine falls back to vmap); the first run on each model in a process is checked against the
+plain single-class path (``choices.HOOKS_CHECKED``); shared (tied) parameters, layers with
+forward hooks, and in-place changes of a captured input or output are refused or handled there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+
+SumsFn = Callable[[nn.Module, LayerCapture, LayerRows], None]
+AppliesFn = Callable[[nn.Module], "str | None"]
+
+
+def _always(module: nn.Module) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    """How per-class gradients of one module type's parameters ``kinds`` come from its hooks."""
+
+    module_type: type[nn.Module]
+    sums: SumsFn
+    applies: AppliesFn = _always
+    kinds: tuple[str, ...] = ("weight", "bias")
+
+
+RULES: dict[type[nn.Module], LayerRule] = {}
+
+
+def register_rule(module_type: type[nn.Module], *, applies: AppliesFn | None = None,
+                  kinds: tuple[str, ...] = ("weight", "bias"), replace: bool = False) -> Callable[[SumsFn], SumsFn]:
+    """Register the decorated ``sums(module, seen, out)`` as the rule for ``module_type``.
+
+    ``applies(module)`` says why a given layer is outside the rule (None: it applies); ``kinds``
+    are the parameter names the rule computes. A type already registered needs ``replace=True``.
+    """
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"register_rule needs an nn.Module subclass, got {module_type!r}")
+
+    def decorate(sums: SumsFn) -> SumsFn:
+        if module_type in RULES and not replace:
+            raise ValueError(f"a layer rule for {module_type.__name__} is already registered "
+                             f"({RULES[module_type].sums.__qualname__}); pass replace=True to change it")
+        RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds))
+        return sums
+
+    return decorate
+
+
+def rule_for(module: nn.Module) -> LayerRule | None:
+    """The rule registered for exactly this module's type, or None."""
+    return RULES.get(type(module))

@@ -1,0 +1,153 @@
+"""What a layer rule reads and where it writes (see ``registry`` for the interface).
+
+Holds:
+- ``ClassGrid``: where a run's samples (``[total]``, class after class) sit in a ``[k, width]``
+  grid by class, short classes padded with zero rows.
+- ``LayerCapture``: one layer's input and output gradient in one run, laid out by class on
+  request.
+- ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
+  they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
+- ``peak``: max ``|t|`` in one pass (for finiteness bounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from classgrad.workers.layout import ParamSlot
+
+# A row whose entries are all bounded by this is finite, with room for the sums that form it.
+FINITE_BOUND = 1e37
+
+
+def peak(t: torch.Tensor) -> torch.Tensor:
+    """Max ``|t|`` in one pass, no temporary; NaN stays NaN."""
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(-lo, hi)
+
+
+@dataclass(frozen=True)
+class ClassGrid:
+    """A run of ``k`` classes laid out as ``[k, width]``; ``spots`` are the grid positions of the
+    run's samples (None: every class has ``width`` samples, so ``[total]`` already is the grid)."""
+
+    k: int
+    width: int
+    spots: torch.Tensor | None
+    dtype: torch.dtype
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor:
+        """``[total, ...]`` -> ``[k, width, ...]`` in the rows' dtype, zero rows as padding."""
+        t = t.to(self.dtype)
+        if self.spots is None:
+            return t.reshape(self.k, self.width, *t.shape[1:])
+        grid = t.new_zeros(self.k * self.width, *t.shape[1:])
+        return grid.index_copy_(0, self.spots, t).view(self.k, self.width, *t.shape[1:])
+
+
+@dataclass(frozen=True)
+class LayerCapture:
+    """One layer in one run: its input and the gradient at its output, ``[total, ...]`` each,
+    class after class (the gradient already divided by the fp16 loss scale)."""
+
+    inputs: torch.Tensor
+    grads: torch.Tensor
+    grid: ClassGrid
+
+    @property
+    def k(self) -> int:
+        return self.grid.k
+
+    @property
+    def total(self) -> int:
+        return self.grads.shape[0]
+
+    def by_class(self, t: torch.Tensor) -> torch.Tensor:
+        """Any ``[total, ...]`` tensor (e.g. a reshaped input) as ``[k, width, ...]``."""
+        return self.grid.padded(t)
+
+    def grads_by_class(self) -> torch.Tensor:
+        return self.grid.padded(self.grads)
+
+    def inputs_by_class(self) -> torch.Tensor:
+        return self.grid.padded(self.inputs)
+
+
+class ClassRows:
+    """A run's rows ``[k, D]`` (a view of the group's buffer), written parameter by parameter.
+
+    The first value for a parameter is copied in, later ones (a layer called twice) added.
+    Rules leave evidence that their values are finite (``bounds``, ``sums``); ``certainly_finite``
+    reads it all in one synchronisation instead of a pass over the rows.
+    """
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+        self.k = rows.shape[0]
+        self.written: set[str] = set()
+        self.bounds: list[torch.Tensor] = []
+        self.sums: list[torch.Tensor] = []
+
+    def for_layer(self, slots: dict[str, ParamSlot]) -> "LayerRows":
+        return LayerRows(self, slots)
+
+    def columns(self, slot: ParamSlot) -> torch.Tensor:
+        return self.rows[:, slot.offset : slot.offset + slot.size]
+
+    def zero_unwritten(self, slots: list[ParamSlot]) -> None:
+        """Parameters with no path to the loss in this run get zero columns."""
+        for slot in slots:
+            if slot.name not in self.written:
+                self.columns(slot).zero_()
+
+    def certainly_finite(self) -> bool:
+        """Whether every row is finite for sure (False: let the exact per-row check decide)."""
+        checks = [(torch.stack(self.bounds) < FINITE_BOUND).all()] if self.bounds else []
+        checks += [torch.isfinite(torch.stack(self.sums)).all()] if self.sums else []
+        return bool(torch.stack(checks).all()) if checks else True
+
+
+class LayerRows:
+    """One layer's part of a run's rows: per-class gradients by parameter kind (``weight``, ...)."""
+
+    def __init__(self, run: ClassRows, slots: dict[str, ParamSlot]):
+        self.run = run
+        self.slots = slots
+
+    @property
+    def k(self) -> int:
+        return self.run.k
+
+    def wants(self, kind: str) -> bool:
+        """Whether the parameter ``kind`` of this layer is selected."""
+        return kind in self.slots
+
+    def put(self, kind: str, value: torch.Tensor) -> None:
+        """Per-class gradients ``[k, *shape]`` (any shape of ``k * size`` entries) of ``kind``."""
+        slot = self.slots[kind]
+        target = self.run.columns(slot)
+        if slot.name in self.run.written:
+            target.add_(value.reshape(self.k, slot.size))
+        else:
+            target.copy_(value.reshape(self.k, slot.size))
+            self.run.written.add(slot.name)
+
+    def fresh(self, kind: str) -> torch.Tensor | None:
+        """The rows' columns of ``kind`` (``[k, size]``, a view) to write the values straight into,
+        when nothing was written there yet in this run (else None: use ``put``). The caller must
+        then fill every entry."""
+        slot = self.slots[kind]
+        if slot.name in self.run.written:
+            return None
+        self.run.written.add(slot.name)
+        return self.run.columns(slot)
+
+    def bound(self, t: torch.Tensor) -> None:
+        """A scalar tensor bounding every entry this layer writes (finite rows if below 1e37)."""
+        self.run.bounds.append(t)
+
+    def check_sums(self, *values: torch.Tensor | None) -> None:
+        """Values this layer writes, checked by their sum (one read): finite only if every entry is."""
+        self.run.sums.extend(t.sum() for t in values if t is not None)

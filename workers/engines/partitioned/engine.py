@@ -1,0 +1,243 @@
+"""The partitioned engine: each row from a forward+backward over only its own class's samples.
+
+Holds ``PartitionedEngine``: the choice of path for each group of classes, the plain
+single-class path, the checked loop (fp16 rows that overflowed are recomputed) and the row
+groups. ``GROUP_BYTES`` sizes a group's buffer.
+
+For class-partitioned losses (L_c depends only on the samples labelled c) on a model that treats
+samples independently, row c is the gradient of the loss over class c's samples alone, so the
+whole matrix costs about one forward+backward over the probe set. To keep the hardware busy when
+classes are small, several classes go through one pass and are split apart again:
+
+- **hooks** (``hook_path``) when every selected parameter belongs to a layer with a layer rule
+  (``classgrad.workers.engines.layer_rules``: Linear, Conv2d, eval-mode BatchNorm): runs of
+  consecutive classes (``packing.plan_runs``), rows written in place;
+- **vmap** (``vmap_path``) for any other model: packs of classes of similar size
+  (``packing.plan_packs``).
+
+Classes larger than half a batch are done alone, micro-batch by micro-batch. If a fast path
+fails for a model (anything it cannot do exactly), the engine notes it and falls back: hooks to
+vmap, vmap to one class at a time (same rows, slower). Rows always come back in the order asked
+for, a group at a time. Speed choices measured on the way live in ``choices``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from classgrad.service.errors import ClassgradError, InputError
+from classgrad.workers.amp import rows_with_rescale
+from classgrad.workers.engines.base import GradientEngine, RowBlock, couples_samples, samples_independent
+from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
+from classgrad.workers.engines.partitioned.hook_path import HookPath, HookPlan
+from classgrad.workers.engines.partitioned.packing import ClassSamples, plan_packs, plan_runs
+from classgrad.workers.engines.partitioned.vmap_path import VmapPath
+
+log = logging.getLogger(__name__)
+
+# Rows of one group are written into one new buffer. Up to about this size the C allocator
+# recycles freed buffers; bigger ones are mapped fresh from the OS each time, whose first write
+# (page faults, zeroing by the kernel) was once measured several times slower than the write
+# itself (not reproduced since: benchmarks/diagnostics.py --sections page-faults). Harmless either way.
+GROUP_BYTES = 32 << 20
+
+
+class PartitionedEngine(GradientEngine):
+    """Forward+backward over each class's own samples; small classes split by hooks or vmap."""
+
+    name = "partitioned"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if not self.loss.partitioned:
+            raise InputError(
+                f"engine.kind=partitioned needs a class-partitioned loss (cross_entropy or a "
+                f"@partitioned_loss callable); {self.loss.name!r} is dense: use engine.kind=dense or auto"
+            )
+        if not samples_independent(self.model):
+            coupled = sorted({type(m).__name__ for m in self.model.modules() if couples_samples(m)})
+            raise InputError(
+                f"engine.kind=partitioned needs a model that treats samples independently; it has "
+                f"{', '.join(coupled)} in train mode: use model.mode=eval, or engine.kind=dense or auto"
+            )
+        labels = self.loss.labels(self.probe.targets)
+        self.by_class = self.probe.samples_by_class(labels, self.loss.num_classes)
+        samples = ClassSamples.from_labels(labels, self.counts)
+        self._vmap: VmapPath | None = VmapPath(self, samples, self._write)
+        plan = HookPlan.plan(self.model, self.layout)
+        self._hooked: HookPath | None = None if plan is None else HookPath(self, plan, samples, self._single)
+
+    # --- where rows go ---------------------------------------------------------------------------
+    #
+    # Rows are written straight into the group's output buffer (``dest``): at a run of
+    # consecutive positions (a slice: a view, no copy) or at scattered positions (an index
+    # tensor: one indexed copy per parameter). No per-pack row buffer is built and copied again.
+
+    def _write(self, grads: Sequence[torch.Tensor | None], scales: torch.Tensor, dest: torch.Tensor,
+               where: slice | torch.Tensor) -> torch.Tensor:
+        """Write per-parameter gradients ``[k, *shape]`` (computed at loss scale ``scales``) as
+        rows ``dest[where]``, divided by the scale; return whether each row is certainly finite.
+
+        The check costs one read of the gradients: a row's sum is finite when all its entries
+        are (an inf or NaN entry always makes it inf or NaN). A non-finite sum of finite entries
+        (overflow of the sum) only sends the row to the exact check in ``rows_with_rescale``.
+        """
+        k = len(scales)
+        if bool((scales != 1).any()):
+            div = scales.to(self.device, self.row_dtype)
+            grads = [None if g is None else g / div.view(k, *[1] * (g.ndim - 1)) for g in grads]
+        total = None
+        for g in grads:
+            if g is not None:
+                part = g.reshape(k, -1).sum(dim=1, dtype=self.row_dtype)
+                total = part if total is None else total + part
+        if isinstance(where, slice):
+            self.layout.flatten(grads, batch_dims=1, out=dest[where])
+        else:
+            self.layout.flatten(grads, batch_dims=1, out=dest, index=where)
+        assert total is not None
+        return torch.isfinite(total)
+
+    # --- one class alone -----------------------------------------------------------------------
+
+    def _single(self, c: int, scale: torch.Tensor, dest: torch.Tensor,
+                where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row of class ``c`` at loss scale ``scale`` into ``dest[where]``: (loss, finite)."""
+        idx = self.by_class[c]
+        n = len(idx)
+        if n == 0:  # no samples: a zero row
+            dest[where] = 0
+            return torch.zeros(1, dtype=self.row_dtype, device=self.device), torch.ones(1, dtype=torch.bool)
+        s = float(scale[0])
+        acc: list[torch.Tensor | None] | None = None
+        value = torch.zeros((), dtype=self.row_dtype, device=self.device)
+        for chunk in idx.split(self.probe.batch_size):
+            x, y = self.probe.batch(chunk, self.device, self.compute_dtype)
+            with self.forward_context(0):
+                out = self.model(x)
+            self.stats.forwards += 1
+            self.loss.check_outputs(out)
+            part = self.loss.sample_losses(out, self.loss.labels(y)).sum() / n
+            self.check_finite_loss(part.detach().reshape(1), torch.tensor([c]))
+            grads = torch.autograd.grad(part * s, self.params, allow_unused=True)
+            self.stats.backwards += 1
+            if acc is None:
+                acc = list(grads)
+            else:  # a class bigger than a batch: its micro-batches add up
+                acc = [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
+            value += part.detach()
+        assert acc is not None
+        finite = self._write([None if g is None else g.unsqueeze(0) for g in acc], scale, dest, where)
+        return value.reshape(1), finite
+
+    # --- the choice of path --------------------------------------------------------------------
+
+    def _fallback(self, what: str, exc: Exception, then: str) -> None:
+        msg = f"{what} ({type(exc).__name__}: {exc}); {then}"
+        log.warning(msg)
+        self.stats.notes.append(msg)
+
+    def _rows_into(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
+                   where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
+        if self._hooked is not None and isinstance(where, slice):
+            try:
+                result = self._hooked.rows(classes, scales, dest, where)
+                if not self._hooked.checked:
+                    self._hooked.check(classes, scales, dest, where)
+                return result
+            except ClassgradError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - anything hooks cannot do exactly: vmap, same rows
+                self._hooked = None
+                self._fallback("per-class sums from hooks unavailable", exc, "using vmap")
+        if self._vmap is not None and len(classes) > 1:
+            try:
+                return self._vmap.rows(classes, scales, dest, where)
+            except ClassgradError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any vmap limitation: fall back, same rows
+                self._vmap = None
+                self._fallback("vmap cannot batch this model", exc, "classes done one at a time")
+        if isinstance(where, slice):
+            first = where.start or 0
+            spots: list = [slice(first + i, first + i + 1) for i in range(len(classes))]
+        else:
+            spots = [where[i : i + 1] for i in range(len(classes))]
+        pairs = [self._single(c, scales[i : i + 1], dest, spot) for i, (c, spot) in enumerate(zip(classes, spots))]
+        return torch.cat([v for v, _ in pairs]), torch.cat([f for _, f in pairs])
+
+    def _checked(self, classes: list[int], dest: torch.Tensor,
+                 where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows into ``dest[where]``, overflowed (fp16) rows recomputed: (losses, scales, recomputed)."""
+        k = len(classes)
+        first = torch.full((k,), self.precision.first_scale, dtype=torch.float32)
+        values, finite = self._rows_into(classes, first, dest, where)
+        if bool(finite.all()):  # the common case: no row needs a second look
+            return values, first, torch.zeros(k, dtype=torch.bool)
+        # Some row may be non-finite: hand the rows to the exact per-row check and recompute.
+        found = dict(enumerate(values))
+        pending = [dest[where]]
+
+        def compute(which: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+            if pending:  # the first call asks for every row at the first scale: already computed
+                return pending.pop()
+            sub = [classes[i] for i in which.tolist()]
+            buf = torch.empty(len(sub), self.layout.dim, dtype=self.row_dtype, device=self.device)
+            vals, _ = self._rows_into(sub, sc.cpu(), buf, slice(0, len(sub)))
+            for i, v in zip(which.tolist(), vals):
+                found[i] = v
+            return buf
+
+        rows, scales, again = rows_with_rescale(compute, k, self.precision, torch.tensor(classes), self.device)
+        dest[where] = rows
+        return torch.stack([found[i] for i in range(k)]), scales.cpu(), again.cpu()
+
+    # --- public --------------------------------------------------------------------------------
+
+    def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
+        ids = self._check_classes(classes)
+        row_bytes = 4 * self.layout.dim
+        # A power of two (at least 16) so groups stay aligned with power-of-two store row chunks.
+        small = 1 << max(4, (GROUP_BYTES // row_bytes).bit_length() - 1)
+        group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes), small)
+        with self.selected_grads():
+            for g0 in range(0, len(ids), group):
+                yield self._group(ids[g0 : g0 + group])
+
+    def _group(self, ids: torch.Tensor) -> RowBlock:
+        n = len(ids)
+        dtype = self.row_dtype
+        rows = torch.empty(n, self.layout.dim, dtype=dtype, device=self.device)
+        values = torch.zeros(n, dtype=dtype)
+        scales = torch.ones(n)
+        again = torch.zeros(n, dtype=torch.bool)
+        sizes = self.counts[ids]
+        empty = (sizes == 0).nonzero().squeeze(1)
+        if len(empty):
+            rows[empty.to(self.device)] = 0  # a class without samples has a zero gradient
+        max_rows = self.block_rows or len(ids)
+        if self._hooked is not None:  # runs of consecutive classes: rows land in place
+            runs, singles = plan_runs(sizes, self.probe.batch_size, max_rows)
+            jobs = [list(range(a, b)) for a, b in runs]
+        else:
+            jobs, singles = plan_packs(sizes, self.probe.batch_size, max_rows)
+        for positions in jobs + [[p] for p in singles]:
+            classes = ids[positions].tolist()
+            p0 = positions[0]
+            if positions == list(range(p0, p0 + len(positions))):
+                where: slice | torch.Tensor = slice(p0, p0 + len(positions))
+            else:
+                where = torch.tensor(positions, device=self.device)
+            v, s, a = self._checked(classes, rows, where)
+            pos = torch.tensor(positions)
+            values[pos] = v.cpu().to(dtype)
+            scales[pos] = s
+            again[pos] = a
+        self.stats.rows += n
+        self.stats.recomputed_rows += int(again.sum())
+        return RowBlock(classes=ids, rows=rows, loss=values.float(), count=sizes.clone(),
+                        loss_scale=scales, recomputed=again)
