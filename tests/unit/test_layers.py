@@ -48,8 +48,9 @@ def layer_of(package: str) -> int:
     return LAYERS[best]
 
 
-def imported_names(module: str, path: Path) -> set[str]:
-    """Absolute names of every module ``path`` imports (relative imports resolved)."""
+def imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
+    """Absolute names of every module ``path`` imports (relative imports resolved); ``modules``
+    are classgrad's own, to tell ``from pkg import module`` from ``from pkg import name``."""
     names = set()
     base = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -61,30 +62,69 @@ def imported_names(module: str, path: Path) -> set[str]:
                 target = f"{anchor}.{node.module}" if node.module else anchor
             else:
                 target = node.module or ""
-            names.add(target)
-            names.update(f"{target}.{alias.name}" for alias in node.names)  # `from pkg import module`
+            # `from pkg import module` imports the module (pkg's __init__ only as its parent, as
+            # every import of a submodule does); `from pkg import name` imports pkg itself.
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & modules
+            names.update(submodules)
+            if len(submodules) < len(node.names):
+                names.add(target)
     return names
 
 
+def module_edges() -> dict[str, set[str]]:
+    """importing module -> classgrad modules it imports."""
+    modules = source_modules()
+    return {module: {n for n in imported_names(module, path, set(modules)) if n in modules and n != module}
+            for module, path in modules.items()}
+
+
 def package_edges() -> dict[str, set[str]]:
-    """importing package -> packages it imports from (classgrad's own only, self-edges dropped)."""
+    """importing package -> packages it imports from (classgrad's own only, self-edges dropped).
+
+    A package's ``__init__`` that re-exports its own subpackages (``engines`` registering the
+    partitioned engine) contains them rather than depends on them: those edges are left out.
+    """
     modules = source_modules()
     edges: dict[str, set[str]] = defaultdict(set)
-    for module, path in modules.items():
-        source = package_of(module, path)
-        for name in imported_names(module, path):
-            if name in modules:
-                target = package_of(name, modules[name])
-                if target != source:
-                    edges[source].add(target)
+    for module, targets in module_edges().items():
+        source = package_of(module, modules[module])
+        for name in targets:
+            target = package_of(name, modules[name])
+            if target == source or (modules[module].name == "__init__.py" and target.startswith(source + ".")):
+                continue
+            edges[source].add(target)
     return edges
 
 
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph ``edges``, or None."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
 def test_no_module_imports_the_folder_names():
+    modules = source_modules()
     offenders = [
         f"{path.relative_to(REPO)} imports {name}"
-        for module, path in source_modules().items()
-        for name in imported_names(module, path)
+        for module, path in modules.items()
+        for name in imported_names(module, path, set(modules))
         if name.split(".")[0] in ("service", "workers")
     ]
     assert not offenders, offenders
@@ -101,26 +141,14 @@ def test_packages_import_only_their_own_layer_or_lower():
 
 
 def test_the_package_import_graph_has_no_cycle():
-    edges = package_edges()
-    state: dict[str, str] = {}
-    path: list[str] = []
+    cycle = find_cycle(package_edges())
+    assert cycle is None, " -> ".join(cycle or [])
 
-    def visit(package: str) -> list[str] | None:
-        state[package] = "open"
-        path.append(package)
-        for target in sorted(edges.get(package, ())):
-            if state.get(target) == "open":
-                return path[path.index(target):] + [target]
-            if target not in state and (cycle := visit(target)):
-                return cycle
-        state[package] = "done"
-        path.pop()
-        return None
 
-    for package in sorted(edges):
-        if package not in state:
-            cycle = visit(package)
-            assert cycle is None, " -> ".join(cycle)
+def test_no_module_import_cycle():
+    """Not even one hidden by a lazy import inside a function."""
+    cycle = find_cycle(module_edges())
+    assert cycle is None, " -> ".join(cycle or [])
 
 
 @pytest.mark.parametrize("folder", ["service", "workers", "src"])
