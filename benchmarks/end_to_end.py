@@ -180,8 +180,8 @@ def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
     prepare_store(JobConfig.model_validate(cfg))  # the driver's part: store and metadata
     path = workdir / f"rss_{classes}.json"
     path.write_text(json.dumps(cfg))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--rss-child", str(path)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--rss-child", str(path)],
+                         capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     shutil.rmtree(url, ignore_errors=True)
     return {"classes": classes, **result}

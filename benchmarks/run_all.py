@@ -1,9 +1,9 @@
 """Run every benchmark script in ``benchmarks/``, in quick mode unless ``--full``.
 
 Every ``benchmarks/*.py`` with a ``__main__`` block is a benchmark (``common.py`` is a helper).
-Each script runs as ``python -m benchmarks.NAME`` in its own process (one after another: they time things, so they must not
-share the cores), prints its own tables and writes its JSON under ``benchmarks/out/``. This
-script prints a summary (exit status and minutes of each) and writes
+Each runs as ``python -m benchmarks.NAME`` in its own process (one after another: they time
+things, so they must not share the cores), prints its own tables and writes its JSON under
+``benchmarks/out/``. This script prints a summary (exit status and minutes of each) and writes
 ``benchmarks/out/run_all.json``. ``gpu_resnet18.py`` runs on CUDA when a GPU is present and as
 a CPU smoke test (``--device cpu``) otherwise.
 
