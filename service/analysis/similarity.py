@@ -82,7 +82,8 @@ class SimilarityConfig(BaseModel):
     executor: Literal["ray", "local"] = Field(
         "ray", description="run the tasks on Ray, or one after another in this process")
     address: str | None = Field(None, description="Ray address to join (default: the Ray already "
-                                "initialised in this process, else a new local one)")
+                                "initialised in this process, else RAY_ADDRESS when set, else a "
+                                "new local one)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray task")
     tasks_per_cpu: int = Field(2, ge=1, description="automatic block_rows leaves at least this "
                                                     "many tasks per CPU, for load balance")
