@@ -19,7 +19,7 @@ integration: setup
 	$(PY) -m pytest -q tests/integration
 
 bench: setup
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks.run_all
 
 clean:
 	rm -rf .venv stores benchmarks/out

@@ -31,8 +31,8 @@ All methods of a table are timed round-robin, ``--reps`` times after one warm-up
 is the figure (this machine is shared: the best run is the least disturbed), medians are in
 the JSON. ``--threads`` (default 1: one thread, as each Ray actor uses) applies to all.
 
-    .venv/bin/python benchmarks/alternatives.py            # C = 256, 8/class, tiny C = 1000, scaling 256..10000
-    .venv/bin/python benchmarks/alternatives.py --quick    # smaller: a few minutes on 2 cores
+    .venv/bin/python -m benchmarks.alternatives            # C = 256, 8/class, tiny C = 1000, scaling 256..10000
+    .venv/bin/python -m benchmarks.alternatives --quick    # smaller: a few minutes on 2 cores
 
 Prints tables and the targets, and writes ``benchmarks/out/alternatives.json``.
 """
@@ -41,16 +41,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import Case, fmt_s, interleaved, make_case, print_table  # noqa: E402
+from benchmarks import common
+from benchmarks.common import Case, fmt_s, interleaved, make_case, print_table
 
 OUT = common.OUT_DIR / "alternatives.json"
 ALTERNATIVES = ("seed_loop", "grad_loop", "batched_onehot", "jacrev", "trak_vmap", "opacus_hooks")

@@ -26,7 +26,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from classgrad.workers import zoo  # noqa: E402
-from classgrad.workers.engines import build_engine  # noqa: E402
-from classgrad.workers.losses import create_loss  # noqa: E402
+from classgrad.workers import zoo
+from classgrad.workers.engines import build_engine
+from classgrad.workers.losses import create_loss
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -18,8 +18,8 @@ Sections (``--sections``, comma-separated; default all):
 
 All single-threaded; CPU time where the work is one thread, wall time otherwise (said per table).
 
-    .venv/bin/python benchmarks/diagnostics.py
-    .venv/bin/python benchmarks/diagnostics.py --sections dense-gap,page-faults
+    .venv/bin/python -m benchmarks.diagnostics
+    .venv/bin/python -m benchmarks.diagnostics --sections dense-gap,page-faults
 
 Prints tables and writes ``benchmarks/out/diagnostics.json``.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,10 +35,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import print_table  # noqa: E402
+from benchmarks import common
+from benchmarks.common import print_table
 
 OUT = common.OUT_DIR / "diagnostics.json"
 

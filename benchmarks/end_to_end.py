@@ -21,8 +21,8 @@
 Both goals need a quiet machine: the load average is printed before and after (this is a
 shared 2-core machine; with other work on the cores, 2 actors cannot reach 2x).
 
-    .venv/bin/python benchmarks/end_to_end.py            # C = 10,000, 3 repetitions
-    .venv/bin/python benchmarks/end_to_end.py --quick    # C = 4,000, 1 repetition
+    .venv/bin/python -m benchmarks.end_to_end            # C = 10,000, 3 repetitions
+    .venv/bin/python -m benchmarks.end_to_end --quick    # C = 4,000, 1 repetition
 
 Prints tables and writes ``benchmarks/out/end_to_end.json``.
 """
@@ -44,10 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import fmt_s, loadavg, print_table  # noqa: E402
+from benchmarks import common
+from benchmarks.common import fmt_s, loadavg, print_table
 
 OUT = common.OUT_DIR / "end_to_end.json"
 
@@ -182,8 +180,8 @@ def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
     prepare_store(JobConfig.model_validate(cfg))  # the driver's part: store and metadata
     path = workdir / f"rss_{classes}.json"
     path.write_text(json.dumps(cfg))
-    out = subprocess.run([sys.executable, __file__, "--rss-child", str(path)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--rss-child", str(path)],
+                         capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     shutil.rmtree(url, ignore_errors=True)
     return {"classes": classes, **result}

@@ -16,8 +16,8 @@ Two probe-set shapes: ``stream`` (one micro-batch: blocks are yielded as compute
 
 Goal: peak RSS at C = 10,000 within 10% of C = 1,000, for each loss and shape.
 
-    .venv/bin/python benchmarks/engine_memory.py
-    .venv/bin/python benchmarks/engine_memory.py --quick     # C = 1,000 and 4,000
+    .venv/bin/python -m benchmarks.engine_memory
+    .venv/bin/python -m benchmarks.engine_memory --quick     # C = 1,000 and 4,000
 
 Prints a table and writes ``benchmarks/out/engine_memory.json``.
 """
@@ -34,10 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import print_table  # noqa: E402
+from benchmarks import common
+from benchmarks.common import print_table
 
 OUT = common.OUT_DIR / "engine_memory.json"
 SHAPES = {"stream": (256, 256), "accumulate": (512, 256)}  # probe samples, batch size
@@ -112,9 +110,9 @@ def main() -> None:
         for loss in losses:
             for shape in args.shapes.split(","):
                 for C in classes:
-                    out = subprocess.run([sys.executable, __file__, "--child-classes", str(C), "--child-shape", shape,
-                                          "--child-dir", tmp, "--sink", args.sink, "--hidden", str(args.hidden),
-                                          "--child-loss", loss],
+                    child_argv = ["--child-classes", str(C), "--child-shape", shape, "--child-dir", tmp,
+                                  "--sink", args.sink, "--hidden", str(args.hidden), "--child-loss", loss]
+                    out = subprocess.run([sys.executable, "-m", "benchmarks.engine_memory", *child_argv],
                                          capture_output=True, text=True, check=True)
                     results.append(json.loads(out.stdout.strip().splitlines()[-1]))
                     for f in Path(tmp).glob("*.npy"):

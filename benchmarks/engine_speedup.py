@@ -7,8 +7,8 @@ size in that run), on the benchmark cases of ``alternatives.py``. Rows are check
 (``allclose``). Timed round-robin, best of ``--reps`` after a warm-up, process CPU time with
 one torch thread (see ``common.set_clock``).
 
-    .venv/bin/python benchmarks/engine_speedup.py
-    .venv/bin/python benchmarks/engine_speedup.py --quick
+    .venv/bin/python -m benchmarks.engine_speedup
+    .venv/bin/python -m benchmarks.engine_speedup --quick
 
 Prints a table and writes ``benchmarks/out/engine_speedup.json``.
 """
@@ -18,21 +18,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.probe import ProbeSet
 
-import common  # noqa: E402
-from common import Case, fmt_s, make_case, print_table  # noqa: E402
-
-from classgrad.workers.amp import PrecisionPolicy  # noqa: E402
-from classgrad.workers.layout import ParamLayout  # noqa: E402
-from classgrad.workers.probe import ProbeSet  # noqa: E402
+from benchmarks import common
+from benchmarks.common import Case, fmt_s, make_case, print_table
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = common.OUT_DIR / "engine_speedup.json"

@@ -19,8 +19,8 @@ scale of 1024; classgrad scales per row and recomputes overflowed rows.
 
 Run on a GPU machine (needs no Ray):
 
-    .venv/bin/python benchmarks/gpu_resnet18.py                     # cuda, fp32/fp16/bf16, 128 rows
-    .venv/bin/python benchmarks/gpu_resnet18.py --device cpu --quick   # CPU smoke test (fp32, 4 rows)
+    .venv/bin/python -m benchmarks.gpu_resnet18                     # cuda, fp32/fp16/bf16, 128 rows
+    .venv/bin/python -m benchmarks.gpu_resnet18 --device cpu --quick   # CPU smoke test (fp32, 4 rows)
 
 Prints a table per precision and writes ``benchmarks/out/gpu_resnet18.json``.
 """
@@ -28,19 +28,15 @@ Prints a table per precision and writes ``benchmarks/out/gpu_resnet18.json``.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from classgrad.workers import zoo
 
-import common  # noqa: E402
-from alternatives import add, run_table, subset  # noqa: E402
-from common import Case, fmt_s, print_table  # noqa: E402
-
-from classgrad.workers import zoo  # noqa: E402
+from benchmarks import common
+from benchmarks.alternatives import add, run_table, subset
+from benchmarks.common import Case, fmt_s, print_table
 
 OUT = common.OUT_DIR / "gpu_resnet18.json"
 

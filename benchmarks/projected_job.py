@@ -6,8 +6,8 @@ storing full rows and once with ``projection.dim = k`` (Rademacher). Reported si
 total time (driver start to summary, Ray start-up excluded: Ray is started once before both),
 per-row time, bytes written and store size. Runs alternate, best of ``--reps``.
 
-    .venv/bin/python benchmarks/projected_job.py            # C = 4,000, k = 1,024, 2 reps
-    .venv/bin/python benchmarks/projected_job.py --quick    # C = 1,000, 1 rep
+    .venv/bin/python -m benchmarks.projected_job            # C = 4,000, k = 1,024, 2 reps
+    .venv/bin/python -m benchmarks.projected_job --quick    # C = 1,000, 1 rep
 
 Prints a table and writes ``benchmarks/out/projected_job.json``.
 """
@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common  # noqa: E402
-from common import fmt_s, print_table  # noqa: E402
+from benchmarks import common
+from benchmarks.common import fmt_s, print_table
 
 OUT = common.OUT_DIR / "projected_job.json"
 

@@ -13,10 +13,10 @@ Generation costs the same for any b, while the matmul grows with b, so the ratio
 b: roughly t_mm(b) / (t_mm(b) + t_gen). ``t_gen`` (ns per entry of R) is measured separately
 and printed, so the table can be read for other batch sizes too.
 
-    .venv/bin/python benchmarks/projection.py            # D = 2^20, k = 4096, b = 64, 256, 1024
-    .venv/bin/python benchmarks/projection.py --quick    # D = 2^18, b = 64, 256
-    .venv/bin/python benchmarks/projection.py --device cuda
-    .venv/bin/python benchmarks/projection.py --threads 1 --clock cpu   # on a busy machine
+    .venv/bin/python -m benchmarks.projection            # D = 2^20, k = 4096, b = 64, 256, 1024
+    .venv/bin/python -m benchmarks.projection --quick    # D = 2^18, b = 64, 256
+    .venv/bin/python -m benchmarks.projection --device cuda
+    .venv/bin/python -m benchmarks.projection --threads 1 --clock cpu   # on a busy machine
 
 Prints a table and writes ``benchmarks/out/projection.json``.
 """
@@ -26,17 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from classgrad.workers.projection import HASH_NAME, Projector
 
-import common  # noqa: E402
-from common import print_table  # noqa: E402
-
-from classgrad.workers.projection import HASH_NAME, Projector  # noqa: E402
+from benchmarks import common
+from benchmarks.common import print_table
 
 GOAL = 0.50
 OUT = common.OUT_DIR / "projection.json"

@@ -1,15 +1,17 @@
 """Run every benchmark script in ``benchmarks/``, in quick mode unless ``--full``.
 
 Every ``benchmarks/*.py`` with a ``__main__`` block is a benchmark (``common.py`` is a helper).
-Each script runs in its own process (one after another: they time things, so they must not
-share the cores), prints its own tables and writes its JSON under ``benchmarks/out/``. This
-script prints a summary (exit status and minutes of each) and writes
+Each runs as ``python -m benchmarks.NAME`` in its own process (one after another: they time
+things, so they must not share the cores), prints its own tables and writes its JSON under
+``benchmarks/out/``. This script prints a summary (exit status and minutes of each) and writes
 ``benchmarks/out/run_all.json``. ``gpu_resnet18.py`` runs on CUDA when a GPU is present and as
 a CPU smoke test (``--device cpu``) otherwise.
 
-    .venv/bin/python benchmarks/run_all.py                   # everything, quick (what `make bench` runs)
-    .venv/bin/python benchmarks/run_all.py --full            # the full sizes (much longer)
-    .venv/bin/python benchmarks/run_all.py --only alternatives,engine_memory
+    .venv/bin/python -m benchmarks.run_all                   # everything, quick (what `make bench` runs)
+    .venv/bin/python -m benchmarks.run_all --full            # the full sizes (much longer)
+    .venv/bin/python -m benchmarks.run_all --only alternatives,engine_memory
+
+Run from the repository root (where ``python -m`` finds the ``benchmarks`` package).
 
 Exit status: non-zero if any script failed.
 """
@@ -61,7 +63,7 @@ def main() -> None:
     for name in names:
         script = HERE / f"{name}.py"
         quick = not args.full and "--quick" in script.read_text()
-        cmd = [sys.executable, str(script)] + (["--quick"] if quick else [])
+        cmd = [sys.executable, "-m", f"benchmarks.{name}"] + (["--quick"] if quick else [])
         if name == "gpu_resnet18" and not has_cuda:
             cmd += ["--device", "cpu"]
         print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)

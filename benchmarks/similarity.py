@@ -17,8 +17,8 @@ the starting RSS. ``rss_peak - idle`` (the peak above an idle worker's RSS) is p
 numpy baseline runs just before each Ray run (interleaved, so that changes in machine load hit
 both).
 
-    .venv/bin/python benchmarks/similarity.py            # 10,000 x 2,048; blocks 256/512/1024
-    .venv/bin/python benchmarks/similarity.py --quick    # 10,000 x 256; block 512
+    .venv/bin/python -m benchmarks.similarity            # 10,000 x 2,048; blocks 256/512/1024
+    .venv/bin/python -m benchmarks.similarity --quick    # 10,000 x 256; block 512
 
 Prints a table and writes ``benchmarks/out/similarity.json``.
 """
@@ -38,11 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from classgrad.service.analysis import fmt_bytes  # noqa: E402
-from classgrad.service.analysis.similarity import PeakMemory, compute_similarity, top_k_rows  # noqa: E402
-from classgrad.service.store import StoreSpec, create_store, open_store  # noqa: E402
+from classgrad.service.analysis import fmt_bytes
+from classgrad.service.analysis.similarity import PeakMemory, compute_similarity, top_k_rows
+from classgrad.service.store import StoreSpec, create_store, open_store
 
 OUT = Path(__file__).resolve().parent / "out" / "similarity.json"
 MIB = 1 << 20

@@ -11,8 +11,8 @@ cache; this measures CPU overhead against a plain memory copy) and until a follo
 ``os.sync()`` returns (the data is on the disk). "Throughput on local disk" is the second;
 the goal, the best chunk shape reaching >= 70% of raw, is judged on it. Both are printed.
 
-    .venv/bin/python benchmarks/store_write.py            # ~256 MiB per write, 5 reps
-    .venv/bin/python benchmarks/store_write.py --quick    # ~32 MiB, 3 reps
+    .venv/bin/python -m benchmarks.store_write            # ~256 MiB per write, 5 reps
+    .venv/bin/python -m benchmarks.store_write --quick    # ~32 MiB, 3 reps
 
 Prints a table and writes ``benchmarks/out/store_write.json``.
 """
@@ -32,9 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from classgrad.service.store import StoreSpec, create_store  # noqa: E402
+from classgrad.service.store import StoreSpec, create_store
 
 GOAL = 0.70
 OUT = Path(__file__).resolve().parent / "out" / "store_write.json"

@@ -37,17 +37,17 @@ import os
 import socket
 import threading
 import time
-import uuid
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, validated
-from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError
+from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
+from classgrad.service.runtime.ray_session import ray_session
+from classgrad.service.runtime.run_ids import new_run_id
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ class SimilarityConfig(BaseModel):
     executor: Literal["ray", "local"] = Field(
         "ray", description="run the tasks on Ray, or one after another in this process")
     address: str | None = Field(None, description="Ray address to join (default: the Ray already "
-                                "initialised in this process, else a new local one)")
+                                "initialised in this process, else RAY_ADDRESS when set, else a "
+                                "new local one)")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray task")
     tasks_per_cpu: int = Field(2, ge=1, description="automatic block_rows leaves at least this "
                                                     "many tasks per CPU, for load balance")
@@ -337,27 +338,6 @@ def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, s
 # --------------------------------------------------------------------------- executors
 
 
-@contextmanager
-def _ray_session(address: str | None) -> Iterator[Any]:
-    """Ray as this process already has it, or joined at ``address``, or a new local one (shut
-    down afterwards)."""
-    import ray
-
-    started = False
-    if not ray.is_initialized():
-        if address:
-            ray.init(address=address, logging_level=logging.WARNING)
-        else:
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     logging_level=logging.WARNING)
-        started = True
-    try:
-        yield ray
-    finally:
-        if started:
-            ray.shutdown()
-
-
 def _task_failed(exc: BaseException, a: int, b: int) -> BaseException:
     """The error to raise for a failed task: a user error as itself, a bug as RuntimeError."""
     import ray
@@ -367,12 +347,10 @@ def _task_failed(exc: BaseException, a: int, b: int) -> BaseException:
         return cause
     if isinstance(exc, ray.exceptions.RayTaskError):
         detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-        return RuntimeError(f"similarity task for rows [{a}, {b}) failed: "
-                            f"{detail.strip().splitlines()[0] if detail.strip() else detail}")
+        return RuntimeError(f"similarity task for rows [{a}, {b}) failed: {first_line(detail)}")
     return ClassgradError(
         f"similarity task for rows [{a}, {b}) was lost ({type(exc).__name__}: "
-        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); if it ran out of "
-        f"memory, lower --block-rows or --block-mb")
+        f"{first_line(str(exc))}); if it ran out of memory, lower --block-rows or --block-mb")
 
 
 def _run_ray(ray: Any, args: tuple, plan: SimilarityPlan, config: SimilarityConfig,
@@ -442,8 +420,8 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
     if store.num_classes < 2:
         raise StoreError(f"store {url} has {store.num_classes} class; similarity needs two")
     plan_similarity(store, config)  # checks the sizes before Ray starts (minutes on a cluster)
-    run_id = f"similarity-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
-    session = _ray_session(config.address) if config.executor == "ray" else None
+    run_id = new_run_id("similarity")
+    session = ray_session(config.address, option="--address") if config.executor == "ray" else None
     with session if session is not None else nullcontext() as ray:
         workers = 1
         if ray is not None:

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=["float32", "float64"],
                         help="arithmetic of the products (default float32)")
     parser.add_argument("--address", metavar="ADDR",
-                        help="Ray cluster to join (default: start a local Ray for this command)")
+                        help="Ray cluster to join (default: $RAY_ADDRESS when set, else start a local Ray "
+                        "for this command)")
     parser.add_argument("--num-cpus", type=float, metavar="N",
                         help="CPUs reserved per Ray task (default 1)")
     parser.add_argument("--local", action="store_true",

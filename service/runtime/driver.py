@@ -17,21 +17,23 @@ Rows never pass through the driver or Ray's object store: actors write them, and
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import re
 import socket
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from classgrad.service.config import JobConfig
 from classgrad.service import errors
-from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError
+from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError, first_line
 from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress
+from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
+from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.store import GradStore, ParamEntry, StoreSpec, create_store, open_store
 
 log = logging.getLogger(__name__)
@@ -165,34 +167,25 @@ class JobDriver:
 
     def __init__(self, config: JobConfig, *, run_id: str | None = None):
         self.config = config
-        self.run_id = run_id or f"{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:6]}"
+        self.run_id = run_id or new_run_id()
         self.summary = RunSummary(run_id=self.run_id)
         self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
-        self._started_ray = False
+        self._ray = contextlib.ExitStack()  # the Ray session this driver opened, closed in _shutdown
 
     # --- Ray ------------------------------------------------------------------------------
 
     def _connect(self) -> None:
+        """Use this process's Ray, or join cluster.address (RAY_ADDRESS inside a Ray job), or start a
+        local Ray with enough CPUs for every actor."""
         import ray
 
         cluster = self.config.cluster
-        if ray.is_initialized():
-            return
-        if cluster.address is None and os.environ.get("RAY_ADDRESS"):
-            # Inside a Ray job (`ray job submit`, KubeRay): join the cluster the job runs on.
-            ray.init(logging_level=logging.WARNING)
-        elif cluster.address is None:
-            needed = cluster.num_workers * cluster.num_cpus_per_worker
-            cpus = os.cpu_count() or 1
-            if needed > cpus:
-                log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores",
-                            needed, cpus)
-            ray.init(num_cpus=max(cpus, needed), num_gpus=None, include_dashboard=False,
-                     logging_level=logging.WARNING)
-            self._started_ray = True
-        else:
-            _check_reachable(cluster.address)
-            ray.init(address=cluster.address, logging_level=logging.WARNING)
+        needed = cluster.num_workers * cluster.num_cpus_per_worker
+        cpus = os.cpu_count() or 1
+        starts_local = not ray.is_initialized() and resolve_ray_address(cluster.address)[0] is None
+        if starts_local and needed > cpus:
+            log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores", needed, cpus)
+        self._ray.enter_context(ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed)))
 
     def _actor_options(self) -> dict[str, Any]:
         cluster = self.config.cluster
@@ -317,8 +310,7 @@ class JobDriver:
         for slot in getattr(self, "_slots", []):
             if slot.actor is not None:
                 ray.kill(slot.actor, no_restart=True)
-        if self._started_ray:
-            ray.shutdown()
+        self._ray.close()
 
     def _run_shards(self, store: GradStore, todo: list[Shard], t_start: float) -> None:
         import ray
@@ -427,18 +419,6 @@ def _shard_failure(shard: Shard, attempts: int, why: str, summary: RunSummary) -
             f"{saved} of {summary.shards_total} shards are saved, rerun to resume")
 
 
-def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
-    """Fail in one line when nothing listens at a GCS ``host:port`` (``ray.init`` would retry for
-    minutes); ``auto``, ``local`` and ``ray://`` addresses are left to Ray."""
-    host, sep, port = address.rpartition(":")
-    if not sep or address.startswith("ray://") or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as exc:
-        raise ClassgradError(f"cannot reach the Ray cluster at {address} (cluster.address): {exc}") from None
-
-
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # The last line of a Python traceback: "package.module.SomeError: message".
 _EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(?P<msg>.*))?$")
@@ -456,12 +436,11 @@ def _cause_line(exc: BaseException) -> str:
     """The one line that says why a Ray task or actor failed."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, BaseException) and cause is not exc:
-        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+        return first_line(f"{type(cause).__name__}: {cause}")
     match = _exception_line(str(exc))
     if match:
         return f"{match['type'].rsplit('.', 1)[-1]}: {match['msg'] or ''}".strip()[:300]
-    first = _ANSI.sub("", str(exc)).strip().splitlines()
-    return first[0][:300] if first else type(exc).__name__
+    return first_line(_ANSI.sub("", str(exc)))[:300] or type(exc).__name__
 
 
 def _creation_error(exc: BaseException) -> ClassgradError | None:

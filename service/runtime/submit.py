@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from classgrad.service.errors import ClassgradError
+from classgrad.service.errors import ClassgradError, first_line
 
 if TYPE_CHECKING:  # Ray is imported only when a client is made (``classgrad --help`` stays fast)
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -78,6 +78,8 @@ TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 # which kill the driver without a record. Read by Ray's job supervisor from the job's env.
 STOP_ENV: dict[str, str] = {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
 _FOLLOW_POLL_S = 1.0
+# A quoted library message is cut to this many characters: a job's failure text can be a whole log.
+_LINE_MAX = 300
 
 
 class JobSubmitError(ClassgradError):
@@ -146,13 +148,6 @@ def _hidden_env(names: Sequence[str]) -> Iterator[None]:
 # --------------------------------------------------------------------------- errors
 
 
-def _first_line(text: str) -> str:
-    for line in str(text).splitlines():
-        if line.strip():
-            return line.strip()[:300]
-    return ""
-
-
 @contextlib.contextmanager
 def _sdk_errors(address: str, job_id: str | None = None) -> Iterator[None]:
     """Turn the SDK's exceptions (ConnectionError, RuntimeError with an HTTP status inside,
@@ -174,16 +169,16 @@ def _sdk_errors(address: str, job_id: str | None = None) -> Iterator[None]:
             f"the Ray cluster at {address} refused the request: {why}; put the cluster's token in "
             f"RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token") from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-        raise JobSubmitError(f"cannot reach the Ray job server at {address} ({_first_line(str(exc)) or type(exc).__name__}); "
+        raise JobSubmitError(f"cannot reach the Ray job server at {address} ({first_line(exc)[:_LINE_MAX]}); "
                              f"is the cluster up and the dashboard port reachable?") from None
     except requests.exceptions.RequestException as exc:
-        raise JobSubmitError(f"Ray job server at {address}: {_first_line(str(exc))}") from None
+        raise JobSubmitError(f"Ray job server at {address}: {first_line(exc)[:_LINE_MAX]}") from None
     except RuntimeError as exc:
         text = str(exc)
         if job_id is not None and (" 404" in text or "does not exist" in text):
             raise JobSubmitError(f"no job {job_id!r} on the Ray cluster at {address} "
                                  f"(see `classgrad jobs list --address {address}`)") from None
-        raise JobSubmitError(f"Ray job server at {address}: {_first_line(text)}") from None
+        raise JobSubmitError(f"Ray job server at {address}: {first_line(text)[:_LINE_MAX]}") from None
 
 
 # --------------------------------------------------------------------------- client
@@ -202,7 +197,7 @@ def connect(address: str | None = None) -> JobSubmissionClient:
         try:
             return JobSubmissionClient(url, headers=headers)
         except ValueError as exc:  # a malformed URL
-            raise JobSubmitError(f"--address {url!r}: {_first_line(str(exc))}") from None
+            raise JobSubmitError(f"--address {url!r}: {first_line(exc)[:_LINE_MAX]}") from None
 
 
 def address_of(client: JobSubmissionClient) -> str:
@@ -279,7 +274,7 @@ def submit(client: JobSubmissionClient, submission: Submission, *, job_id: str |
             return client.submit_job(entrypoint=submission.entrypoint, runtime_env=submission.runtime_env,
                                      metadata=submission.metadata, submission_id=job_id)
         except ValueError as exc:  # e.g. the packaged working dir is too large
-            raise JobSubmitError(f"cannot package the working dir: {_first_line(str(exc))}") from None
+            raise JobSubmitError(f"cannot package the working dir: {first_line(exc)[:_LINE_MAX]}") from None
 
 
 # --------------------------------------------------------------------------- queries
@@ -326,7 +321,7 @@ def follow_logs(client: JobSubmissionClient, job_id: str, write: Callable[[str],
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - any websocket trouble: fall back to polling
-        log.info("log stream of job %s ended (%s); polling instead", job_id, _first_line(str(exc)) or type(exc).__name__)
+        log.info("log stream of job %s ended (%s); polling instead", job_id, first_line(exc)[:_LINE_MAX])
     while True:
         info = job_info(client, job_id)
         text = job_logs(client, job_id)
@@ -347,4 +342,4 @@ def failure_line(info: JobDetails, logs: str = "") -> str:
     found = _CLASSGRAD_ERROR.findall(logs or "")
     if found:
         return found[-1].strip()
-    return _first_line(info.message or "") or f"job {info.status}"
+    return first_line(info.message or "")[:_LINE_MAX] or f"job {info.status}"

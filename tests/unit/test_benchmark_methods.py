@@ -3,16 +3,11 @@ the reference engine (on a model small enough to run in a second)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from classgrad.workers.engines import per_class_gradients
 
-import common  # noqa: E402
-
-from classgrad.workers.engines import per_class_gradients  # noqa: E402
+from benchmarks import common
 
 NUM_CLASSES = 6
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError
+from classgrad.service.errors import InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import GradientEngine, create_engine
 from classgrad.workers.imports import import_object
@@ -50,10 +50,9 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InputError(
                 f"model.checkpoint {path!r}: refused, not a plain weights file "
-                f"(torch.load weights_only=True: {first})"
+                f"(torch.load weights_only=True: {first_line(exc)})"
             ) from exc
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
