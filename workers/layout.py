@@ -1,10 +1,10 @@
 """Parameter layout: which parameters make up a gradient row, and where each one sits.
 
-Holds:
-- ``ParamSlot``: one selected parameter (name, shape, offset, size) in row order.
-- ``ParamLayout``: the ordered selection for a model (include/exclude name patterns, default
-  every parameter with ``requires_grad``), with ``flatten``/``unflatten`` between per-parameter
-  gradients and rows, and a JSON form for the store's attributes.
+Holds ``ParamLayout``: the ordered selection for a model (include/exclude name patterns, default
+every parameter with ``requires_grad``), with ``flatten``/``unflatten`` between per-parameter
+gradients and rows, and a JSON form for the store's attributes. Its entries are ``ParamSlot``s
+(name, shape, offset, size), the one layout type the store and the engines share, defined with
+the store in ``classgrad.service.store.params``.
 
 Order is ``model.named_parameters()`` order, which is deterministic for a given model class, so
 every worker and every reader agree on the column of each parameter entry.
@@ -13,26 +13,13 @@ every worker and every reader agree on the column of each parameter entry.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from classgrad.service.errors import InputError
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One selected parameter: its columns in a row are ``[offset, offset + size)``."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    size: int
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "offset": self.offset, "size": self.size}
+from classgrad.service.store.params import ParamSlot
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -324,8 +324,8 @@ def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, s
         store = open_store(url, storage_options=storage_options, mode="r+")
         strip, read = compute_strip(store, p, start, stop)
         index, value = top_k_rows(strip, start, p.top_k)
-        store.write_similarity_rows(start, strip, run_id=run_id, topk_index=index,
-                                    topk_value=value)
+        store.similarity_arrays.write_rows(start, strip, run_id=run_id, topk_index=index,
+                                           topk_value=value)
         del strip, index, value
     finally:
         peak = meter.close()
@@ -438,7 +438,7 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
         def renew() -> None:
             now = time.monotonic()
             if now - last_renew[0] >= min(10.0, config.lease_ttl_s / 4):
-                store.renew_lease(run_id)
+                store.lease.renew(run_id)
                 last_renew[0] = now
             progress.tick()
 
@@ -447,10 +447,10 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
             progress.update(report["stop"] - report["start"])
 
         t0 = time.perf_counter()
-        store.acquire_lease(run_id, ttl_s=config.lease_ttl_s,
+        store.lease.acquire(run_id, ttl_s=config.lease_ttl_s,
                             info={"command": "similarity", "metric": plan.metric})
         try:
-            store.begin_similarity(
+            store.similarity_arrays.begin(
                 metric=plan.metric, top_k=plan.top_k, chunk_rows=plan.chunk_rows, run_id=run_id,
                 info={"block_rows": plan.block_rows, "band_cols": plan.band_cols,
                       "precision": plan.precision, "tasks": len(plan.blocks()),
@@ -463,12 +463,12 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
                 _run_local(args, plan, renew, done)
             seconds = time.perf_counter() - t0
             summary = _summary(store, plan, config, reports, seconds, bound)
-            store.finish_similarity(run_id, {
+            store.similarity_arrays.finish(run_id, {
                 "seconds": seconds, "read_bytes": summary["read_bytes"],
                 "peak_task_rss_added_bytes": summary["peak_task_rss_added_bytes"]})
         finally:
             progress.close()
-            store.release_lease(run_id)
+            store.lease.release(run_id)
     summary["run_id"] = run_id
     return summary
 

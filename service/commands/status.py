@@ -27,7 +27,7 @@ def status_of(store) -> dict:
         **completion(store),  # shards_done, shards_total, rows_done, complete, missing_ranges
         "last_run": runs[-1] if runs else None,
         "runs": len(runs),
-        "lease": store.lease_info(),
+        "lease": store.lease.info(),
     }
 
 

@@ -34,7 +34,7 @@ from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
-from classgrad.service.store import GradStore, ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def prepare_store(config: JobConfig) -> PreparedJob:
         dtype=config.store.dtype,
         codec=config.store.codec,
         sharded=config.store.sharded,
-        layout=() if projector else tuple(ParamEntry(s.name, s.shape, s.offset, s.size) for s in layout.slots),
+        layout=() if projector else layout.slots,
         loss_kind=engine.loss.name,
         projection=projector.describe() if projector else None,
         config=config.redacted(),
@@ -263,35 +263,40 @@ class JobDriver:
         store = prepared.store
         self.summary.engine = prepared.engine_kind
         self.summary.shards_total = len(prepared.shards)
-        store.acquire_lease(self.run_id, ttl_s=self.config.run.lease_ttl_s,
-                            info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started})
+        # The lease is released on the way out of the ``with`` (also when the record failed: a
+        # stale lease would refuse the rerun), after the record and before the actors are stopped.
         try:
-            todo = dispatch_order(prepared.shards, store.shard_done)
-            self.summary.shards_skipped = len(prepared.shards) - len(todo)
-            if todo:
-                self._run_shards(store, todo, t_start)
-            missing = store.missing_ranges()
-            if missing:
-                raise StoreError(f"store {store.url} still misses rows {missing[:5]} after the run")
-            self.summary.status = "complete"
-            return self.summary
-        except KeyboardInterrupt:
-            self.summary.status = "interrupted"
-            self.summary.error = "interrupted by the user; rerun the same command to resume"
-            raise
-        except ClassgradError as exc:
-            self.summary.status = "failed"
-            self.summary.error = str(exc)
-            raise
-        except BaseException as exc:
-            self.summary.status = "failed"
-            self.summary.error = f"{type(exc).__name__}: {exc}"
-            raise
+            with store.lease.hold(self.run_id, ttl_s=self.config.run.lease_ttl_s,
+                                  info={"host": socket.gethostname(), "pid": os.getpid(),
+                                        "started": self.summary.started}) as lease:
+                try:
+                    todo = dispatch_order(prepared.shards, store.shard_done)
+                    self.summary.shards_skipped = len(prepared.shards) - len(todo)
+                    if todo:
+                        self._run_shards(store, todo, t_start, lease)
+                    missing = store.missing_ranges()
+                    if missing:
+                        raise StoreError(f"store {store.url} still misses rows {missing[:5]} after the run")
+                    self.summary.status = "complete"
+                    return self.summary
+                except KeyboardInterrupt:
+                    self.summary.status = "interrupted"
+                    self.summary.error = "interrupted by the user; rerun the same command to resume"
+                    raise
+                except ClassgradError as exc:
+                    self.summary.status = "failed"
+                    self.summary.error = str(exc)
+                    raise
+                except BaseException as exc:
+                    self.summary.status = "failed"
+                    self.summary.error = f"{type(exc).__name__}: {exc}"
+                    raise
+                finally:
+                    self.summary.ended = _now()
+                    self.summary.seconds = time.perf_counter() - t_start
+                    self.summary.rows_per_s = self.summary.rows / self.summary.seconds if self.summary.seconds else 0.0
+                    self._record(store)
         finally:
-            self.summary.ended = _now()
-            self.summary.seconds = time.perf_counter() - t_start
-            self.summary.rows_per_s = self.summary.rows / self.summary.seconds if self.summary.seconds else 0.0
-            self._record(store)
             self._shutdown()
 
     def _record(self, store: GradStore) -> None:
@@ -299,10 +304,6 @@ class JobDriver:
             store.append_run(self.summary.to_dict())
         except ClassgradError as exc:
             log.error("could not record the run in the store: %s", exc)
-        try:  # also when the record failed (a full disk): a stale lease would refuse the rerun
-            store.release_lease(self.run_id)
-        except ClassgradError as exc:
-            log.error("could not release the store's lease: %s", exc)
 
     def _shutdown(self) -> None:
         import ray
@@ -312,7 +313,7 @@ class JobDriver:
                 ray.kill(slot.actor, no_restart=True)
         self._ray.close()
 
-    def _run_shards(self, store: GradStore, todo: list[Shard], t_start: float) -> None:
+    def _run_shards(self, store: GradStore, todo: list[Shard], t_start: float, lease: HeldLease) -> None:
         import ray
 
         cfg = self.config
@@ -331,7 +332,6 @@ class JobDriver:
         where: dict[Any, tuple[_Slot, Shard]] = {}
         total_rows = sum(s.rows for s in todo)
         progress = Progress(total_rows, cfg.run.progress, cfg.run.log_every_s, label=f"run {self.run_id}")
-        last_renew = time.monotonic()
         self._failed: list[tuple[Shard, int, str]] = []  # out of attempts: the job fails once the rest is done
         try:
             while queue or where:
@@ -364,9 +364,7 @@ class JobDriver:
                     if report["node"] not in self.summary.nodes:
                         self.summary.nodes.append(report["node"])
                     progress.update(report["rows"])
-                if time.monotonic() - last_renew > cfg.run.lease_ttl_s / 3:
-                    store.renew_lease(self.run_id)
-                    last_renew = time.monotonic()
+                lease.keep_alive()  # renews every third of the TTL
                 progress.tick()
             if self._failed:
                 shard, tries, why = self._failed[0]

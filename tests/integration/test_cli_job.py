@@ -108,7 +108,7 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, uninterrupted):
     assert "interrupted; finished shards are saved" in err and "Traceback" not in err
     store = open_store(url)
     assert store.attrs["runs"][-1]["status"] == "interrupted"
-    assert store.lease_info() is None, "an interrupted run must release its lease"
+    assert store.lease.info() is None, "an interrupted run must release its lease"
     run_to_end(config)
     np.testing.assert_array_equal(open_store(url).rows(np.arange(48)), uninterrupted)
 

@@ -96,7 +96,7 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     # The entrypoint is the module form, joining the cluster it runs in (see service/submit.py).
     assert f"python -m classgrad run {CONFIG}" in status.stdout and "cluster.address=auto" in status.stdout
     stopped = open_store(store)
-    assert stopped.attrs["runs"][-1]["status"] == "interrupted" and stopped.lease_info() is None
+    assert stopped.attrs["runs"][-1]["status"] == "interrupted" and stopped.lease.info() is None
     done_at_stop = int(stopped.shard_done.sum())
     assert 2 <= done_at_stop < stopped.num_shards
 

@@ -75,7 +75,7 @@ def test_a_second_driver_is_refused_naming_the_first_run(tmp_path, capsys):
     thread.start()
     try:
         wait_for(lambda: shards_done(url) >= 1 or "error" in outcome, 120, "the first driver's first shard")
-        lease = open_store(url).lease_info()
+        lease = open_store(url).lease.info()
         assert lease is not None and lease["run_id"] == first.run_id
         # A second driver of the same job, then one that would call a lease stale after 0.5 s.
         assert time.time() - lease["heartbeat"] > 0.5, "the first driver renewed too recently for this check"
@@ -91,7 +91,7 @@ def test_a_second_driver_is_refused_naming_the_first_run(tmp_path, capsys):
     store = open_store(url)
     # Only the first run is in the history: the refused drivers wrote nothing.
     assert [r["run_id"] for r in store.attrs["runs"]] == [first.run_id]
-    assert store.lease_info() is None
+    assert store.lease.info() is None
     clean = JobConfig.model_validate(small_job(str(tmp_path / "clean.zarr"), **SLOW))
     assert_identical(store_arrays(url), uninterrupted(clean))
 
@@ -103,8 +103,8 @@ def test_a_stale_lease_is_taken_over_after_its_ttl(tmp_path, capsys, caplog):
     config = JobConfig.model_validate(job)
     # A driver that took the store and then hung: it never renews its 2 s lease.
     store = prepare_store(config).store
-    store.acquire_lease("hung-run", ttl_s=2.0, info={"host": socket.gethostname(), "pid": os.getpid()})
-    heartbeat = store.lease_info()["heartbeat"]
+    store.lease.acquire("hung-run", ttl_s=2.0, info={"host": socket.gethostname(), "pid": os.getpid()})
+    heartbeat = store.lease.info()["heartbeat"]
 
     line = refused_line(capsys, ["run", path])
     assert "is in use by run 'hung-run'" in line, line
@@ -115,7 +115,7 @@ def test_a_stale_lease_is_taken_over_after_its_ttl(tmp_path, capsys, caplog):
     assert "taking over the stale lease of run 'hung-run'" in caplog.text
     assert "last heartbeat" in caplog.text and "> 2s" in caplog.text
     after = open_store(url)
-    assert after.lease_info() is None and after.attrs["runs"][-1]["status"] == "complete"
+    assert after.lease.info() is None and after.attrs["runs"][-1]["status"] == "complete"
     clean = JobConfig.model_validate(small_job(str(tmp_path / "clean.zarr"), **MLP))
     assert_identical(store_arrays(url), uninterrupted(clean))
 
@@ -125,14 +125,14 @@ def test_a_lease_is_judged_by_its_holders_ttl(tmp_path):
     # and that promise, not a newcomer's impatience, decides when the lease is stale again.
     config = JobConfig.model_validate(small_job(str(tmp_path / "store.zarr"), **MLP))
     store = prepare_store(config).store
-    store.acquire_lease("quick-run", ttl_s=0.2)
-    heartbeat = store.lease_info()["heartbeat"]
+    store.lease.acquire("quick-run", ttl_s=0.2)
+    heartbeat = store.lease.info()["heartbeat"]
     wait_for(lambda: time.time() - heartbeat > 0.2, 5, "the quick run's lease to pass its TTL")
     other = open_store(config.store.url, mode="r+")
-    other.acquire_lease("patient-run", ttl_s=60.0)
-    assert other.lease_info()["run_id"] == "patient-run" and other.lease_info()["ttl_s"] == 60.0
+    other.lease.acquire("patient-run", ttl_s=60.0)
+    assert other.lease.info()["run_id"] == "patient-run" and other.lease.info()["ttl_s"] == 60.0
     # A third driver that would call anything older than 0.2 s stale is still refused.
     third = open_store(config.store.url, mode="r+")
-    wait_for(lambda: time.time() - third.lease_info()["heartbeat"] > 0.2, 5, "a heartbeat older than 0.2 s")
+    wait_for(lambda: time.time() - third.lease.info()["heartbeat"] > 0.2, 5, "a heartbeat older than 0.2 s")
     with pytest.raises(LeaseHeldError, match="in use by run 'patient-run'"):
-        third.acquire_lease("impatient-run", ttl_s=0.2)
+        third.lease.acquire("impatient-run", ttl_s=0.2)

@@ -122,7 +122,7 @@ def test_a_shard_out_of_attempts_fails_the_job_naming_it_and_keeps_the_rest(clus
     store = open_store(url)
     # Everything else was finished and saved before the job gave up (DESIGN.md, data flow 5).
     assert store.shard_done.tolist() == [i != FAIL_SHARD for i in range(NUM_SHARDS)]
-    assert store.lease_info() is None, "a failed run must release its lease"
+    assert store.lease.info() is None, "a failed run must release its lease"
     run = last_run(url)
     assert run["status"] == "failed" and "shard 2 (rows 8-11) failed 2 times" in run["error"]
     assert run["shards_done"] == NUM_SHARDS - 1

@@ -16,7 +16,7 @@ import pytest
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.errors import CorruptChunkError, StoreError
-from classgrad.service.store import ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.store import ParamSlot, StoreSpec, create_store, open_store
 from tests.unit.test_analysis_helpers import dense_similarity, synthetic_store, write_all
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_a_failing_task_fails_the_run_with_one_line(ray_local, tmp_path, capsys)
         compute_similarity(str(tmp_path / "s"), block_rows=32)
     with pytest.raises(StoreError, match="unfinished"):
         open_store(str(tmp_path / "s")).similarity([0])
-    assert open_store(str(tmp_path / "s")).lease_info() is None  # the lease was released
+    assert open_store(str(tmp_path / "s")).lease.info() is None  # the lease was released
     assert cli_main(["similarity", str(tmp_path / "s"), "--block-rows", "32"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "grads chunk (5, 1)" in err
@@ -90,8 +90,8 @@ def demo_like_store(path: Path) -> None:
     """A store with the demo job's layout (its second hidden layer, "2.*") and 300 classes."""
     rng = np.random.default_rng(0)
     spec = StoreSpec(num_classes=300, dim=1056, shard_rows=64, row_chunk=32,
-                     layout=(ParamEntry("2.weight", (32, 32), 0, 1024),
-                             ParamEntry("2.bias", (32,), 1024, 32)),
+                     layout=(ParamSlot("2.weight", (32, 32), 0, 1024),
+                             ParamSlot("2.bias", (32,), 1024, 32)),
                      fingerprint="demo-like", loss_kind="cross_entropy")
     write_all(create_store(str(path), spec),
               (0.01 * rng.standard_normal((300, 1056))).astype(np.float32))

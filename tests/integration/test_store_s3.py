@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from classgrad.service.errors import StoreError, StoreMismatchError
-from classgrad.service.store import ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.store import ParamSlot, StoreSpec, create_store, open_store
 
 import s3fs  # noqa: E402
 
 
 def spec(**kw) -> StoreSpec:
     base = dict(num_classes=40, dim=24, shard_rows=16, row_chunk=8, col_chunk=10,
-                layout=(ParamEntry("w", (4, 4), 0, 16), ParamEntry("b", (8,), 16, 8)),
+                layout=(ParamSlot("w", (4, 4), 0, 16), ParamSlot("b", (8,), 16, 8)),
                 fingerprint="fp-s3")
     base.update(kw)
     return StoreSpec(**base)
@@ -30,7 +30,7 @@ def test_s3_round_trip_without_credentials_in_the_store(s3_bucket, s3_storage_op
         store.write_rows(start, rows[start:stop], loss=np.ones(stop - start),
                          count=np.ones(stop - start))
         store.mark_shard_done(shard)
-    store.acquire_lease("run-1")
+    store.lease.acquire("run-1")
     store.append_run({"rows": 40})
 
     reader = open_store(url, storage_options=s3_storage_options)
@@ -57,7 +57,7 @@ def test_s3_round_trip_without_credentials_in_the_store(s3_bucket, s3_storage_op
             assert s3_storage_options["key"] not in text
             assert s3_storage_options["secret"] not in text
             assert s3_storage_options["client_kwargs"]["endpoint_url"] not in text
-    store.release_lease("run-1")
+    store.lease.release("run-1")
     assert not fs.exists(f"{s3_bucket}/jobs/demo.zarr/lease.json")
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from classgrad.service.store import ParamEntry, StoreSpec, create_store
+from classgrad.service.store import ParamSlot, StoreSpec, create_store
 
-LAYOUT = (ParamEntry("layer.weight", (8, 10), 0, 80), ParamEntry("layer.bias", (8,), 80, 8),
-          ParamEntry("head.weight", (2, 4), 88, 8))
+LAYOUT = (ParamSlot("layer.weight", (8, 10), 0, 80), ParamSlot("layer.bias", (8,), 80, 8),
+          ParamSlot("head.weight", (2, 4), 88, 8))
 DIM = 96
 ZERO_ROW = 7
 
@@ -69,7 +69,7 @@ def model_store(path, *, num_classes: int = 500, dtype: str = "float32"):
     store = create_store(str(path), StoreSpec(
         num_classes=num_classes, dim=layout.dim, shard_rows=128, row_chunk=32,
         col_chunk=1024, dtype=dtype, fingerprint="fp-model", loss_kind="cross_entropy",
-        layout=tuple(ParamEntry(s.name, s.shape, s.offset, s.size) for s in layout.slots)))
+        layout=layout.slots))
     write_all(store, rows)
     return store, model, store.rows(np.arange(num_classes))
 

@@ -113,13 +113,13 @@ def test_rerun_replaces_the_result_and_stale_writers_are_refused(tmp_path):
             <= float32_bound(rows, "dot", rows.shape[1])).all()  # see float32_bound
     # A run that dies after starting leaves a result readers refuse, and a task of an older
     # run can no longer write into the new arrays.
-    store.begin_similarity(metric="cosine", top_k=3, chunk_rows=16, run_id="crashed")
+    store.similarity_arrays.begin(metric="cosine", top_k=3, chunk_rows=16, run_id="crashed")
     with pytest.raises(StoreError, match="unfinished"):
         reader.similarity([0])
     with pytest.raises(StoreError, match="no longer owns"):
-        store.write_similarity_rows(0, np.zeros((16, 100)), run_id=first["run_id"])
+        store.similarity_arrays.write_rows(0, np.zeros((16, 100)), run_id=first["run_id"])
     with pytest.raises(StoreError, match="misaligned"):
-        store.write_similarity_rows(8, np.zeros((16, 100)), run_id="crashed")
+        store.similarity_arrays.write_rows(8, np.zeros((16, 100)), run_id="crashed")
 
 
 def test_incomplete_store_is_refused_naming_the_missing_rows(tmp_path):

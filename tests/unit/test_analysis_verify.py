@@ -148,7 +148,7 @@ def test_similarity_arrays_are_checked(sound, capsys):
     code, out = verify(sound, capsys)
     assert code == CORRUPT and "similarity chunk (1, 0)" in out
     # An unfinished rerun is a note, not a failure: readers refuse it and a rerun replaces it.
-    open_store(str(sound), mode="r+").begin_similarity(metric="dot", top_k=2, chunk_rows=16,
+    open_store(str(sound), mode="r+").similarity_arrays.begin(metric="dot", top_k=2, chunk_rows=16,
                                                        run_id="died")
     code, out = verify(sound, capsys)
     assert code == 0 and "note: the similarity matrix is unfinished (run 'died')" in out

@@ -25,7 +25,7 @@ from classgrad.service.errors import (
     StoreIncompleteError,
     StoreMismatchError,
 )
-from classgrad.service.store import FORMAT_VERSION, ParamEntry, StoreSpec, create_store, open_store
+from classgrad.service.store import FORMAT_VERSION, ParamSlot, StoreSpec, create_store, open_store
 
 DTYPES = ["float32", "float16", "bfloat16"]
 CODECS = ["none", "zstd", "blosc"]
@@ -37,7 +37,7 @@ REL_TOL = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 def make_spec(**kw) -> StoreSpec:
     base = dict(num_classes=50, dim=30, shard_rows=16, row_chunk=8, col_chunk=7,
-                layout=(ParamEntry("w", (5, 4), 0, 20), ParamEntry("b", (10,), 20, 10)),
+                layout=(ParamSlot("w", (5, 4), 0, 20), ParamSlot("b", (10,), 20, 10)),
                 fingerprint="fp-1", loss_kind="cross_entropy",
                 config={"loss": {"kind": "cross_entropy"}})
     base.update(kw)
@@ -463,8 +463,8 @@ def test_file_url(tmp_path):
     (dict(num_classes=0), "num_classes"),
     (dict(dtype="int8"), "dtype"),
     (dict(codec="lz4"), "codec"),
-    (dict(layout=(ParamEntry("w", (5, 4), 0, 20),)), "layout"),
-    (dict(layout=(ParamEntry("w", (5, 4), 0, 21), ParamEntry("b", (9,), 21, 9))), "layout"),
+    (dict(layout=(ParamSlot("w", (5, 4), 0, 20),)), "layout"),
+    (dict(layout=(ParamSlot("w", (5, 4), 0, 21), ParamSlot("b", (9,), 21, 9))), "layout"),
     (dict(class_ids=(1, 2)), "class_ids"),
     (dict(class_names=("a",)), "class_names"),
     (dict(projection={"kind": "rademacher", "dim": 30}), "layout"),
@@ -521,32 +521,32 @@ def test_missing_rows_refused_unless_allowed(tmp_path):
 def test_lease(tmp_path, caplog):
     url = str(tmp_path / "s")
     store = create_store(url, make_spec())
-    store.acquire_lease("run-a", info={"config": "demo.yaml"})
-    store.acquire_lease("run-a")  # the holder may re-acquire
-    store.renew_lease("run-a")
+    store.lease.acquire("run-a", info={"config": "demo.yaml"})
+    store.lease.acquire("run-a")  # the holder may re-acquire
+    store.lease.renew("run-a")
     with pytest.raises(LeaseHeldError, match="cannot overwrite: .* run 'run-a'"):
         create_store(url, make_spec(fingerprint="fp-2"), overwrite=True)
     other = open_store(url, mode="r+")
     with pytest.raises(LeaseHeldError) as info:
-        other.acquire_lease("run-b", ttl_s=60)
+        other.lease.acquire("run-b", ttl_s=60)
     message = str(info.value)
     assert "'run-a'" in message and f"pid {os.getpid()}" in message and "host" in message
 
     # A lease whose heartbeat is older than its holder's TTL is stale: taken over, with a warning.
-    store.acquire_lease("run-a", ttl_s=0.0)  # the holder renews with a TTL of 0: stale at once
+    store.lease.acquire("run-a", ttl_s=0.0)  # the holder renews with a TTL of 0: stale at once
     with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
-        other.acquire_lease("run-b", ttl_s=60.0)
+        other.lease.acquire("run-b", ttl_s=60.0)
     assert "stale lease of run 'run-a'" in caplog.text
     with pytest.raises(LeaseHeldError, match="lost its lease .* run 'run-b'"):
-        store.renew_lease("run-a")
-    store.release_lease("run-a")  # not the holder: left alone
+        store.lease.renew("run-a")
+    store.lease.release("run-a")  # not the holder: left alone
     with pytest.raises(LeaseHeldError):
-        store.acquire_lease("run-a")
-    other.release_lease("run-b")
+        store.lease.acquire("run-a")
+    other.lease.release("run-b")
     assert not (tmp_path / "s" / "lease.json").exists()
-    store.acquire_lease("run-a")
+    store.lease.acquire("run-a")
     with pytest.raises(StoreError, match="read-only"):
-        open_store(url).acquire_lease("run-c")
+        open_store(url).lease.acquire("run-c")
 
 
 def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, caplog):
@@ -559,16 +559,16 @@ def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, cap
              "heartbeat": time.time(), "ttl_s": 60.0, "info": {}}
     (tmp_path / "s" / "lease.json").write_text(json.dumps(lease))
     store = open_store(url, mode="r+")
-    assert store.lease_info()["run_id"] == "run-dead"
+    assert store.lease.info()["run_id"] == "run-dead"
     with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
-        store.acquire_lease("run-new", ttl_s=60.0)  # fresh heartbeat, but the holder is gone
+        store.lease.acquire("run-new", ttl_s=60.0)  # fresh heartbeat, but the holder is gone
     assert "its driver process is gone" in caplog.text
-    assert store.lease_info()["run_id"] == "run-new"
+    assert store.lease.info()["run_id"] == "run-new"
     # The same lease held by a live process (this one) is respected.
     lease.update(run_id="run-live", pid=os.getpid())
     (tmp_path / "s" / "lease.json").write_text(json.dumps(lease))
     with pytest.raises(LeaseHeldError, match="run-live"):
-        store.acquire_lease("run-new2", ttl_s=60.0)
+        store.lease.acquire("run-new2", ttl_s=60.0)
 
 
 def test_append_run(tmp_path):

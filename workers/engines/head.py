@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from classgrad.service.store.params import ParamSlot
 from classgrad.workers.engines.base import reaches_any
-from classgrad.workers.layout import ParamLayout, ParamSlot
+from classgrad.workers.layout import ParamLayout
 
 _FP_BYTES = 4
 

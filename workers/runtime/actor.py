@@ -142,7 +142,7 @@ class GradientWorker:
         """
         if self.run_id is None:
             return
-        holder = (self.store.lease_info() or {}).get("run_id")
+        holder = (self.store.lease.info() or {}).get("run_id")
         if holder != self.run_id:
             raise LeaseHeldError(
                 f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "

@@ -1,0 +1,40 @@
+"""The Zarr v3 gradient store: the only part of classgrad that knows key names and layout.
+
+Re-exports the public names. The package: ``format`` (constants, ``StoreSpec``, metadata, the
+layout described in full), ``params`` (``ParamSlot``), ``encoding`` (row scale, bfloat16 bits),
+``indexing`` (row ids and ranges), ``location`` (local or fsspec location, ``local_path``),
+``create`` (``create_store``, ``open_store``), ``grad_store`` (``GradStore``), ``arrays``
+(array reads with a diagnosis), ``reader`` and ``writer`` (rows), ``direct_write`` (the chunk
+writer for local uncompressed stores), ``lease`` (the driver's lease), ``similarity_arrays``
+(the similarity results), ``scan`` (chunk scanning, ``ChunkProblem``) and ``checks``
+(``check_metadata``). It needs numpy, zarr and fsspec only (s3fs for ``s3://``; dask for
+``to_dask``), never torch or Ray.
+"""
+
+from classgrad.service.store.checks import check_metadata
+from classgrad.service.store.create import create_store, open_store
+from classgrad.service.store.format import FORMAT_VERSION, SIMILARITY_METRICS, StoreSpec
+from classgrad.service.store.grad_store import GradStore
+from classgrad.service.store.indexing import fmt_ranges
+from classgrad.service.store.lease import HeldLease, StoreLease
+from classgrad.service.store.location import local_path
+from classgrad.service.store.params import ParamSlot
+from classgrad.service.store.scan import ChunkProblem
+from classgrad.service.store.similarity_arrays import SimilarityArrays
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SIMILARITY_METRICS",
+    "ChunkProblem",
+    "GradStore",
+    "HeldLease",
+    "ParamSlot",
+    "SimilarityArrays",
+    "StoreLease",
+    "StoreSpec",
+    "check_metadata",
+    "create_store",
+    "fmt_ranges",
+    "local_path",
+    "open_store",
+]

@@ -1,0 +1,124 @@
+"""The structured metadata checks of ``classgrad verify``: a store's metadata, not trusted.
+
+Holds ``check_metadata`` (one line per problem in the format version, state, sizes, dtype,
+parameter layout, class ids and names, fingerprint, the arrays' shapes, dtypes and chunks, and
+the similarity result's). The checks of the chunks themselves are in ``scan``.
+"""
+
+from __future__ import annotations
+
+import zarr
+
+from classgrad.service.errors import StoreError, first_line
+from classgrad.service.store.format import (
+    FORMAT_VERSION,
+    SIM,
+    SIM_INDEX,
+    SIM_VALUE,
+    SIMILARITY_METRICS,
+    STORAGE_DTYPES,
+    array_table,
+    check_layout,
+)
+from classgrad.service.store.location import Location, probe
+
+
+def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str]:
+    """Check a store's metadata without trusting it (``classgrad verify``): one line per
+    problem, empty when consistent. Checks the format version and state; the sizes (number of
+    shards, chunk alignment); dtype; the parameter layout (offsets contiguous from 0, sizes
+    matching shapes, summing to dim, unique names; empty when projected); class ids and names
+    (one per row, ids unique); a non-empty fingerprint; every array's shape, dtype and chunks;
+    and, if present, the similarity's shape, metric and source fingerprint. Raises
+    ``StoreError`` when there is no classgrad store at ``url`` at all."""
+    loc = Location(url, storage_options)
+    state, meta = probe(loc)
+    if state == "empty":
+        raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})")
+    if state == "other":
+        raise StoreError(f"{url} holds something that is not a classgrad store")
+    problems: list[str] = []
+    if meta.get("format_version") != FORMAT_VERSION:
+        problems.append(f"format_version is {meta.get('format_version')!r}, expected "
+                        f"{FORMAT_VERSION}")
+    if meta.get("state") != "ready":
+        problems.append(f"state is {meta.get('state')!r}: creation was interrupted")
+    ints = ("num_classes", "dim", "shard_rows", "num_shards", "row_chunk", "col_chunk")
+    for key in ints:
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key} is {value!r}, expected a positive integer")
+    if problems:
+        return problems
+    C, D = meta["num_classes"], meta["dim"]
+    if meta["num_shards"] != -(-C // meta["shard_rows"]):
+        problems.append(f"num_shards is {meta['num_shards']}, but {C} classes in shards of "
+                        f"{meta['shard_rows']} make {-(-C // meta['shard_rows'])}")
+    if meta["shard_rows"] % meta["row_chunk"]:
+        problems.append(f"shard_rows ({meta['shard_rows']}) is not a multiple of row_chunk "
+                        f"({meta['row_chunk']})")
+    dtype = meta.get("dtype")
+    if dtype not in STORAGE_DTYPES:
+        problems.append(f"dtype is {dtype!r}, expected one of {', '.join(STORAGE_DTYPES)}")
+    elif meta.get("storage_dtype") != STORAGE_DTYPES[dtype]:
+        problems.append(f"storage_dtype is {meta.get('storage_dtype')!r}, expected "
+                        f"{STORAGE_DTYPES[dtype]!r} for dtype {dtype}")
+    problems += check_layout(meta.get("layout"), meta.get("projection"), D)
+    ids, names = meta.get("class_ids"), meta.get("class_names")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) != C:
+            problems.append(f"class_ids has {len(ids) if isinstance(ids, list) else ids!r} "
+                            f"entries, expected one per row ({C})")
+        elif not all(isinstance(i, int) for i in ids) or len(set(ids)) != C:
+            problems.append("class_ids are not distinct integers")
+    if names is not None and (not isinstance(names, list) or len(names) != C):
+        problems.append(f"class_names has {len(names) if isinstance(names, list) else names!r} "
+                        f"entries, expected one per row ({C})")
+    fingerprint = meta.get("fingerprint")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        problems.append(f"fingerprint is {fingerprint!r}: missing (a rerun could not tell "
+                        f"whether the store was made by its config)")
+    problems += _check_arrays(loc, meta)
+    return problems
+
+
+def _check_arrays(loc: Location, meta: dict) -> list[str]:
+    C, D = meta["num_classes"], meta["dim"]
+    expected = array_table(C, D, meta["row_chunk"], min(meta["col_chunk"], D),
+                           meta["num_shards"], STORAGE_DTYPES.get(meta.get("dtype"), "?"))
+    out = []
+    try:
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
+    except Exception as exc:
+        return [f"cannot open the group: {first_line(exc)}"]
+    for name, (shape, chunks, dtype) in expected.items():
+        try:
+            arr = group[name]
+        except KeyError:
+            out.append(f"array {name!r} is missing")
+            continue
+        if tuple(arr.shape) != shape or str(arr.dtype) != dtype or tuple(arr.chunks) != chunks:
+            out.append(f"array {name!r} is {list(arr.shape)} {arr.dtype} in chunks "
+                       f"{list(arr.chunks)}, expected {list(shape)} {dtype} in chunks "
+                       f"{list(chunks)}")
+    try:
+        sim = group[SIM]
+    except KeyError:
+        return out
+    info = dict(sim.attrs)
+    if tuple(sim.shape) != (C, C):
+        out.append(f"similarity is {list(sim.shape)}, expected [{C}, {C}]")
+    if info.get("metric") not in SIMILARITY_METRICS:
+        out.append(f"similarity metric is {info.get('metric')!r}, expected one of "
+                   f"{', '.join(SIMILARITY_METRICS)}")
+    if info.get("state") == "ready" and info.get("source_fingerprint") != meta.get("fingerprint"):
+        out.append(f"similarity is stale: computed from fingerprint "
+                   f"{info.get('source_fingerprint')!r}, the store's is "
+                   f"{meta.get('fingerprint')!r}")
+    k = info.get("top_k")
+    for name in (SIM_INDEX, SIM_VALUE):
+        present = name in group
+        if k and (not present or tuple(group[name].shape) != (C, k)):
+            out.append(f"{name} is {list(group[name].shape) if present else 'missing'}, "
+                       f"expected [{C}, {k}]")
+    return out

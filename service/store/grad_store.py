@@ -1,0 +1,287 @@
+"""An open gradient store: its metadata, rows in and out, and the collaborators that do the rest.
+
+Holds ``GradStore``: opened by ``create_store`` or ``open_store``, it checks the store's format
+version and state, and offers the metadata (``spec``, sizes, ``layout``, ``class_ids``...),
+the row writer (``write_rows``, ``mark_shard_done``), completeness (``shard_done``,
+``missing_ranges``), the reader (``rows``, ``param``, ``iter_blocks``, ``block``,
+``rows_band``, the per-row vectors, ``to_dask``), the run history (``append_run``), the chunk
+scan (``scan_chunks``, ``verify_chunks``) and the similarity reader (``similarity``...). The
+work is done by the objects it holds: ``StoreArrays`` (arrays, reads with a diagnosis),
+``RowWriter``, ``RowReader``, and, public, ``lease`` (``StoreLease``) and
+``similarity_arrays`` (``SimilarityArrays``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import zarr
+
+from classgrad.service.errors import StoreError, first_line
+from classgrad.service.store.arrays import StoreArrays
+from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, StoreSpec, spec_from_meta
+from classgrad.service.store.indexing import col_range, row_ids
+from classgrad.service.store.lease import StoreLease
+from classgrad.service.store.location import Location
+from classgrad.service.store.params import ParamSlot
+from classgrad.service.store.reader import RowReader
+from classgrad.service.store.scan import ChunkProblem, scan_chunks
+from classgrad.service.store.similarity_arrays import SimilarityArrays
+from classgrad.service.store.writer import RowWriter
+
+
+class GradStore:
+    """An open store. Build it with ``create_store`` or ``open_store``."""
+
+    def __init__(self, loc: Location, mode: str) -> None:
+        self._loc = loc
+        self._mode = mode
+        url = loc.url
+        if loc.local and not os.path.isdir(loc.path):
+            raise StoreError(f"no classgrad store at {url} (no such directory)")
+        try:
+            group = zarr.open_group(loc.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3)
+        except FileNotFoundError:
+            raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})") from None
+        except Exception as exc:
+            raise StoreError(f"cannot open store at {url}: {first_line(exc)}") from None
+        meta = group.attrs.get(ATTR_KEY)
+        if not isinstance(meta, dict):
+            raise StoreError(f"{url} is a Zarr group but not a classgrad store "
+                             f"(no '{ATTR_KEY}' attributes)")
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise StoreError(f"store at {url} has format version {version}; this classgrad "
+                             f"reads version {FORMAT_VERSION}")
+        if meta.get("state") != "ready":
+            raise StoreError(f"store at {url} was not fully created (interrupted); rerun the "
+                             f"job to recreate it")
+        self._meta = meta
+        self._arrays = StoreArrays(loc, group, mode)
+        try:
+            self._spec = spec_from_meta(meta)
+        except (KeyError, TypeError, StoreError) as exc:
+            raise StoreError(f"store at {url} has damaged classgrad attributes: "
+                             f"{first_line(exc)}") from None
+        ids = self._spec.class_ids
+        self._class_ids = np.arange(self.num_classes, dtype=np.int64) if ids is None else \
+            np.asarray(ids, dtype=np.int64)
+        self._class_ids.flags.writeable = False
+        self._reader = RowReader(self._arrays, self._spec)
+        self._writer = RowWriter(self._arrays, self._spec, self._class_ids)
+        self.lease = StoreLease(loc, writable=mode != "r")
+        self.similarity_arrays = SimilarityArrays(self._arrays, self._spec)
+
+    def __repr__(self) -> str:
+        return (f"GradStore({self.url!r}, {self.num_classes} x {self.dim} {self.dtype}, "
+                f"mode={self._mode!r})")
+
+    # ----------------------------------------------------------------- metadata
+
+    @property
+    def url(self) -> str:
+        return self._loc.url
+
+    @property
+    def local_path(self) -> str | None:
+        """The store's directory (absolute, ``~`` expanded) when it is local, else None."""
+        return self._loc.path if self._loc.local else None
+
+    @property
+    def spec(self) -> StoreSpec:
+        return self._spec
+
+    @property
+    def num_classes(self) -> int:
+        return self._spec.num_classes
+
+    @property
+    def dim(self) -> int:
+        return self._spec.dim
+
+    @property
+    def dtype(self) -> str:
+        return self._spec.dtype
+
+    @property
+    def row_chunk(self) -> int:
+        return self._spec.row_chunk
+
+    @property
+    def col_chunk(self) -> int:
+        return self._spec.col_chunk
+
+    @property
+    def shard_rows(self) -> int:
+        return self._spec.shard_rows
+
+    @property
+    def num_shards(self) -> int:
+        return self._spec.num_shards
+
+    @property
+    def write_align(self) -> int:
+        """Rows a write must start at a multiple of (and cover): the unit stored as one object."""
+        return self._spec.write_align
+
+    @property
+    def layout(self) -> tuple[ParamSlot, ...]:
+        return self._spec.layout
+
+    @property
+    def class_ids(self) -> np.ndarray:
+        """Class of each row (int64, read-only)."""
+        return self._class_ids
+
+    @property
+    def class_names(self) -> list[str] | None:
+        names = self._spec.class_names
+        return None if names is None else list(names)
+
+    @property
+    def fingerprint(self) -> str:
+        return self._spec.fingerprint
+
+    @property
+    def attrs(self) -> dict:
+        return copy.deepcopy(self._meta)
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """Rows [start, stop) of a work shard; the last one may be short."""
+        return self._spec.shard_range(shard)
+
+    # ----------------------------------------------------------------- writing
+
+    def write_rows(self, start: int, rows: np.ndarray, *, loss: np.ndarray, count: np.ndarray) -> int:
+        """Store rows [start, start + n): true float32 values, plus per-row loss and count.
+
+        ``start`` must be a multiple of ``write_align`` and ``n`` too, unless the rows end at
+        the last row, so every chunk is written whole, by one writer. Non-finite rows are
+        refused. Returns the bytes handed to the store (before compression).
+        """
+        return self._writer.write_rows(start, rows, loss=loss, count=count)
+
+    def mark_shard_done(self, shard: int) -> None:
+        """Mark a shard complete; call only once all its rows have been written."""
+        self._writer.set_done(shard, 1)
+
+    def clear_shard_done(self, shard: int) -> None:
+        self._writer.set_done(shard, 0)
+
+    def append_run(self, entry: dict) -> None:
+        """Append one run record (any JSON-serialisable dict) to attributes["runs"]."""
+        self._arrays.require_writable()
+        entry = json.loads(json.dumps(entry, default=str))
+        try:
+            group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
+            meta = group.attrs[ATTR_KEY]
+            meta.setdefault("runs", []).append(entry)
+            group.update_attributes({ATTR_KEY: meta})
+        except Exception as exc:
+            raise StoreError(f"cannot record the run in {self.url}: {first_line(exc)}") from None
+        self._meta = meta
+
+    # ----------------------------------------------------------------- completeness
+
+    @property
+    def shard_done(self) -> np.ndarray:
+        return self._reader.shard_done()
+
+    @property
+    def is_complete(self) -> bool:
+        return bool(self.shard_done.all())
+
+    def missing_ranges(self, done: np.ndarray | None = None) -> list[tuple[int, int]]:
+        """Merged [start, stop) row ranges of shards not marked done. Pass ``done`` when the
+        caller has already read ``shard_done`` (each read is one request per shard on S3)."""
+        return self._reader.missing_ranges(done)
+
+    # ----------------------------------------------------------------- reading
+
+    def rows(self, ids: Any, *, allow_missing: bool = False) -> np.ndarray:
+        """True float32 rows [len(ids), dim] at row indices ``ids`` (row i is class class_ids[i]).
+
+        Rows of shards not marked done raise ``StoreIncompleteError`` naming them, unless
+        ``allow_missing`` (then they come back as NaN).
+        """
+        return self._reader.gather(row_ids(ids, self.num_classes), slice(0, self.dim), allow_missing)
+
+    def param(self, name: str, ids: Any, *, allow_missing: bool = False) -> np.ndarray:
+        """One parameter's part of rows ``ids``, shaped [len(ids), *shape of the parameter]."""
+        return self._reader.param(name, ids, allow_missing)
+
+    def iter_blocks(self, rows_per_block: int, *,
+                    allow_missing: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (start, true float32 rows) in row order; blocks are whole row-chunks when
+        ``rows_per_block >= row_chunk``. Incompleteness is reported before the first block."""
+        return self._reader.iter_blocks(rows_per_block, allow_missing)
+
+    def block(self, start: int, stop: int, cols: slice | tuple[int, int] | None = None, *,
+              allow_missing: bool = False) -> np.ndarray:
+        """True float32 values of rows [start, stop) and columns ``cols`` (a slice or a
+        (start, stop) pair; default every column): the unit out-of-core jobs read."""
+        start, stop = int(start), int(stop)
+        if not 0 <= start <= stop <= self.num_classes:
+            raise StoreError(f"block: rows [{start}, {stop}) are outside [0, {self.num_classes})")
+        cols = col_range(cols, self.dim)
+        if start == stop:
+            return np.empty((0, cols.stop - cols.start), dtype=np.float32)
+        return self._reader.gather(np.arange(start, stop, dtype=np.int64), cols, allow_missing)
+
+    def rows_band(self, ids: Any, cols: slice | tuple[int, int], *,
+                  allow_missing: bool = False) -> np.ndarray:
+        """True float32 values of rows ``ids`` (any order, repeats allowed) in one column range:
+        ``rows`` for a few scattered rows whose full length would not fit in memory."""
+        return self._reader.gather(row_ids(ids, self.num_classes), col_range(cols, self.dim), allow_missing)
+
+    def loss(self, ids: Any = None) -> np.ndarray:
+        """Per-row loss (NaN where never written)."""
+        return self._reader.vector("loss", ids)
+
+    def count(self, ids: Any = None) -> np.ndarray:
+        """Per-row probe-sample count (-1 where never written)."""
+        return self._reader.vector("count", ids)
+
+    def row_scale(self, ids: Any = None) -> np.ndarray:
+        """Per-row scale: true row = stored row * row_scale (NaN where never written)."""
+        return self._reader.vector("row_scale", ids)
+
+    def to_dask(self):  # -> dask.array.Array (dask is optional)
+        """Lazy dask array [C, D] of true float32 values. Rows of shards not done (at the time
+        of this call) are NaN; a corrupt chunk raises zarr's checksum ValueError on compute."""
+        return self._reader.to_dask()
+
+    # ----------------------------------------------------------------- verification
+
+    def scan_chunks(self) -> list[ChunkProblem]:
+        """Read every chunk of every array once, results included; one ``ChunkProblem`` per
+        problem, with its kind (see ``classgrad.service.store.scan.scan_chunks``)."""
+        return scan_chunks(self._arrays, self._spec, self.similarity_arrays)
+
+    def verify_chunks(self) -> list[str]:
+        """Read every chunk of every array; return one line per problem (empty when sound):
+        the messages of ``scan_chunks`` (corrupt or unreadable chunks, chunks missing from
+        shards marked done, non-finite or invalid values, shard_done values other than 0/1)."""
+        return [p.message for p in self.scan_chunks()]
+
+    # ----------------------------------------------------------------- similarity (readers)
+    # The reader API of docs/reading.md; ``similarity_arrays`` also writes them.
+
+    def similarity_info(self) -> dict | None:
+        """Attributes of the stored similarity matrix, or None (``SimilarityArrays.info``)."""
+        return self.similarity_arrays.info()
+
+    def similarity(self, ids: Any = None, cols: Any = None) -> np.ndarray:
+        """Rows ``ids`` (default all) and columns ``cols`` (default all) of the stored class
+        similarity matrix, float32; refused unless a finished result of these rows exists."""
+        return self.similarity_arrays.matrix(ids, cols)
+
+    def similarity_neighbours(self, ids: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k neighbours of rows ``ids`` (default all): (row indices int64 [n, k], values
+        float32 [n, k]), most similar first, self excluded; row i is class ``class_ids[i]``."""
+        return self.similarity_arrays.neighbours(ids)

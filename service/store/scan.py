@@ -1,0 +1,157 @@
+"""Chunk scanning: every chunk of every array read once, each problem reported with its kind.
+
+Holds ``ChunkProblem`` (array, kind, one-line message) and ``scan_chunks`` (behind
+``GradStore.scan_chunks``, ``GradStore.verify_chunks`` and ``classgrad verify``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from classgrad.service.errors import CorruptChunkError, first_line
+from classgrad.service.store.arrays import StoreArrays, is_corruption
+from classgrad.service.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
+from classgrad.service.store.indexing import fmt_ranges, row_ranges
+from classgrad.service.store.similarity_arrays import SimilarityArrays
+
+# scan_chunks reads this many elements per request at most (64 MiB of float32).
+_SCAN_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class ChunkProblem:
+    """One problem found by ``scan_chunks``: the array, a kind (corrupt, unreadable, missing,
+    nonfinite, bad_value) and a one-line message naming the chunk."""
+
+    array: str
+    kind: str
+    message: str
+
+
+def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArrays) -> list[ChunkProblem]:
+    """Read every chunk of every array once (results included) and report each problem
+    with its kind, for ``classgrad verify``:
+
+    - ``corrupt``: the chunk fails its crc32c checksum or cannot be decoded;
+    - ``unreadable``: the read failed for another reason (I/O);
+    - ``missing``: no chunk object although its rows belong to a shard marked done (or to a
+      finished similarity): those rows read as the fill value;
+    - ``nonfinite``: the chunk exists and holds NaN or Inf in ``grads`` or ``loss`` rows of a
+      done shard, or in a finished similarity (writers refuse them, so something bypassed
+      them);
+    - ``bad_value``: ``shard_done`` not 0 or 1, ``row_scale`` not positive and finite or
+      ``count`` negative in a done row, a top-k index out of range.
+
+    A NaN value and a missing chunk are told apart by asking whether the chunk object
+    exists (for sharded arrays: the shard object, so a lost inner chunk of a written shard
+    is reported as ``nonfinite``).
+    """
+    problems: list[ChunkProblem] = []
+    try:
+        done = arrays.read_all("shard_done").astype(bool)
+    except CorruptChunkError as exc:
+        return [ChunkProblem("shard_done", "corrupt", str(exc))]
+    done_rows = np.repeat(done, spec.shard_rows)[: spec.num_classes]
+    names: list[tuple[str, np.ndarray | None]] = [
+        (n, None if n == "shard_done" else done_rows) for n in ARRAYS]
+    info = similarity.info()
+    if info is not None:
+        ready = np.full(spec.num_classes, info.get("state") == "ready")
+        names += [(n, ready) for n in RESULT_ARRAYS if arrays.result(n) is not None]
+    for name, checked in names:
+        for sel, indices, block, exc in _scan_blocks(arrays[name]):
+            if exc is not None:
+                bad = arrays.corrupt_chunks(name, indices) if is_corruption(exc) else []
+                problems += [ChunkProblem(name, "corrupt", arrays.describe_chunk(name, i, why))
+                             for i, why in bad]
+                if not bad:
+                    problems.append(ChunkProblem(
+                        name, "unreadable", f"{name} rows [{sel[0].start}, {sel[0].stop}): "
+                                            f"cannot read: {first_line(exc)}"))
+                continue
+            problems += _scan_values(arrays, spec, name, block, sel, checked)
+    return problems
+
+
+def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any, Any]]:
+    """(selection, chunk indices, values or None, exception or None) over an array, in
+    reads of at most _SCAN_ELEMS elements made of whole chunks."""
+    rc = arr.chunks[0]
+    width = 1 if arr.ndim == 1 else arr.shape[1]
+    if arr.ndim == 1:
+        col_bands: list[slice | None] = [None]
+    else:
+        cc = arr.chunks[1]
+        band = max(1, _SCAN_ELEMS // (rc * cc)) * cc
+        col_bands = [slice(c, min(c + band, width)) for c in range(0, width, band)]
+        width = min(band, width)
+    step = max(1, _SCAN_ELEMS // (rc * max(width, 1))) * rc
+    for r0 in range(0, arr.shape[0], step):
+        rows = slice(r0, min(r0 + step, arr.shape[0]))
+        ris = range(r0 // rc, -(-rows.stop // rc))
+        for cols in col_bands:
+            sel = (rows,) if cols is None else (rows, cols)
+            indices = [(ri,) for ri in ris] if cols is None else [
+                (ri, cj) for ri in ris
+                for cj in range(cols.start // arr.chunks[1], -(-cols.stop // arr.chunks[1]))]
+            try:
+                block, error = arr[sel], None
+            except Exception as exc:  # noqa: BLE001 - classified by the caller
+                block, error = None, exc
+            yield sel, indices, block, error
+
+
+def _scan_values(arrays: StoreArrays, spec: StoreSpec, name: str, block: np.ndarray,
+                 sel: tuple[slice, ...], checked: np.ndarray | None) -> list[ChunkProblem]:
+    """Problems in the values of one read block (rows ``sel[0]``, columns ``sel[1]``)."""
+    rows = sel[0]
+    if name == "shard_done":
+        return [ChunkProblem(name, "bad_value", f"shard_done[{rows.start + s}] = {block[s]} "
+                                                f"(expected 0 or 1)")
+                for s in np.flatnonzero(block > 1)]
+    mask = checked[rows]
+    if not mask.any():
+        return []
+    if name == "grads" and spec.dtype == "bfloat16":
+        bad = (block & np.uint16(0x7F80)) == np.uint16(0x7F80)  # exponent all ones
+    elif name in ("count", SIM_INDEX):
+        bad = (block < 0) | (block >= spec.num_classes) if name == SIM_INDEX else block < 0
+    elif name == "row_scale":
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.isfinite(block) & (block > 0))
+    else:
+        bad = ~np.isfinite(block)
+    bad &= mask.reshape((-1,) + (1,) * (bad.ndim - 1))
+    if not bad.any():
+        return []
+    arr = arrays[name]
+    rc = arr.chunks[0]
+    out = []
+    bad_rows = bad if bad.ndim == 1 else bad.any(axis=1)
+    for ri in np.unique((rows.start + np.flatnonzero(bad_rows)) // rc):
+        local = slice(ri * rc - rows.start, min((ri + 1) * rc, rows.stop) - rows.start)
+        if bad.ndim == 1:
+            parts = [((int(ri),), bad[local])]
+        else:
+            c0, cc = sel[1].start, arr.chunks[1]
+            parts = [((int(ri), cj), bad[local, cj * cc - c0: (cj + 1) * cc - c0])
+                     for cj in range(c0 // cc, -(-sel[1].stop // cc))]
+        for index, part in parts:
+            if not part.any():
+                continue
+            which = rows.start + local.start + np.flatnonzero(
+                part if part.ndim == 1 else part.any(axis=1))
+            where = f"rows {fmt_ranges(row_ranges(which))}"
+            if not arrays.chunk_exists(name, index):
+                kind, why = "missing", "missing although its rows are marked done"
+            elif name in ("row_scale", "count", SIM_INDEX):
+                kind, why = "bad_value", f"{where}: invalid values ({name})"
+            else:
+                kind, why = "nonfinite", f"{where}: {int(part.sum())} NaN/Inf values"
+            out.append(ChunkProblem(name, kind, arrays.describe_chunk(name, index, why)))
+    return out
