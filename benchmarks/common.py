@@ -201,40 +201,72 @@ def make_model(kind: str, num_classes: int, *, width: int = 8, hidden: int = 64,
     raise ValueError(f"unknown model {kind!r} (cnn, mlp, resnet18)")
 
 
-def make_probe(kind: str, num_classes: int, samples_per_class: int, *, image_size: int = 16,
-               tiny: bool = False, multilabel: bool = False, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_probe(
+    kind: str,
+    num_classes: int,
+    samples_per_class: int,
+    *,
+    image_size: int = 16,
+    tiny: bool = False,
+    multilabel: bool = False,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and labels, samples grouped by class. ``tiny``: each class keeps a random
     1..``samples_per_class`` of its samples (the many-tiny-classes case). ``multilabel``:
     multi-hot targets (the ``bce`` loss)."""
     if kind == "mlp":
-        x, y = zoo.synthetic_probe(num_classes, samples_per_class, kind="vector", input_shape=(32,),
-                                   multilabel=multilabel, seed=seed)
+        x, y = zoo.synthetic_probe(
+            num_classes, samples_per_class, kind="vector", input_shape=(32,), multilabel=multilabel, seed=seed
+        )
     else:
         size = 32 if kind == "resnet18" and image_size == 16 else image_size
-        x, y = zoo.synthetic_probe(num_classes, samples_per_class, kind="image", input_shape=(3, size, size),
-                                   multilabel=multilabel, seed=seed)
+        x, y = zoo.synthetic_probe(
+            num_classes, samples_per_class, kind="image", input_shape=(3, size, size), multilabel=multilabel, seed=seed
+        )
     if tiny:
         g = torch.Generator().manual_seed(seed + 1)
         keep_n = torch.randint(1, samples_per_class + 1, (num_classes,), generator=g)
-        pos = torch.arange(len(y)) - torch.repeat_interleave(torch.arange(num_classes) * samples_per_class,
-                                                             samples_per_class)
+        pos = torch.arange(len(y)) - torch.repeat_interleave(
+            torch.arange(num_classes) * samples_per_class, samples_per_class
+        )
         keep = pos < keep_n[y]
         x, y = x[keep], y[keep]
     return x, y
 
 
-def make_case(model: str, num_classes: int, samples_per_class: int, *, loss: str = "cross_entropy",
-              precision: str = "fp32", device: str = "cpu", tiny: bool = False, image_size: int = 16,
-              width: int = 8, hidden: int = 64, max_samples: int | None = None, seed: int = 0) -> Case:
-    x, y = make_probe(model, num_classes, samples_per_class, image_size=image_size, tiny=tiny,
-                      multilabel=loss == "bce", seed=seed)
+def make_case(
+    model: str,
+    num_classes: int,
+    samples_per_class: int,
+    *,
+    loss: str = "cross_entropy",
+    precision: str = "fp32",
+    device: str = "cpu",
+    tiny: bool = False,
+    image_size: int = 16,
+    width: int = 8,
+    hidden: int = 64,
+    max_samples: int | None = None,
+    seed: int = 0,
+) -> Case:
+    x, y = make_probe(
+        model, num_classes, samples_per_class, image_size=image_size, tiny=tiny, multilabel=loss == "bce", seed=seed
+    )
     loss = DENSE_LOSSES.get(loss, loss)
     if max_samples is not None and len(y) > max_samples:  # dense: a probe set independent of C
         pick = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:max_samples].sort().values
         x, y = x[pick], y[pick]
     name = f"{model} C={num_classes} " + (f"{len(y)} samples" if tiny or max_samples else f"{samples_per_class}/class")
-    return Case(name, make_model(model, num_classes, width=width, hidden=hidden, seed=seed), x, y, num_classes,
-                loss_kind=loss, precision=precision, device=torch.device(device))
+    return Case(
+        name,
+        make_model(model, num_classes, width=width, hidden=hidden, seed=seed),
+        x,
+        y,
+        num_classes,
+        loss_kind=loss,
+        precision=precision,
+        device=torch.device(device),
+    )
 
 
 # --- timing ----------------------------------------------------------------------------------
@@ -254,8 +286,9 @@ class Timing:
         return statistics.median(self.times)
 
 
-def interleaved(methods: dict[str, Callable[[], Any]], reps: int, device: torch.device | str = "cpu",
-                warmup: bool = True) -> dict[str, Timing]:
+def interleaved(
+    methods: dict[str, Callable[[], Any]], reps: int, device: torch.device | str = "cpu", warmup: bool = True
+) -> dict[str, Timing]:
     """Time every method ``reps`` times, round-robin. A method returns either nothing or
     ``{"seconds": s}`` (an extrapolated time it measured itself)."""
     out = {name: Timing() for name in methods}
@@ -303,11 +336,13 @@ def memcpy_seconds(num_rows: int, dim: int, device: torch.device | str = "cpu", 
 # result in ``holder`` (for the allclose check), so timing and checking use the same code.
 
 
-def flat(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor],
-         out: torch.Tensor | None = None) -> torch.Tensor:
+def flat(
+    grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The gradients as one row (zeros for a missing one), written into ``out`` if given."""
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)],
-                     out=out)
+    return torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)], out=out
+    )
 
 
 def _timed_forward(case: Case) -> tuple[torch.Tensor, float]:
@@ -319,8 +354,9 @@ def _timed_forward(case: Case) -> tuple[torch.Tensor, float]:
     return L, now() - t0
 
 
-def _per_class_loop(case: Case, classes: Sequence[int], holder: dict,
-                    one_row: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[], dict]:
+def _per_class_loop(
+    case: Case, classes: Sequence[int], holder: dict, one_row: Callable[[torch.Tensor, torch.Tensor], None]
+) -> Callable[[], dict]:
     """The frame both loops share: one forward, then ``one_row(L[c], row)`` for each class in
     ``classes``; timed on that subset and extrapolated per row to all C:
     forward + C/k x (time of the k rows)."""
@@ -391,10 +427,16 @@ def batched_onehot(case: Case, classes: Sequence[int], holder: dict, chunk: int)
             which = ids[b0 : b0 + chunk]
             cot = torch.zeros(len(which), case.num_classes, device=case.device, dtype=L.dtype)
             cot[torch.arange(len(which), device=case.device), which] = case.scale
-            g = torch.autograd.grad(L, case.params, grad_outputs=cot, is_grads_batched=True, retain_graph=True,
-                                    allow_unused=True)
-            block = torch.cat([(t if t is not None else torch.zeros(len(which), *p.shape, device=p.device))
-                               .reshape(len(which), -1) for t, p in zip(g, case.params)], dim=1)
+            g = torch.autograd.grad(
+                L, case.params, grad_outputs=cot, is_grads_batched=True, retain_graph=True, allow_unused=True
+            )
+            block = torch.cat(
+                [
+                    (t if t is not None else torch.zeros(len(which), *p.shape, device=p.device)).reshape(len(which), -1)
+                    for t, p in zip(g, case.params)
+                ],
+                dim=1,
+            )
             rows[b0 : b0 + len(which)] = block / case.scale if case.scale != 1 else block
         sync(case.device)
         elapsed = now() - t0
@@ -568,8 +610,14 @@ def floor_dense(case: Case, probe_rows: int = 8) -> Callable[[], dict]:
     return run
 
 
-def classgrad(case: Case, holder: dict, engine: str, classes: Sequence[int] | None = None,
-              keep: Sequence[int] | None = None, **options: Any) -> Callable[[], dict]:
+def classgrad(
+    case: Case,
+    holder: dict,
+    engine: str,
+    classes: Sequence[int] | None = None,
+    keep: Sequence[int] | None = None,
+    **options: Any,
+) -> Callable[[], dict]:
     """classgrad's engine, built fresh each time (its once-per-process choices, such as the dense
     block size or the partitioned engine's hook check, are made in the warm-up run, as an actor
     makes them on its first shard), rows consumed block by block and kept as they come (no extra copy), or,
@@ -581,9 +629,16 @@ def classgrad(case: Case, holder: dict, engine: str, classes: Sequence[int] | No
     def run() -> dict:
         sync(case.device)
         t0 = now()
-        eng = build_engine(case.model, (case.x, case.y), num_classes=case.num_classes, loss=case.loss,
-                           precision=case.precision, engine=engine, device=case.device,
-                           **{"batch_size": case.batch_size, **options})
+        eng = build_engine(
+            case.model,
+            (case.x, case.y),
+            num_classes=case.num_classes,
+            loss=case.loss,
+            precision=case.precision,
+            engine=engine,
+            device=case.device,
+            **{"batch_size": case.batch_size, **options},
+        )
         blocks, got = [], []
         for b in eng.iter_blocks(wanted):
             if kept is None:
@@ -608,8 +663,9 @@ def held_rows(holder: dict) -> torch.Tensor:
     return torch.cat(holder["blocks"])
 
 
-def compare(rows: torch.Tensor, classes: Sequence[int], ref: torch.Tensor, ref_classes: Sequence[int],
-            precision: str) -> tuple[bool, float]:
+def compare(
+    rows: torch.Tensor, classes: Sequence[int], ref: torch.Tensor, ref_classes: Sequence[int], precision: str
+) -> tuple[bool, float]:
     """allclose on the classes both have; returns (ok, max error relative to the largest entry).
 
     Tolerance: fp32 sums in a different order (per-sample vs per-class, batched vs looped) give
@@ -651,9 +707,14 @@ def print_targets(targets: Sequence[dict[str, Any]], value_format: str = ".2f") 
     target has one."""
     detail = any("detail" in t for t in targets)
     print("\n== targets")
-    print_table(["target", "measured", "goal", "met"] + (["detail"] if detail else []),
-                [[t["name"], format(t["value"], value_format), t["goal"], "yes" if t["met"] else "NO"]
-                 + ([t.get("detail", "")] if detail else []) for t in targets])
+    print_table(
+        ["target", "measured", "goal", "met"] + (["detail"] if detail else []),
+        [
+            [t["name"], format(t["value"], value_format), t["goal"], "yes" if t["met"] else "NO"]
+            + ([t.get("detail", "")] if detail else [])
+            for t in targets
+        ],
+    )
 
 
 def write_report(out: str | Path, report: dict[str, Any]) -> Path:

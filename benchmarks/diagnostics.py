@@ -47,9 +47,17 @@ def dense_gap(reps: int, rows: int) -> dict[str, Any]:
     # log_softmax: a dense loss that sees every output column, so the engine's VJPs run through
     # the whole model as the loops' do (logit and bce take paths through the head instead).
     case = common.make_case("cnn", 256, 8, loss="log_softmax", max_samples=512)
-    eng = build_engine(case.model, (case.x, case.y), num_classes=case.num_classes, loss=case.loss,
-                       precision=case.precision, engine="dense", batch_size=case.batch_size,
-                       device=case.device, block_rows=1)
+    eng = build_engine(
+        case.model,
+        (case.x, case.y),
+        num_classes=case.num_classes,
+        loss=case.loss,
+        precision=case.precision,
+        engine="dense",
+        batch_size=case.batch_size,
+        device=case.device,
+        block_rows=1,
+    )
     clock = time.process_time
     times: dict[str, list[float]] = {}
     with eng.selected_grads():
@@ -90,13 +98,13 @@ def dense_gap(reps: int, rows: int) -> dict[str, Any]:
             t0 = clock()
             for c in range(case.num_classes):
                 eng._rows_for(stand_in, classes[c : c + 1], out=out[c : c + 1])
-            times.setdefault("engine bookkeeping per row and micro-batch", []).append(
-                (clock() - t0) / case.num_classes)
+            times.setdefault("engine bookkeeping per row and micro-batch", []).append((clock() - t0) / case.num_classes)
     best = {name: min(v) for name, v in times.items()}
     print(f"\n== dense gap: {case.name}, D = {case.dim:,}, CPU time, best of {reps}")
-    print_table(["what", "per row", "all repetitions"],
-                [[name, f"{1e3 * t:.3f} ms", ", ".join(f"{1e3 * x:.2f}" for x in times[name])]
-                 for name, t in best.items()])
+    print_table(
+        ["what", "per row", "all repetitions"],
+        [[name, f"{1e3 * t:.3f} ms", ", ".join(f"{1e3 * x:.2f}" for x in times[name])] for name, t in best.items()],
+    )
     return {"case": case.name, "dim": case.dim, "seconds_per_row": times, "best": best}
 
 
@@ -128,15 +136,27 @@ def worker_split(reps: int, classes: int) -> dict[str, Any]:
     runs: dict[str, list[dict]] = {}
     try:
         for _ in range(reps):
-            for name, fn in (("engine alone", engine), ("worker, writes stubbed", lambda: worker(True)),
-                             ("worker", lambda: worker(False))):
+            for name, fn in (
+                ("engine alone", engine),
+                ("worker, writes stubbed", lambda: worker(True)),
+                ("worker", lambda: worker(False)),
+            ):
                 runs.setdefault(name, []).append(fn())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"\n== worker split: MLP hidden 128, C = {classes:,}, 8/class, wall time, each repetition")
-    print_table(["run", "seconds", "CPU seconds", "writer thread in the store"],
-                [[name, ", ".join(f"{r['seconds']:.2f}" for r in rs), ", ".join(f"{r['cpu_s']:.2f}" for r in rs),
-                  ", ".join(f"{r['write_s']:.2f}" for r in rs)] for name, rs in runs.items()])
+    print_table(
+        ["run", "seconds", "CPU seconds", "writer thread in the store"],
+        [
+            [
+                name,
+                ", ".join(f"{r['seconds']:.2f}" for r in rs),
+                ", ".join(f"{r['cpu_s']:.2f}" for r in rs),
+                ", ".join(f"{r['write_s']:.2f}" for r in rs),
+            ]
+            for name, rs in runs.items()
+        ],
+    )
     return {"classes": classes, "runs": runs}
 
 
@@ -188,8 +208,9 @@ def page_faults(reps: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sections", default="dense-gap,worker-split,gaussian-chunks,page-faults")
     parser.add_argument("--reps", type=int, default=5, help="repetitions (worker-split: 2)")
     parser.add_argument("--rows", type=int, default=256, help="dense-gap: rows per timed VJP loop (at most 256)")

@@ -61,15 +61,19 @@ def job_config(classes: int, spc: int, hidden: int, url: str, workers: int, shar
         data = {"kind": "image", "input_shape": [3, 16, 16]}
         params = ["features.*", "head.0.*"]
     else:
-        model = {"factory": "classgrad.workers.zoo:mlp",
-                 "kwargs": {"num_classes": classes, "in_features": 32, "hidden": hidden, "depth": 2}}
+        model = {
+            "factory": "classgrad.workers.zoo:mlp",
+            "kwargs": {"num_classes": classes, "in_features": 32, "hidden": hidden, "depth": 2},
+        }
         data = {"kind": "vector", "input_shape": [32]}
         params = ["2.*"]
     return {
         "model": model,
-        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
-                 "kwargs": {"num_classes": classes, "samples_per_class": spc, "seed": 0, **data},
-                 "batch_size": 256},
+        "data": {
+            "factory": "classgrad.workers.zoo:synthetic_probe",
+            "kwargs": {"num_classes": classes, "samples_per_class": spc, "seed": 0, **data},
+            "batch_size": 256,
+        },
         "loss": {"kind": "cross_entropy", "num_classes": classes},
         "params": {"include": params},
         "sharding": {"shard_rows": shard_rows},
@@ -98,8 +102,15 @@ def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
             if c in keep:
                 keep[c] = block.rows[i].clone()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"seconds": seconds, "cpu_s": cpu, "build_s": t_build, "rows": rows, "dim": engine.layout.dim,
-            "sample_rows": keep, "engine": engine.name}
+    return {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "build_s": t_build,
+        "rows": rows,
+        "dim": engine.layout.dim,
+        "sample_rows": keep,
+        "engine": engine.name,
+    }
 
 
 def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str, Any]:
@@ -143,13 +154,20 @@ def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str
     same = bool(np.allclose(stored, want, rtol=1e-5, atol=1e-7 * float(np.abs(want).max())))
     compute = driver.t_done - driver.t_ready
     return {
-        "workers": config.cluster.num_workers, "status": summary.status, "rows": summary.rows,
-        "bytes": summary.bytes, "startup_s": driver.t_ready - t0, "compute_s": compute,
-        "teardown_s": t_end - driver.t_done, "total_s": t_end - t0,
-        "per_row_s": compute / config.loss.num_classes, "complete": bool(store.is_complete),
+        "workers": config.cluster.num_workers,
+        "status": summary.status,
+        "rows": summary.rows,
+        "bytes": summary.bytes,
+        "startup_s": driver.t_ready - t0,
+        "compute_s": compute,
+        "teardown_s": t_end - driver.t_done,
+        "total_s": t_end - t0,
+        "per_row_s": compute / config.loss.num_classes,
+        "complete": bool(store.is_complete),
         "actor_cpu_s": driver.cpu_done - driver.cpu_ready,
         "per_row_cpu_s": (driver.cpu_done - driver.cpu_ready) / config.loss.num_classes,
-        "missing": store.missing_ranges(), "sample_rows_equal": same,
+        "missing": store.missing_ranges(),
+        "sample_rows_equal": same,
     }
 
 
@@ -167,8 +185,17 @@ def rss_child(args) -> None:
     for shard in range(worker.store.num_shards):
         rows += worker.compute_shard(shard)["rows"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_mib": peak / 1024, "rss_after_build_mib": rss_ready / 1024, "rows": rows,
-                      "seconds": time.perf_counter() - t0, "complete": bool(worker.store.is_complete)}))
+    print(
+        json.dumps(
+            {
+                "peak_rss_mib": peak / 1024,
+                "rss_after_build_mib": rss_ready / 1024,
+                "rows": rows,
+                "seconds": time.perf_counter() - t0,
+                "complete": bool(worker.store.is_complete),
+            }
+        )
+    )
 
 
 def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
@@ -180,21 +207,30 @@ def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
     prepare_store(JobConfig.model_validate(cfg))  # the driver's part: store and metadata
     path = workdir / f"rss_{classes}.json"
     path.write_text(json.dumps(cfg))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.end_to_end", "--rss-child", str(path)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.end_to_end", "--rss-child", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     shutil.rmtree(url, ignore_errors=True)
     return {"classes": classes, **result}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="C = 4,000, 1 repetition")
     parser.add_argument("--classes", type=int, help="C of the job (default 10,000; quick 4,000)")
     parser.add_argument("--spc", type=int, default=8, help="probe samples per class")
-    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
-                        help="mlp: wide rows, output-bound (writing is most of the work); cnn: compute-bound")
+    parser.add_argument(
+        "--model",
+        choices=("mlp", "cnn"),
+        default="mlp",
+        help="mlp: wide rows, output-bound (writing is most of the work); cnn: compute-bound",
+    )
     parser.add_argument("--hidden", type=int, default=128, help="MLP width (rows: D = hidden^2 + hidden)")
     parser.add_argument("--shard-rows", type=int, default=512)
     parser.add_argument("--reps", type=int, help="repetitions (default 3, quick 1)")
@@ -216,8 +252,12 @@ def main() -> None:
     torch.set_num_threads(1)
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="classgrad-e2e-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"machine": common.machine_info(), "args": vars(args) | {"classes": classes, "reps": reps},
-                              "loadavg_before": loadavg(), "targets": []}
+    report: dict[str, Any] = {
+        "machine": common.machine_info(),
+        "args": vars(args) | {"classes": classes, "reps": reps},
+        "loadavg_before": loadavg(),
+        "targets": [],
+    }
     print(f"load average before: {report['loadavg_before']} on {os.cpu_count()} cores")
 
     def target(name: str, value: float, goal: str, met: bool, detail: str = "") -> None:
@@ -242,8 +282,10 @@ def main() -> None:
                     url = str(workdir / f"job_{workers}.zarr")
                     j = run_job(job_config(classes, args.spc, args.hidden, url, workers, args.shard_rows), samples)
                     jobs[workers].append(j)
-                    print(f"rep {rep + 1}: {workers} actor(s): start-up {fmt_s(j['startup_s'])}, compute "
-                          f"{fmt_s(j['compute_s'])}, complete={j['complete']}, rows equal={j['sample_rows_equal']}")
+                    print(
+                        f"rep {rep + 1}: {workers} actor(s): start-up {fmt_s(j['startup_s'])}, compute "
+                        f"{fmt_s(j['compute_s'])}, complete={j['complete']}, rows equal={j['sample_rows_equal']}"
+                    )
                     shutil.rmtree(url, ignore_errors=True)
             ray.shutdown()
             best_alone = min(a["seconds"] for a in alone)
@@ -256,37 +298,106 @@ def main() -> None:
             speedup = best[1]["compute_s"] / best[2]["compute_s"]
             dim = alone[0]["dim"]
             what = f"MLP hidden {args.hidden}" if MODEL == "mlp" else "CNN (zoo.small_cnn, width 8)"
-            print(f"\n== job vs engine alone: {what}, C = {classes:,}, {args.spc}/class, "
-                  f"D = {dim:,} ({classes * dim * 4 / 2**20:,.0f} MiB of rows), Ray start-up {fmt_s(report['ray_init_s'])}")
+            print(
+                f"\n== job vs engine alone: {what}, C = {classes:,}, {args.spc}/class, "
+                f"D = {dim:,} ({classes * dim * 4 / 2**20:,.0f} MiB of rows), Ray start-up {fmt_s(report['ray_init_s'])}"
+            )
             print_table(
-                ["run", "start-up (excluded)", "compute (wall)", "per row", "vs engine alone", "CPU time",
-                 "CPU vs alone", "store complete", "rows equal", "bytes written"],
-                [["engine alone (no Ray, no store)", fmt_s(alone[0]["build_s"]), fmt_s(best_alone),
-                  f"{per_row_alone * 1e6:.0f} us", "1.00x", fmt_s(cpu_alone), "1.00x", "-", "-", "-"]]
-                + [[f"job, {w} actor{'s' if w > 1 else ''}", fmt_s(best[w]["startup_s"]), fmt_s(best[w]["compute_s"]),
-                    f"{best[w]['per_row_s'] * 1e6:.0f} us", f"{best[w]['per_row_s'] / per_row_alone:.2f}x",
-                    fmt_s(cpu_job[w]), f"{cpu_job[w] / cpu_alone:.2f}x",
-                    str(best[w]["complete"]), str(best[w]["sample_rows_equal"]), f"{best[w]['bytes']:,}"]
-                   for w in (1, 2)])
-            print(f"2 actors vs 1 (wall): {speedup:.2f}x.  Best of {reps}; CPU time = user+system of the actor "
-                  f"processes (all their threads: compute, writer, Ray) between 'ready' and 'done'.")
-            report["job"] = {"classes": classes, "dim": dim, "engine_alone": alone, "jobs": jobs,
-                             "per_row_alone_s": per_row_alone, "job_over_alone": over,
-                             "job_over_alone_cpu": over_cpu, "speedup_2_vs_1": speedup}
+                [
+                    "run",
+                    "start-up (excluded)",
+                    "compute (wall)",
+                    "per row",
+                    "vs engine alone",
+                    "CPU time",
+                    "CPU vs alone",
+                    "store complete",
+                    "rows equal",
+                    "bytes written",
+                ],
+                [
+                    [
+                        "engine alone (no Ray, no store)",
+                        fmt_s(alone[0]["build_s"]),
+                        fmt_s(best_alone),
+                        f"{per_row_alone * 1e6:.0f} us",
+                        "1.00x",
+                        fmt_s(cpu_alone),
+                        "1.00x",
+                        "-",
+                        "-",
+                        "-",
+                    ]
+                ]
+                + [
+                    [
+                        f"job, {w} actor{'s' if w > 1 else ''}",
+                        fmt_s(best[w]["startup_s"]),
+                        fmt_s(best[w]["compute_s"]),
+                        f"{best[w]['per_row_s'] * 1e6:.0f} us",
+                        f"{best[w]['per_row_s'] / per_row_alone:.2f}x",
+                        fmt_s(cpu_job[w]),
+                        f"{cpu_job[w] / cpu_alone:.2f}x",
+                        str(best[w]["complete"]),
+                        str(best[w]["sample_rows_equal"]),
+                        f"{best[w]['bytes']:,}",
+                    ]
+                    for w in (1, 2)
+                ],
+            )
+            print(
+                f"2 actors vs 1 (wall): {speedup:.2f}x.  Best of {reps}; CPU time = user+system of the actor "
+                f"processes (all their threads: compute, writer, Ray) between 'ready' and 'done'."
+            )
+            report["job"] = {
+                "classes": classes,
+                "dim": dim,
+                "engine_alone": alone,
+                "jobs": jobs,
+                "per_row_alone_s": per_row_alone,
+                "job_over_alone": over,
+                "job_over_alone_cpu": over_cpu,
+                "speedup_2_vs_1": speedup,
+            }
             ok_store = all(j["complete"] and j["sample_rows_equal"] for w in (1, 2) for j in jobs[w])
-            target("job per row within 15% of the engine alone (1 actor, wall)", over, "<= 1.15",
-                   over <= 1.15 and ok_store, f"store complete and rows equal: {ok_store}")
-            target("job CPU time within 15% of the engine alone (1 actor)", over_cpu, "<= 1.15",
-                   over_cpu <= 1.15 and ok_store, "actor CPU (compute + writer + Ray) vs engine CPU")
-            target("2 actors vs 1 actor speed-up", speedup, ">= 1.7", speedup >= 1.7,
-                   f"load average {loadavg()} on {os.cpu_count()} cores")
+            target(
+                "job per row within 15% of the engine alone (1 actor, wall)",
+                over,
+                "<= 1.15",
+                over <= 1.15 and ok_store,
+                f"store complete and rows equal: {ok_store}",
+            )
+            target(
+                "job CPU time within 15% of the engine alone (1 actor)",
+                over_cpu,
+                "<= 1.15",
+                over_cpu <= 1.15 and ok_store,
+                "actor CPU (compute + writer + Ray) vs engine CPU",
+            )
+            target(
+                "2 actors vs 1 actor speed-up",
+                speedup,
+                ">= 1.7",
+                speedup >= 1.7,
+                f"load average {loadavg()} on {os.cpu_count()} cores",
+            )
         if "rss" in sections:
             cases = [rss_case(int(c), args, workdir) for c in args.rss_classes.split(",")]
             print("\n== actor peak RSS (GradientWorker without Ray, fresh process per C)")
-            print_table(["C", "rows", "peak RSS", "RSS after build", "seconds", "store complete"],
-                        [[f"{c['classes']:,}", f"{c['rows']:,}", f"{c['peak_rss_mib']:.0f} MiB",
-                          f"{c['rss_after_build_mib']:.0f} MiB", f"{c['seconds']:.1f}", str(c["complete"])]
-                         for c in cases])
+            print_table(
+                ["C", "rows", "peak RSS", "RSS after build", "seconds", "store complete"],
+                [
+                    [
+                        f"{c['classes']:,}",
+                        f"{c['rows']:,}",
+                        f"{c['peak_rss_mib']:.0f} MiB",
+                        f"{c['rss_after_build_mib']:.0f} MiB",
+                        f"{c['seconds']:.1f}",
+                        str(c["complete"]),
+                    ]
+                    for c in cases
+                ],
+            )
             ratio = max(c["peak_rss_mib"] for c in cases) / min(c["peak_rss_mib"] for c in cases)
             report["rss"] = {"cases": cases, "ratio": ratio}
             target(f"actor peak RSS flat in C ({args.rss_classes})", ratio, "<= 1.1", ratio <= 1.1)

@@ -58,12 +58,20 @@ def child(args) -> None:
     y = torch.randint(0, C, (samples,), generator=torch.Generator().manual_seed(1))
     if args.child_loss == "bce":  # multi-hot targets: each sample's label
         y = torch.nn.functional.one_hot(y, C).float()
-    engine = build_engine(model, (x, y), num_classes=C, loss=common.DENSE_LOSSES[args.child_loss], engine="dense",
-                          batch_size=batch, params=["0.*", "2.*"])
+    engine = build_engine(
+        model,
+        (x, y),
+        num_classes=C,
+        loss=common.DENSE_LOSSES[args.child_loss],
+        engine="dense",
+        batch_size=batch,
+        params=["0.*", "2.*"],
+    )
     sink = None
     if args.sink == "disk":
-        sink = np.lib.format.open_memmap(Path(args.child_dir) / f"rows_{C}_{shape}.npy", mode="w+",
-                                         dtype=np.float32, shape=(C, engine.layout.dim))
+        sink = np.lib.format.open_memmap(
+            Path(args.child_dir) / f"rows_{C}_{shape}.npy", mode="w+", dtype=np.float32, shape=(C, engine.layout.dim)
+        )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     rows = 0
@@ -76,23 +84,40 @@ def child(args) -> None:
     if sink is not None:
         sink.flush()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"loss": args.child_loss, "classes": C, "shape": shape, "rows": rows, "dim": engine.layout.dim,
-                      "peak_rss_mib": peak / 1024, "rss_before_rows_mib": before / 1024,
-                      "rows_phase_added_mib": (peak - before) / 1024, "seconds": seconds,
-                      "block_rows": engine.block_rows, "group_rows": engine.group_rows}))
+    print(
+        json.dumps(
+            {
+                "loss": args.child_loss,
+                "classes": C,
+                "shape": shape,
+                "rows": rows,
+                "dim": engine.layout.dim,
+                "peak_rss_mib": peak / 1024,
+                "rss_before_rows_mib": before / 1024,
+                "rows_phase_added_mib": (peak - before) / 1024,
+                "seconds": seconds,
+                "block_rows": engine.block_rows,
+                "group_rows": engine.group_rows,
+            }
+        )
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="C = 1,000 and 4,000")
     parser.add_argument("--classes", help="comma-separated C values (default 1000,10000)")
     parser.add_argument("--hidden", type=int, default=64, help="MLP width (row width D = 32h + h + h^2 + h)")
     parser.add_argument("--shapes", default="stream,accumulate")
     parser.add_argument("--sink", default="discard", choices=["discard", "disk"])
-    parser.add_argument("--losses", default="logit,bce",
-                        help="comma-separated: logit (basis through the head), bce (per-row VJPs from the "
-                             "head's input), log_softmax (per-row VJPs through the whole model)")
+    parser.add_argument(
+        "--losses",
+        default="logit,bce",
+        help="comma-separated: logit (basis through the head), bce (per-row VJPs from the "
+        "head's input), log_softmax (per-row VJPs through the whole model)",
+    )
     parser.add_argument("--child-loss", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--child-classes", type=int, help=argparse.SUPPRESS)
@@ -110,25 +135,60 @@ def main() -> None:
         for loss in losses:
             for shape in args.shapes.split(","):
                 for C in classes:
-                    child_argv = ["--child-classes", str(C), "--child-shape", shape, "--child-dir", tmp,
-                                  "--sink", args.sink, "--hidden", str(args.hidden), "--child-loss", loss]
-                    out = subprocess.run([sys.executable, "-m", "benchmarks.engine_memory", *child_argv],
-                                         capture_output=True, text=True, check=True)
+                    child_argv = [
+                        "--child-classes",
+                        str(C),
+                        "--child-shape",
+                        shape,
+                        "--child-dir",
+                        tmp,
+                        "--sink",
+                        args.sink,
+                        "--hidden",
+                        str(args.hidden),
+                        "--child-loss",
+                        loss,
+                    ]
+                    out = subprocess.run(
+                        [sys.executable, "-m", "benchmarks.engine_memory", *child_argv],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
                     results.append(json.loads(out.stdout.strip().splitlines()[-1]))
                     for f in Path(tmp).glob("*.npy"):
                         f.unlink()
     print(f"== dense engine, rows streamed and {args.sink}ed, fresh process per case")
-    print_table(["loss", "shape", "C", "D", "block", "peak RSS", "RSS before rows", "added by rows", "seconds"],
-                [[r["loss"], r["shape"], f"{r['classes']:,}", f"{r['dim']:,}", str(r["block_rows"]),
-                  f"{r['peak_rss_mib']:.0f} MiB", f"{r['rss_before_rows_mib']:.0f} MiB",
-                  f"{r['rows_phase_added_mib']:.0f} MiB", f"{r['seconds']:.1f}"] for r in results])
+    print_table(
+        ["loss", "shape", "C", "D", "block", "peak RSS", "RSS before rows", "added by rows", "seconds"],
+        [
+            [
+                r["loss"],
+                r["shape"],
+                f"{r['classes']:,}",
+                f"{r['dim']:,}",
+                str(r["block_rows"]),
+                f"{r['peak_rss_mib']:.0f} MiB",
+                f"{r['rss_before_rows_mib']:.0f} MiB",
+                f"{r['rows_phase_added_mib']:.0f} MiB",
+                f"{r['seconds']:.1f}",
+            ]
+            for r in results
+        ],
+    )
     targets = []
     for loss in losses:
         for shape in args.shapes.split(","):
             peaks = [r["peak_rss_mib"] for r in results if r["shape"] == shape and r["loss"] == loss]
             ratio = max(peaks) / min(peaks)
-            targets.append({"name": f"{loss}, {shape}: peak RSS C={classes[-1]:,} vs C={classes[0]:,}",
-                            "value": ratio, "goal": "<= 1.10", "met": ratio <= 1.10})
+            targets.append(
+                {
+                    "name": f"{loss}, {shape}: peak RSS C={classes[-1]:,} vs C={classes[0]:,}",
+                    "value": ratio,
+                    "goal": "<= 1.10",
+                    "met": ratio <= 1.10,
+                }
+            )
     common.print_targets(targets, ".3f")
     report = {"machine": common.machine_info(), "args": vars(args), "results": results, "targets": targets}
     common.write_report(args.out, report)

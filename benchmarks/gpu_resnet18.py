@@ -44,11 +44,20 @@ OUT = common.OUT_DIR / "gpu_resnet18.json"
 def make_resnet_case(args, precision: str) -> Case:
     C = args.classes
     chosen = torch.tensor(subset(C, args.rows))
-    x, y = zoo.synthetic_probe(len(chosen), args.spc, kind="image", input_shape=(3, args.image_size, args.image_size),
-                               seed=0)
+    x, y = zoo.synthetic_probe(
+        len(chosen), args.spc, kind="image", input_shape=(3, args.image_size, args.image_size), seed=0
+    )
     model = zoo.resnet18(C, small_inputs=True, seed=0).eval()
-    return Case(f"resnet18 C={C:,}, {len(chosen)} rows x {args.spc}/class", model, x, chosen[y], C,
-                precision=precision, device=torch.device(args.device), batch_size=args.batch_size)
+    return Case(
+        f"resnet18 C={C:,}, {len(chosen)} rows x {args.spc}/class",
+        model,
+        x,
+        chosen[y],
+        C,
+        precision=precision,
+        device=torch.device(args.device),
+        batch_size=args.batch_size,
+    )
 
 
 def kernel_time(fn, device: torch.device) -> float | None:
@@ -79,20 +88,43 @@ def run_precision(args, precision: str) -> dict[str, Any]:
     # The loops and batched VJPs extrapolate from their subset to all C; here the "matrix" is
     # the chosen rows, so rescale their per-row extrapolation to len(rows).
     scale_to_rows = len(rows) / case.num_classes
-    add(m, "seed_loop", lambda h: _rescaled(common.seed_loop(case, loop_classes, h), scale_to_rows),
-        f"{len(loop_classes)} of {len(rows)} rows, extrapolated")
-    add(m, "grad_loop", lambda h: _rescaled(common.grad_loop(case, loop_classes, h), scale_to_rows),
-        f"{len(loop_classes)} of {len(rows)} rows, extrapolated")
-    add(m, f"batched_onehot[{args.chunk}]",
+    add(
+        m,
+        "seed_loop",
+        lambda h: _rescaled(common.seed_loop(case, loop_classes, h), scale_to_rows),
+        f"{len(loop_classes)} of {len(rows)} rows, extrapolated",
+    )
+    add(
+        m,
+        "grad_loop",
+        lambda h: _rescaled(common.grad_loop(case, loop_classes, h), scale_to_rows),
+        f"{len(loop_classes)} of {len(rows)} rows, extrapolated",
+    )
+    add(
+        m,
+        f"batched_onehot[{args.chunk}]",
         lambda h: _rescaled(common.batched_onehot(case, alt_k, h, args.chunk), scale_to_rows),
-        f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "")
-    add(m, f"jacrev[{args.chunk}]", lambda h: _rescaled(common.func_jacrev(case, alt_k, h, args.chunk), scale_to_rows),
-        f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "")
-    add(m, "trak_vmap", lambda h: common.trak_vmap(case, h, sample_chunk=args.sample_chunk),
-        f"{args.sample_chunk} samples per vmap")
+        f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "",
+    )
+    add(
+        m,
+        f"jacrev[{args.chunk}]",
+        lambda h: _rescaled(common.func_jacrev(case, alt_k, h, args.chunk), scale_to_rows),
+        f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "",
+    )
+    add(
+        m,
+        "trak_vmap",
+        lambda h: common.trak_vmap(case, h, sample_chunk=args.sample_chunk),
+        f"{args.sample_chunk} samples per vmap",
+    )
     add(m, "floor", lambda h: common.floor_partitioned(case), "writes no rows")
-    add(m, "classgrad_dense", lambda h: _rescaled(common.classgrad(case, h, "dense", alt_k), scale_to_rows),
-        f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "")
+    add(
+        m,
+        "classgrad_dense",
+        lambda h: _rescaled(common.classgrad(case, h, "dense", alt_k), scale_to_rows),
+        f"{len(alt_k)} of {len(rows)} rows, extrapolated" if len(alt_k) < len(rows) else "",
+    )
     add(m, "classgrad_partitioned", lambda h: _rescaled(common.classgrad(case, h, "partitioned", rows), scale_to_rows))
 
     results = run_table(case, m, "classgrad_partitioned", args.reps)
@@ -111,36 +143,58 @@ def run_precision(args, precision: str) -> dict[str, Any]:
         results[name]["kernel_over_wall"] = None if k is None else k / wall
     alts = {n: r["seconds"] for n, r in results.items() if not n.startswith(("classgrad", "floor"))}
     best_alt = min(alts, key=alts.get)
-    summary = {"rows": len(rows), "dim": case.dim, "engine_s": t_eng, "floor_s": results["floor"]["seconds"],
-               "engine_over_floor": t_eng / results["floor"]["seconds"], "best_alternative": best_alt,
-               "speedup_vs_best_alternative": alts[best_alt] / t_eng,
-               "speedup_vs_seed_loop": results["seed_loop"]["seconds"] / t_eng}
+    summary = {
+        "rows": len(rows),
+        "dim": case.dim,
+        "engine_s": t_eng,
+        "floor_s": results["floor"]["seconds"],
+        "engine_over_floor": t_eng / results["floor"]["seconds"],
+        "best_alternative": best_alt,
+        "speedup_vs_best_alternative": alts[best_alt] / t_eng,
+        "speedup_vs_seed_loop": results["seed_loop"]["seconds"] / t_eng,
+    }
     print(f"\n== {case.name}, D = {case.dim:,}, {precision}, {case.device}")
     table = []
     for name, r in sorted(results.items(), key=lambda kv: kv[1]["seconds"]):
         check = "-" if "allclose" not in r else ("ok" if r["allclose"] else "DIFFERS") + f" ({r['max_rel_err']:.1e})"
         kw = r.get("kernel_over_wall")
-        table.append([name, fmt_s(r["seconds"]), f"{r['rows_per_s']:,.1f}", f"{r['seconds'] / t_eng:.2f}x", check,
-                      "-" if kw is None else f"{kw:.2f}", r["note"]])
-    print_table(["method", "time (best)", "rows/s", "vs classgrad_partitioned", "allclose", "kernel/wall", "note"], table)
-    print(f"partitioned: {summary['speedup_vs_best_alternative']:.2f}x the fastest alternative ({best_alt}), "
-          f"{summary['engine_over_floor']:.2f}x the floor, {summary['speedup_vs_seed_loop']:.0f}x the seed-style loop")
+        table.append(
+            [
+                name,
+                fmt_s(r["seconds"]),
+                f"{r['rows_per_s']:,.1f}",
+                f"{r['seconds'] / t_eng:.2f}x",
+                check,
+                "-" if kw is None else f"{kw:.2f}",
+                r["note"],
+            ]
+        )
+    print_table(
+        ["method", "time (best)", "rows/s", "vs classgrad_partitioned", "allclose", "kernel/wall", "note"], table
+    )
+    print(
+        f"partitioned: {summary['speedup_vs_best_alternative']:.2f}x the fastest alternative ({best_alt}), "
+        f"{summary['engine_over_floor']:.2f}x the floor, {summary['speedup_vs_seed_loop']:.0f}x the seed-style loop"
+    )
     return {"results": results, "summary": summary}
 
 
 def _rescaled(fn, factor: float):
     """Methods that extrapolate to all C report per-row time x C; bring it to x rows."""
+
     def run():
         out = fn()
         if isinstance(out, dict) and "seconds" in out:
             return {"seconds": out["seconds"] * factor}
         return out
+
     return run
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="few rows, fp32 only on a CPU, 1 repetition")
     parser.add_argument("--classes", type=int, default=10000, help="C (model outputs)")

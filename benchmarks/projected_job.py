@@ -31,8 +31,10 @@ OUT = common.OUT_DIR / "projected_job.json"
 def job(classes: int, url: str, dim: int | None) -> dict[str, Any]:
     return {
         "model": {"factory": "classgrad.workers.zoo:small_cnn", "kwargs": {"num_classes": classes, "width": 16}},
-        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
-                 "kwargs": {"num_classes": classes, "samples_per_class": 4, "input_shape": [3, 16, 16]}},
+        "data": {
+            "factory": "classgrad.workers.zoo:synthetic_probe",
+            "kwargs": {"num_classes": classes, "samples_per_class": 4, "input_shape": [3, 16, 16]},
+        },
         "loss": {"num_classes": classes},
         "params": {"exclude": ["head.2.*"]},  # the last layer grows with C; the rest does not
         "sharding": {"shard_rows": 256},
@@ -53,8 +55,14 @@ def run(config: dict) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     store = open_store(config["store"]["url"])
     size = sum(p.stat().st_size for p in Path(config["store"]["url"]).rglob("*") if p.is_file())
-    return {"seconds": seconds, "rows": summary.rows, "bytes_written": summary.bytes, "store_bytes": size,
-            "dim": store.dim, "complete": bool(store.is_complete)}
+    return {
+        "seconds": seconds,
+        "rows": summary.rows,
+        "bytes_written": summary.bytes,
+        "store_bytes": size,
+        "dim": store.dim,
+        "complete": bool(store.is_complete),
+    }
 
 
 def main() -> None:
@@ -89,14 +97,34 @@ def main() -> None:
 
     best = {name: min(runs, key=lambda r: r["seconds"]) for name, runs in results.items()}
     base = best["full rows"]["seconds"]
-    rows = [[name, r["dim"], fmt_s(r["seconds"]), f"{1e6 * r['seconds'] / classes:.0f} us",
-             f"{r['seconds'] / base:.2f}x", f"{r['store_bytes'] / 2**20:.1f} MiB", r["complete"]]
-            for name, r in best.items()]
-    print(f"\n== projected vs full rows: small_cnn width 16, C = {classes:,}, 2 actors, best of {reps} "
-          f"(Ray start-up {fmt_s(ray_start)} excluded)")
+    rows = [
+        [
+            name,
+            r["dim"],
+            fmt_s(r["seconds"]),
+            f"{1e6 * r['seconds'] / classes:.0f} us",
+            f"{r['seconds'] / base:.2f}x",
+            f"{r['store_bytes'] / 2**20:.1f} MiB",
+            r["complete"],
+        ]
+        for name, r in best.items()
+    ]
+    print(
+        f"\n== projected vs full rows: small_cnn width 16, C = {classes:,}, 2 actors, best of {reps} "
+        f"(Ray start-up {fmt_s(ray_start)} excluded)"
+    )
     print_table(["job", "stored dim", "total time", "per row", "vs full", "store size", "complete"], rows)
-    common.write_report(args.out, {"machine": common.machine_info(), "classes": classes, "dim": args.dim,
-                                   "ray_start_seconds": ray_start, "runs": results, "best": best})
+    common.write_report(
+        args.out,
+        {
+            "machine": common.machine_info(),
+            "classes": classes,
+            "dim": args.dim,
+            "ray_start_seconds": ray_start,
+            "runs": results,
+            "best": best,
+        },
+    )
 
 
 if __name__ == "__main__":

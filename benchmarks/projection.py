@@ -76,18 +76,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dim", type=int, default=4096, help="projection dimension k")
     parser.add_argument("--batch", help="comma-separated batch sizes b (default 64,256,1024; quick 64,256)")
     parser.add_argument("--kinds", default="rademacher,gaussian", help="comma-separated kinds")
-    parser.add_argument("--gaussian-batch", type=int, default=None,
-                        help="b for the gaussian kind (default: the largest b; its generation is "
-                        "slow on a CPU, so it is measured at one b only)")
-    parser.add_argument("--block-rows", help="rows of R per block; a comma-separated list compares "
-                        "several (default: the projector's choice for the device)")
+    parser.add_argument(
+        "--gaussian-batch",
+        type=int,
+        default=None,
+        help="b for the gaussian kind (default: the largest b; its generation is "
+        "slow on a CPU, so it is measured at one b only)",
+    )
+    parser.add_argument(
+        "--block-rows",
+        help="rows of R per block; a comma-separated list compares "
+        "several (default: the projector's choice for the device)",
+    )
     parser.add_argument("--reps", type=int, help="repetitions, best kept (default 3, quick 2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--clock", default="wall", choices=["cpu", "wall"],
-                        help="wall: elapsed time; cpu: this process's CPU time, which other "
-                        "processes on a shared machine disturb far less (use with --threads 1; "
-                        "with more threads it also counts their spin-waiting)")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=["cpu", "wall"],
+        help="wall: elapsed time; cpu: this process's CPU time, which other "
+        "processes on a shared machine disturb far less (use with --threads 1; "
+        "with more threads it also counts their spin-waiting)",
+    )
     parser.add_argument("--out", default=str(OUT), help="JSON output path")
     args = parser.parse_args(argv)
 
@@ -103,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [s for s in args.kinds.split(",") if s]
     gauss_b = args.gaussian_batch or max(batches)
 
-    print(f"device {device} ({platform.processor() or platform.machine()}), threads "
-          f"{torch.get_num_threads()}, torch {torch.__version__}, D={d}, k={k}, reps={reps}, "
-          f"clock {args.clock}",
-          flush=True)
+    print(
+        f"device {device} ({platform.processor() or platform.machine()}), threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}, D={d}, k={k}, reps={reps}, "
+        f"clock {args.clock}",
+        flush=True,
+    )
     peak = peak_matmul_gflops(device, reps)
     print(f"square 4096^3 float32 matmul: {peak:.0f} GFLOP/s", flush=True)
 
@@ -121,22 +134,35 @@ def main(argv: list[str] | None = None) -> int:
             block_rows = p.block_rows_for(device)
             rate = generation_ns_per_entry(p, device, reps)
             gen_rates[f"{kind}/{block_rows}"] = rate
-            print(f"{kind}: block_rows {block_rows}, generation {rate:.3f} ns per entry "
-                  f"({rate * d * k / 1e9:.2f} s for the whole {d} x {k} R)", flush=True)
+            print(
+                f"{kind}: block_rows {block_rows}, generation {rate:.3f} ns per entry "
+                f"({rate * d * k / 1e9:.2f} s for the whole {d} x {k} R)",
+                flush=True,
+            )
             block = p.matrix_block(0, 0, min(block_rows, d), device)
             for b in batches:
                 if kind != "rademacher" and b != gauss_b:
                     continue
                 x = x_all[:b]
                 # Interleaved, so a disturbance hits both; no warm-up (generation and peak ran first).
-                t = common.interleaved({"matmul": lambda: matmul_only(x, block, block_rows),
-                                        "project": lambda: p.project(x)}, reps, device, warmup=False)
+                t = common.interleaved(
+                    {"matmul": lambda: matmul_only(x, block, block_rows), "project": lambda: p.project(x)},
+                    reps,
+                    device,
+                    warmup=False,
+                )
                 best_mm, best_proj = t["matmul"].best, t["project"].best
                 flops = 2 * b * d * k
                 row = {
-                    "kind": kind, "b": b, "dim_in": d, "k": k, "block_rows": block_rows,
-                    "project_s": best_proj, "matmul_s": best_mm,
-                    "project_gflops": flops / best_proj / 1e9, "matmul_gflops": flops / best_mm / 1e9,
+                    "kind": kind,
+                    "b": b,
+                    "dim_in": d,
+                    "k": k,
+                    "block_rows": block_rows,
+                    "project_s": best_proj,
+                    "matmul_s": best_mm,
+                    "project_gflops": flops / best_proj / 1e9,
+                    "matmul_gflops": flops / best_mm / 1e9,
                     "rows_per_s": b / best_proj,
                     "generation_ns_per_entry": rate,
                 }
@@ -144,36 +170,63 @@ def main(argv: list[str] | None = None) -> int:
                 row["ratio_to_peak"] = row["project_gflops"] / peak
                 row["goal_met"] = row["ratio"] >= GOAL
                 results.append(row)
-                print(f"  b={b}: project {best_proj:.2f} s, matmul-only {best_mm:.2f} s, "
-                      f"ratio {row['ratio']:.2f}", flush=True)
+                print(
+                    f"  b={b}: project {best_proj:.2f} s, matmul-only {best_mm:.2f} s, ratio {row['ratio']:.2f}",
+                    flush=True,
+                )
     load_after = os.getloadavg()
 
     print()
-    print_table(["kind", "b", "block", "proj s", "proj GF/s", "mm GF/s", "ratio", "vs peak", "rows/s", ">=50%"],
-                [[r["kind"], r["b"], r["block_rows"], f"{r['project_s']:.2f}", f"{r['project_gflops']:.1f}",
-                  f"{r['matmul_gflops']:.1f}", f"{r['ratio']:.2f}", f"{r['ratio_to_peak']:.2f}",
-                  f"{r['rows_per_s']:.1f}", "yes" if r["goal_met"] else "no"] for r in results])
-    print(f"\nmatmul = torch.mm of the projection's own shapes without generation; peak = square "
-          f"4096^3 mm ({peak:.0f} GFLOP/s). Goal: ratio >= {GOAL:.0%}.")
-    print(f"1-min load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f} on "
-          f"{os.cpu_count()} CPUs (other processes disturb CPU timings)")
+    print_table(
+        ["kind", "b", "block", "proj s", "proj GF/s", "mm GF/s", "ratio", "vs peak", "rows/s", ">=50%"],
+        [
+            [
+                r["kind"],
+                r["b"],
+                r["block_rows"],
+                f"{r['project_s']:.2f}",
+                f"{r['project_gflops']:.1f}",
+                f"{r['matmul_gflops']:.1f}",
+                f"{r['ratio']:.2f}",
+                f"{r['ratio_to_peak']:.2f}",
+                f"{r['rows_per_s']:.1f}",
+                "yes" if r["goal_met"] else "no",
+            ]
+            for r in results
+        ],
+    )
+    print(
+        f"\nmatmul = torch.mm of the projection's own shapes without generation; peak = square "
+        f"4096^3 mm ({peak:.0f} GFLOP/s). Goal: ratio >= {GOAL:.0%}."
+    )
+    print(
+        f"1-min load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f} on "
+        f"{os.cpu_count()} CPUs (other processes disturb CPU timings)"
+    )
 
-    common.write_report(args.out, {
-        "benchmark": "projection",
-        "machine": common.machine_info(),
-        "device": str(device),
-        "processor": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "hash": HASH_NAME,
-        "dim_in": d, "k": k, "reps": reps, "quick": args.quick, "clock": args.clock,
-        "peak_matmul_gflops": peak,
-        "generation_ns_per_entry": gen_rates,
-        "load_average_before_after": [load_before, load_after],
-        "goal": GOAL,
-        "results": results,
-    })
+    common.write_report(
+        args.out,
+        {
+            "benchmark": "projection",
+            "machine": common.machine_info(),
+            "device": str(device),
+            "processor": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "hash": HASH_NAME,
+            "dim_in": d,
+            "k": k,
+            "reps": reps,
+            "quick": args.quick,
+            "clock": args.clock,
+            "peak_matmul_gflops": peak,
+            "generation_ns_per_entry": gen_rates,
+            "load_average_before_after": [load_before, load_after],
+            "goal": GOAL,
+            "results": results,
+        },
+    )
     return 0
 
 

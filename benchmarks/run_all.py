@@ -35,15 +35,18 @@ FIRST = ["alternatives", "engine_memory", "end_to_end", "store_write", "projecti
 
 def discover() -> list[str]:
     """Every benchmark script in ``benchmarks/`` (a ``.py`` with a ``__main__`` block)."""
-    found = sorted(p.stem for p in HERE.glob("*.py")
-                   if p.name not in NOT_BENCHMARKS and not p.name.startswith("_")
-                   and "__main__" in p.read_text())
+    found = sorted(
+        p.stem
+        for p in HERE.glob("*.py")
+        if p.name not in NOT_BENCHMARKS and not p.name.startswith("_") and "__main__" in p.read_text()
+    )
     return [n for n in FIRST if n in found] + [n for n in found if n not in FIRST]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--full", action="store_true", help="full sizes instead of --quick")
     parser.add_argument("--quick", action="store_true", help="quick mode (the default; for symmetry)")
     parser.add_argument("--only", help="comma-separated subset of the scripts (names without .py)")

@@ -49,8 +49,9 @@ MIB = 1 << 20
 def build_store(path: Path, classes: int, dim: int) -> float:
     """Rows with some structure (groups of classes share a direction); returns seconds."""
     t0 = time.perf_counter()
-    spec = StoreSpec(num_classes=classes, dim=dim, shard_rows=512, row_chunk=64,
-                     col_chunk=dim, fingerprint="bench-similarity")
+    spec = StoreSpec(
+        num_classes=classes, dim=dim, shard_rows=512, row_chunk=64, col_chunk=dim, fingerprint="bench-similarity"
+    )
     store = create_store(str(path), spec)
     rng = np.random.default_rng(0)
     centers = rng.standard_normal((64, dim), dtype=np.float32)
@@ -76,12 +77,18 @@ def numpy_baseline(path: Path, top_k: int) -> dict:
     top_k_rows(sim, 0, top_k)
     seconds = time.perf_counter() - t0
     peak = meter.close()
-    return {"seconds": seconds, "read_s": t_read, "gram_s": t_gram,
-            "topk_s": seconds - t_read - t_gram, "rss_added": peak - meter.start}
+    return {
+        "seconds": seconds,
+        "read_s": t_read,
+        "gram_s": t_gram,
+        "topk_s": seconds - t_read - t_gram,
+        "rss_added": peak - meter.start,
+    }
 
 
 def idle_worker_rss(ray) -> int:
     """RSS of a worker that has imported what a task imports, doing nothing."""
+
     @ray.remote(num_cpus=1)
     def probe() -> int:
         import classgrad.service.analysis.similarity  # noqa: F401
@@ -113,15 +120,29 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.blocks or ([512] if args.quick else [256, 512, 1024])
     workdir = Path(tempfile.mkdtemp(prefix="classgrad-bench-sim-", dir=args.dir))
     path = workdir / "store.zarr"
-    results: dict = {"classes": C, "dim": D, "top_k": args.top_k, "cpus": args.cpus,
-                     "store_mib": C * D * 4 / MIB, "similarity_mib": C * C * 4 / MIB,
-                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                 "python": platform.python_version(),
-                                 "numpy": np.__version__}, "runs": []}
+    results: dict = {
+        "classes": C,
+        "dim": D,
+        "top_k": args.top_k,
+        "cpus": args.cpus,
+        "store_mib": C * D * 4 / MIB,
+        "similarity_mib": C * C * 4 / MIB,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+        },
+        "runs": [],
+    }
     try:
         results["build_s"] = build_store(path, C, D)
-        ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"MALLOC_MMAP_THRESHOLD_": "65536"}})
+        ray.init(
+            num_cpus=args.cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": {"MALLOC_MMAP_THRESHOLD_": "65536"}},
+        )
         try:
             idle = idle_worker_rss(ray)
             results["idle_worker_rss"] = idle
@@ -132,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                 s = compute_similarity(str(path), top_k=args.top_k, block_rows=block_rows)
                 reports = s["task_reports"]
                 run = {
-                    "block_rows": block_rows, "band_cols": s["band_cols"], "tasks": s["tasks"],
-                    "seconds": s["seconds"], "read_bytes": s["read_bytes"],
-                    "bound_bytes": s["memory_bound_bytes"], "bound_parts": s["memory_bound_parts"],
+                    "block_rows": block_rows,
+                    "band_cols": s["band_cols"],
+                    "tasks": s["tasks"],
+                    "seconds": s["seconds"],
+                    "read_bytes": s["read_bytes"],
+                    "bound_bytes": s["memory_bound_bytes"],
+                    "bound_parts": s["memory_bound_parts"],
                     "block_bytes": block_rows * s["band_cols"] * 4,
                     "strip_bytes": block_rows * C * 4,
                     "max_rss_added": max(r["rss_added"] for r in reports),
@@ -151,21 +176,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"class similarity (cosine, top-{args.top_k}) of {C:,} x {D:,} float32 "
-          f"({results['store_mib']:.0f} MiB of rows, {results['similarity_mib']:.0f} MiB "
-          f"matrix), {args.cpus} Ray CPUs; idle worker RSS {fmt_bytes(results['idle_worker_rss'])}")
-    print(f"{'block rows':>10} {'tasks':>5} {'block':>9} {'strip':>9} {'bound/task':>10} "
-          f"{'peak/task':>10} {'above idle':>10} {'ok':>3} {'ray s':>6} {'numpy s':>7} "
-          f"{'numpy peak':>10} {'ratio':>5}")
+    print(
+        f"class similarity (cosine, top-{args.top_k}) of {C:,} x {D:,} float32 "
+        f"({results['store_mib']:.0f} MiB of rows, {results['similarity_mib']:.0f} MiB "
+        f"matrix), {args.cpus} Ray CPUs; idle worker RSS {fmt_bytes(results['idle_worker_rss'])}"
+    )
+    print(
+        f"{'block rows':>10} {'tasks':>5} {'block':>9} {'strip':>9} {'bound/task':>10} "
+        f"{'peak/task':>10} {'above idle':>10} {'ok':>3} {'ray s':>6} {'numpy s':>7} "
+        f"{'numpy peak':>10} {'ratio':>5}"
+    )
     for r in results["runs"]:
         n = r["numpy"]
-        print(f"{r['block_rows']:>10} {r['tasks']:>5} {fmt_bytes(r['block_bytes']):>9} "
-              f"{fmt_bytes(r['strip_bytes']):>9} {fmt_bytes(r['bound_bytes']):>10} "
-              f"{fmt_bytes(r['max_rss_added']):>10} {fmt_bytes(r['max_rss_above_idle']):>10} "
-              f"{'yes' if r['within_bound'] else 'NO':>3} {r['seconds']:>6.1f} "
-              f"{n['seconds']:>7.1f} {fmt_bytes(n['rss_added']):>10} {r['ratio_to_numpy']:>5.2f}")
-    print("ray s: the whole run (read blocks, products, top-k, write the matrix and table back); "
-          "numpy s: one process, all in memory, no write; ratio = ray s / numpy s")
+        print(
+            f"{r['block_rows']:>10} {r['tasks']:>5} {fmt_bytes(r['block_bytes']):>9} "
+            f"{fmt_bytes(r['strip_bytes']):>9} {fmt_bytes(r['bound_bytes']):>10} "
+            f"{fmt_bytes(r['max_rss_added']):>10} {fmt_bytes(r['max_rss_above_idle']):>10} "
+            f"{'yes' if r['within_bound'] else 'NO':>3} {r['seconds']:>6.1f} "
+            f"{n['seconds']:>7.1f} {fmt_bytes(n['rss_added']):>10} {r['ratio_to_numpy']:>5.2f}"
+        )
+    print(
+        "ray s: the whole run (read blocks, products, top-k, write the matrix and table back); "
+        "numpy s: one process, all in memory, no write; ratio = ray s / numpy s"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

@@ -64,11 +64,19 @@ def time_raw(data: np.ndarray, workdir: Path) -> tuple[float, float]:
     return times
 
 
-def time_store(rows: np.ndarray, workdir: Path, *, dtype: str, shard_rows: int, row_chunk: int,
-               col_chunk: int, sharded: bool) -> tuple[float, float]:
+def time_store(
+    rows: np.ndarray, workdir: Path, *, dtype: str, shard_rows: int, row_chunk: int, col_chunk: int, sharded: bool
+) -> tuple[float, float]:
     path = workdir / "store.zarr"
-    spec = StoreSpec(num_classes=rows.shape[0], dim=rows.shape[1], shard_rows=shard_rows,
-                     row_chunk=row_chunk, col_chunk=col_chunk, dtype=dtype, sharded=sharded)
+    spec = StoreSpec(
+        num_classes=rows.shape[0],
+        dim=rows.shape[1],
+        shard_rows=shard_rows,
+        row_chunk=row_chunk,
+        col_chunk=col_chunk,
+        dtype=dtype,
+        sharded=sharded,
+    )
     store = create_store(str(path), spec)
     zeros = np.zeros(shard_rows, dtype=np.float32)
 
@@ -99,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     D = args.dim or (65536 if args.quick else 131072)
     reps = args.reps or (3 if args.quick else 5)
     shapes = [  # (row_chunk, col_chunk, sharded)
-        (16, 16384, False), (16, D, False), (64, D, False), (16, 16384, True), (16, D, True),
+        (16, 16384, False),
+        (16, D, False),
+        (64, D, False),
+        (16, 16384, True),
+        (16, D, True),
     ]
     rows = np.random.default_rng(0).standard_normal((C, D), dtype=np.float32)
     raw_data = stored_bytes(rows, args.dtype)
@@ -115,57 +127,103 @@ def main(argv: list[str] | None = None) -> int:
             raw_times.append(time_raw(raw_data, workdir))
             for shape in shapes:
                 row_chunk, col_chunk, sharded = shape
-                store_times[shape].append(time_store(
-                    rows, workdir, dtype=args.dtype, shard_rows=args.shard_rows,
-                    row_chunk=row_chunk, col_chunk=col_chunk, sharded=sharded))
+                store_times[shape].append(
+                    time_store(
+                        rows,
+                        workdir,
+                        dtype=args.dtype,
+                        shard_rows=args.shard_rows,
+                        row_chunk=row_chunk,
+                        col_chunk=col_chunk,
+                        sharded=sharded,
+                    )
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     def summary(times: list[tuple[float, float]]) -> dict:
         cached = statistics.median(t[0] for t in times)
         disk = statistics.median(t[1] for t in times)
-        return {"seconds": times, "cached_median_s": cached, "disk_median_s": disk,
-                "cached_mib_per_s": mib / cached, "disk_mib_per_s": mib / disk}
+        return {
+            "seconds": times,
+            "cached_median_s": cached,
+            "disk_median_s": disk,
+            "cached_mib_per_s": mib / cached,
+            "disk_mib_per_s": mib / disk,
+        }
 
     raw = summary(raw_times)
     results = []
     for (row_chunk, col_chunk, sharded), times in store_times.items():
-        r = {"row_chunk": row_chunk, "col_chunk": col_chunk, "sharded": sharded,
-             "chunk_mib": row_chunk * col_chunk * raw_data.itemsize / 2**20, **summary(times)}
+        r = {
+            "row_chunk": row_chunk,
+            "col_chunk": col_chunk,
+            "sharded": sharded,
+            "chunk_mib": row_chunk * col_chunk * raw_data.itemsize / 2**20,
+            **summary(times),
+        }
         r["cached_ratio"] = raw["cached_median_s"] / r["cached_median_s"]
         r["disk_ratio"] = raw["disk_median_s"] / r["disk_median_s"]
         results.append(r)
     best = max(results, key=lambda r: r["disk_ratio"])
     met = best["disk_ratio"] >= GOAL
 
-    print(f"store write vs numpy.tofile: {C} x {D} {args.dtype} ({mib:.0f} MiB), "
-          f"shard_rows {args.shard_rows}, median of {reps}, cpus {os.cpu_count()}")
+    print(
+        f"store write vs numpy.tofile: {C} x {D} {args.dtype} ({mib:.0f} MiB), "
+        f"shard_rows {args.shard_rows}, median of {reps}, cpus {os.cpu_count()}"
+    )
     print(f"{'':>27} {'':>9} | {'to disk (incl. sync)':>20} | {'page cache only':>16}")
-    print(f"{'row_chunk':>9} {'col_chunk':>9} {'sharded':>7} {'chunk MiB':>9} | "
-          f"{'MiB/s':>10} {'of raw':>9} | {'MiB/s':>7} {'of raw':>8}")
-    print(f"{'raw':>9} {'':>9} {'':>7} {'':>9} | {raw['disk_mib_per_s']:10.0f} {1:9.0%} | "
-          f"{raw['cached_mib_per_s']:7.0f} {1:8.0%}")
+    print(
+        f"{'row_chunk':>9} {'col_chunk':>9} {'sharded':>7} {'chunk MiB':>9} | "
+        f"{'MiB/s':>10} {'of raw':>9} | {'MiB/s':>7} {'of raw':>8}"
+    )
+    print(
+        f"{'raw':>9} {'':>9} {'':>7} {'':>9} | {raw['disk_mib_per_s']:10.0f} {1:9.0%} | "
+        f"{raw['cached_mib_per_s']:7.0f} {1:8.0%}"
+    )
     for r in results:
-        print(f"{r['row_chunk']:>9} {r['col_chunk']:>9} {str(r['sharded']):>7} "
-              f"{r['chunk_mib']:9.2f} | {r['disk_mib_per_s']:10.0f} {r['disk_ratio']:9.0%} | "
-              f"{r['cached_mib_per_s']:7.0f} {r['cached_ratio']:8.0%}")
-    print(f"best: row_chunk {best['row_chunk']} x col_chunk {best['col_chunk']}"
-          f"{' sharded' if best['sharded'] else ''}: {best['disk_ratio']:.0%} of raw to disk "
-          f"({best['cached_ratio']:.0%} to page cache); goal >= {GOAL:.0%} to disk "
-          f"{'met' if met else 'NOT met'}")
+        print(
+            f"{r['row_chunk']:>9} {r['col_chunk']:>9} {str(r['sharded']):>7} "
+            f"{r['chunk_mib']:9.2f} | {r['disk_mib_per_s']:10.0f} {r['disk_ratio']:9.0%} | "
+            f"{r['cached_mib_per_s']:7.0f} {r['cached_ratio']:8.0%}"
+        )
+    print(
+        f"best: row_chunk {best['row_chunk']} x col_chunk {best['col_chunk']}"
+        f"{' sharded' if best['sharded'] else ''}: {best['disk_ratio']:.0%} of raw to disk "
+        f"({best['cached_ratio']:.0%} to page cache); goal >= {GOAL:.0%} to disk "
+        f"{'met' if met else 'NOT met'}"
+    )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "store_write",
-        "params": {"classes": C, "dim": D, "dtype": args.dtype, "reps": reps,
-                   "shard_rows": args.shard_rows, "mib": mib, "quick": args.quick},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "numpy": np.__version__},
-        "raw": raw,
-        "results": results,
-        "best": best, "goal": GOAL, "goal_met": met,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "store_write",
+                "params": {
+                    "classes": C,
+                    "dim": D,
+                    "dtype": args.dtype,
+                    "reps": reps,
+                    "shard_rows": args.shard_rows,
+                    "mib": mib,
+                    "quick": args.quick,
+                },
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "numpy": np.__version__,
+                },
+                "raw": raw,
+                "results": results,
+                "best": best,
+                "goal": GOAL,
+                "goal_met": met,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

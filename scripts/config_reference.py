@@ -1,7 +1,7 @@
 """Keep the README's config reference equal to the config code.
 
-    python scripts/config_reference.py          # rewrite the block in README.md
-    python scripts/config_reference.py --check  # exit 1 if it is out of date (a unit test runs this)
+python scripts/config_reference.py          # rewrite the block in README.md
+python scripts/config_reference.py --check  # exit 1 if it is out of date (a unit test runs this)
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def main() -> int:
     wanted = rendered(current)
     if args.check:
         if wanted != current:
-            print("README.md's config reference is out of date: run python scripts/config_reference.py",
-                  file=sys.stderr)
+            print(
+                "README.md's config reference is out of date: run python scripts/config_reference.py", file=sys.stderr
+            )
             return 1
         return 0
     README.write_text(wanted)

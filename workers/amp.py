@@ -38,9 +38,7 @@ class PrecisionPolicy:
         if self.dtype not in ("fp32", *AUTOCAST_DTYPES):
             raise InputError(f"precision.dtype must be fp32, fp16 or bf16, got {self.dtype!r}")
         if not 0 < self.min_scale <= self.init_scale:
-            raise InputError(
-                f"precision.min_scale must be in (0, init_scale={self.init_scale}], got {self.min_scale}"
-            )
+            raise InputError(f"precision.min_scale must be in (0, init_scale={self.init_scale}], got {self.min_scale}")
 
     @property
     def uses_scaling(self) -> bool:

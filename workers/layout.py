@@ -35,9 +35,7 @@ class ParamLayout:
         self._by_name = {s.name: s for s in self.slots}
 
     @classmethod
-    def from_model(
-        cls, model: nn.Module, include: Sequence[str] = (), exclude: Sequence[str] = ()
-    ) -> "ParamLayout":
+    def from_model(cls, model: nn.Module, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> "ParamLayout":
         """Select parameters by fnmatch patterns on their names.
 
         An empty ``include`` means every parameter with ``requires_grad``; an explicit include may
@@ -117,17 +115,18 @@ class ParamLayout:
                 else:
                     cols.copy_(g.reshape(*batch, slot.size))
             else:
-                value = (torch.zeros((len(index), slot.size), dtype=out.dtype, device=out.device) if g is None
-                         else g.reshape(len(index), slot.size).to(out.dtype))
+                value = (
+                    torch.zeros((len(index), slot.size), dtype=out.dtype, device=out.device)
+                    if g is None
+                    else g.reshape(len(index), slot.size).to(out.dtype)
+                )
                 cols.index_copy_(0, index, value)
         return out
 
     def unflatten(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split rows ``(*batch, dim)`` into views shaped like each parameter."""
         batch = rows.shape[:-1]
-        return {
-            s.name: rows[..., s.offset : s.offset + s.size].reshape(*batch, *s.shape) for s in self.slots
-        }
+        return {s.name: rows[..., s.offset : s.offset + s.size].reshape(*batch, *s.shape) for s in self.slots}
 
     def to_list(self) -> list[dict]:
         return [s.to_dict() for s in self.slots]

@@ -108,7 +108,10 @@ class ProbeSet:
         return batch if memory_format is None else _in_format(batch, memory_format)
 
     def batch(
-        self, indices: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None,
+        self,
+        indices: torch.Tensor,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
         memory_format: torch.memory_format | None = None,
     ) -> tuple[Any, torch.Tensor]:
         """(inputs, targets) of the given samples on ``device``; floating inputs cast to ``dtype``,
@@ -121,6 +124,7 @@ class ProbeSet:
         """Raise ``InputError`` naming the first sample whose floating inputs hold NaN/Inf.
 
         Only checks inputs held as tensors (a Dataset is checked as its batches are used)."""
+
         def first_bad(t: Any) -> int | None:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 bad = ~torch.isfinite(t.reshape(len(t), -1)).all(dim=1)

@@ -436,9 +436,7 @@ class Projector:
             _check_int("projection block_rows", block_rows, 1)
         self.block_rows = block_rows  # None: chosen per device by block_rows_for()
         self._keys = [stream_keys(self.seed, g) for g in range(len(self.groups))]
-        logger.debug(
-            "projector %s k=%d groups=%d block_rows=%s", kind, dim, len(self.groups), block_rows
-        )
+        logger.debug("projector %s k=%d groups=%d block_rows=%s", kind, dim, len(self.groups), block_rows)
 
     def block_rows_for(self, device: torch.device | str) -> int:
         """Rows of R generated per block when projecting on ``device``."""
@@ -460,13 +458,11 @@ class Projector:
             size = _check_int(f"projection group {i} size", size, 1)
             if offset + size > self.dim_in:
                 raise ConfigError(
-                    f"projection group {i} ({offset}, {size}) ends at {offset + size}, "
-                    f"past the row width {self.dim_in}"
+                    f"projection group {i} ({offset}, {size}) ends at {offset + size}, past the row width {self.dim_in}"
                 )
             if size >= _MAX_INDEX:
                 raise ConfigError(
-                    f"projection group {i} has {size} columns; at most 2^32 - 1 per group "
-                    "(split the row into groups)"
+                    f"projection group {i} has {size} columns; at most 2^32 - 1 per group (split the row into groups)"
                 )
             checked.append((offset, size))
         if not checked:
@@ -476,9 +472,7 @@ class Projector:
         ordered = sorted(range(len(checked)), key=lambda i: checked[i][0])
         for a, b in zip(ordered, ordered[1:]):
             if checked[a][0] + checked[a][1] > checked[b][0]:
-                raise ConfigError(
-                    f"projection groups {a} {checked[a]} and {b} {checked[b]} overlap"
-                )
+                raise ConfigError(f"projection groups {a} {checked[a]} and {b} {checked[b]} overlap")
         return checked
 
     def _check_group_range(self, group: int, start: int, stop: int) -> int:
@@ -507,9 +501,7 @@ class Projector:
             kind.entries(words, k, out[r0 - start : r1 - start])
         return out[:, :k]
 
-    def matrix_block(
-        self, group: int, start: int, stop: int, device: torch.device | str = "cpu"
-    ) -> torch.Tensor:
+    def matrix_block(self, group: int, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Rows [start, stop) of group's R: float32 [stop - start, dim] on ``device``."""
         self._check_group_range(group, start, stop)
         return self._generate(group, start, stop, torch.device(device), None).contiguous()
@@ -519,9 +511,7 @@ class Projector:
         if not isinstance(rows, torch.Tensor):
             raise InputError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
         if rows.dim() != 2 or rows.shape[1] != self.dim_in:
-            raise InputError(
-                f"rows must have shape [b, {self.dim_in}], got {list(rows.shape)}"
-            )
+            raise InputError(f"rows must have shape [b, {self.dim_in}], got {list(rows.shape)}")
         if not rows.is_floating_point():
             raise InputError(f"rows must be floating point, got {rows.dtype}")
         rows = rows.detach()

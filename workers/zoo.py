@@ -37,8 +37,14 @@ class SmallCNN(nn.Module):
         super().__init__()
         norm = (lambda c: nn.BatchNorm2d(c)) if batch_norm else (lambda c: nn.Identity())
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1), norm(width), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), norm(2 * width), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            norm(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            norm(2 * width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
             nn.Flatten(),
         )
         self.head = nn.Sequential(nn.Linear(8 * width, 4 * width), nn.ReLU(), nn.Linear(4 * width, num_classes))
@@ -79,8 +85,15 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(self.encoder(h)).mean(dim=-2))
 
 
-def tiny_transformer(num_classes: int = 10, vocab: int = 64, dim: int = 16, heads: int = 2, layers: int = 1,
-                     max_len: int = 16, seed: int = 0) -> nn.Module:
+def tiny_transformer(
+    num_classes: int = 10,
+    vocab: int = 64,
+    dim: int = 16,
+    heads: int = 2,
+    layers: int = 1,
+    max_len: int = 16,
+    seed: int = 0,
+) -> nn.Module:
     torch.manual_seed(seed)
     return TinyTransformer(num_classes, vocab, dim, heads, layers, max_len)
 
@@ -110,8 +123,9 @@ class ResNet18(nn.Module):
         if small_inputs:  # 32x32 inputs: a 3x3 stem without the max-pool
             self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
         else:
-            self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                                      nn.MaxPool2d(3, 2, 1))
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+            )
         blocks, cin = [], 64
         for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
             blocks += [_BasicBlock(cin, cout, stride), _BasicBlock(cout, cout, 1)]
@@ -129,8 +143,9 @@ def resnet18(num_classes: int = 1000, in_channels: int = 3, small_inputs: bool =
     return ResNet18(num_classes, in_channels, small_inputs)
 
 
-def class_sizes(num_classes: int, samples_per_class: int, imbalance: float, empty_classes: Sequence[int],
-                generator: torch.Generator) -> torch.Tensor:
+def class_sizes(
+    num_classes: int, samples_per_class: int, imbalance: float, empty_classes: Sequence[int], generator: torch.Generator
+) -> torch.Tensor:
     """Samples per class: equal, or Zipf-like with exponent ``imbalance`` (mean kept near
     ``samples_per_class``, at least one each), classes shuffled; ``empty_classes`` get none."""
     if imbalance > 0:
@@ -187,8 +202,9 @@ def synthetic_probe(
         if protos is not None:
             inputs = noise + 0.5 * protos[labels].reshape(n, *shape)
         else:
-            inputs = noise + 0.5 * torch.sin(labels.view(-1, *[1] * len(shape)).float()
-                                             * torch.linspace(1, 2, size).reshape(shape))
+            inputs = noise + 0.5 * torch.sin(
+                labels.view(-1, *[1] * len(shape)).float() * torch.linspace(1, 2, size).reshape(shape)
+            )
     if not multilabel:
         return inputs, labels
     targets = torch.zeros(n, num_classes)

@@ -49,9 +49,15 @@ def _round_down(value: int, unit: int) -> int:
     return max(unit, value - value % unit)
 
 
-def plan_blocks(store, *, block_rows: int | None = None, band_cols: int | None = None,
-                block_mb: float = DEFAULT_BLOCK_MB, max_rows: int | None = None,
-                option: str = "--block-rows") -> BlockPlan:
+def plan_blocks(
+    store,
+    *,
+    block_rows: int | None = None,
+    band_cols: int | None = None,
+    block_mb: float = DEFAULT_BLOCK_MB,
+    max_rows: int | None = None,
+    option: str = "--block-rows",
+) -> BlockPlan:
     """Choose the read unit for ``store``.
 
     Given ``block_rows`` must be a multiple of the store's ``row_chunk`` (reads then cover whole
@@ -68,8 +74,7 @@ def plan_blocks(store, *, block_rows: int | None = None, band_cols: int | None =
         raise ConfigError(f"block size budget must be positive, got {block_mb}")
     if block_rows is not None:
         if block_rows < 1 or block_rows % rc:
-            raise ConfigError(f"{option} must be a positive multiple of the store's row_chunk "
-                              f"({rc}), got {block_rows}")
+            raise ConfigError(f"{option} must be a positive multiple of the store's row_chunk ({rc}), got {block_rows}")
         rows = block_rows
     else:
         rows = _round_down(budget // (4 * D) if D else C, rc)
@@ -115,8 +120,11 @@ def completion(store) -> dict:
     }
 
 
-def iter_tiles(store, plan: BlockPlan, ranges: list[tuple[int, int]] | None = None,
-               ) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
+def iter_tiles(
+    store,
+    plan: BlockPlan,
+    ranges: list[tuple[int, int]] | None = None,
+) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
     """Yield (r0, r1, c0, c1, true float32 values) over ``ranges`` of rows (default: all),
     row block by row block, each block band by band; at most one tile is alive at a time when
     the caller drops it before asking for the next."""
@@ -146,8 +154,13 @@ def finite_summary(values: np.ndarray) -> dict:
     v = values[np.isfinite(values)]
     if v.size == 0:
         return {"n": 0, "min": None, "median": None, "max": None, "mean": None}
-    return {"n": int(v.size), "min": float(v.min()), "median": float(np.median(v)),
-            "max": float(v.max()), "mean": float(v.mean())}
+    return {
+        "n": int(v.size),
+        "min": float(v.min()),
+        "median": float(np.median(v)),
+        "max": float(v.max()),
+        "mean": float(v.mean()),
+    }
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -166,10 +179,21 @@ def validated(model: type[BaseModel], what: str, **values) -> BaseModel:
         flag = "--" + field.replace("_", "-")
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        got = f", got {err['input']!r}" if "input" in err and err["type"] != "extra_forbidden" \
-            else ""
+        got = f", got {err['input']!r}" if "input" in err and err["type"] != "extra_forbidden" else ""
         raise ConfigError(f"{what} option {field} ({flag}): {msg}{got}{more}") from None
 
 
-__all__ = ["BlockPlan", "DEFAULT_BLOCK_MB", "MIB", "ceil_div", "completion", "cosine_from_gram",
-           "done_ranges", "finite_summary", "fmt_bytes", "iter_tiles", "plan_blocks", "validated"]
+__all__ = [
+    "BlockPlan",
+    "DEFAULT_BLOCK_MB",
+    "MIB",
+    "ceil_div",
+    "completion",
+    "cosine_from_gram",
+    "done_ranges",
+    "finite_summary",
+    "fmt_bytes",
+    "iter_tiles",
+    "plan_blocks",
+    "validated",
+]

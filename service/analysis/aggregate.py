@@ -39,13 +39,13 @@ class AggregateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    weights: str = Field("mean", description="'mean' (1/C per class) or a file of C weights in "
-                                             "row order: .npy, or .txt/.csv numbers")
-    clip_norm: float | None = Field(None, gt=0, description="scale the result down to this L2 "
-                                                            "norm if it is larger")
-    block_rows: int | None = Field(None, ge=1, description="rows read at once (a multiple of the "
-                                                           "store's row_chunk); default from "
-                                                           "block_mb")
+    weights: str = Field(
+        "mean", description="'mean' (1/C per class) or a file of C weights in row order: .npy, or .txt/.csv numbers"
+    )
+    clip_norm: float | None = Field(None, gt=0, description="scale the result down to this L2 norm if it is larger")
+    block_rows: int | None = Field(
+        None, ge=1, description="rows read at once (a multiple of the store's row_chunk); default from block_mb"
+    )
     block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB of one read")
 
 
@@ -55,20 +55,24 @@ def load_weights(spec: str, num_classes: int) -> tuple[np.ndarray, str]:
         return np.full(num_classes, 1.0 / num_classes), "mean"
     path = Path(spec)
     if not path.is_file():
-        raise ConfigError(f"--weights {spec!r}: no such file (give 'mean', or a .npy, .txt or "
-                          f".csv file of {num_classes} numbers)")
+        raise ConfigError(
+            f"--weights {spec!r}: no such file (give 'mean', or a .npy, .txt or .csv file of {num_classes} numbers)"
+        )
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
             w = np.load(path, allow_pickle=False)
         elif suffix in (".txt", ".csv", ".tsv", ""):
             text = path.read_text()
-            tokens = [t for line in text.splitlines() if not line.lstrip().startswith("#")
-                      for t in line.replace(",", " ").replace(";", " ").split()]
+            tokens = [
+                t
+                for line in text.splitlines()
+                if not line.lstrip().startswith("#")
+                for t in line.replace(",", " ").replace(";", " ").split()
+            ]
             w = np.array([float(t) for t in tokens], dtype=np.float64)
         else:
-            raise ConfigError(f"--weights {spec!r}: unknown file type {suffix!r} (expected .npy, "
-                              f".txt or .csv)")
+            raise ConfigError(f"--weights {spec!r}: unknown file type {suffix!r} (expected .npy, .txt or .csv)")
     except ClassgradError:
         raise
     except (ValueError, OSError) as exc:
@@ -80,11 +84,14 @@ def load_weights(spec: str, num_classes: int) -> tuple[np.ndarray, str]:
     if w.ndim == 2 and 1 in w.shape:  # a column or a row vector
         w = w.reshape(-1)
     if w.ndim != 1 or w.size != num_classes:
-        raise ConfigError(f"--weights {spec!r}: expected {num_classes} weights (one per row of "
-                          f"the store), got shape {list(np.shape(w))}")
+        raise ConfigError(
+            f"--weights {spec!r}: expected {num_classes} weights (one per row of "
+            f"the store), got shape {list(np.shape(w))}"
+        )
     if not np.isfinite(w).all():
-        raise ConfigError(f"--weights {spec!r}: weights must be finite (row "
-                          f"{int(np.flatnonzero(~np.isfinite(w))[0])} is not)")
+        raise ConfigError(
+            f"--weights {spec!r}: weights must be finite (row {int(np.flatnonzero(~np.isfinite(w))[0])} is not)"
+        )
     return w, str(path)
 
 
@@ -96,12 +103,14 @@ def _check_rows_present(store, weights: np.ndarray) -> list[tuple[int, int]]:
         shown = ", ".join(f"[{a}, {b})" for a, b in needed[:5])
         raise StoreIncompleteError(
             f"store {store.url} is incomplete: rows {shown} have non-zero weight but are not "
-            f"written yet; finish the job (rerun `classgrad run`) first")
+            f"written yet; finish the job (rerun `classgrad run`) first"
+        )
     return done_ranges(store, missing)
 
 
-def weighted_sum(store, weights: np.ndarray, *, block_rows: int | None = None,
-                 block_mb: float = DEFAULT_BLOCK_MB) -> np.ndarray:
+def weighted_sum(
+    store, weights: np.ndarray, *, block_rows: int | None = None, block_mb: float = DEFAULT_BLOCK_MB
+) -> np.ndarray:
     """sum_c weights[c] * row_c as float32 [D], reading at most one block (one band) at once."""
     weights = np.asarray(weights, dtype=np.float64)
     if weights.shape != (store.num_classes,):
@@ -110,8 +119,7 @@ def weighted_sum(store, weights: np.ndarray, *, block_rows: int | None = None,
     plan = plan_blocks(store, block_rows=block_rows, block_mb=block_mb)
     # Row blocks whose weights are all 0 are not read; iter_tiles keeps each remaining block
     # whole (none is longer than plan.block_rows) and reads it band by band.
-    blocks = [(r0, r1) for start, stop in ranges for r0, r1 in plan.row_blocks(start, stop)
-              if weights[r0:r1].any()]
+    blocks = [(r0, r1) for start, stop in ranges for r0, r1 in plan.row_blocks(start, stop) if weights[r0:r1].any()]
     acc = np.zeros(store.dim, dtype=np.float64)
     for r0, r1, c0, c1, x in iter_tiles(store, plan, blocks):
         acc[c0:c1] += weights[r0:r1].astype(np.float32) @ x
@@ -120,8 +128,7 @@ def weighted_sum(store, weights: np.ndarray, *, block_rows: int | None = None,
 
 
 def _state_dict(store, vector: np.ndarray) -> dict[str, np.ndarray]:
-    return {e.name: np.ascontiguousarray(vector[e.offset: e.offset + e.size].reshape(e.shape))
-            for e in store.layout}
+    return {e.name: np.ascontiguousarray(vector[e.offset : e.offset + e.size].reshape(e.shape)) for e in store.layout}
 
 
 def _save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
@@ -139,8 +146,7 @@ def _save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) 
             tmp.unlink()
 
 
-def aggregate(url: str, out: str, *, storage_options: dict | None = None,
-              **options: Any) -> dict:
+def aggregate(url: str, out: str, *, storage_options: dict | None = None, **options: Any) -> dict:
     """``classgrad aggregate``: combine the rows of the store at ``url`` with the weights in
     ``options`` (``AggregateConfig`` fields) and write ``out`` (safetensors). Returns a
     summary (norm before and after clipping, tensors written, ...)."""
@@ -150,14 +156,18 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None,
     store = open_store(url, storage_options=storage_options)
     if not store.layout:
         proj = store.attrs.get("projection")
-        what = (f"projected rows ({proj.get('kind')} projection to {store.dim} dims)"
-                if proj else f"rows without a parameter layout ({store.dim} columns)")
-        raise StoreError(f"store {url} holds {what}: they cannot be mapped back to the model's "
-                         f"parameters, so there is no gradient to aggregate; use a store "
-                         f"computed without projection")
+        what = (
+            f"projected rows ({proj.get('kind')} projection to {store.dim} dims)"
+            if proj
+            else f"rows without a parameter layout ({store.dim} columns)"
+        )
+        raise StoreError(
+            f"store {url} holds {what}: they cannot be mapped back to the model's "
+            f"parameters, so there is no gradient to aggregate; use a store "
+            f"computed without projection"
+        )
     weights, described = load_weights(config.weights, store.num_classes)
-    vector = weighted_sum(store, weights, block_rows=config.block_rows,
-                          block_mb=config.block_mb)
+    vector = weighted_sum(store, weights, block_rows=config.block_rows, block_mb=config.block_mb)
     norm = float(np.linalg.norm(vector.astype(np.float64)))
     scale = 1.0
     if config.clip_norm is not None and norm > config.clip_norm:
@@ -165,24 +175,40 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None,
         vector = (vector.astype(np.float64) * scale).astype(np.float32)
     tensors = _state_dict(store, vector)
     metadata = {
-        "format": FORMAT, "store": store.url, "fingerprint": store.fingerprint,
-        "weights": described, "weights_sum": repr(float(weights.sum())),
-        "num_classes": str(store.num_classes), "norm": repr(norm),
-        "clip_norm": repr(config.clip_norm), "scale": repr(scale),
+        "format": FORMAT,
+        "store": store.url,
+        "fingerprint": store.fingerprint,
+        "weights": described,
+        "weights_sum": repr(float(weights.sum())),
+        "num_classes": str(store.num_classes),
+        "norm": repr(norm),
+        "clip_norm": repr(config.clip_norm),
+        "scale": repr(scale),
         "layout": json.dumps([e.name for e in store.layout]),
     }
     path = Path(out)
     _save(tensors, path, metadata)
-    log.info("wrote %s: %d tensors, norm %.6g%s", path, len(tensors), norm,
-             f" clipped to {config.clip_norm}" if scale != 1.0 else "")
-    return {"out": str(path), "tensors": len(tensors), "numbers": int(vector.size),
-            "weights": described, "weights_sum": float(weights.sum()), "norm": norm,
-            "clip_norm": config.clip_norm, "scale": scale,
-            "final_norm": float(np.linalg.norm(vector.astype(np.float64)))}
+    log.info(
+        "wrote %s: %d tensors, norm %.6g%s",
+        path,
+        len(tensors),
+        norm,
+        f" clipped to {config.clip_norm}" if scale != 1.0 else "",
+    )
+    return {
+        "out": str(path),
+        "tensors": len(tensors),
+        "numbers": int(vector.size),
+        "weights": described,
+        "weights_sum": float(weights.sum()),
+        "norm": norm,
+        "clip_norm": config.clip_norm,
+        "scale": scale,
+        "final_norm": float(np.linalg.norm(vector.astype(np.float64))),
+    }
 
 
-def load_into_grad(model: Any, path: str | os.PathLike, clip_norm: float | None = None, *,
-                   strict: bool = True) -> dict:
+def load_into_grad(model: Any, path: str | os.PathLike, clip_norm: float | None = None, *, strict: bool = True) -> dict:
     """Load an aggregated gradient (``classgrad aggregate``'s file) into ``model``'s
     parameters' ``.grad``, so that ``optimizer.step()`` applies it.
 
@@ -203,25 +229,29 @@ def load_into_grad(model: Any, path: str | os.PathLike, clip_norm: float | None 
     params = dict(model.named_parameters())
     unknown = [name for name in tensors if name not in params]
     if unknown and strict:
-        raise InputError(f"{path} holds gradients for parameters the model does not have: "
-                         f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} "
-                         f"(pass strict=False to skip them)")
+        raise InputError(
+            f"{path} holds gradients for parameters the model does not have: "
+            f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} "
+            f"(pass strict=False to skip them)"
+        )
     loaded = []
     for name, param in params.items():  # the model's order (the file's is alphabetical)
         if name not in tensors:
             continue
         tensor = tensors[name]
         if tuple(tensor.shape) != tuple(param.shape):
-            raise InputError(f"{path}: gradient {name!r} has shape {list(tensor.shape)}, the "
-                             f"model's parameter {list(param.shape)}")
+            raise InputError(
+                f"{path}: gradient {name!r} has shape {list(tensor.shape)}, the model's parameter {list(param.shape)}"
+            )
         param.grad = tensor.to(device=param.device, dtype=param.dtype)
         loaded.append(name)
     grads = [params[n] for n in loaded]
     if clip_norm is not None:
         total = float(torch.nn.utils.clip_grad_norm_(grads, clip_norm))
     else:
-        total = float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in grads]))) \
-            if grads else 0.0
-    return {"loaded": loaded, "not_in_file": [n for n in params if n not in tensors],
-            "total_norm": total}
+        total = (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in grads])))
+            if grads
+            else 0.0
+        )
+    return {"loaded": loaded, "not_in_file": [n for n in params if n not in tensors], "total_norm": total}

@@ -57,8 +57,13 @@ def _segments(offsets: np.ndarray, c0: int, c1: int) -> tuple[np.ndarray, np.nda
     return starts, params
 
 
-def grad_norms(store, *, block_rows: int | None = None, block_mb: float = DEFAULT_BLOCK_MB,
-               ranges: list[tuple[int, int]] | None = None) -> GradNorms:
+def grad_norms(
+    store,
+    *,
+    block_rows: int | None = None,
+    block_mb: float = DEFAULT_BLOCK_MB,
+    ranges: list[tuple[int, int]] | None = None,
+) -> GradNorms:
     """One pass over the rows of done shards, in blocks of at most ``block_mb`` MiB; ``ranges``
     is ``done_ranges(store)`` when the caller already has it."""
     C = store.num_classes
@@ -90,13 +95,13 @@ def _class_label(store, row: int) -> dict:
     return out
 
 
-def inspect_store(store, *, top: int = 5, block_rows: int | None = None,
-                  block_mb: float = DEFAULT_BLOCK_MB) -> dict:
+def inspect_store(store, *, top: int = 5, block_rows: int | None = None, block_mb: float = DEFAULT_BLOCK_MB) -> dict:
     """Everything ``classgrad inspect`` shows, as a JSON-ready dict."""
     attrs = store.attrs
     comp = completion(store)  # the one read of shard_done
-    norms = grad_norms(store, block_rows=block_rows, block_mb=block_mb,
-                       ranges=done_ranges(store, comp["missing_ranges"]))
+    norms = grad_norms(
+        store, block_rows=block_rows, block_mb=block_mb, ranges=done_ranges(store, comp["missing_ranges"])
+    )
     row = norms.row
     finite = np.isfinite(row)
     order = norms.top(top)
@@ -106,8 +111,7 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None,
         "shape": [store.num_classes, store.dim],
         "dtype": store.dtype,
         "storage_dtype": attrs.get("storage_dtype"),
-        "stored_bytes": int(store.num_classes * store.dim
-                            * (4 if store.dtype == "float32" else 2)),
+        "stored_bytes": int(store.num_classes * store.dim * (4 if store.dtype == "float32" else 2)),
         "chunks": [store.row_chunk, store.col_chunk],
         "codec": attrs.get("codec"),
         "sharded": attrs.get("sharded"),
@@ -115,8 +119,7 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None,
         "loss_kind": attrs.get("loss_kind"),
         "projection": attrs.get("projection"),
         "fingerprint": store.fingerprint,
-        "layout": [{"name": e.name, "shape": list(e.shape), "size": e.size, "offset": e.offset}
-                   for e in store.layout],
+        "layout": [{"name": e.name, "shape": list(e.shape), "size": e.size, "offset": e.offset} for e in store.layout],
         "completion": comp,
         "class_norms": {
             **finite_summary(row),
@@ -133,13 +136,17 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None,
         grand = float(total_sq.sum()) or 1.0
         per_class = np.sqrt(norms.param_sq[finite])
         for p, entry in enumerate(store.layout):
-            info["param_norms"].append({
-                "name": entry.name, "shape": list(entry.shape), "size": entry.size,
-                "norm": float(np.sqrt(total_sq[p])),
-                "mean_class_norm": float(per_class[:, p].mean()) if per_class.size else None,
-                "max_class_norm": float(per_class[:, p].max()) if per_class.size else None,
-                "share": float(total_sq[p] / grand),
-            })
+            info["param_norms"].append(
+                {
+                    "name": entry.name,
+                    "shape": list(entry.shape),
+                    "size": entry.size,
+                    "norm": float(np.sqrt(total_sq[p])),
+                    "mean_class_norm": float(per_class[:, p].mean()) if per_class.size else None,
+                    "max_class_norm": float(per_class[:, p].max()) if per_class.size else None,
+                    "share": float(total_sq[p] / grand),
+                }
+            )
     return info
 
 
@@ -166,16 +173,17 @@ def format_report(info: dict) -> str:
         lines.append(f"missing     rows {shown}{more}")
     proj = info["projection"]
     if proj:
-        lines.append(f"projection  {proj.get('kind')} to {D} dims (seed {proj.get('seed')}); "
-                     f"no per-parameter layout")
+        lines.append(f"projection  {proj.get('kind')} to {D} dims (seed {proj.get('seed')}); no per-parameter layout")
     elif info["layout"]:
         lines.append(f"layout      {len(info['layout'])} parameters")
         width = max(len(e["name"]) for e in info["layout"])
         for e in info["layout"]:
             lines.append(f"  {e['name']:<{width}}  {str(tuple(e['shape'])):<18} {e['size']:>12,}")
     n = info["class_norms"]
-    lines.append(f"class norms {n['n']} rows: min {_g(n['min'])}, median {_g(n['median'])}, "
-                 f"max {_g(n['max'])}; {n['zero_rows']} zero rows")
+    lines.append(
+        f"class norms {n['n']} rows: min {_g(n['min'])}, median {_g(n['median'])}, "
+        f"max {_g(n['max'])}; {n['zero_rows']} zero rows"
+    )
     for t in n["top"]:
         label = f"class {t['class_id']}" + (f" ({t['name']})" if "name" in t else "")
         lines.append(f"  {label:<28} {t['norm']:.4g}")
@@ -183,14 +191,16 @@ def format_report(info: dict) -> str:
         lines.append("param norms (over all done classes; share of the squared total)")
         width = max(len(p["name"]) for p in info["param_norms"])
         for p in info["param_norms"]:
-            lines.append(f"  {p['name']:<{width}}  {p['norm']:>11.4g}  {100 * p['share']:5.1f}%  "
-                         f"mean per class {_g(p['mean_class_norm'])}")
+            lines.append(
+                f"  {p['name']:<{width}}  {p['norm']:>11.4g}  {100 * p['share']:5.1f}%  "
+                f"mean per class {_g(p['mean_class_norm'])}"
+            )
     loss = info["loss"]
-    lines.append(f"loss        min {_g(loss['min'])}, median {_g(loss['median'])}, "
-                 f"max {_g(loss['max'])}")
+    lines.append(f"loss        min {_g(loss['min'])}, median {_g(loss['median'])}, max {_g(loss['max'])}")
     sim = info["similarity"]
     if sim:
-        lines.append(f"similarity  {sim.get('metric')}, top-{sim.get('top_k')}, "
-                     f"{sim.get('state')}" + (f", {sim['seconds']:.1f} s" if "seconds" in sim
-                                              else ""))
+        lines.append(
+            f"similarity  {sim.get('metric')}, top-{sim.get('top_k')}, "
+            f"{sim.get('state')}" + (f", {sim['seconds']:.1f} s" if "seconds" in sim else "")
+        )
     return "\n".join(lines)

@@ -49,11 +49,11 @@ class PlotConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    top_n: int = Field(40, ge=2, le=500, description="classes in the heatmap: the ones with the "
-                                                     "largest gradient norms")
+    top_n: int = Field(40, ge=2, le=500, description="classes in the heatmap: the ones with the largest gradient norms")
     metric: Literal["cosine", "dot"] | None = Field(
-        None, description="similarity of the heatmap when computing it (default: the stored "
-                          "matrix's metric, else cosine)")
+        None,
+        description="similarity of the heatmap when computing it (default: the stored matrix's metric, else cosine)",
+    )
     dpi: int = Field(100, ge=30, le=600, description="pixels per inch of the PNGs")
     block_rows: int | None = Field(None, ge=1, description="rows read at once for the norms")
     block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB of one read")
@@ -75,8 +75,7 @@ def average_linkage_order(dist: np.ndarray) -> np.ndarray:
         a, b = min(a, b), max(a, b)
         left, right = members.pop(a), members.pop(b)
         # The orientation whose junction (last of one, first of the other) is closest.
-        options = [(left, right), (left, right[::-1]), (left[::-1], right),
-                   (left[::-1], right[::-1])]
+        options = [(left, right), (left, right[::-1]), (left[::-1], right), (left[::-1], right[::-1])]
         best = min(options, key=lambda o: base[o[0][-1], o[1][0]])
         members[a] = best[0] + best[1]
         merged = (size[a] * d[a] + size[b] * d[b]) / (size[a] + size[b])
@@ -88,14 +87,19 @@ def average_linkage_order(dist: np.ndarray) -> np.ndarray:
     return np.array(order, dtype=np.int64)
 
 
-def class_similarity(store, rows: np.ndarray, metric: str | None = None, *,
-                     block_mb: float = DEFAULT_BLOCK_MB) -> tuple[np.ndarray, str, str]:
+def class_similarity(
+    store, rows: np.ndarray, metric: str | None = None, *, block_mb: float = DEFAULT_BLOCK_MB
+) -> tuple[np.ndarray, str, str]:
     """Similarity [n, n] of ``rows``: (matrix, metric, "stored" or "computed"). The stored
     matrix is used when it is finished and has the asked metric; otherwise the Gram matrix of
     these rows is computed from the store, one column band at a time."""
     info = store.similarity_info()
-    if info is not None and info.get("state") == "ready" and metric in (None, info["metric"]) \
-            and info.get("source_fingerprint") == store.fingerprint:
+    if (
+        info is not None
+        and info.get("state") == "ready"
+        and metric in (None, info["metric"])
+        and info.get("source_fingerprint") == store.fingerprint
+    ):
         return store.similarity(rows, rows), info["metric"], "stored"
     metric = metric or "cosine"
     n = len(rows)
@@ -128,8 +132,7 @@ def _save(fig, path: Path, dpi: int) -> None:
     fig.savefig(path, dpi=dpi, format="png")  # no bbox_inches="tight": the size stays fixed
 
 
-def _heatmap(store, sim: np.ndarray, rows: np.ndarray, metric: str, source: str,
-             path: Path, dpi: int) -> None:
+def _heatmap(store, sim: np.ndarray, rows: np.ndarray, metric: str, source: str, path: Path, dpi: int) -> None:
     fig = _figure(HEATMAP_SIZE, dpi)
     ax = fig.add_axes((0.12, 0.1, 0.72, 0.8))
     cax = fig.add_axes((0.87, 0.1, 0.03, 0.8))
@@ -149,8 +152,10 @@ def _heatmap(store, sim: np.ndarray, rows: np.ndarray, metric: str, source: str,
     else:
         ax.set_xticks([])
         ax.set_yticks([])
-    ax.set_title(f"{metric} similarity of the {n} classes with the largest gradient norms\n"
-                 f"(average-linkage order; {source})", fontsize=10)
+    ax.set_title(
+        f"{metric} similarity of the {n} classes with the largest gradient norms\n(average-linkage order; {source})",
+        fontsize=10,
+    )
     _save(fig, path, dpi)
 
 
@@ -189,8 +194,7 @@ def _bars(names: list[str], totals: np.ndarray, path: Path, dpi: int) -> None:
     _save(fig, path, dpi)
 
 
-def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
-               **options) -> dict:
+def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, **options) -> dict:
     """Write the PNGs of the store at ``url`` into ``out_dir``; return what was written."""
     from classgrad.service.analysis.inspect import grad_norms
     from classgrad.service.errors import ConfigError
@@ -200,8 +204,7 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ConfigError("classgrad plot needs matplotlib: pip install 'classgrad[plot]'") \
-            from None
+        raise ConfigError("classgrad plot needs matplotlib: pip install 'classgrad[plot]'") from None
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -218,8 +221,7 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
     top = np.sort(norms.top(config.top_n))
     result: dict = {"files": written, "top_rows": top.tolist()}
     if len(top) >= 2:
-        sim, metric, source = class_similarity(store, top, config.metric,
-                                               block_mb=config.block_mb)
+        sim, metric, source = class_similarity(store, top, config.metric, block_mb=config.block_mb)
         cos = sim if metric == "cosine" else cosine_from_gram(sim.astype(np.float64))
         order = average_linkage_order(np.clip(1.0 - cos.astype(np.float64), 0.0, None))
         rows = top[order]
@@ -238,6 +240,11 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None,
         result["note"] = "projected store: no per-parameter norms"
     result["sizes"] = {
         name: [int(round(w * config.dpi)), int(round(h * config.dpi))]
-        for name, (w, h) in (("similarity_heatmap", HEATMAP_SIZE), ("class_norms", HIST_SIZE),
-                             ("param_norms", BARS_SIZE)) if name in written}
+        for name, (w, h) in (
+            ("similarity_heatmap", HEATMAP_SIZE),
+            ("class_norms", HIST_SIZE),
+            ("param_norms", BARS_SIZE),
+        )
+        if name in written
+    }
     return result

@@ -65,32 +65,50 @@ class SimilarityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metric: Literal["cosine", "dot"] = Field(
-        "cosine", description="cosine similarity of rows, or their dot product (the Gram matrix)")
-    top_k: int = Field(10, ge=0, description="neighbours kept per class (self excluded); "
-                                             "clamped to C - 1; 0 stores no table")
+        "cosine", description="cosine similarity of rows, or their dot product (the Gram matrix)"
+    )
+    top_k: int = Field(
+        10, ge=0, description="neighbours kept per class (self excluded); clamped to C - 1; 0 stores no table"
+    )
     block_rows: int | None = Field(
-        None, ge=1, description="rows per block (a multiple of the store's row_chunk); default: "
-                                "the most that keep a strip within block_mb, with at least "
-                                "tasks_per_cpu tasks per CPU")
+        None,
+        ge=1,
+        description="rows per block (a multiple of the store's row_chunk); default: "
+        "the most that keep a strip within block_mb, with at least "
+        "tasks_per_cpu tasks per CPU",
+    )
     band_cols: int | None = Field(
-        None, ge=1, description="columns read at once; default: all, unless a block of full "
-                                "rows would exceed block_mb")
-    block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB for one "
-                            "block of rows as read and for one output strip (automatic sizes)")
+        None, ge=1, description="columns read at once; default: all, unless a block of full rows would exceed block_mb"
+    )
+    block_mb: float = Field(
+        DEFAULT_BLOCK_MB,
+        gt=0,
+        description="memory budget in MiB for one block of rows as read and for one output strip (automatic sizes)",
+    )
     precision: Literal["float32", "float64"] = Field(
-        "float32", description="arithmetic of the products (float64: twice the memory and time)")
+        "float32", description="arithmetic of the products (float64: twice the memory and time)"
+    )
     executor: Literal["ray", "local"] = Field(
-        "ray", description="run the tasks on Ray, or one after another in this process")
-    address: str | None = Field(None, description="Ray address to join (default: the Ray already "
-                                "initialised in this process, else RAY_ADDRESS when set, else a "
-                                "new local one)")
+        "ray", description="run the tasks on Ray, or one after another in this process"
+    )
+    address: str | None = Field(
+        None,
+        description="Ray address to join (default: the Ray already "
+        "initialised in this process, else RAY_ADDRESS when set, else a "
+        "new local one)",
+    )
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray task")
-    tasks_per_cpu: int = Field(2, ge=1, description="automatic block_rows leaves at least this "
-                                                    "many tasks per CPU, for load balance")
-    lease_ttl_s: float = Field(120.0, gt=0, description="the store's lease is held while the "
-                               "run lasts: renewed every lease_ttl_s / 4 (at most 10 s) while "
-                               "Ray tasks run, between tasks in-process; another driver may "
-                               "take it over once it is this old")
+    tasks_per_cpu: int = Field(
+        2, ge=1, description="automatic block_rows leaves at least this many tasks per CPU, for load balance"
+    )
+    lease_ttl_s: float = Field(
+        120.0,
+        gt=0,
+        description="the store's lease is held while the "
+        "run lasts: renewed every lease_ttl_s / 4 (at most 10 s) while "
+        "Ray tasks run, between tasks in-process; another driver may "
+        "take it over once it is this old",
+    )
 
 
 @dataclass(frozen=True)
@@ -107,8 +125,7 @@ class SimilarityPlan:
     precision: str
 
     def blocks(self) -> list[tuple[int, int]]:
-        return [(a, min(a + self.block_rows, self.num_classes))
-                for a in range(0, self.num_classes, self.block_rows)]
+        return [(a, min(a + self.block_rows, self.num_classes)) for a in range(0, self.num_classes, self.block_rows)]
 
     def bands(self) -> list[tuple[int, int]]:
         return [(c, min(c + self.band_cols, self.dim)) for c in range(0, self.dim, self.band_cols)]
@@ -156,11 +173,15 @@ def plan_similarity(store, config: SimilarityConfig, workers: int = 1) -> Simila
         rows = max(rc, min(strip_rows, parallel) // rc * rc)
     else:
         rows = config.block_rows
-    blocks = plan_blocks(store, block_rows=rows, band_cols=config.band_cols,
-                         block_mb=config.block_mb)
+    blocks = plan_blocks(store, block_rows=rows, band_cols=config.band_cols, block_mb=config.block_mb)
     return SimilarityPlan(
-        num_classes=C, dim=store.dim, block_rows=blocks.block_rows, band_cols=blocks.band_cols,
-        chunk_rows=_chunk_rows(rc, C), metric=config.metric, top_k=min(config.top_k, C - 1),
+        num_classes=C,
+        dim=store.dim,
+        block_rows=blocks.block_rows,
+        band_cols=blocks.band_cols,
+        chunk_rows=_chunk_rows(rc, C),
+        metric=config.metric,
+        top_k=min(config.top_k, C - 1),
         precision=config.precision,
     )
 
@@ -238,7 +259,7 @@ def _add_squares(sq: np.ndarray, start: int, x: np.ndarray) -> None:
     """sq[start + r] += |x[r]|^2, pairwise-summed in float64, a few rows at a time."""
     for r in range(0, x.shape[0], 16):
         r1 = min(r + 16, x.shape[0])
-        sq[start + r: start + r1] += np.square(x[r:r1]).sum(axis=1, dtype=np.float64)
+        sq[start + r : start + r1] += np.square(x[r:r1]).sum(axis=1, dtype=np.float64)
 
 
 def compute_strip(store, plan: SimilarityPlan, start: int, stop: int) -> tuple[np.ndarray, int]:
@@ -275,7 +296,7 @@ def compute_strip(store, plan: SimilarityPlan, start: int, stop: int) -> tuple[n
         for r in range(0, strip.shape[0], _WORK_ROWS):
             r1 = min(r + _WORK_ROWS, strip.shape[0])
             # One float64 factor per entry, inv_a * inv_b (commutes exactly): symmetric result.
-            strip[r:r1] *= inv[start + r: start + r1, None] * inv[None, :]
+            strip[r:r1] *= inv[start + r : start + r1, None] * inv[None, :]
     if dtype is np.float64:
         strip = strip.astype(np.float32)
     return strip, read
@@ -290,12 +311,12 @@ def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.nda
     if k == 0:
         return index, value
     for r in range(0, n, _WORK_ROWS):
-        s = strip[r: r + _WORK_ROWS].astype(np.float32, copy=True)
+        s = strip[r : r + _WORK_ROWS].astype(np.float32, copy=True)
         m = s.shape[0]
         local = np.arange(m)
         s[local, row0 + r + local] = -np.inf
         if k < C:
-            part = np.argpartition(s, C - k, axis=1)[:, C - k:]
+            part = np.argpartition(s, C - k, axis=1)[:, C - k :]
         else:
             part = np.broadcast_to(np.arange(C), (m, C)).copy()
         vals = np.take_along_axis(s, part, axis=1)
@@ -306,13 +327,12 @@ def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.nda
             part[i] = np.argsort(-s[i], kind="stable")[:k]
             vals[i] = s[i, part[i]]
         order = np.lexsort((part, -vals), axis=-1)
-        index[r: r + m] = np.take_along_axis(part, order, axis=1)
-        value[r: r + m] = np.take_along_axis(vals, order, axis=1)
+        index[r : r + m] = np.take_along_axis(part, order, axis=1)
+        value[r : r + m] = np.take_along_axis(vals, order, axis=1)
     return index, value
 
 
-def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, stop: int,
-               run_id: str) -> dict:
+def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, stop: int, run_id: str) -> dict:
     """One task: compute rows [start, stop) of the matrix and their top-k from the store, write
     them into the store, and return a small report (rows, seconds, bytes read, memory)."""
     from classgrad.service.store import open_store
@@ -324,15 +344,22 @@ def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, s
         store = open_store(url, storage_options=storage_options, mode="r+")
         strip, read = compute_strip(store, p, start, stop)
         index, value = top_k_rows(strip, start, p.top_k)
-        store.similarity_arrays.write_rows(start, strip, run_id=run_id, topk_index=index,
-                                           topk_value=value)
+        store.similarity_arrays.write_rows(start, strip, run_id=run_id, topk_index=index, topk_value=value)
         del strip, index, value
     finally:
         peak = meter.close()
-    return {"start": start, "stop": stop, "seconds": time.perf_counter() - t0,
-            "read_bytes": read, "rss_start": meter.start, "rss_peak": peak,
-            "rss_added": peak - meter.start, "exact_peak": meter.exact,
-            "pid": os.getpid(), "host": socket.gethostname()}
+    return {
+        "start": start,
+        "stop": stop,
+        "seconds": time.perf_counter() - t0,
+        "read_bytes": read,
+        "rss_start": meter.start,
+        "rss_peak": peak,
+        "rss_added": peak - meter.start,
+        "exact_peak": meter.exact,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
 
 
 # --------------------------------------------------------------------------- executors
@@ -350,16 +377,21 @@ def _task_failed(exc: BaseException, a: int, b: int) -> BaseException:
         return RuntimeError(f"similarity task for rows [{a}, {b}) failed: {first_line(detail)}")
     return ClassgradError(
         f"similarity task for rows [{a}, {b}) was lost ({type(exc).__name__}: "
-        f"{first_line(str(exc))}); if it ran out of memory, lower --block-rows or --block-mb")
+        f"{first_line(str(exc))}); if it ran out of memory, lower --block-rows or --block-mb"
+    )
 
 
-def _run_ray(ray: Any, args: tuple, plan: SimilarityPlan, config: SimilarityConfig,
-             renew: Callable[[], None], done: Callable[[dict], None]) -> None:
+def _run_ray(
+    ray: Any,
+    args: tuple,
+    plan: SimilarityPlan,
+    config: SimilarityConfig,
+    renew: Callable[[], None],
+    done: Callable[[dict], None],
+) -> None:
     url, options, plan_dict, run_id = args
-    task = ray.remote(strip_task).options(num_cpus=config.num_cpus, max_retries=1,
-                                          name="classgrad-similarity")
-    pending = {task.remote(url, options, plan_dict, a, b, run_id): (a, b)
-               for a, b in plan.blocks()}
+    task = ray.remote(strip_task).options(num_cpus=config.num_cpus, max_retries=1, name="classgrad-similarity")
+    pending = {task.remote(url, options, plan_dict, a, b, run_id): (a, b) for a, b in plan.blocks()}
     every = max(1.0, min(10.0, config.lease_ttl_s / 4))
     try:
         while pending:
@@ -383,8 +415,7 @@ def _run_ray(ray: Any, args: tuple, plan: SimilarityPlan, config: SimilarityConf
                     pass
 
 
-def _run_local(args: tuple, plan: SimilarityPlan, renew: Callable[[], None],
-               done: Callable[[dict], None]) -> None:
+def _run_local(args: tuple, plan: SimilarityPlan, renew: Callable[[], None], done: Callable[[dict], None]) -> None:
     url, options, plan_dict, run_id = args
     for a, b in plan.blocks():
         done(strip_task(url, options, plan_dict, a, b, run_id))
@@ -394,8 +425,9 @@ def _run_local(args: tuple, plan: SimilarityPlan, renew: Callable[[], None],
 # --------------------------------------------------------------------------- driver
 
 
-def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
-                       storage_options: dict | None = None, **options: Any) -> dict:
+def compute_similarity(
+    url: str, config: SimilarityConfig | None = None, *, storage_options: dict | None = None, **options: Any
+) -> dict:
     """Compute and store the class similarity of the store at ``url``; return a summary.
 
     ``options`` are ``SimilarityConfig`` fields (``metric="dot"``, ``top_k=5``, ...), checked
@@ -409,14 +441,17 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
     elif options:
         config = validated(SimilarityConfig, "similarity", **{**config.model_dump(), **options})
     if config.executor == "ray" and url.startswith("memory://"):
-        raise ConfigError(f"store {url} lives in this process's memory, where Ray tasks cannot "
-                          f"see it; use the local executor (--local)")
+        raise ConfigError(
+            f"store {url} lives in this process's memory, where Ray tasks cannot "
+            f"see it; use the local executor (--local)"
+        )
     store = open_store(url, storage_options=storage_options, mode="r+")
     missing = store.missing_ranges()
     if missing:
         raise StoreIncompleteError(
             f"store {url} is incomplete: rows {fmt_ranges(missing)} are not written yet (their "
-            f"shards are not marked done); finish the job (rerun `classgrad run`) first")
+            f"shards are not marked done); finish the job (rerun `classgrad run`) first"
+        )
     if store.num_classes < 2:
         raise StoreError(f"store {url} has {store.num_classes} class; similarity needs two")
     plan_similarity(store, config)  # checks the sizes before Ray starts (minutes on a cluster)
@@ -428,9 +463,16 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
             workers = max(1, int(ray.cluster_resources().get("CPU", 1) // config.num_cpus))
         plan = plan_similarity(store, config, workers)
         bound = plan.memory_bound()
-        log.info("similarity (%s) of %d classes x %d: %d tasks of <= %d rows, bands of %d "
-                 "columns, <= %.1f MiB per task", plan.metric, plan.num_classes, plan.dim,
-                 len(plan.blocks()), plan.block_rows, plan.band_cols, bound["total"] / MIB)
+        log.info(
+            "similarity (%s) of %d classes x %d: %d tasks of <= %d rows, bands of %d columns, <= %.1f MiB per task",
+            plan.metric,
+            plan.num_classes,
+            plan.dim,
+            len(plan.blocks()),
+            plan.block_rows,
+            plan.band_cols,
+            bound["total"] / MIB,
+        )
         reports: list[dict] = []
         progress = Progress(plan.num_classes, label="similarity")
         last_renew = [time.monotonic()]
@@ -447,14 +489,22 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
             progress.update(report["stop"] - report["start"])
 
         t0 = time.perf_counter()
-        store.lease.acquire(run_id, ttl_s=config.lease_ttl_s,
-                            info={"command": "similarity", "metric": plan.metric})
+        store.lease.acquire(run_id, ttl_s=config.lease_ttl_s, info={"command": "similarity", "metric": plan.metric})
         try:
             store.similarity_arrays.begin(
-                metric=plan.metric, top_k=plan.top_k, chunk_rows=plan.chunk_rows, run_id=run_id,
-                info={"block_rows": plan.block_rows, "band_cols": plan.band_cols,
-                      "precision": plan.precision, "tasks": len(plan.blocks()),
-                      "executor": config.executor, "memory_bound_bytes": bound["total"]})
+                metric=plan.metric,
+                top_k=plan.top_k,
+                chunk_rows=plan.chunk_rows,
+                run_id=run_id,
+                info={
+                    "block_rows": plan.block_rows,
+                    "band_cols": plan.band_cols,
+                    "precision": plan.precision,
+                    "tasks": len(plan.blocks()),
+                    "executor": config.executor,
+                    "memory_bound_bytes": bound["total"],
+                },
+            )
             # A local path made absolute: a Ray worker's working directory is not the driver's.
             args = (store.local_path or url, storage_options, asdict(plan), run_id)
             if ray is not None:
@@ -463,9 +513,14 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
                 _run_local(args, plan, renew, done)
             seconds = time.perf_counter() - t0
             summary = _summary(store, plan, config, reports, seconds, bound)
-            store.similarity_arrays.finish(run_id, {
-                "seconds": seconds, "read_bytes": summary["read_bytes"],
-                "peak_task_rss_added_bytes": summary["peak_task_rss_added_bytes"]})
+            store.similarity_arrays.finish(
+                run_id,
+                {
+                    "seconds": seconds,
+                    "read_bytes": summary["read_bytes"],
+                    "peak_task_rss_added_bytes": summary["peak_task_rss_added_bytes"],
+                },
+            )
         finally:
             progress.close()
             store.lease.release(run_id)
@@ -473,15 +528,25 @@ def compute_similarity(url: str, config: SimilarityConfig | None = None, *,
     return summary
 
 
-def _summary(store, plan: SimilarityPlan, config: SimilarityConfig, reports: list[dict],
-             seconds: float, bound: dict) -> dict:
+def _summary(
+    store, plan: SimilarityPlan, config: SimilarityConfig, reports: list[dict], seconds: float, bound: dict
+) -> dict:
     return {
-        "store": store.url, "metric": plan.metric, "top_k": plan.top_k,
-        "num_classes": plan.num_classes, "dim": plan.dim, "block_rows": plan.block_rows,
-        "band_cols": plan.band_cols, "chunk_rows": plan.chunk_rows,
-        "precision": plan.precision, "executor": config.executor, "tasks": len(reports),
-        "seconds": seconds, "read_bytes": int(sum(r["read_bytes"] for r in reports)),
-        "memory_bound_bytes": bound["total"], "memory_bound_parts": bound,
+        "store": store.url,
+        "metric": plan.metric,
+        "top_k": plan.top_k,
+        "num_classes": plan.num_classes,
+        "dim": plan.dim,
+        "block_rows": plan.block_rows,
+        "band_cols": plan.band_cols,
+        "chunk_rows": plan.chunk_rows,
+        "precision": plan.precision,
+        "executor": config.executor,
+        "tasks": len(reports),
+        "seconds": seconds,
+        "read_bytes": int(sum(r["read_bytes"] for r in reports)),
+        "memory_bound_bytes": bound["total"],
+        "memory_bound_parts": bound,
         "peak_task_rss_added_bytes": int(max((r["rss_added"] for r in reports), default=0)),
         "peak_task_rss_bytes": int(max((r["rss_peak"] for r in reports), default=0)),
         "task_reports": sorted(reports, key=lambda r: r["start"]),

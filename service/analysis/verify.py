@@ -31,10 +31,14 @@ INCOMPLETE = 4
 CORRUPT = 8
 NONFINITE = 16
 METADATA = 32
-FLAG_NAMES = {INCOMPLETE: "incomplete", CORRUPT: "corrupt", NONFINITE: "nonfinite",
-              METADATA: "metadata"}
-_KIND_FLAGS = {"missing": INCOMPLETE, "corrupt": CORRUPT, "unreadable": CORRUPT,
-               "nonfinite": NONFINITE, "bad_value": METADATA}
+FLAG_NAMES = {INCOMPLETE: "incomplete", CORRUPT: "corrupt", NONFINITE: "nonfinite", METADATA: "metadata"}
+_KIND_FLAGS = {
+    "missing": INCOMPLETE,
+    "corrupt": CORRUPT,
+    "unreadable": CORRUPT,
+    "nonfinite": NONFINITE,
+    "bad_value": METADATA,
+}
 # Problems listed per check in the text output (all of them are in the JSON).
 _SHOWN = 10
 
@@ -44,8 +48,7 @@ class VerifyReport:
     """Result of ``verify_store``: the OR of the failed flags and the problems per check."""
 
     store: str
-    problems: dict[str, list[str]] = field(
-        default_factory=lambda: {name: [] for name in FLAG_NAMES.values()})
+    problems: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in FLAG_NAMES.values()})
     notes: list[str] = field(default_factory=list)
 
     def add(self, flag: int, line: str) -> None:
@@ -56,18 +59,27 @@ class VerifyReport:
         return sum(flag for flag, name in FLAG_NAMES.items() if self.problems[name])
 
     def to_dict(self) -> dict:
-        return {"store": self.store, "exit_code": self.code,
-                "failed": [FLAG_NAMES[f] for f in FLAG_NAMES if self.code & f],
-                "problems": self.problems, "notes": self.notes}
+        return {
+            "store": self.store,
+            "exit_code": self.code,
+            "failed": [FLAG_NAMES[f] for f in FLAG_NAMES if self.code & f],
+            "problems": self.problems,
+            "notes": self.notes,
+        }
 
     def format(self) -> str:
-        titles = {"incomplete": "completeness", "corrupt": "chunk checksums",
-                  "nonfinite": "NaN/Inf scan", "metadata": "metadata"}
+        titles = {
+            "incomplete": "completeness",
+            "corrupt": "chunk checksums",
+            "nonfinite": "NaN/Inf scan",
+            "metadata": "metadata",
+        }
         lines = [f"store       {self.store}"]
         for flag, name in FLAG_NAMES.items():
             found = self.problems[name]
-            status = "ok" if not found else f"FAILED ({len(found)} problem" \
-                                            f"{'s' if len(found) != 1 else ''}, exit bit {flag})"
+            status = (
+                "ok" if not found else f"FAILED ({len(found)} problem{'s' if len(found) != 1 else ''}, exit bit {flag})"
+            )
             lines.append(f"{titles[name]:<16}{status}")
             lines += [f"  - {p}" for p in found[:_SHOWN]]
             if len(found) > _SHOWN:
@@ -96,12 +108,15 @@ def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyRepo
     done = store.shard_done
     missing = store.missing_ranges(done)
     if missing:
-        report.add(INCOMPLETE, f"{int((~done).sum())} of {store.num_shards} shards not marked "
-                               f"done: rows {fmt_ranges(missing)}")
+        report.add(
+            INCOMPLETE, f"{int((~done).sum())} of {store.num_shards} shards not marked done: rows {fmt_ranges(missing)}"
+        )
     for problem in store.scan_chunks():
         report.add(_KIND_FLAGS[problem.kind], problem.message)
     info = store.similarity_info()
     if info is not None and info.get("state") != "ready":
-        report.notes.append(f"the similarity matrix is unfinished (run {info.get('run_id')!r}); "
-                            f"rerun `classgrad similarity` to replace it")
+        report.notes.append(
+            f"the similarity matrix is unfinished (run {info.get('run_id')!r}); "
+            f"rerun `classgrad similarity` to replace it"
+        )
     return report

@@ -17,7 +17,10 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """The STORE positional and ``--storage-option`` for commands that read a store."""
     parser.add_argument("store", metavar="STORE", help="store location: a path, file://, s3://bucket/path")
     parser.add_argument(
-        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="fsspec storage option for the store (repeatable), e.g. endpoint_url=http://127.0.0.1:9000; "
         "credentials come from the environment (AWS_ACCESS_KEY_ID, ...)",
     )

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="classgrad",
         description="Per-class gradients of PyTorch models, computed on Ray into a Zarr store.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="debug logging (classgrad's own; other libraries stay at INFO)")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging (classgrad's own; other libraries stay at INFO)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of unexpected errors")
     parser.add_argument("--version", action="version", version=f"classgrad {__version__}")
@@ -61,8 +62,11 @@ def _configure_logging(args: argparse.Namespace) -> None:
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     # --verbose is classgrad's own debug output: other libraries' (botocore, s3fs) debug lines
     # carry request headers, an access key id included, so they stay at INFO.
-    logging.basicConfig(level=logging.INFO if args.verbose else level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     logging.getLogger("classgrad").setLevel(level)
 
 
@@ -75,14 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"classgrad: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("classgrad: interrupted; finished shards are saved, rerun the same command to resume",
-              file=sys.stderr)
+        print("classgrad: interrupted; finished shards are saved, rerun the same command to resume", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line unless --debug
         if args.debug:
             raise
-        print(f"classgrad: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)",
-              file=sys.stderr)
+        print(
+            f"classgrad: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)", file=sys.stderr
+        )
         return 1
 
 

@@ -12,10 +12,16 @@ HELP = "estimate a job's store size, memory per actor and rows/s from a short me
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--sample-rows", type=int, default=None, metavar="N",
-                        help="classes to time (default: max(2 x store.row_chunk, 64), spread over all classes)")
-    parser.add_argument("--device", default=None,
-                        help="measure on this torch device instead of the job's (e.g. cpu on a laptop)")
+    parser.add_argument(
+        "--sample-rows",
+        type=int,
+        default=None,
+        metavar="N",
+        help="classes to time (default: max(2 x store.row_chunk, 64), spread over all classes)",
+    )
+    parser.add_argument(
+        "--device", default=None, help="measure on this torch device instead of the job's (e.g. cpu on a laptop)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 

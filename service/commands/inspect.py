@@ -13,10 +13,12 @@ HELP = "show a store's shape, dtype, parameter layout, completion and gradient n
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--top", type=int, default=5, metavar="N",
-                        help="classes with the largest gradient norms to list (default 5)")
-    parser.add_argument("--block-rows", type=int, metavar="N",
-                        help="rows read at once (a multiple of the store's row_chunk)")
+    parser.add_argument(
+        "--top", type=int, default=5, metavar="N", help="classes with the largest gradient norms to list (default 5)"
+    )
+    parser.add_argument(
+        "--block-rows", type=int, metavar="N", help="rows read at once (a multiple of the store's row_chunk)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ HELP = "status, logs, stop or list of jobs submitted to a Ray cluster (classgrad
 
 def add_address_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--address", default=None, metavar="URL",
+        "--address",
+        default=None,
+        metavar="URL",
         help="the cluster's job server (Ray dashboard), e.g. http://HEAD:8265; default: "
         "$RAY_API_SERVER_ADDRESS, $RAY_ADDRESS, or http://127.0.0.1:8265. The auth token comes from "
         "$RAY_AUTH_TOKEN, the file $RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token",
@@ -33,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
     logs = sub.add_parser("logs", help="a job's logs (stdout and stderr of its driver)")
     logs.add_argument("job_id", metavar="ID")
-    logs.add_argument("--follow", "-f", action="store_true",
-                      help="keep printing until the job ends; exit 3 if it did not succeed")
+    logs.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing until the job ends; exit 3 if it did not succeed"
+    )
     stop = sub.add_parser("stop", help="stop a running job (finished shards stay saved)")
     stop.add_argument("job_id", metavar="ID")
     stop.add_argument("--wait", action="store_true", help="wait until the job has stopped")
@@ -61,8 +64,12 @@ def _time(ms: int | None) -> str:
 
 def _details(info) -> dict:
     return {
-        "job_id": info.submission_id or info.job_id, "status": str(info.status), "message": info.message,
-        "entrypoint": info.entrypoint, "start": _time(info.start_time), "end": _time(info.end_time),
+        "job_id": info.submission_id or info.job_id,
+        "status": str(info.status),
+        "message": info.message,
+        "entrypoint": info.entrypoint,
+        "start": _time(info.start_time),
+        "end": _time(info.end_time),
         "metadata": info.metadata or {},
     }
 
@@ -78,8 +85,11 @@ def finish_followed(client, job_id: str) -> int:
     try:
         info = submit.follow_logs(client, job_id, write)
     except KeyboardInterrupt:
-        print(f"classgrad: stopped following; job {job_id} keeps running "
-              f"(classgrad jobs stop {job_id} --address {submit.address_of(client)})", file=sys.stderr)
+        print(
+            f"classgrad: stopped following; job {job_id} keeps running "
+            f"(classgrad jobs stop {job_id} --address {submit.address_of(client)})",
+            file=sys.stderr,
+        )
         return 130
     if str(info.status) != "SUCCEEDED":
         line = submit.failure_line(info, submit.job_logs(client, job_id))
@@ -98,7 +108,9 @@ def main(args: argparse.Namespace) -> int:
         jobs = sorted(submit.list_jobs(client), key=lambda j: j.start_time or 0, reverse=True)
         for info in jobs:
             d = _details(info)
-            print(f"{d['job_id']}  {d['status']:<9}  {d['start']}  {d['metadata'].get('classgrad_config', d['entrypoint'])}")
+            print(
+                f"{d['job_id']}  {d['status']:<9}  {d['start']}  {d['metadata'].get('classgrad_config', d['entrypoint'])}"
+            )
         return 0
     job_id = args.job_id
     if action == "status":
@@ -121,7 +133,9 @@ def main(args: argparse.Namespace) -> int:
         if args.wait:
             while str(submit.job_info(client, job_id).status) not in submit.TERMINAL:
                 time.sleep(1.0)
-        print(f"job {job_id}: {'stop requested' if stopped else 'had already ended'}"
-              f"{' and stopped' if stopped and args.wait else ''}")
+        print(
+            f"job {job_id}: {'stop requested' if stopped else 'had already ended'}"
+            f"{' and stopped' if stopped and args.wait else ''}"
+        )
         return 0
     raise AssertionError(action)

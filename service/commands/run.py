@@ -9,8 +9,14 @@ HELP = "compute the per-class gradients of a job into its store (reruns resume)"
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="CONFIG", help="job file (YAML), e.g. configs/demo.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set cluster.num_workers=4 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set cluster.num_workers=4 (repeatable)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,16 +41,20 @@ def main(args: argparse.Namespace) -> int:
         return 0
     pct = 100.0 * info["rows_done"] / info["num_classes"] if info["num_classes"] else 100.0
     print(f"store     {info['store']}  ({info['num_classes']} x {info['dim']} {info['dtype']})")
-    print(f"progress  {info['shards_done']}/{info['shards_total']} shards, {info['rows_done']}/"
-          f"{info['num_classes']} rows ({pct:.1f}%){'  complete' if info['complete'] else ''}")
+    print(
+        f"progress  {info['shards_done']}/{info['shards_total']} shards, {info['rows_done']}/"
+        f"{info['num_classes']} rows ({pct:.1f}%){'  complete' if info['complete'] else ''}"
+    )
     if info["missing_ranges"]:
         shown = ", ".join(f"{a}-{b - 1}" for a, b in info["missing_ranges"][:5])
         more = " ..." if len(info["missing_ranges"]) > 5 else ""
         print(f"missing   rows {shown}{more}")
     run = info["last_run"]
     if run:
-        print(f"last run  {run.get('run_id')}: {run.get('status')}, {run.get('rows', 0)} rows in "
-              f"{run.get('seconds', 0):.1f} s, {run.get('retries', 0)} retries (of {info['runs']} runs)")
+        print(
+            f"last run  {run.get('run_id')}: {run.get('status')}, {run.get('rows', 0)} rows in "
+            f"{run.get('seconds', 0):.1f} s, {run.get('retries', 0)} retries (of {info['runs']} runs)"
+        )
         if run.get("error"):
             print(f"          error: {run['error']}")
     if info["lease"]:

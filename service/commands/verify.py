@@ -8,8 +8,10 @@ import json
 
 from classgrad.service.commands import add_store_arguments, storage_options
 
-HELP = ("check a store: completeness, every chunk's checksum, NaN/Inf, metadata; exit code 0 "
-        "if sound, else the OR of 4 incomplete, 8 corrupt chunk, 16 NaN/Inf, 32 metadata")
+HELP = (
+    "check a store: completeness, every chunk's checksum, NaN/Inf, metadata; exit code 0 "
+    "if sound, else the OR of 4 incomplete, 8 corrupt chunk, 16 NaN/Inf, 32 metadata"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,8 +39,7 @@ class ParamsConfig(Section):
 
     include: list[str] = Field(
         default_factory=list,
-        description="fnmatch patterns of parameter names to keep; empty = every parameter "
-        "with `requires_grad`.",
+        description="fnmatch patterns of parameter names to keep; empty = every parameter with `requires_grad`.",
     )
     exclude: list[str] = Field(
         default_factory=list,
@@ -104,6 +103,5 @@ class ProjectionConfig(Section):
     )
     per_param: bool = Field(
         False,
-        description="Use a separate projection for each selected parameter instead of one over "
-        "the whole row.",
+        description="Use a separate projection for each selected parameter instead of one over the whole row.",
     )

@@ -48,7 +48,7 @@ def canonical_import_path(value: str) -> str:
     """``value`` with a pre-namespace module prefix (``workers.``/``service.``) rewritten."""
     for old, new in _LEGACY_PREFIXES:
         if value.startswith(old):
-            return new + value[len(old):]
+            return new + value[len(old) :]
     return value
 
 

@@ -39,9 +39,7 @@ class ModelConfig(Section):
         "classgrad.workers.zoo:small_cnn",
         description="Import path `module:function` of a function returning the `nn.Module`.",
     )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments passed to the factory."
-    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
     checkpoint: str | None = Field(
         None,
         description="Weights loaded after building the model: a `.pt`/`.pth` file (read with "
@@ -79,12 +77,8 @@ class DataConfig(Section):
         description="Import path `module:function` of a function returning a `Dataset` of "
         "`(input, target)` or a pair of tensors `(inputs, targets)`.",
     )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments passed to the factory."
-    )
-    batch_size: PositiveInt = Field(
-        256, description="Probe samples per forward pass (micro-batch)."
-    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
+    batch_size: PositiveInt = Field(256, description="Probe samples per forward pass (micro-batch).")
 
     @field_validator("factory")
     @classmethod
@@ -117,8 +111,7 @@ class LossConfig(Section):
         if value not in BUILTIN_LOSS_KINDS:
             raise PydanticCustomError(
                 "loss_kind",
-                "unknown loss kind {value} (choices: {choices}, or an import path "
-                "'module:function')",
+                "unknown loss kind {value} (choices: {choices}, or an import path 'module:function')",
                 {"value": repr(value), "choices": ", ".join(BUILTIN_LOSS_KINDS)},
             )
         return value

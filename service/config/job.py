@@ -81,9 +81,7 @@ class JobConfig(BaseModel):
             )
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise PydanticCustomError(
-                "cross_field", "{problem}{more}", {"problem": problems[0], "more": more}
-            )
+            raise PydanticCustomError("cross_field", "{problem}{more}", {"problem": problems[0], "more": more})
         return self
 
     def resolved_device(self) -> str:
@@ -91,6 +89,7 @@ class JobConfig(BaseModel):
         if self.engine.device is not None:
             return self.engine.device
         return "cuda" if self.cluster.num_gpus_per_worker > 0 else "cpu"
+
     def fingerprint(self) -> str:
         """sha256 hex of the canonical JSON of what changes the stored bytes.
 

@@ -39,15 +39,11 @@ def _construct_mapping_no_duplicates(loader: _StrictLoader, node: yaml.MappingNo
         except TypeError:  # an unhashable (complex) key; construct_mapping reports it
             continue
         if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
     return loader.construct_mapping(node, deep=True)
 
 
-_StrictLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_duplicates
-)
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_duplicates)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> tuple[int | None, str]:
@@ -88,9 +84,7 @@ def _read_yaml_file(path: str | Path) -> dict[str, Any]:
 
 
 def _type_word(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", type(None): "null"}.get(
-        type(value), type(value).__name__
-    )
+    return {dict: "a mapping", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,9 +123,7 @@ def _check_override_path(parts: list[str], raw_key: str) -> None:
         assert isinstance(node, type)
         if part not in node.model_fields:
             what = "unknown section" if node is JobConfig else "unknown key"
-            raise ConfigError(
-                f"config error: --set {raw_key}: {what} (choices: {_section_keys(node)})"
-            )
+            raise ConfigError(f"config error: --set {raw_key}: {what} (choices: {_section_keys(node)})")
         node = _field_annotation_kind(node.model_fields[part].annotation)
 
 
@@ -154,9 +146,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             parent = ".".join(parts[: depth + 1])
-            raise ConfigError(
-                f"config error: --set {key}: {parent} is {_type_word(child)}, not a mapping"
-            )
+            raise ConfigError(f"config error: --set {key}: {parent} is {_type_word(child)}, not a mapping")
         node = child
     node[parts[-1]] = value
 
@@ -229,9 +219,7 @@ def load_config(
     every problem.
     """
     if base is not None and not isinstance(base, Mapping):
-        raise ConfigError(
-            f"config error: the base config must be a mapping, got {_type_word(base)}"
-        )
+        raise ConfigError(f"config error: the base config must be a mapping, got {_type_word(base)}")
     data: dict[str, Any] = copy.deepcopy(dict(base)) if base is not None else {}
     if path is not None:
         data = _deep_merge(data, _read_yaml_file(path))

@@ -36,8 +36,7 @@ class StoreConfig(Section):
     url: str = Field(
         "./stores/demo.zarr",
         min_length=1,
-        description="Where the store lives: a path, `file://…`, `s3://bucket/path` or "
-        "`memory://…`.",
+        description="Where the store lives: a path, `file://…`, `s3://bucket/path` or `memory://…`.",
     )
     dtype: Literal["float32", "float16", "bfloat16"] = Field(
         "float32",
@@ -45,9 +44,7 @@ class StoreConfig(Section):
         "(bfloat16 as its uint16 bits).",
     )
     row_chunk: PositiveInt = Field(16, description="Rows per chunk of `grads`.")
-    col_chunk: PositiveInt = Field(
-        1048576, description="Columns per chunk of `grads` (capped at the row length)."
-    )
+    col_chunk: PositiveInt = Field(1048576, description="Columns per chunk of `grads` (capped at the row length).")
     codec: Literal["none", "zstd", "blosc"] = Field(
         "none",
         description="Compression of `grads` chunks (dense gradients barely compress); every "
@@ -85,9 +82,7 @@ class ClusterConfig(Section):
         description="GPUs reserved by each actor (a fraction below 1 shares a GPU; above 1 must "
         "be whole); 0 = CPU actors.",
     )
-    num_cpus_per_worker: PositiveInt = Field(
-        1, description="CPUs reserved by each actor; also its torch thread count."
-    )
+    num_cpus_per_worker: PositiveInt = Field(1, description="CPUs reserved by each actor; also its torch thread count.")
     inflight_per_worker: PositiveInt = Field(
         2,
         description="Shards handed to one actor at a time, so the next is ready when one ends.",

@@ -75,8 +75,7 @@ def resumable_fingerprint(config: JobConfig) -> str:
         return fingerprint
     recorded = attrs.get("fingerprint")
     if isinstance(recorded, str) and recorded != fingerprint and config.same_job(attrs.get("config")):
-        log.info("store %s: same job under an older fingerprint scheme (%s); resuming it",
-                 config.store.url, recorded)
+        log.info("store %s: same job under an older fingerprint scheme (%s); resuming it", config.store.url, recorded)
         return recorded
     return fingerprint
 
@@ -107,8 +106,9 @@ def prepare_store(config: JobConfig) -> PreparedJob:
         fingerprint=resumable_fingerprint(config),
         versions=library_versions(),
     )
-    store = create_store(config.store.url, spec, storage_options=config.store.storage_options,
-                         overwrite=config.store.overwrite)
+    store = create_store(
+        config.store.url, spec, storage_options=config.store.storage_options, overwrite=config.store.overwrite
+    )
     # Partitioned work grows with a class's samples; dense rows all cost the same.
     work = engine.counts.double().clamp(min=1).numpy() if engine.name == "partitioned" else None
     shards = plan_shards(spec.num_classes, spec.shard_rows, spec.row_chunk, work_per_row=work)
@@ -143,8 +143,7 @@ class RunSummary:
     def lines(self) -> list[str]:
         return [
             f"run {self.run_id}: {self.status}",
-            f"  shards      {self.shards_done} computed, {self.shards_skipped} already done, "
-            f"{self.shards_total} total",
+            f"  shards      {self.shards_done} computed, {self.shards_skipped} already done, {self.shards_total} total",
             f"  rows        {self.rows} in {self.seconds:.1f} s ({self.rows_per_s:.1f} rows/s), "
             f"{self.bytes / 2**20:.1f} MiB written",
             f"  engine      {self.engine}; recomputed rows (fp16 overflow): {self.recomputed_rows}",
@@ -202,17 +201,22 @@ class JobDriver:
 
     def _warn_about_secrets(self) -> None:
         # Ray writes runtime_env values into its own logs (runtime_env_agent.log).
-        if self.config.redacted()["cluster"]["runtime_env"] != self.config.model_dump(mode="json")["cluster"]["runtime_env"]:
-            log.warning("cluster.runtime_env holds secret-looking values; Ray writes runtime_env into its "
-                        "logs: give credentials to the nodes' environment instead")
+        if (
+            self.config.redacted()["cluster"]["runtime_env"]
+            != self.config.model_dump(mode="json")["cluster"]["runtime_env"]
+        ):
+            log.warning(
+                "cluster.runtime_env holds secret-looking values; Ray writes runtime_env into its "
+                "logs: give credentials to the nodes' environment instead"
+            )
 
     def _start_actor(self, slot: _Slot) -> None:
         slot.generation += 1
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
         slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker,
-            run_id=self.run_id)
+            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker, run_id=self.run_id
+        )
 
     def _wait_ready(self, slots: list[_Slot]) -> None:
         """Wait until every slot's actor is built; an actor that dies while starting is
@@ -266,9 +270,11 @@ class JobDriver:
         # The lease is released on the way out of the ``with`` (also when the record failed: a
         # stale lease would refuse the rerun), after the record and before the actors are stopped.
         try:
-            with store.lease.hold(self.run_id, ttl_s=self.config.run.lease_ttl_s,
-                                  info={"host": socket.gethostname(), "pid": os.getpid(),
-                                        "started": self.summary.started}) as lease:
+            with store.lease.hold(
+                self.run_id,
+                ttl_s=self.config.run.lease_ttl_s,
+                info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started},
+            ) as lease:
                 try:
                     todo = dispatch_order(prepared.shards, store.shard_done)
                     self.summary.shards_skipped = len(prepared.shards) - len(todo)
@@ -391,8 +397,7 @@ class JobDriver:
         for _, shard in reversed(lost):
             queue.appendleft(shard)
         self.summary.retries += len(lost)
-        log.warning("actor %d died (%s); %d shard(s) requeued, a replacement is starting",
-                    slot.index, cause, len(lost))
+        log.warning("actor %d died (%s); %d shard(s) requeued, a replacement is starting", slot.index, cause, len(lost))
 
     def _shard_raised(self, shard: Shard, exc: Exception, queue, attempts) -> None:
         cause = getattr(exc, "cause", None)
@@ -402,19 +407,34 @@ class JobDriver:
         line = _cause_line(exc)
         if attempts[shard.index] >= self.config.sharding.max_attempts:
             self._failed.append((shard, attempts[shard.index], line))
-            log.error("shard %d (rows %d-%d) failed %d times, giving up on it: %s", shard.index, shard.start,
-                      shard.stop - 1, attempts[shard.index], line)
+            log.error(
+                "shard %d (rows %d-%d) failed %d times, giving up on it: %s",
+                shard.index,
+                shard.start,
+                shard.stop - 1,
+                attempts[shard.index],
+                line,
+            )
             return
-        log.warning("shard %d (rows %d-%d) failed (attempt %d of %d): %s; retrying", shard.index, shard.start,
-                    shard.stop - 1, attempts[shard.index], self.config.sharding.max_attempts, line)
+        log.warning(
+            "shard %d (rows %d-%d) failed (attempt %d of %d): %s; retrying",
+            shard.index,
+            shard.start,
+            shard.stop - 1,
+            attempts[shard.index],
+            self.config.sharding.max_attempts,
+            line,
+        )
         self.summary.retries += 1
         queue.append(shard)
 
 
 def _shard_failure(shard: Shard, attempts: int, why: str, summary: RunSummary) -> str:
     saved = summary.shards_done + summary.shards_skipped
-    return (f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts} times: {why}; "
-            f"{saved} of {summary.shards_total} shards are saved, rerun to resume")
+    return (
+        f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts} times: {why}; "
+        f"{saved} of {summary.shards_total} shards are saved, rerun to resume"
+    )
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -95,9 +95,18 @@ def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str 
     rate = len(sample) / seconds if seconds > 0 else float("inf")
     workers = config.cluster.num_workers
     return Estimate(
-        num_classes=C, dim=dim, store_dtype=config.store.dtype,
+        num_classes=C,
+        dim=dim,
+        store_dtype=config.store.dtype,
         store_bytes=C * dim * _ITEM_BYTES[config.store.dtype] + C * _PER_ROW_BYTES,
-        engine=engine.name, device=str(engine.device), sample_rows=len(sample), sample_seconds=seconds,
-        rows_per_s_per_actor=rate, peak_memory_bytes=int(peak), memory_kind=kind, num_workers=workers,
-        rows_per_s_job=rate * workers, job_seconds=C / (rate * workers),
+        engine=engine.name,
+        device=str(engine.device),
+        sample_rows=len(sample),
+        sample_seconds=seconds,
+        rows_per_s_per_actor=rate,
+        peak_memory_bytes=int(peak),
+        memory_kind=kind,
+        num_workers=workers,
+        rows_per_s_job=rate * workers,
+        job_seconds=C / (rate * workers),
     )

@@ -62,17 +62,13 @@ def plan_shards(
     if shard_rows <= 0 or row_chunk <= 0:
         raise ValueError(f"shard_rows and row_chunk must be > 0, got {shard_rows} and {row_chunk}")
     if shard_rows % row_chunk:
-        raise ValueError(
-            f"shard_rows must be a multiple of row_chunk ({row_chunk}), got {shard_rows}"
-        )
+        raise ValueError(f"shard_rows must be a multiple of row_chunk ({row_chunk}), got {shard_rows}")
     if work_per_row is None:
         work = np.ones(num_rows, dtype=np.float64)
     else:
         work = np.asarray(work_per_row, dtype=np.float64)
         if work.shape != (num_rows,):
-            raise ValueError(
-                f"work_per_row must have one value per row ({num_rows}), got shape {work.shape}"
-            )
+            raise ValueError(f"work_per_row must have one value per row ({num_rows}), got shape {work.shape}")
         if not np.all(np.isfinite(work)) or np.any(work < 0):
             raise ValueError("work_per_row must be finite and >= 0")
     shards = [
@@ -92,7 +88,5 @@ def dispatch_order(shards: Sequence[Shard], done: Sequence[bool] | np.ndarray) -
     flags = np.asarray(done, dtype=bool)
     needed = max((s.index for s in shards), default=-1) + 1
     if flags.ndim != 1 or len(flags) < needed:
-        raise ValueError(
-            f"done must hold one flag per shard (at least {needed}), got shape {flags.shape}"
-        )
+        raise ValueError(f"done must hold one flag per shard (at least {needed}), got shape {flags.shape}")
     return _largest_first([s for s in shards if not flags[s.index]])

@@ -68,8 +68,20 @@ ADDRESS_ENV_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 # Never uploaded with the working dir (gitignore syntax, relative to it): environments, VCS data,
 # caches, build outputs and gradient stores, any of which can be large or private.
 DEFAULT_EXCLUDES: tuple[str, ...] = (
-    ".git", ".venv", "venv", "__pycache__", "*.pyc", ".pytest_cache", "*.egg-info", "build", "dist",
-    "stores", "*.zarr", "benchmarks/out", ".whl", ".gl",
+    ".git",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "*.pyc",
+    ".pytest_cache",
+    "*.egg-info",
+    "build",
+    "dist",
+    "stores",
+    "*.zarr",
+    "benchmarks/out",
+    ".whl",
+    ".gl",
 )
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 # How Ray stops the job (`classgrad jobs stop`, KubeRay deleting a RayJob): SIGINT, which the
@@ -105,8 +117,9 @@ def resolve_address(address: str | None) -> str:
         address = f"http://{address}"
     scheme = address.split("://", 1)[0]
     if scheme not in ("http", "https", "ray"):
-        raise JobSubmitError(f"--address {address!r}: expected http://HOST:8265 (the Ray dashboard), "
-                             f"https://... or ray://HOST:10001")
+        raise JobSubmitError(
+            f"--address {address!r}: expected http://HOST:8265 (the Ray dashboard), https://... or ray://HOST:10001"
+        )
     return address
 
 
@@ -121,8 +134,9 @@ def find_token() -> tuple[str | None, str]:
         try:
             token = Path(path_env).expanduser().read_text().strip()
         except OSError as exc:
-            raise JobSubmitError(f"RAY_AUTH_TOKEN_PATH={path_env}: cannot read the token file "
-                                 f"({exc.strerror or exc})") from None
+            raise JobSubmitError(
+                f"RAY_AUTH_TOKEN_PATH={path_env}: cannot read the token file ({exc.strerror or exc})"
+            ) from None
         if not token:
             raise JobSubmitError(f"RAY_AUTH_TOKEN_PATH={path_env}: the token file is empty")
         return token, "RAY_AUTH_TOKEN_PATH"
@@ -167,17 +181,21 @@ def _sdk_errors(address: str, job_id: str | None = None) -> Iterator[None]:
             why = "no auth token was sent"
         raise JobSubmitError(
             f"the Ray cluster at {address} refused the request: {why}; put the cluster's token in "
-            f"RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token") from None
+            f"RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token"
+        ) from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-        raise JobSubmitError(f"cannot reach the Ray job server at {address} ({first_line(exc)[:_LINE_MAX]}); "
-                             f"is the cluster up and the dashboard port reachable?") from None
+        raise JobSubmitError(
+            f"cannot reach the Ray job server at {address} ({first_line(exc)[:_LINE_MAX]}); "
+            f"is the cluster up and the dashboard port reachable?"
+        ) from None
     except requests.exceptions.RequestException as exc:
         raise JobSubmitError(f"Ray job server at {address}: {first_line(exc)[:_LINE_MAX]}") from None
     except RuntimeError as exc:
         text = str(exc)
         if job_id is not None and (" 404" in text or "does not exist" in text):
-            raise JobSubmitError(f"no job {job_id!r} on the Ray cluster at {address} "
-                                 f"(see `classgrad jobs list --address {address}`)") from None
+            raise JobSubmitError(
+                f"no job {job_id!r} on the Ray cluster at {address} (see `classgrad jobs list --address {address}`)"
+            ) from None
         raise JobSubmitError(f"Ray job server at {address}: {first_line(text)[:_LINE_MAX]}") from None
 
 
@@ -220,8 +238,10 @@ class Submission:
 def _check_store_url(url: str) -> None:
     """Refuse store locations that cannot work on a cluster, before anything is uploaded."""
     if url.startswith("memory://"):
-        raise JobSubmitError(f"store.url {url!r}: a memory:// store lives in one process; a cluster "
-                             f"job needs s3://... or a path every node shares")
+        raise JobSubmitError(
+            f"store.url {url!r}: a memory:// store lives in one process; a cluster "
+            f"job needs s3://... or a path every node shares"
+        )
     from classgrad.service.store import local_path
 
     path = local_path(url)  # as written, so a relative path is caught before it is made absolute
@@ -231,13 +251,19 @@ def _check_store_url(url: str) -> None:
         raise JobSubmitError(
             f"store.url {url!r} is a relative path: on a cluster it would land in the job's temporary "
             f"copy of the working dir on each node; use s3://bucket/path or an absolute path on a "
-            f"filesystem every node mounts (--set store.url=...)")
+            f"filesystem every node mounts (--set store.url=...)"
+        )
     log.warning("store.url %s is a local path: every node of the cluster must mount it at that path", url)
 
 
-def prepare_submission(config: str | os.PathLike, overrides: Sequence[str] = (), *,
-                       working_dir: str | os.PathLike = ".", excludes: Sequence[str] = (),
-                       python: str = "python") -> Submission:
+def prepare_submission(
+    config: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    *,
+    working_dir: str | os.PathLike = ".",
+    excludes: Sequence[str] = (),
+    python: str = "python",
+) -> Submission:
     """Validate the job file with its overrides and build the entrypoint and runtime env.
 
     The config must lie inside ``working_dir`` (it travels with it); its store must be usable
@@ -254,25 +280,38 @@ def prepare_submission(config: str | os.PathLike, overrides: Sequence[str] = (),
     try:
         rel = cfg.relative_to(wd).as_posix()
     except ValueError:
-        raise JobSubmitError(f"config {config} is outside the working dir {wd}: it must travel with it "
-                             f"(move it in, or pass --working-dir)") from None
+        raise JobSubmitError(
+            f"config {config} is outside the working dir {wd}: it must travel with it "
+            f"(move it in, or pass --working-dir)"
+        ) from None
     args = [python, "-m", "classgrad", "run", rel]
     for item in overrides:
         args += ["--set", item]
     if not any(o.split("=", 1)[0].strip() == "cluster.address" for o in overrides):
         args += ["--set", "cluster.address=auto"]
-    runtime_env = {"working_dir": str(wd), "excludes": list(DEFAULT_EXCLUDES) + list(excludes),
-                   "env_vars": dict(STOP_ENV)}
-    return Submission(entrypoint=shlex.join(args), runtime_env=runtime_env, config_path=rel,
-                      metadata={"classgrad_config": rel, "classgrad_fingerprint": job.fingerprint()})
+    runtime_env = {
+        "working_dir": str(wd),
+        "excludes": list(DEFAULT_EXCLUDES) + list(excludes),
+        "env_vars": dict(STOP_ENV),
+    }
+    return Submission(
+        entrypoint=shlex.join(args),
+        runtime_env=runtime_env,
+        config_path=rel,
+        metadata={"classgrad_config": rel, "classgrad_fingerprint": job.fingerprint()},
+    )
 
 
 def submit(client: JobSubmissionClient, submission: Submission, *, job_id: str | None = None) -> str:
     """Submit; returns the job id (Ray's submission id)."""
     with _sdk_errors(address_of(client)):
         try:
-            return client.submit_job(entrypoint=submission.entrypoint, runtime_env=submission.runtime_env,
-                                     metadata=submission.metadata, submission_id=job_id)
+            return client.submit_job(
+                entrypoint=submission.entrypoint,
+                runtime_env=submission.runtime_env,
+                metadata=submission.metadata,
+                submission_id=job_id,
+            )
         except ValueError as exc:  # e.g. the packaged working dir is too large
             raise JobSubmitError(f"cannot package the working dir: {first_line(exc)[:_LINE_MAX]}") from None
 

@@ -76,16 +76,14 @@ class StoreArrays:
         arr = self._arrays[name]
         contiguous = rows.size > 0 and rows[-1] - rows[0] + 1 == rows.size
         sel_rows = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows
-        selection = (sel_rows,) if arr.ndim == 1 else \
-            (sel_rows, slice(None) if cols is None else cols)
+        selection = (sel_rows,) if arr.ndim == 1 else (sel_rows, slice(None) if cols is None else cols)
         try:
             return arr.get_orthogonal_selection(selection)
         except ClassgradError:
             raise
         except Exception as exc:
             # Index columns: every column chunk of the rows is checked.
-            raise self._read_error(name, rows, cols if isinstance(cols, slice) else None,
-                                   exc) from None
+            raise self._read_error(name, rows, cols if isinstance(cols, slice) else None, exc) from None
 
     def read_all(self, name: str) -> np.ndarray:
         return self.read(name, np.arange(self._arrays[name].shape[0], dtype=np.int64))
@@ -100,8 +98,7 @@ class StoreArrays:
 
     def chunk_slices(self, name: str, index: tuple[int, ...]) -> tuple[slice, ...]:
         arr = self._arrays[name]
-        return tuple(slice(i * c, min((i + 1) * c, s))
-                     for i, c, s in zip(index, arr.chunks, arr.shape))
+        return tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, arr.chunks, arr.shape))
 
     def chunk_exists(self, name: str, index: tuple[int, ...]) -> bool:
         key = self.chunk_key(name, index).split(" ", 1)[0]  # sharded: the shard object
@@ -119,18 +116,18 @@ class StoreArrays:
                 arr[self.chunk_slices(name, index)]
             except Exception as exc:
                 if is_corruption(exc):
-                    reason = ("crc32c checksum mismatch" if "checksum" in str(exc)
-                              else first_line(exc))
+                    reason = "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc)
                     bad.append((index, reason))
         return bad
 
     def describe_chunk(self, name: str, index: tuple[int, ...], reason: str) -> str:
         rows = self.chunk_slices(name, index)[0]
-        return (f"{name} chunk {tuple(index)} (key {self.chunk_key(name, index)}, rows "
-                f"[{rows.start}, {rows.stop})): {reason}")
+        return (
+            f"{name} chunk {tuple(index)} (key {self.chunk_key(name, index)}, rows "
+            f"[{rows.start}, {rows.stop})): {reason}"
+        )
 
-    def _read_error(self, name: str, rows: np.ndarray, cols: slice | None,
-                    exc: Exception) -> StoreError:
+    def _read_error(self, name: str, rows: np.ndarray, cols: slice | None, exc: Exception) -> StoreError:
         """The error to raise for a failed read: CorruptChunkError naming the first chunk that
         fails on its own, else a StoreError carrying the I/O problem."""
         arr = self._arrays[name]
@@ -147,5 +144,6 @@ class StoreArrays:
             more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
             return CorruptChunkError(
                 f"corrupt data in store {self.url}: {self.describe_chunk(name, index, reason)}"
-                f"{more}; recompute those rows (`classgrad verify` lists every bad chunk)")
+                f"{more}; recompute those rows (`classgrad verify` lists every bad chunk)"
+            )
         return StoreError(f"cannot read {name} from {self.url}: {first_line(exc)}")

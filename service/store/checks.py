@@ -39,8 +39,7 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
         raise StoreError(f"{url} holds something that is not a classgrad store")
     problems: list[str] = []
     if meta.get("format_version") != FORMAT_VERSION:
-        problems.append(f"format_version is {meta.get('format_version')!r}, expected "
-                        f"{FORMAT_VERSION}")
+        problems.append(f"format_version is {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
     if meta.get("state") != "ready":
         problems.append(f"state is {meta.get('state')!r}: creation was interrupted")
     ints = ("num_classes", "dim", "shard_rows", "num_shards", "row_chunk", "col_chunk")
@@ -52,40 +51,51 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
         return problems
     C, D = meta["num_classes"], meta["dim"]
     if meta["num_shards"] != -(-C // meta["shard_rows"]):
-        problems.append(f"num_shards is {meta['num_shards']}, but {C} classes in shards of "
-                        f"{meta['shard_rows']} make {-(-C // meta['shard_rows'])}")
+        problems.append(
+            f"num_shards is {meta['num_shards']}, but {C} classes in shards of "
+            f"{meta['shard_rows']} make {-(-C // meta['shard_rows'])}"
+        )
     if meta["shard_rows"] % meta["row_chunk"]:
-        problems.append(f"shard_rows ({meta['shard_rows']}) is not a multiple of row_chunk "
-                        f"({meta['row_chunk']})")
+        problems.append(f"shard_rows ({meta['shard_rows']}) is not a multiple of row_chunk ({meta['row_chunk']})")
     dtype = meta.get("dtype")
     if dtype not in STORAGE_DTYPES:
         problems.append(f"dtype is {dtype!r}, expected one of {', '.join(STORAGE_DTYPES)}")
     elif meta.get("storage_dtype") != STORAGE_DTYPES[dtype]:
-        problems.append(f"storage_dtype is {meta.get('storage_dtype')!r}, expected "
-                        f"{STORAGE_DTYPES[dtype]!r} for dtype {dtype}")
+        problems.append(
+            f"storage_dtype is {meta.get('storage_dtype')!r}, expected {STORAGE_DTYPES[dtype]!r} for dtype {dtype}"
+        )
     problems += check_layout(meta.get("layout"), meta.get("projection"), D)
     ids, names = meta.get("class_ids"), meta.get("class_names")
     if ids is not None:
         if not isinstance(ids, list) or len(ids) != C:
-            problems.append(f"class_ids has {len(ids) if isinstance(ids, list) else ids!r} "
-                            f"entries, expected one per row ({C})")
+            problems.append(
+                f"class_ids has {len(ids) if isinstance(ids, list) else ids!r} entries, expected one per row ({C})"
+            )
         elif not all(isinstance(i, int) for i in ids) or len(set(ids)) != C:
             problems.append("class_ids are not distinct integers")
     if names is not None and (not isinstance(names, list) or len(names) != C):
-        problems.append(f"class_names has {len(names) if isinstance(names, list) else names!r} "
-                        f"entries, expected one per row ({C})")
+        problems.append(
+            f"class_names has {len(names) if isinstance(names, list) else names!r} entries, expected one per row ({C})"
+        )
     fingerprint = meta.get("fingerprint")
     if not isinstance(fingerprint, str) or not fingerprint:
-        problems.append(f"fingerprint is {fingerprint!r}: missing (a rerun could not tell "
-                        f"whether the store was made by its config)")
+        problems.append(
+            f"fingerprint is {fingerprint!r}: missing (a rerun could not tell whether the store was made by its config)"
+        )
     problems += _check_arrays(loc, meta)
     return problems
 
 
 def _check_arrays(loc: Location, meta: dict) -> list[str]:
     C, D = meta["num_classes"], meta["dim"]
-    expected = array_table(C, D, meta["row_chunk"], min(meta["col_chunk"], D),
-                           meta["num_shards"], STORAGE_DTYPES.get(meta.get("dtype"), "?"))
+    expected = array_table(
+        C,
+        D,
+        meta["row_chunk"],
+        min(meta["col_chunk"], D),
+        meta["num_shards"],
+        STORAGE_DTYPES.get(meta.get("dtype"), "?"),
+    )
     out = []
     try:
         group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
@@ -98,9 +108,11 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
             out.append(f"array {name!r} is missing")
             continue
         if tuple(arr.shape) != shape or str(arr.dtype) != dtype or tuple(arr.chunks) != chunks:
-            out.append(f"array {name!r} is {list(arr.shape)} {arr.dtype} in chunks "
-                       f"{list(arr.chunks)}, expected {list(shape)} {dtype} in chunks "
-                       f"{list(chunks)}")
+            out.append(
+                f"array {name!r} is {list(arr.shape)} {arr.dtype} in chunks "
+                f"{list(arr.chunks)}, expected {list(shape)} {dtype} in chunks "
+                f"{list(chunks)}"
+            )
     try:
         sim = group[SIM]
     except KeyError:
@@ -109,16 +121,16 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
     if tuple(sim.shape) != (C, C):
         out.append(f"similarity is {list(sim.shape)}, expected [{C}, {C}]")
     if info.get("metric") not in SIMILARITY_METRICS:
-        out.append(f"similarity metric is {info.get('metric')!r}, expected one of "
-                   f"{', '.join(SIMILARITY_METRICS)}")
+        out.append(f"similarity metric is {info.get('metric')!r}, expected one of {', '.join(SIMILARITY_METRICS)}")
     if info.get("state") == "ready" and info.get("source_fingerprint") != meta.get("fingerprint"):
-        out.append(f"similarity is stale: computed from fingerprint "
-                   f"{info.get('source_fingerprint')!r}, the store's is "
-                   f"{meta.get('fingerprint')!r}")
+        out.append(
+            f"similarity is stale: computed from fingerprint "
+            f"{info.get('source_fingerprint')!r}, the store's is "
+            f"{meta.get('fingerprint')!r}"
+        )
     k = info.get("top_k")
     for name in (SIM_INDEX, SIM_VALUE):
         present = name in group
         if k and (not present or tuple(group[name].shape) != (C, k)):
-            out.append(f"{name} is {list(group[name].shape) if present else 'missing'}, "
-                       f"expected [{C}, {k}]")
+            out.append(f"{name} is {list(group[name].shape) if present else 'missing'}, expected [{C}, {k}]")
     return out

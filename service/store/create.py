@@ -33,8 +33,9 @@ from classgrad.service.store.location import Location, probe
 log = logging.getLogger(__name__)
 
 
-def create_store(url: str, spec: StoreSpec, *, storage_options: dict | None = None,
-                 overwrite: bool = False) -> GradStore:
+def create_store(
+    url: str, spec: StoreSpec, *, storage_options: dict | None = None, overwrite: bool = False
+) -> GradStore:
     """Driver only: create the store (group, arrays, attributes, once) or reopen it to resume.
 
     An existing store with the same fingerprint is reopened and nothing is rewritten; one with
@@ -46,8 +47,10 @@ def create_store(url: str, spec: StoreSpec, *, storage_options: dict | None = No
     loc = Location(url, storage_options)
     state, meta = probe(loc)
     if state == "other":
-        raise StoreError(f"{url} already holds something that is not a classgrad store; "
-                         f"refusing to write there (choose another store.url)")
+        raise StoreError(
+            f"{url} already holds something that is not a classgrad store; "
+            f"refusing to write there (choose another store.url)"
+        )
     if state == "ready" and not overwrite:
         check_same(meta, spec, url)
         log.info("reopening store %s to resume (fingerprint %s)", url, spec.fingerprint)
@@ -65,8 +68,15 @@ def create_store(url: str, spec: StoreSpec, *, storage_options: dict | None = No
         except OSError as exc:
             raise StoreError(f"cannot delete old store at {url}: {first_line(exc)}") from None
     _create(loc, spec)
-    log.info("created store %s: %d x %d %s, %d shards of %d rows", url, spec.num_classes,
-             spec.dim, spec.dtype, spec.num_shards, spec.shard_rows)
+    log.info(
+        "created store %s: %d x %d %s, %d shards of %d rows",
+        url,
+        spec.num_classes,
+        spec.dim,
+        spec.dtype,
+        spec.num_shards,
+        spec.shard_rows,
+    )
     return GradStore(loc, "r+")
 
 
@@ -79,22 +89,31 @@ def open_store(url: str, *, storage_options: dict | None = None, mode: str = "r"
 
 def _create(loc: Location, spec: StoreSpec) -> None:
     meta = spec_to_meta(spec)
-    fills = {"grads": BF16_NAN if spec.dtype == "bfloat16" else np.nan, "row_scale": np.nan,
-             "loss": np.nan, "count": -1, "shard_done": 0}
-    table = array_table(spec.num_classes, spec.dim, spec.row_chunk, spec.col_chunk,
-                        spec.num_shards, STORAGE_DTYPES[spec.dtype])
+    fills = {
+        "grads": BF16_NAN if spec.dtype == "bfloat16" else np.nan,
+        "row_scale": np.nan,
+        "loss": np.nan,
+        "count": -1,
+        "shard_done": 0,
+    }
+    table = array_table(
+        spec.num_classes, spec.dim, spec.row_chunk, spec.col_chunk, spec.num_shards, STORAGE_DTYPES[spec.dtype]
+    )
     try:
         # The group is written first with state "creating" and flipped to "ready" last, so an
         # interrupted creation is recognised (and redone) instead of trusted.
-        group = zarr.create_group(loc.zarr_store(read_only=False), zarr_format=3,
-                                  attributes={ATTR_KEY: meta})
+        group = zarr.create_group(loc.zarr_store(read_only=False), zarr_format=3, attributes={ATTR_KEY: meta})
         for name, (shape, chunks, dtype) in table.items():
             # Sharded stores keep one object per work shard (all its rows) per column chunk.
-            shards = (spec.shard_rows, *chunks[1:]) if spec.sharded and name != "shard_done" \
-                else None
+            shards = (spec.shard_rows, *chunks[1:]) if spec.sharded and name != "shard_done" else None
             group.create_array(
-                name, shape=shape, chunks=chunks, shards=shards, dtype=dtype,
-                fill_value=fills[name], serializer=BytesCodec(endian="little"),
+                name,
+                shape=shape,
+                chunks=chunks,
+                shards=shards,
+                dtype=dtype,
+                fill_value=fills[name],
+                serializer=BytesCodec(endian="little"),
                 compressors=codecs(spec.codec if name != "shard_done" else "none"),
                 dimension_names=ARRAY_DIMS[name],
             )

@@ -28,15 +28,14 @@ def write_direct(arr: zarr.Array, root: str, start: int, values: np.ndarray) -> 
     root = os.path.join(root, "c")
     rc = chunks[0]
     for r0 in range(0, values.shape[0], rc):
-        rows = values[r0: r0 + rc]
+        rows = values[r0 : r0 + rc]
         ri = (start + r0) // rc
         if values.ndim == 1:
             parts = [(root, str(ri), rows)]
         else:
             cc = chunks[1]
             row_dir = os.path.join(root, str(ri))
-            parts = [(row_dir, str(c0 // cc), rows[:, c0: c0 + cc])
-                     for c0 in range(0, values.shape[1], cc)]
+            parts = [(row_dir, str(c0 // cc), rows[:, c0 : c0 + cc]) for c0 in range(0, values.shape[1], cc)]
         os.makedirs(parts[0][0], exist_ok=True)
         for directory, leaf, block in parts:
             if block.shape != chunks:

@@ -94,14 +94,28 @@ FORMAT_VERSION = 1
 ATTR_KEY = "classgrad"
 LEASE_KEY = "lease.json"
 ARRAYS = ("grads", "row_scale", "loss", "count", "shard_done")
-ARRAY_DIMS = {"grads": ("class", "param"), "row_scale": ("class",), "loss": ("class",),
-              "count": ("class",), "shard_done": ("shard",)}
+ARRAY_DIMS = {
+    "grads": ("class", "param"),
+    "row_scale": ("class",),
+    "loss": ("class",),
+    "count": ("class",),
+    "shard_done": ("shard",),
+}
 STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 CODECS = ("none", "zstd", "blosc")
 # Attributes that must match, besides the fingerprint, for a store to be reopened.
 STRUCTURE_KEYS = (
-    "num_classes", "dim", "shard_rows", "row_chunk", "col_chunk", "dtype", "codec", "sharded",
-    "layout", "class_ids", "projection",
+    "num_classes",
+    "dim",
+    "shard_rows",
+    "row_chunk",
+    "col_chunk",
+    "dtype",
+    "codec",
+    "sharded",
+    "layout",
+    "class_ids",
+    "projection",
 )
 OVERWRITE_HINT = "--set store.overwrite=true"
 
@@ -147,8 +161,7 @@ class StoreSpec:
                 raise bad(name, f"must be a positive integer, got {value!r}")
             put(name, int(value))
         if self.shard_rows % self.row_chunk:
-            raise bad("shard_rows", f"({self.shard_rows}) must be a multiple of row_chunk "
-                                    f"({self.row_chunk})")
+            raise bad("shard_rows", f"({self.shard_rows}) must be a multiple of row_chunk ({self.row_chunk})")
         put("col_chunk", min(self.col_chunk, self.dim))
         if self.dtype not in STORAGE_DTYPES:
             raise bad("dtype", f"must be one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
@@ -164,16 +177,14 @@ class StoreSpec:
         if self.class_ids is not None:
             ids = tuple(int(i) for i in self.class_ids)
             if len(ids) != self.num_classes:
-                raise bad("class_ids", f"has {len(ids)} entries, expected num_classes "
-                                       f"({self.num_classes})")
+                raise bad("class_ids", f"has {len(ids)} entries, expected num_classes ({self.num_classes})")
             if len(set(ids)) != len(ids):
                 raise bad("class_ids", "has duplicates")
             put("class_ids", ids)
         if self.class_names is not None:
             names = tuple(str(n) for n in self.class_names)
             if len(names) != self.num_classes:
-                raise bad("class_names", f"has {len(names)} entries, expected num_classes "
-                                         f"({self.num_classes})")
+                raise bad("class_names", f"has {len(names)} entries, expected num_classes ({self.num_classes})")
             put("class_names", names)
         for name in ("config", "versions", "projection"):
             try:
@@ -212,10 +223,12 @@ def spec_to_meta(spec: StoreSpec) -> dict:
         "col_chunk": spec.col_chunk,
         "dtype": spec.dtype,
         "storage_dtype": STORAGE_DTYPES[spec.dtype],
-        "scaling": ("per-row power-of-two row_scale: true row = stored row * row_scale "
-                    f"(max |stored| < 2**{TOP_EXP})") if low else "none (row_scale = 1)",
-        "encoding": ("bfloat16 stored as uint16 bits, high half of float32 "
-                     "(round to nearest even)") if spec.dtype == "bfloat16" else spec.dtype,
+        "scaling": (f"per-row power-of-two row_scale: true row = stored row * row_scale (max |stored| < 2**{TOP_EXP})")
+        if low
+        else "none (row_scale = 1)",
+        "encoding": ("bfloat16 stored as uint16 bits, high half of float32 (round to nearest even)")
+        if spec.dtype == "bfloat16"
+        else spec.dtype,
         "codec": spec.codec,
         "checksum": "crc32c",
         "sharded": spec.sharded,
@@ -236,14 +249,22 @@ def spec_to_meta(spec: StoreSpec) -> dict:
 def spec_from_meta(meta: dict) -> StoreSpec:
     """The spec a store was made from, read back from its attributes."""
     return StoreSpec(
-        num_classes=meta["num_classes"], dim=meta["dim"], shard_rows=meta["shard_rows"],
-        row_chunk=meta["row_chunk"], col_chunk=meta["col_chunk"], dtype=meta["dtype"],
-        codec=meta["codec"], sharded=meta["sharded"],
+        num_classes=meta["num_classes"],
+        dim=meta["dim"],
+        shard_rows=meta["shard_rows"],
+        row_chunk=meta["row_chunk"],
+        col_chunk=meta["col_chunk"],
+        dtype=meta["dtype"],
+        codec=meta["codec"],
+        sharded=meta["sharded"],
         layout=tuple(ParamSlot.of(e) for e in meta["layout"]),
         class_ids=tuple(meta["class_ids"]) if meta["class_ids"] is not None else None,
         class_names=tuple(meta["class_names"]) if meta["class_names"] is not None else None,
-        loss_kind=meta["loss_kind"], projection=meta["projection"], config=meta["config"],
-        fingerprint=meta["fingerprint"], versions=meta["versions"],
+        loss_kind=meta["loss_kind"],
+        projection=meta["projection"],
+        config=meta["config"],
+        fingerprint=meta["fingerprint"],
+        versions=meta["versions"],
     )
 
 
@@ -258,8 +279,9 @@ def codecs(codec: str) -> list:
     return compressors
 
 
-def array_table(num_classes: int, dim: int, row_chunk: int, col_chunk: int, num_shards: int,
-                storage_dtype: str) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str]]:
+def array_table(
+    num_classes: int, dim: int, row_chunk: int, col_chunk: int, num_shards: int, storage_dtype: str
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str]]:
     """name -> (shape, chunks, dtype) of a store's arrays, in ``ARRAYS`` order: what
     ``create_store`` makes and ``check_metadata`` expects."""
     C, rc = num_classes, row_chunk
@@ -275,8 +297,7 @@ def array_table(num_classes: int, dim: int, row_chunk: int, col_chunk: int, num_
 def check_layout(layout: Any, projection: Any, dim: int) -> list[str]:
     """Problems of a stored layout (list of dicts) and projection for rows of ``dim`` columns."""
     if projection is not None:
-        out = [] if isinstance(projection, dict) else [f"projection is {projection!r}, "
-                                                       f"expected a mapping"]
+        out = [] if isinstance(projection, dict) else [f"projection is {projection!r}, expected a mapping"]
         if layout:
             out.append("layout is not empty although the rows are projected")
         out_dim = projection.get("out_dim") if isinstance(projection, dict) else None
@@ -295,8 +316,10 @@ def check_layout(layout: Any, projection: Any, dim: int) -> list[str]:
         except (KeyError, TypeError, ValueError):
             return out + [f"layout entry {i} is malformed: {entry!r}"]
         if offset != expected:
-            out.append(f"layout entry {name!r} starts at {offset}, expected {expected} (entries "
-                       f"must be contiguous, in row order)")
+            out.append(
+                f"layout entry {name!r} starts at {offset}, expected {expected} (entries "
+                f"must be contiguous, in row order)"
+            )
         if size != math.prod(shape):
             out.append(f"layout entry {name!r} has size {size} but shape {shape}")
         if name in seen:
@@ -315,10 +338,12 @@ def check_same(meta: dict, spec: StoreSpec, url: str) -> None:
         raise StoreMismatchError(
             f"store at {url} was made by another config (its fingerprint {old_fp!r}, this "
             f"config's {spec.fingerprint!r}); use another store.url, or replace it with "
-            f"{OVERWRITE_HINT}")
+            f"{OVERWRITE_HINT}"
+        )
     new = spec_to_meta(spec)
     differ = [k for k in STRUCTURE_KEYS if meta.get(k) != new[k]]
     if differ:
         raise StoreMismatchError(
             f"store at {url} has this config's fingerprint {old_fp!r} but a different "
-            f"{', '.join(differ)}; replace it with {OVERWRITE_HINT}")
+            f"{', '.join(differ)}; replace it with {OVERWRITE_HINT}"
+        )

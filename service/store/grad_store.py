@@ -52,25 +52,24 @@ class GradStore:
             raise StoreError(f"cannot open store at {url}: {first_line(exc)}") from None
         meta = group.attrs.get(ATTR_KEY)
         if not isinstance(meta, dict):
-            raise StoreError(f"{url} is a Zarr group but not a classgrad store "
-                             f"(no '{ATTR_KEY}' attributes)")
+            raise StoreError(f"{url} is a Zarr group but not a classgrad store (no '{ATTR_KEY}' attributes)")
         version = meta.get("format_version")
         if version != FORMAT_VERSION:
-            raise StoreError(f"store at {url} has format version {version}; this classgrad "
-                             f"reads version {FORMAT_VERSION}")
+            raise StoreError(
+                f"store at {url} has format version {version}; this classgrad reads version {FORMAT_VERSION}"
+            )
         if meta.get("state") != "ready":
-            raise StoreError(f"store at {url} was not fully created (interrupted); rerun the "
-                             f"job to recreate it")
+            raise StoreError(f"store at {url} was not fully created (interrupted); rerun the job to recreate it")
         self._meta = meta
         self._arrays = StoreArrays(loc, group, mode)
         try:
             self._spec = spec_from_meta(meta)
         except (KeyError, TypeError, StoreError) as exc:
-            raise StoreError(f"store at {url} has damaged classgrad attributes: "
-                             f"{first_line(exc)}") from None
+            raise StoreError(f"store at {url} has damaged classgrad attributes: {first_line(exc)}") from None
         ids = self._spec.class_ids
-        self._class_ids = np.arange(self.num_classes, dtype=np.int64) if ids is None else \
-            np.asarray(ids, dtype=np.int64)
+        self._class_ids = (
+            np.arange(self.num_classes, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+        )
         self._class_ids.flags.writeable = False
         self._reader = RowReader(self._arrays, self._spec)
         self._writer = RowWriter(self._arrays, self._spec, self._class_ids)
@@ -78,8 +77,7 @@ class GradStore:
         self.similarity_arrays = SimilarityArrays(self._arrays, self._spec)
 
     def __repr__(self) -> str:
-        return (f"GradStore({self.url!r}, {self.num_classes} x {self.dim} {self.dtype}, "
-                f"mode={self._mode!r})")
+        return f"GradStore({self.url!r}, {self.num_classes} x {self.dim} {self.dtype}, mode={self._mode!r})"
 
     # ----------------------------------------------------------------- metadata
 
@@ -215,14 +213,14 @@ class GradStore:
         """One parameter's part of rows ``ids``, shaped [len(ids), *shape of the parameter]."""
         return self._reader.param(name, ids, allow_missing)
 
-    def iter_blocks(self, rows_per_block: int, *,
-                    allow_missing: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+    def iter_blocks(self, rows_per_block: int, *, allow_missing: bool = False) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (start, true float32 rows) in row order; blocks are whole row-chunks when
         ``rows_per_block >= row_chunk``. Incompleteness is reported before the first block."""
         return self._reader.iter_blocks(rows_per_block, allow_missing)
 
-    def block(self, start: int, stop: int, cols: slice | tuple[int, int] | None = None, *,
-              allow_missing: bool = False) -> np.ndarray:
+    def block(
+        self, start: int, stop: int, cols: slice | tuple[int, int] | None = None, *, allow_missing: bool = False
+    ) -> np.ndarray:
         """True float32 values of rows [start, stop) and columns ``cols`` (a slice or a
         (start, stop) pair; default every column): the unit out-of-core jobs read."""
         start, stop = int(start), int(stop)
@@ -233,8 +231,7 @@ class GradStore:
             return np.empty((0, cols.stop - cols.start), dtype=np.float32)
         return self._reader.gather(np.arange(start, stop, dtype=np.int64), cols, allow_missing)
 
-    def rows_band(self, ids: Any, cols: slice | tuple[int, int], *,
-                  allow_missing: bool = False) -> np.ndarray:
+    def rows_band(self, ids: Any, cols: slice | tuple[int, int], *, allow_missing: bool = False) -> np.ndarray:
         """True float32 values of rows ``ids`` (any order, repeats allowed) in one column range:
         ``rows`` for a few scattered rows whose full length would not fit in memory."""
         return self._reader.gather(row_ids(ids, self.num_classes), col_range(cols, self.dim), allow_missing)

@@ -67,9 +67,11 @@ def _holder_gone(lease: dict) -> bool:
 
 def held_message(url: str, lease: dict, now: float) -> str:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease.get("started", 0)))
-    return (f"store {url} is in use by run {lease.get('run_id')!r} (host {lease.get('host')}, "
-            f"pid {lease.get('pid')}, started {started}, last heartbeat "
-            f"{lease_age(lease, now):.0f}s ago); wait for it to finish or stop it")
+    return (
+        f"store {url} is in use by run {lease.get('run_id')!r} (host {lease.get('host')}, "
+        f"pid {lease.get('pid')}, started {started}, last heartbeat "
+        f"{lease_age(lease, now):.0f}s ago); wait for it to finish or stop it"
+    )
 
 
 class HeldLease:
@@ -126,13 +128,23 @@ class StoreLease:
             if age < held_for and not gone:
                 raise LeaseHeldError(held_message(url, current, now))
             why = "its driver process is gone" if gone else f"last heartbeat {age:.0f}s ago > {held_for:.0f}s"
-            log.warning("taking over the stale lease of run %r on %s (host %s, pid %s): %s",
-                        current.get("run_id"), url, current.get("host"), current.get("pid"), why)
+            log.warning(
+                "taking over the stale lease of run %r on %s (host %s, pid %s): %s",
+                current.get("run_id"),
+                url,
+                current.get("host"),
+                current.get("pid"),
+                why,
+            )
         same_run = bool(current) and current.get("run_id") == run_id
         lease = {
-            "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
-            "started": current["started"] if same_run else now, "heartbeat": now,
-            "ttl_s": ttl_s, "info": json.loads(json.dumps(info or {}, default=str)),
+            "run_id": run_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": current["started"] if same_run else now,
+            "heartbeat": now,
+            "ttl_s": ttl_s,
+            "info": json.loads(json.dumps(info or {}, default=str)),
         }
         self._write(lease)
         back = read_lease(self._loc)
@@ -145,8 +157,7 @@ class StoreLease:
         current = read_lease(self._loc)
         if not current or current.get("run_id") != run_id:
             taker = f"run {current.get('run_id')!r}" if current else "nobody (it was released)"
-            raise LeaseHeldError(f"run {run_id!r} lost its lease on {self._loc.url}: now held by "
-                                 f"{taker}")
+            raise LeaseHeldError(f"run {run_id!r} lost its lease on {self._loc.url}: now held by {taker}")
         current["heartbeat"] = time.time()
         self._write(current)
 
@@ -157,8 +168,12 @@ class StoreLease:
         if current is None:
             return
         if current.get("run_id") != run_id:
-            log.warning("not releasing the lease on %s: it is held by run %r, not %r", self._loc.url,
-                        current.get("run_id"), run_id)
+            log.warning(
+                "not releasing the lease on %s: it is held by run %r, not %r",
+                self._loc.url,
+                current.get("run_id"),
+                run_id,
+            )
             return
         try:
             self._loc.delete(LEASE_KEY)
@@ -166,8 +181,9 @@ class StoreLease:
             raise StoreError(f"cannot release the lease of {self._loc.url}: {first_line(exc)}") from None
 
     @contextlib.contextmanager
-    def hold(self, run_id: str, *, ttl_s: float = 60.0, info: dict | None = None,
-             renew_every_s: float | None = None) -> Iterator[HeldLease]:
+    def hold(
+        self, run_id: str, *, ttl_s: float = 60.0, info: dict | None = None, renew_every_s: float | None = None
+    ) -> Iterator[HeldLease]:
         """``with store.lease.hold(run_id, ttl_s=...) as lease:`` acquire, yield a ``HeldLease``
         (``lease.keep_alive()`` renews every ``renew_every_s``, default a third of the TTL) and
         release on the way out, however the block ends. A release that fails is logged, not

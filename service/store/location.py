@@ -28,7 +28,7 @@ def local_path(url: str) -> str | None:
     expanded nor made absolute); None for any other scheme (``s3://``, ``memory://``...)."""
     if "://" in url and not url.startswith("file://"):
         return None
-    return url[len("file://"):] if url.startswith("file://") else url
+    return url[len("file://") :] if url.startswith("file://") else url
 
 
 class Location:
@@ -54,16 +54,14 @@ class Location:
     def zarr_store(self, *, read_only: bool) -> zarr.abc.store.Store:
         if self.local:
             return LocalStore(self.path, read_only=read_only)
-        return FsspecStore.from_url(self.url, storage_options=self.options or None,
-                                    read_only=read_only)
+        return FsspecStore.from_url(self.url, storage_options=self.options or None, read_only=read_only)
 
     def key(self, name: str) -> str:
         return f"{self.path}/{name}"
 
     def is_empty(self) -> bool:
         if self.local:
-            return not os.path.exists(self.path) or (
-                os.path.isdir(self.path) and not os.listdir(self.path))
+            return not os.path.exists(self.path) or (os.path.isdir(self.path) and not os.listdir(self.path))
         self.fs.invalidate_cache()  # s3fs caches listings; a stale one could hide data
         try:
             return not self.fs.ls(self.path)

@@ -46,7 +46,8 @@ class RowReader:
             raise StoreIncompleteError(
                 f"rows {fmt_ranges(row_ranges(uniq[~present]))} of store {self._arrays.url} are not "
                 f"written yet (their shards are not marked done); rerun the job to finish them, "
-                f"or pass allow_missing=True to get NaN rows")
+                f"or pass allow_missing=True to get NaN rows"
+            )
         return present
 
     def gather(self, ids: np.ndarray, cols: slice, allow_missing: bool) -> np.ndarray:
@@ -64,7 +65,8 @@ class RowReader:
                 raise CorruptChunkError(
                     f"rows {fmt_ranges(row_ranges(have[holes]))} of store {self._arrays.url} belong to "
                     f"shards marked done but read as never written (chunk objects missing); "
-                    f"run `classgrad verify` and recompute those shards")
+                    f"run `classgrad verify` and recompute those shards"
+                )
         else:
             values = np.empty((0, width), dtype=np.float32)
         if present.all():
@@ -80,10 +82,11 @@ class RowReader:
         entry = self._layout.get(name)
         if entry is None:
             if not self._layout:
-                raise StoreError(f"store {self._arrays.url} holds projected rows ({self._spec.dim} dims); "
-                                 f"it has no per-parameter layout")
-            raise StoreError(f"unknown parameter {name!r}; the store holds: "
-                             f"{', '.join(self._layout)}")
+                raise StoreError(
+                    f"store {self._arrays.url} holds projected rows ({self._spec.dim} dims); "
+                    f"it has no per-parameter layout"
+                )
+            raise StoreError(f"unknown parameter {name!r}; the store holds: {', '.join(self._layout)}")
         ids = row_ids(ids, self._spec.num_classes)
         cols = slice(entry.offset, entry.offset + entry.size)
         return self.gather(ids, cols, allow_missing).reshape((ids.size, *entry.shape))
@@ -100,7 +103,8 @@ class RowReader:
             if missing:
                 raise StoreIncompleteError(
                     f"rows {fmt_ranges(missing)} of store {self._arrays.url} are not written yet; "
-                    f"rerun the job to finish them, or pass allow_missing=True for NaN rows")
+                    f"rerun the job to finish them, or pass allow_missing=True for NaN rows"
+                )
         for start in range(0, C, step):
             stop = min(start + step, C)
             yield start, self.gather(np.arange(start, stop, dtype=np.int64), slice(0, dim), allow_missing)

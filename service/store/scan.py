@@ -57,8 +57,7 @@ def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArra
     except CorruptChunkError as exc:
         return [ChunkProblem("shard_done", "corrupt", str(exc))]
     done_rows = np.repeat(done, spec.shard_rows)[: spec.num_classes]
-    names: list[tuple[str, np.ndarray | None]] = [
-        (n, None if n == "shard_done" else done_rows) for n in ARRAYS]
+    names: list[tuple[str, np.ndarray | None]] = [(n, None if n == "shard_done" else done_rows) for n in ARRAYS]
     info = similarity.info()
     if info is not None:
         ready = np.full(spec.num_classes, info.get("state") == "ready")
@@ -67,12 +66,15 @@ def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArra
         for sel, indices, block, exc in _scan_blocks(arrays[name]):
             if exc is not None:
                 bad = arrays.corrupt_chunks(name, indices) if is_corruption(exc) else []
-                problems += [ChunkProblem(name, "corrupt", arrays.describe_chunk(name, i, why))
-                             for i, why in bad]
+                problems += [ChunkProblem(name, "corrupt", arrays.describe_chunk(name, i, why)) for i, why in bad]
                 if not bad:
-                    problems.append(ChunkProblem(
-                        name, "unreadable", f"{name} rows [{sel[0].start}, {sel[0].stop}): "
-                                            f"cannot read: {first_line(exc)}"))
+                    problems.append(
+                        ChunkProblem(
+                            name,
+                            "unreadable",
+                            f"{name} rows [{sel[0].start}, {sel[0].stop}): cannot read: {first_line(exc)}",
+                        )
+                    )
                 continue
             problems += _scan_values(arrays, spec, name, block, sel, checked)
     return problems
@@ -96,9 +98,13 @@ def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any
         ris = range(r0 // rc, -(-rows.stop // rc))
         for cols in col_bands:
             sel = (rows,) if cols is None else (rows, cols)
-            indices = [(ri,) for ri in ris] if cols is None else [
-                (ri, cj) for ri in ris
-                for cj in range(cols.start // arr.chunks[1], -(-cols.stop // arr.chunks[1]))]
+            indices = (
+                [(ri,) for ri in ris]
+                if cols is None
+                else [
+                    (ri, cj) for ri in ris for cj in range(cols.start // arr.chunks[1], -(-cols.stop // arr.chunks[1]))
+                ]
+            )
             try:
                 block, error = arr[sel], None
             except Exception as exc:  # noqa: BLE001 - classified by the caller
@@ -106,14 +112,21 @@ def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any
             yield sel, indices, block, error
 
 
-def _scan_values(arrays: StoreArrays, spec: StoreSpec, name: str, block: np.ndarray,
-                 sel: tuple[slice, ...], checked: np.ndarray | None) -> list[ChunkProblem]:
+def _scan_values(
+    arrays: StoreArrays,
+    spec: StoreSpec,
+    name: str,
+    block: np.ndarray,
+    sel: tuple[slice, ...],
+    checked: np.ndarray | None,
+) -> list[ChunkProblem]:
     """Problems in the values of one read block (rows ``sel[0]``, columns ``sel[1]``)."""
     rows = sel[0]
     if name == "shard_done":
-        return [ChunkProblem(name, "bad_value", f"shard_done[{rows.start + s}] = {block[s]} "
-                                                f"(expected 0 or 1)")
-                for s in np.flatnonzero(block > 1)]
+        return [
+            ChunkProblem(name, "bad_value", f"shard_done[{rows.start + s}] = {block[s]} (expected 0 or 1)")
+            for s in np.flatnonzero(block > 1)
+        ]
     mask = checked[rows]
     if not mask.any():
         return []
@@ -139,13 +152,14 @@ def _scan_values(arrays: StoreArrays, spec: StoreSpec, name: str, block: np.ndar
             parts = [((int(ri),), bad[local])]
         else:
             c0, cc = sel[1].start, arr.chunks[1]
-            parts = [((int(ri), cj), bad[local, cj * cc - c0: (cj + 1) * cc - c0])
-                     for cj in range(c0 // cc, -(-sel[1].stop // cc))]
+            parts = [
+                ((int(ri), cj), bad[local, cj * cc - c0 : (cj + 1) * cc - c0])
+                for cj in range(c0 // cc, -(-sel[1].stop // cc))
+            ]
         for index, part in parts:
             if not part.any():
                 continue
-            which = rows.start + local.start + np.flatnonzero(
-                part if part.ndim == 1 else part.any(axis=1))
+            which = rows.start + local.start + np.flatnonzero(part if part.ndim == 1 else part.any(axis=1))
             where = f"rows {fmt_ranges(row_ranges(which))}"
             if not arrays.chunk_exists(name, index):
                 kind, why = "missing", "missing although its rows are marked done"

@@ -53,8 +53,7 @@ class SimilarityArrays:
         arr = self._arrays.result(SIM)
         return None if arr is None else dict(arr.attrs)
 
-    def begin(self, *, metric: str, top_k: int, chunk_rows: int, run_id: str,
-              info: dict | None = None) -> None:
+    def begin(self, *, metric: str, top_k: int, chunk_rows: int, run_id: str, info: dict | None = None) -> None:
         """Driver of ``classgrad similarity`` only: replace any previous result by empty
         arrays marked ``state: "computing"`` until ``finish``. The old matrix is deleted first,
         so a rerun never mixes two runs' rows, and a run that dies part-way leaves a result
@@ -62,25 +61,32 @@ class SimilarityArrays:
         self._arrays.require_writable()
         C = self._spec.num_classes
         if metric not in SIMILARITY_METRICS:
-            raise StoreError(f"similarity metric must be one of {', '.join(SIMILARITY_METRICS)}, "
-                             f"got {metric!r}")
+            raise StoreError(f"similarity metric must be one of {', '.join(SIMILARITY_METRICS)}, got {metric!r}")
         if not 0 <= int(top_k) <= max(C - 1, 0):
             raise StoreError(f"top_k must lie in [0, {C - 1}] (self is excluded), got {top_k}")
         if not 1 <= int(chunk_rows) <= C:
             raise StoreError(f"similarity chunk_rows must lie in [1, {C}], got {chunk_rows}")
         top_k, chunk_rows = int(top_k), int(chunk_rows)
-        attrs = json.loads(json.dumps({
-            "metric": metric, "state": "computing", "top_k": top_k, "chunk_rows": chunk_rows,
-            "source_fingerprint": self._spec.fingerprint, "run_id": run_id,
-            "neighbours": "similarity_topk_index holds row indices (row i is class "
-                          "class_ids[i]), most similar first, ties by lower index, self excluded",
-            "started": time.time(), **(info or {}),
-        }, default=str))
+        attrs = json.loads(
+            json.dumps(
+                {
+                    "metric": metric,
+                    "state": "computing",
+                    "top_k": top_k,
+                    "chunk_rows": chunk_rows,
+                    "source_fingerprint": self._spec.fingerprint,
+                    "run_id": run_id,
+                    "neighbours": "similarity_topk_index holds row indices (row i is class "
+                    "class_ids[i]), most similar first, ties by lower index, self excluded",
+                    "started": time.time(),
+                    **(info or {}),
+                },
+                default=str,
+            )
+        )
         arrays = [  # name, shape, chunks, dtype, fill, dimension names
-            (SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1,
-             ("class", "neighbour")),
-            (SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan,
-             ("class", "neighbour")),
+            (SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1, ("class", "neighbour")),
+            (SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan, ("class", "neighbour")),
             (SIM, (C, C), (chunk_rows, C), "float32", np.nan, ("class", "other_class")),
         ]
         group = self._arrays.group
@@ -93,29 +99,38 @@ class SimilarityArrays:
                 if name != SIM and top_k == 0:
                     continue
                 group.create_array(
-                    name, shape=shape, chunks=chunks, dtype=dtype, fill_value=fill,
-                    serializer=BytesCodec(endian="little"), compressors=codecs("none"),
-                    dimension_names=dims, attributes=attrs if name == SIM else {},
+                    name,
+                    shape=shape,
+                    chunks=chunks,
+                    dtype=dtype,
+                    fill_value=fill,
+                    serializer=BytesCodec(endian="little"),
+                    compressors=codecs("none"),
+                    dimension_names=dims,
+                    attributes=attrs if name == SIM else {},
                 )
         except ClassgradError:
             raise
         except Exception as exc:
-            raise StoreError(f"cannot create the similarity arrays in {self._url}: "
-                             f"{first_line(exc)}") from None
+            raise StoreError(f"cannot create the similarity arrays in {self._url}: {first_line(exc)}") from None
 
     def _run(self, run_id: str) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
         info = None if arr is None else dict(arr.attrs)
         if info is None or info.get("run_id") != run_id or info.get("state") != "computing":
-            now = "no similarity" if info is None else \
-                f"run {info.get('run_id')!r} ({info.get('state')})"
-            raise StoreError(f"similarity run {run_id!r} no longer owns {self._url}: it now holds "
-                             f"{now}")
+            now = "no similarity" if info is None else f"run {info.get('run_id')!r} ({info.get('state')})"
+            raise StoreError(f"similarity run {run_id!r} no longer owns {self._url}: it now holds {now}")
         return arr, info
 
-    def write_rows(self, start: int, values: np.ndarray, *, run_id: str,
-                   topk_index: np.ndarray | None = None,
-                   topk_value: np.ndarray | None = None) -> None:
+    def write_rows(
+        self,
+        start: int,
+        values: np.ndarray,
+        *,
+        run_id: str,
+        topk_index: np.ndarray | None = None,
+        topk_value: np.ndarray | None = None,
+    ) -> None:
         """Store rows [start, start + n) of the similarity matrix (float32 [n, C]) and their
         top-k neighbours ([n, top_k] row indices and values), for run ``run_id``.
 
@@ -130,21 +145,28 @@ class SimilarityArrays:
         n = values.shape[0] if values.ndim == 2 else 0
         stop = start + n
         if values.ndim != 2 or values.shape[1] != C or n == 0 or start < 0 or stop > C:
-            raise StoreError(f"similarity_arrays.write_rows: expected rows [n, {C}] inside [0, {C}), "
-                             f"got shape {list(values.shape)} at row {start}")
+            raise StoreError(
+                f"similarity_arrays.write_rows: expected rows [n, {C}] inside [0, {C}), "
+                f"got shape {list(values.shape)} at row {start}"
+            )
         if start % rc or (n % rc and stop != C):
-            raise StoreError(f"misaligned similarity write: rows [{start}, {stop}) must start at a "
-                             f"multiple of {rc} and cover whole chunks of {rc} rows")
+            raise StoreError(
+                f"misaligned similarity write: rows [{start}, {stop}) must start at a "
+                f"multiple of {rc} and cover whole chunks of {rc} rows"
+            )
         if not np.isfinite(values).all():
-            raise StoreError(f"similarity_arrays.write_rows: rows [{start}, {stop}) hold non-finite "
-                             f"values; refusing to store them")
+            raise StoreError(
+                f"similarity_arrays.write_rows: rows [{start}, {stop}) hold non-finite values; refusing to store them"
+            )
         parts: list[tuple[str, np.ndarray]] = [(SIM, values)]
         if k:
             index = np.asarray(topk_index)
             value = np.asarray(topk_value, dtype=np.float32)
             if index.shape != (n, k) or value.shape != (n, k):
-                raise StoreError(f"similarity_arrays.write_rows: top-k index and value must have shape "
-                                 f"[{n}, {k}], got {list(index.shape)} and {list(value.shape)}")
+                raise StoreError(
+                    f"similarity_arrays.write_rows: top-k index and value must have shape "
+                    f"[{n}, {k}], got {list(index.shape)} and {list(value.shape)}"
+                )
             if index.size and (index.min() < 0 or index.max() >= C):
                 raise StoreError("similarity_arrays.write_rows: top-k indices outside [0, C)")
             parts += [(SIM_INDEX, index.astype(np.int64)), (SIM_VALUE, value)]
@@ -155,12 +177,13 @@ class SimilarityArrays:
             for name, data in parts:
                 target = arr if name == SIM else self._arrays.result(name)
                 for r0 in range(0, n, step):
-                    target[start + r0: min(start + r0 + step, stop)] = data[r0: r0 + step]
+                    target[start + r0 : min(start + r0 + step, stop)] = data[r0 : r0 + step]
         except ClassgradError:
             raise
         except Exception as exc:
-            raise StoreError(f"cannot write similarity rows [{start}, {stop}) to {self._url}: "
-                             f"{first_line(exc)}") from None
+            raise StoreError(
+                f"cannot write similarity rows [{start}, {stop}) to {self._url}: {first_line(exc)}"
+            ) from None
 
     def finish(self, run_id: str, info: dict | None = None) -> None:
         """Mark run ``run_id``'s similarity complete (``state: "ready"``), adding ``info``."""
@@ -171,30 +194,31 @@ class SimilarityArrays:
         try:
             arr.update_attributes(attrs)
         except Exception as exc:
-            raise StoreError(f"cannot finish the similarity of {self._url}: "
-                             f"{first_line(exc)}") from None
+            raise StoreError(f"cannot finish the similarity of {self._url}: {first_line(exc)}") from None
 
     def _ready(self) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
         url, fingerprint = self._url, self._spec.fingerprint
         if arr is None:
-            raise StoreError(f"store {url} has no similarity matrix; run `classgrad "
-                             f"similarity {url}` first")
+            raise StoreError(f"store {url} has no similarity matrix; run `classgrad similarity {url}` first")
         info = dict(arr.attrs)
         if info.get("state") != "ready":
-            raise StoreError(f"the similarity matrix of {url} is unfinished (run "
-                             f"{info.get('run_id')!r} did not complete); rerun `classgrad "
-                             f"similarity`")
+            raise StoreError(
+                f"the similarity matrix of {url} is unfinished (run "
+                f"{info.get('run_id')!r} did not complete); rerun `classgrad "
+                f"similarity`"
+            )
         if info.get("source_fingerprint") != fingerprint:
-            raise StoreError(f"the similarity matrix of {url} was computed from other rows "
-                             f"(fingerprint {info.get('source_fingerprint')!r}, the store's "
-                             f"{fingerprint!r}); rerun `classgrad similarity`")
+            raise StoreError(
+                f"the similarity matrix of {url} was computed from other rows "
+                f"(fingerprint {info.get('source_fingerprint')!r}, the store's "
+                f"{fingerprint!r}); rerun `classgrad similarity`"
+            )
         return arr, info
 
     def _read(self, arr: zarr.Array, name: str, ids: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
         uniq, inverse = np.unique(ids, return_inverse=True)
-        ucols, col_inverse = (None, None) if cols is None else \
-            np.unique(cols, return_inverse=True)
+        ucols, col_inverse = (None, None) if cols is None else np.unique(cols, return_inverse=True)
         if uniq.size == 0:
             width = arr.shape[1] if cols is None else cols.size
             return np.empty((0, width), dtype=arr.dtype)
@@ -215,8 +239,9 @@ class SimilarityArrays:
         float32 [n, k]), most similar first, self excluded; row i is class ``class_ids[i]``."""
         _, info = self._ready()
         if not info.get("top_k"):
-            raise StoreError(f"the similarity of {self._url} was computed with top_k 0; rerun "
-                             f"`classgrad similarity --top-k K`")
+            raise StoreError(
+                f"the similarity of {self._url} was computed with top_k 0; rerun `classgrad similarity --top-k K`"
+            )
         ids = row_ids(ids, self._spec.num_classes)
         index = self._read(self._arrays.result(SIM_INDEX), SIM_INDEX, ids, None)
         value = self._read(self._arrays.result(SIM_VALUE), SIM_VALUE, ids, None)

@@ -45,12 +45,14 @@ class RowWriter:
         if start % align or (n % align and stop != C):
             raise StoreError(
                 f"misaligned write: rows [{start}, {stop}) of {url} must start at a "
-                f"multiple of {align} and cover whole chunks of {align} rows (or end at row {C})")
+                f"multiple of {align} and cover whole chunks of {align} rows (or end at row {C})"
+            )
         loss = np.asarray(loss, dtype=np.float32)
         count = np.asarray(count)
         if loss.shape != (n,) or count.shape != (n,):
-            raise StoreError(f"write_rows: loss and count must have shape [{n}], got "
-                             f"{list(loss.shape)} and {list(count.shape)}")
+            raise StoreError(
+                f"write_rows: loss and count must have shape [{n}], got {list(loss.shape)} and {list(count.shape)}"
+            )
         count = count.astype(np.int64, copy=False)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         dtype = self._spec.dtype
@@ -66,19 +68,18 @@ class RowWriter:
             bad = np.flatnonzero(~np.isfinite(maxabs))
         if bad.size:
             row = start + int(bad[0])
-            raise StoreError(f"write_rows: row {row} (class {int(self._class_ids[row])}) has "
-                             f"non-finite values; refusing to store it")
+            raise StoreError(
+                f"write_rows: row {row} (class {int(self._class_ids[row])}) has non-finite values; refusing to store it"
+            )
         stored, scale = encode_rows(rows, maxabs, dtype)
         try:
-            for name, values in (("grads", stored), ("row_scale", scale), ("loss", loss),
-                                 ("count", count)):
+            for name, values in (("grads", stored), ("row_scale", scale), ("loss", loss), ("count", count)):
                 if self._direct:
                     write_direct(self._arrays[name], os.path.join(self._arrays.loc.path, name), start, values)
                 else:
                     self._arrays[name][start:stop] = values
         except Exception as exc:
-            raise StoreError(f"cannot write rows [{start}, {stop}) to {url}: "
-                             f"{first_line(exc)}") from None
+            raise StoreError(f"cannot write rows [{start}, {stop}) to {url}: {first_line(exc)}") from None
         return stored.nbytes + scale.nbytes + loss.nbytes + count.nbytes
 
     def set_done(self, shard: int, value: int) -> None:
@@ -88,5 +89,4 @@ class RowWriter:
         try:
             self._arrays["shard_done"][shard] = value
         except Exception as exc:
-            raise StoreError(f"cannot update shard_done[{shard}] in {self._arrays.url}: "
-                             f"{first_line(exc)}") from None
+            raise StoreError(f"cannot update shard_done[{shard}] in {self._arrays.url}: {first_line(exc)}") from None

@@ -26,8 +26,15 @@ from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.probe import ProbeSet
 
 __all__ = [
-    "ENGINES", "EngineStats", "GradientEngine", "RowBlock", "create_engine", "per_class_gradients",
-    "register_engine", "resolve_engine_kind", "build_engine",
+    "ENGINES",
+    "EngineStats",
+    "GradientEngine",
+    "RowBlock",
+    "create_engine",
+    "per_class_gradients",
+    "register_engine",
+    "resolve_engine_kind",
+    "build_engine",
 ]
 
 ENGINES: dict[str, type[GradientEngine]] = {}
@@ -53,8 +60,9 @@ def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
     return kind
 
 
-def create_engine(kind: str, model: nn.Module, probe: ProbeSet, loss: LossKind, layout: ParamLayout,
-                  **options: Any) -> GradientEngine:
+def create_engine(
+    kind: str, model: nn.Module, probe: ProbeSet, loss: LossKind, layout: ParamLayout, **options: Any
+) -> GradientEngine:
     """Build the engine ``kind`` (``auto`` resolved) with the shared constructor."""
     return ENGINES[resolve_engine_kind(kind, model, loss)](model, probe, loss, layout, **options)
 
@@ -79,8 +87,17 @@ def build_engine(
     policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
     layout = ParamLayout.from_model(model, include=list(params or ()), exclude=list(exclude))
     probe = data if isinstance(data, ProbeSet) else ProbeSet(data, batch_size=batch_size)
-    return create_engine(engine, model, probe, loss_kind, layout, precision=policy, device=device,
-                         block_rows=block_rows, group_rows=group_rows)
+    return create_engine(
+        engine,
+        model,
+        probe,
+        loss_kind,
+        layout,
+        precision=policy,
+        device=device,
+        block_rows=block_rows,
+        group_rows=group_rows,
+    )
 
 
 def per_class_gradients(
@@ -102,8 +119,17 @@ def per_class_gradients(
     patterns (default: every parameter with ``requires_grad``), flattened and concatenated in
     ``model.named_parameters()`` order.
     """
-    eng = build_engine(model, data, num_classes=num_classes, loss=loss, precision=precision,
-                       params=params, engine=engine, batch_size=batch_size, device=device)
+    eng = build_engine(
+        model,
+        data,
+        num_classes=num_classes,
+        loss=loss,
+        precision=precision,
+        params=params,
+        engine=engine,
+        batch_size=batch_size,
+        device=device,
+    )
     wanted = list(range(num_classes)) if classes is None else list(classes)
     if not wanted:
         return torch.zeros(0, eng.layout.dim)

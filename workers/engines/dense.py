@@ -46,7 +46,13 @@ from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept
 from classgrad.workers.engines.head import (
-    HeadBasis, HeadGraph, HeadSplit, NoHeadPath, head_basis, head_graph, parameter_versions,
+    HeadBasis,
+    HeadGraph,
+    HeadSplit,
+    NoHeadPath,
+    head_basis,
+    head_graph,
+    parameter_versions,
 )
 
 log = logging.getLogger(__name__)
@@ -89,8 +95,14 @@ class _AutogradGraph:
         self.values = contrib.detach()
 
     def batched(self, classes: torch.Tensor, scales: torch.Tensor) -> Sequence[torch.Tensor | None]:
-        return torch.autograd.grad(self.contrib, self.params, grad_outputs=_one_hot(self.values, classes, scales),
-                                   is_grads_batched=True, retain_graph=True, allow_unused=True)
+        return torch.autograd.grad(
+            self.contrib,
+            self.params,
+            grad_outputs=_one_hot(self.values, classes, scales),
+            is_grads_batched=True,
+            retain_graph=True,
+            allow_unused=True,
+        )
 
     def single(self, c: torch.Tensor, scale: torch.Tensor) -> Sequence[torch.Tensor | None]:
         cot = _one_hot(self.values, c.view(1), scale.view(1))[0]
@@ -177,8 +189,10 @@ class DenseEngine(GradientEngine):
                 reason = self._no_head("graph", exc)
             else:
                 if self._head_split is None:
-                    self._note("dense: each row's backward starts at the input of the final Linear layer "
-                               "(the loss and the head are not differentiated per row)")
+                    self._note(
+                        "dense: each row's backward starts at the input of the final Linear layer "
+                        "(the loss and the head are not differentiated per row)"
+                    )
                 self._head_split = split
                 return graph
         self._head_split = False
@@ -188,8 +202,14 @@ class DenseEngine(GradientEngine):
     def _no_head(self, path: str, found: NoHeadPath | None = None) -> str | None:
         """Why rows cannot take a head ``path`` (``basis`` or ``graph``) for this model and job,
         as found earlier in this process; with ``found``, remember it (when it is lasting)."""
-        key = (path, self.loss.name, self.loss.num_classes, tuple(self.layout.names), self.precision.dtype,
-               str(self.device))
+        key = (
+            path,
+            self.loss.name,
+            self.loss.num_classes,
+            tuple(self.layout.names),
+            self.precision.dtype,
+            str(self.device),
+        )
         known = choices.NO_HEAD.setdefault(self.model, {})
         if found is not None and found.lasting:
             known[key] = str(found)
@@ -220,8 +240,14 @@ class DenseEngine(GradientEngine):
         self.stats.forwards += 1
         return _FuncGraph(values.detach(), vjp_fn, names)
 
-    def _vjp_rows(self, graph, classes: torch.Tensor, scales: torch.Tensor,
-                  out: torch.Tensor | None = None, unit_scale: bool = False) -> torch.Tensor:
+    def _vjp_rows(
+        self,
+        graph,
+        classes: torch.Tensor,
+        scales: torch.Tensor,
+        out: torch.Tensor | None = None,
+        unit_scale: bool = False,
+    ) -> torch.Tensor:
         """Rows ``d contrib[classes[k]] / d params``, computed at loss scale ``scales[k]`` and
         unscaled; written into ``out`` when given (no temporary row buffer)."""
         grads = None
@@ -243,7 +269,8 @@ class DenseEngine(GradientEngine):
                 grads = [None if g is None else g.unsqueeze(0) for g in per_row[0]]
             else:
                 grads = [
-                    None if all(g[i] is None for g in per_row)
+                    None
+                    if all(g[i] is None for g in per_row)
                     else torch.stack([g[i] if g[i] is not None else torch.zeros_like(p) for g in per_row])
                     for i, p in enumerate(self.params)
                 ]
@@ -283,8 +310,18 @@ class DenseEngine(GradientEngine):
         """What the best block size depends on: the model, the micro-batch, the rows, the device,
         and the kind of graph (from the head, torch.func, or autograd)."""
         kind = "head" if isinstance(self._head_split, HeadSplit) else "func" if self._use_func else "autograd"
-        return (id(self.model), self.loss.num_classes, kind, self.probe.batch_size, len(self.probe),
-                self.layout.dim, str(self.device), self.precision.dtype, self.loss.name, torch.get_num_threads())
+        return (
+            id(self.model),
+            self.loss.num_classes,
+            kind,
+            self.probe.batch_size,
+            len(self.probe),
+            self.layout.dim,
+            str(self.device),
+            self.precision.dtype,
+            self.loss.name,
+            torch.get_num_threads(),
+        )
 
     def _known_block_rows(self) -> None:
         """Take the block size measured earlier in this process for this model, if any."""
@@ -343,7 +380,9 @@ class DenseEngine(GradientEngine):
                 best = min(timings.values())
                 self.block_rows = choices.BLOCK_ROWS[key] = min(b for b, t in timings.items() if t <= 1.05 * best)
                 note = "dense block_rows=%d chosen from per-row times %s" % (
-                    self.block_rows, {b: f"{t * 1e3:.2f}ms" for b, t in timings.items()})
+                    self.block_rows,
+                    {b: f"{t * 1e3:.2f}ms" for b, t in timings.items()},
+                )
                 log.info(note)
                 self.stats.notes.append(note)
         while pos < n:
@@ -381,8 +420,10 @@ class DenseEngine(GradientEngine):
         if reason is not None:
             self._note(f"dense: one VJP per row ({reason})")
             return None
-        self._note(f"dense: rows through the final Linear layer ({self._head.split.head.in_features} VJPs per "
-                   f"micro-batch instead of one per class)")
+        self._note(
+            f"dense: rows through the final Linear layer ({self._head.split.head.in_features} VJPs per "
+            f"micro-batch instead of one per class)"
+        )
         return self._head
 
     def _through_head(self, head: HeadBasis, ids: torch.Tensor) -> Iterator[RowBlock]:
@@ -392,8 +433,13 @@ class DenseEngine(GradientEngine):
         for g0 in range(0, len(ids), group):
             sub = dev_ids[g0 : g0 + group]
             rows = head.rows(sub, self.row_dtype)
-            yield self._block(ids[g0 : g0 + group], rows, head.losses[sub], torch.ones(len(sub)),
-                              torch.zeros(len(sub), dtype=torch.bool))
+            yield self._block(
+                ids[g0 : g0 + group],
+                rows,
+                head.losses[sub],
+                torch.ones(len(sub)),
+                torch.zeros(len(sub), dtype=torch.bool),
+            )
 
     def _stream(self, ids: torch.Tensor) -> Iterator[RowBlock]:
         """One micro-batch: one forward, then every block on its graph, yielded as computed.
@@ -424,8 +470,13 @@ class DenseEngine(GradientEngine):
             sub = dev_ids[c0 : c0 + chunk]
             buf = torch.empty(len(sub), self.layout.dim, dtype=self.row_dtype, device=self.device)
             parts = [(scales, again) for _, (_, scales, again) in self._blocks(graph, sub, out=buf)]
-            yield self._block(ids[c0 : c0 + len(sub)], buf, values[sub], torch.cat([p[0] for p in parts]),
-                              torch.cat([p[1] for p in parts]))
+            yield self._block(
+                ids[c0 : c0 + len(sub)],
+                buf,
+                values[sub],
+                torch.cat([p[0] for p in parts]),
+                torch.cat([p[1] for p in parts]),
+            )
         del graph  # the graph goes with its last reference
 
     def _accumulate(self, ids: torch.Tensor) -> Iterator[RowBlock]:
@@ -453,6 +504,10 @@ class DenseEngine(GradientEngine):
         self.stats.rows += len(ids)
         self.stats.recomputed_rows += int(again.sum())
         return RowBlock(
-            classes=ids, rows=rows, loss=values.detach().float().cpu(), count=self.counts[ids],
-            loss_scale=scales.float().cpu(), recomputed=again.cpu(),
+            classes=ids,
+            rows=rows,
+            loss=values.detach().float().cpu(),
+            count=self.counts[ids],
+            loss_scale=scales.float().cpu(),
+            recomputed=again.cpu(),
         )

@@ -80,8 +80,13 @@ class HeadSplit:
     def of(cls, engine, head: nn.Linear) -> "HeadSplit":
         layout: ParamLayout = engine.layout
         selected = set(layout.names)
-        head_slots = {kind: layout.slot(f"{name}.{kind}") for name, m in engine.model.named_modules() if m is head
-                      for kind in ("weight", "bias") if f"{name}.{kind}" in selected}
+        head_slots = {
+            kind: layout.slot(f"{name}.{kind}")
+            for name, m in engine.model.named_modules()
+            if m is head
+            for kind in ("weight", "bias")
+            if f"{name}.{kind}" in selected
+        }
         head_ids = {id(p) for p in head.parameters()}
         body = [(s, p) for s, p in zip(layout.slots, engine.params) if id(p) not in head_ids]
         packed, offset = [], 0
@@ -116,8 +121,10 @@ def _head_candidates(engine, declared: str) -> list[nn.Linear]:
     num_classes = engine.loss.num_classes
     uses = collections.Counter(id(p) for _, p in engine.model.named_parameters(remove_duplicate=False))
     found = [
-        m for m in engine.model.modules()
-        if type(m) is nn.Linear and m.out_features == num_classes
+        m
+        for m in engine.model.modules()
+        if type(m) is nn.Linear
+        and m.out_features == num_classes
         and not (m._forward_hooks or m._forward_pre_hooks)
         and all(uses[id(p)] == 1 for p in m.parameters())
     ]
@@ -223,8 +230,9 @@ def head_basis(engine, row_bytes_budget: int) -> HeadBasis:
             last = head.in_features - 1
             for j in range(head.in_features):
                 cot[:, j] = weights.to(cot.dtype)
-                grads = torch.autograd.grad(h, split.body_params, grad_outputs=cot, retain_graph=j < last,
-                                            allow_unused=True)
+                grads = torch.autograd.grad(
+                    h, split.body_params, grad_outputs=cot, retain_graph=j < last, allow_unused=True
+                )
                 cot[:, j] = 0
                 engine.stats.backwards += 1
                 if all(g is None for g in grads):
@@ -238,8 +246,7 @@ def head_basis(engine, row_bytes_budget: int) -> HeadBasis:
         raise NoHeadPath("the probe set is empty")
     if not (bool(torch.isfinite(basis.sum())) and bool(torch.isfinite(feature_sum).all())):
         raise NoHeadPath("non-finite gradients: rows are checked one by one", lasting=False)
-    return HeadBasis(split, basis, feature_sum, weight_sum, losses, engine.layout.dim,
-                     parameter_versions(engine.model))
+    return HeadBasis(split, basis, feature_sum, weight_sum, losses, engine.layout.dim, parameter_versions(engine.model))
 
 
 # --- losses that see each output column on its own: VJPs through the body only ------------------
@@ -251,8 +258,15 @@ class HeadGraph:
     return gradients in row order: the body's from a backward that starts at ``h``, the head's
     written directly."""
 
-    def __init__(self, values: torch.Tensor, h: torch.Tensor, column_grads: torch.Tensor, split: HeadSplit,
-                 params: list[torch.Tensor], row_dtype: torch.dtype):
+    def __init__(
+        self,
+        values: torch.Tensor,
+        h: torch.Tensor,
+        column_grads: torch.Tensor,
+        split: HeadSplit,
+        params: list[torch.Tensor],
+        row_dtype: torch.dtype,
+    ):
         self.values = values  # this micro-batch's contribution to L [C]
         self._h, self._a, self._split, self._dtype = h, column_grads, split, row_dtype
         self._order = [id(p) for p in params]  # row order of every selected parameter
@@ -267,8 +281,14 @@ class HeadGraph:
         found: dict[int, torch.Tensor | None] = {}
         if self._body:
             cot = (a.unsqueeze(2) * weight.unsqueeze(1)).to(h.dtype)  # [k, N, F]: a[:, c] W[c] per row
-            grads = torch.autograd.grad(h, split.body_params, grad_outputs=cot if batched else cot[0],
-                                        is_grads_batched=batched, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(
+                h,
+                split.body_params,
+                grad_outputs=cot if batched else cot[0],
+                is_grads_batched=batched,
+                retain_graph=True,
+                allow_unused=True,
+            )
             found.update(zip((id(p) for p in split.body_params), grads))
         picks = torch.arange(k, device=a.device)
         head = split.head

@@ -44,9 +44,7 @@ class ReferenceEngine(GradientEngine):
                     losses.append(value)
                     return row.unsqueeze(0)
 
-                rows, scales, again = rows_with_rescale(
-                    compute, 1, self.precision, ids.new_tensor([c]), self.device
-                )
+                rows, scales, again = rows_with_rescale(compute, 1, self.precision, ids.new_tensor([c]), self.device)
                 value = losses[-1].reshape(1)
                 self.stats.rows += 1
                 self.stats.recomputed_rows += int(again.sum())

@@ -43,8 +43,10 @@ def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
     return Projector(dim_in, p.dim, kind=p.kind, seed=p.seed, groups=groups)
 
 
-def checked_engine(config: JobConfig, device: str | None = None,
-                   ) -> tuple[GradientEngine, Projector | None, int]:
+def checked_engine(
+    config: JobConfig,
+    device: str | None = None,
+) -> tuple[GradientEngine, Projector | None, int]:
     """The job's engine, checked against its real model and data (``preflight``), its
     projector (None when rows are stored whole) and the width of a stored row."""
     engine = build_job_engine(config, device=device)
@@ -60,8 +62,9 @@ def project_rows_for(dim: int) -> int:
     return max(1, min(256, PROJECT_BYTES // (4 * dim)))
 
 
-def stored_blocks(engine: GradientEngine, projector: Projector | None, classes: list[int],
-                  project_rows: int) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
+def stored_blocks(
+    engine: GradientEngine, projector: Projector | None, classes: list[int], project_rows: int
+) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
     """Engine blocks of ``classes`` with the rows to store: projected when the job projects.
 
     Generating R costs about as much as applying it to a few dozen rows, so blocks are
@@ -104,8 +107,11 @@ class GradientWorker:
         self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
         self.class_ids = self.store.class_ids
         self.identity = {
-            "node": _node_id(), "host": socket.gethostname(), "pid": os.getpid(),
-            "device": str(self.engine.device), "engine": self.engine.name,
+            "node": _node_id(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "device": str(self.engine.device),
+            "engine": self.engine.name,
         }
         log.info("worker ready: %s", self.identity)
 
@@ -129,9 +135,14 @@ class GradientWorker:
         self._check_lease(shard)
         self.store.mark_shard_done(shard)
         return {
-            "shard": shard, "attempt": attempt, "rows": stop - start,
-            "seconds": time.perf_counter() - t0, "write_seconds": written.seconds, "bytes": written.bytes,
-            "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before, **self.identity,
+            "shard": shard,
+            "attempt": attempt,
+            "rows": stop - start,
+            "seconds": time.perf_counter() - t0,
+            "write_seconds": written.seconds,
+            "bytes": written.bytes,
+            "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before,
+            **self.identity,
         }
 
     def _check_lease(self, shard: int) -> None:

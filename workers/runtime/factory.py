@@ -75,8 +75,9 @@ def _call_factory(path: str, kwargs: dict, what: str) -> Any:
         raise InputError(f"{what} {path!r} raised {type(exc).__name__}: {exc}") from exc
 
 
-def build_model(factory: str, kwargs: dict | None = None, checkpoint: str | None = None,
-                mode: str = "eval") -> nn.Module:
+def build_model(
+    factory: str, kwargs: dict | None = None, checkpoint: str | None = None, mode: str = "eval"
+) -> nn.Module:
     model = _call_factory(factory, dict(kwargs or {}), "model.factory")
     if not isinstance(model, nn.Module):
         raise InputError(f"model.factory {factory!r} returned {type(model).__name__}, not an nn.Module")
@@ -98,8 +99,14 @@ def build_job_engine(config: "JobConfig", device: str | None = None) -> Gradient
     layout = ParamLayout.from_model(model, include=config.params.include, exclude=config.params.exclude)
     policy = PrecisionPolicy(config.precision.dtype, config.precision.init_scale, config.precision.min_scale)
     return create_engine(
-        config.engine.kind, model, probe, loss, layout, precision=policy,
-        device=device or config.resolved_device(), block_rows=config.engine.block_rows,
+        config.engine.kind,
+        model,
+        probe,
+        loss,
+        layout,
+        precision=policy,
+        device=device or config.resolved_device(),
+        block_rows=config.engine.block_rows,
         group_rows=config.engine.group_rows,
     )
 

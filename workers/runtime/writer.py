@@ -73,11 +73,13 @@ class ShardWriter:
         """Queue a block (``rows`` replaces ``block.rows``, e.g. after projection)."""
         self._raise_if_failed()
         values = block.rows if rows is None else rows
-        self._pending.append((
-            values.detach().to("cpu", torch.float32).numpy(),
-            block.loss.numpy().astype(np.float32, copy=False),
-            block.count.numpy(),
-        ))
+        self._pending.append(
+            (
+                values.detach().to("cpu", torch.float32).numpy(),
+                block.loss.numpy().astype(np.float32, copy=False),
+                block.count.numpy(),
+            )
+        )
         self._pending_rows += len(block)
         if self.next_row + self._pending_rows > self.stop:
             raise StoreError(f"writer got more rows than its range [{self.next_row}, {self.stop}) holds")

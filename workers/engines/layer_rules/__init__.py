@@ -14,6 +14,14 @@ from classgrad.workers.engines.layer_rules.registry import RULES, LayerRule, reg
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, ClassRows, LayerCapture, LayerRows
 
 __all__ = [
-    "RULES", "ClassGrid", "ClassRows", "LayerCapture", "LayerRows", "LayerRule", "OuterFactors",
-    "class_outer_sums", "register_rule", "rule_for",
+    "RULES",
+    "ClassGrid",
+    "ClassRows",
+    "LayerCapture",
+    "LayerRows",
+    "LayerRule",
+    "OuterFactors",
+    "class_outer_sums",
+    "register_rule",
+    "rule_for",
 ]

@@ -63,15 +63,35 @@ class ConvFactors(OuterFactors):
                 gg = G.transpose(0, 1).reshape(m, k * cout, *G.shape[3:])
                 ag = A.transpose(0, 1).reshape(m, k * A.shape[2], *A.shape[3:])
             _, gw, gb = torch.ops.aten.convolution_backward(
-                gg, ag, weight, [k * cout], module.stride, module.padding, module.dilation, False, [0, 0],
-                k * module.groups, [False, want_weight, want_bias],
+                gg,
+                ag,
+                weight,
+                [k * cout],
+                module.stride,
+                module.padding,
+                module.dilation,
+                False,
+                [0, 0],
+                k * module.groups,
+                [False, want_weight, want_bias],
             )
             # An output masked off may still come back (uninitialised): only what was asked for.
             return (gw if want_weight else None), (gb if want_bias else None)
 
-        key = (module.in_channels, module.out_channels, module.groups, module.kernel_size, module.stride,
-               module.padding, module.dilation, tuple(G.shape), tuple(A.shape), G.dtype, str(G.device),
-               G[0].is_contiguous(memory_format=torch.channels_last))
+        key = (
+            module.in_channels,
+            module.out_channels,
+            module.groups,
+            module.kernel_size,
+            module.stride,
+            module.padding,
+            module.dilation,
+            tuple(G.shape),
+            tuple(A.shape),
+            G.dtype,
+            str(G.device),
+            G[0].is_contiguous(memory_format=torch.channels_last),
+        )
         layout = choices.CONV_LAYOUT.get(key)
         if layout is None:
             clock = choice_clock(G.device)
@@ -97,8 +117,9 @@ class ConvFactors(OuterFactors):
         """``[k * groups, m * ho * wo, cin / groups * kh * kw]``: the patch of every output pixel."""
         module, A, groups = self.module, self.A, self.module.groups
         k, m = A.shape[:2]
-        patches = F.unfold(A.reshape(k * m, *A.shape[2:]), module.kernel_size, module.dilation, module.padding,
-                           module.stride)  # [k * m, cin * kh * kw, ho * wo], channel-major
+        patches = F.unfold(
+            A.reshape(k * m, *A.shape[2:]), module.kernel_size, module.dilation, module.padding, module.stride
+        )  # [k * m, cin * kh * kw, ho * wo], channel-major
         tokens = patches.reshape(k, m, groups, patches.shape[1] // groups, -1).permute(0, 2, 1, 4, 3)
         return tokens.reshape(k * groups, -1, patches.shape[1] // groups)
 

@@ -76,8 +76,13 @@ class LayerRule:
 RULES: dict[type[nn.Module], LayerRule] = {}
 
 
-def register_rule(module_type: type[nn.Module], *, applies: AppliesFn | None = None,
-                  kinds: tuple[str, ...] = ("weight", "bias"), replace: bool = False) -> Callable[[SumsFn], SumsFn]:
+def register_rule(
+    module_type: type[nn.Module],
+    *,
+    applies: AppliesFn | None = None,
+    kinds: tuple[str, ...] = ("weight", "bias"),
+    replace: bool = False,
+) -> Callable[[SumsFn], SumsFn]:
     """Register the decorated ``sums(module, seen, out)`` as the rule for ``module_type``.
 
     ``applies(module)`` says why a given layer is outside the rule (None: it applies); ``kinds``
@@ -88,8 +93,10 @@ def register_rule(module_type: type[nn.Module], *, applies: AppliesFn | None = N
 
     def decorate(sums: SumsFn) -> SumsFn:
         if module_type in RULES and not replace:
-            raise ValueError(f"a layer rule for {module_type.__name__} is already registered "
-                             f"({RULES[module_type].sums.__qualname__}); pass replace=True to change it")
+            raise ValueError(
+                f"a layer rule for {module_type.__name__} is already registered "
+                f"({RULES[module_type].sums.__qualname__}); pass replace=True to change it"
+            )
         RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds))
         return sums
 

@@ -37,8 +37,13 @@ class Captured:
         return self.inputs._version != self.input_version or self.output._version != self.output_version
 
 
-def forward_capturing(model: nn.Module, layers: dict[nn.Module, tuple[str, ...]], x: object,
-                      context: Callable[[], ContextManager], clone: bool) -> tuple[object, list[Captured]] | None:
+def forward_capturing(
+    model: nn.Module,
+    layers: dict[nn.Module, tuple[str, ...]],
+    x: object,
+    context: Callable[[], ContextManager],
+    clone: bool,
+) -> tuple[object, list[Captured]] | None:
     """The model's output on ``x`` and every call of a layer in ``layers`` (module -> names of its
     selected parameters), in call order. None when an in-place change of a layer output that
     starts the graph (a leaf) was refused by autograd: run again with ``clone``."""
@@ -74,4 +79,3 @@ def forward_capturing(model: nn.Module, layers: dict[nn.Module, tuple[str, ...]]
     if reaches_any(out.grad_fn, {id(t) for params in real.values() for t in params.values()}):
         raise RuntimeError("a selected parameter of a hooked layer is also used outside that layer's forward")
     return out, captured
-

@@ -76,8 +76,13 @@ class PartitionedEngine(GradientEngine):
     # consecutive positions (a slice: a view, no copy) or at scattered positions (an index
     # tensor: one indexed copy per parameter). No per-pack row buffer is built and copied again.
 
-    def _write(self, grads: Sequence[torch.Tensor | None], scales: torch.Tensor, dest: torch.Tensor,
-               where: slice | torch.Tensor) -> torch.Tensor:
+    def _write(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        scales: torch.Tensor,
+        dest: torch.Tensor,
+        where: slice | torch.Tensor,
+    ) -> torch.Tensor:
         """Write per-parameter gradients ``[k, *shape]`` (computed at loss scale ``scales``) as
         rows ``dest[where]``, divided by the scale; return whether each row is certainly finite.
 
@@ -103,8 +108,9 @@ class PartitionedEngine(GradientEngine):
 
     # --- one class alone -----------------------------------------------------------------------
 
-    def _single(self, c: int, scale: torch.Tensor, dest: torch.Tensor,
-                where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _single(
+        self, c: int, scale: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row of class ``c`` at loss scale ``scale`` into ``dest[where]``: (loss, finite)."""
         idx = self.by_class[c]
         n = len(idx)
@@ -140,8 +146,9 @@ class PartitionedEngine(GradientEngine):
         log.warning(msg)
         self.stats.notes.append(msg)
 
-    def _rows_into(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
-                   where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows_into(
+        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
         if self._hooked is not None and isinstance(where, slice):
             try:
@@ -170,8 +177,9 @@ class PartitionedEngine(GradientEngine):
         pairs = [self._single(c, scales[i : i + 1], dest, spot) for i, (c, spot) in enumerate(zip(classes, spots))]
         return torch.cat([v for v, _ in pairs]), torch.cat([f for _, f in pairs])
 
-    def _checked(self, classes: list[int], dest: torch.Tensor,
-                 where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _checked(
+        self, classes: list[int], dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows into ``dest[where]``, overflowed (fp16) rows recomputed: (losses, scales, recomputed)."""
         k = len(classes)
         first = torch.full((k,), self.precision.first_scale, dtype=torch.float32)
@@ -239,5 +247,6 @@ class PartitionedEngine(GradientEngine):
             again[pos] = a
         self.stats.rows += n
         self.stats.recomputed_rows += int(again.sum())
-        return RowBlock(classes=ids, rows=rows, loss=values.float(), count=sizes.clone(),
-                        loss_scale=scales, recomputed=again)
+        return RowBlock(
+            classes=ids, rows=rows, loss=values.float(), count=sizes.clone(), loss_scale=scales, recomputed=again
+        )

@@ -94,8 +94,9 @@ class HookPath:
     def layers(self) -> dict[nn.Module, dict[str, ParamSlot]]:
         return self.plan.layers
 
-    def rows(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
-             where: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(
+        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
         eng = self.engine
         cls = torch.tensor(classes)
@@ -131,8 +132,11 @@ class HookPath:
         # A layer run under no_grad has an output outside the graph: its parameters get no
         # gradient (None, like an unused one).
         live = [i for i, c in enumerate(captured) if c.output.requires_grad]
-        found = (torch.autograd.grad(objective, [captured[i].output for i in live], allow_unused=True)
-                 if live and objective.requires_grad else ())
+        found = (
+            torch.autograd.grad(objective, [captured[i].output for i in live], allow_unused=True)
+            if live and objective.requires_grad
+            else ()
+        )
         grads: list[torch.Tensor | None] = [None] * len(captured)
         for i, g in zip(live, found):
             grads[i] = g
@@ -155,8 +159,9 @@ class HookPath:
                 continue
             if inv is not None:
                 g = g.to(dtype) * inv.view(-1, *[1] * (g.ndim - 1))
-            self.plan.rules[c.module].sums(c.module, LayerCapture(c.inputs.detach(), g, grid),
-                                           sink.for_layer(self.plan.layers[c.module]))
+            self.plan.rules[c.module].sums(
+                c.module, LayerCapture(c.inputs.detach(), g, grid), sink.for_layer(self.plan.layers[c.module])
+            )
         sink.zero_unwritten(eng.layout.slots)  # no path to the loss in this run
         ok = sink.certainly_finite()
         if trying is not None:
@@ -189,5 +194,9 @@ class HookPath:
     def _check_key(self) -> tuple:
         """What the check vouches for: the selected parameters, precision, device, and the rules."""
         eng = self.engine
-        return (tuple(s.name for s in eng.layout.slots), eng.precision.dtype, eng.device.type,
-                frozenset(self.plan.rules.values()))
+        return (
+            tuple(s.name for s in eng.layout.slots),
+            eng.precision.dtype,
+            eng.device.type,
+            frozenset(self.plan.rules.values()),
+        )

@@ -42,7 +42,9 @@ class ImageFormat:
                     best[f] = min([best.get(f, float("inf")), *t])
                 fmt = choices.INPUT_FORMAT[key] = min(best, key=best.get)
                 note = "partitioned: image inputs %s (seconds per sample: %s)" % (
-                    fmt, {f: f"{t:.2e}" for f, t in best.items()})
+                    fmt,
+                    {f: f"{t:.2e}" for f, t in best.items()},
+                )
                 log.info(note)
                 self.stats.notes.append(note)
             else:

@@ -37,9 +37,10 @@ class VmapPath:
         model, loss, precision, device = eng.model, eng.loss, eng.precision, eng.device
         low_precision = precision.dtype != "fp32"
 
-        def class_loss(params: dict, x: object, y: object, w: torch.Tensor,
-                       s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            with precision.autocast(device), (NormInFloat32() if low_precision else contextlib.nullcontext()):
+        def class_loss(
+            params: dict, x: object, y: object, w: torch.Tensor, s: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            with precision.autocast(device), NormInFloat32() if low_precision else contextlib.nullcontext():
                 out = functional_call(model, params, (x,))
             loss.check_outputs(out)
             value = (loss.sample_losses(out, loss.labels(y)) * w).sum()
@@ -47,8 +48,9 @@ class VmapPath:
 
         return vmap(grad(class_loss, has_aux=True), in_dims=(None, 0, 0, 0, 0))
 
-    def rows(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor,
-             where: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(
+        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
         eng = self.engine
         if self._vmapped is None:
