@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

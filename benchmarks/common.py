@@ -27,17 +27,17 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.losses import create_loss
+from torch import nn
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -541,8 +541,8 @@ def opacus_hooks(case: Case, holder: dict) -> Callable[[], None]:
             backs: dict[nn.Module, torch.Tensor] = {}
 
             def fwd_hook(mod, args, out):
-                acts[mod] = args[0].detach()
-                out.register_hook(lambda g, mod=mod: backs.__setitem__(mod, g.detach()))
+                acts[mod] = args[0].detach()  # noqa: B023 - called within this iteration
+                out.register_hook(lambda g, mod=mod: backs.__setitem__(mod, g.detach()))  # noqa: B023 - called within this iteration
 
             handles = [m.register_forward_hook(fwd_hook) for m in modules]
             try:

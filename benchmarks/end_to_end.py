@@ -115,12 +115,11 @@ def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
 
 def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The job through JobDriver on the already running local Ray; phases timed."""
+    import psutil
+    import ray
     from classgrad.service.config import JobConfig
     from classgrad.service.runtime.driver import JobDriver
     from classgrad.service.store import open_store
-
-    import psutil
-    import ray
 
     def actor_cpu(pids: list[int]) -> float:
         total = 0.0
@@ -300,7 +299,8 @@ def main() -> None:
             what = f"MLP hidden {args.hidden}" if MODEL == "mlp" else "CNN (zoo.small_cnn, width 8)"
             print(
                 f"\n== job vs engine alone: {what}, C = {classes:,}, {args.spc}/class, "
-                f"D = {dim:,} ({classes * dim * 4 / 2**20:,.0f} MiB of rows), Ray start-up {fmt_s(report['ray_init_s'])}"
+                f"D = {dim:,} ({classes * dim * 4 / 2**20:,.0f} MiB of rows), "
+                f"Ray start-up {fmt_s(report['ray_init_s'])}"
             )
             print_table(
                 [

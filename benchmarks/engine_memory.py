@@ -46,7 +46,6 @@ def child(args) -> None:
 
     import numpy as np
     import torch
-
     from classgrad.workers import zoo
     from classgrad.workers.engines import build_engine
 

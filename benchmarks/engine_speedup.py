@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.probe import ProbeSet

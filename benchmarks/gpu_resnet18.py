@@ -31,7 +31,6 @@ import argparse
 from typing import Any
 
 import torch
-
 from classgrad.workers import zoo
 
 from benchmarks import common

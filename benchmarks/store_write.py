@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from classgrad.service.store import StoreSpec, create_store
 
 GOAL = 0.70

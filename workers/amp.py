@@ -13,11 +13,11 @@ others; recomputing only that row keeps the cost of a rare overflow to one row.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, ContextManager
 
 import torch
-
 from classgrad.service.errors import InputError, RowOverflowError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -48,7 +48,7 @@ class PrecisionPolicy:
     def first_scale(self) -> float:
         return self.init_scale if self.uses_scaling else 1.0
 
-    def autocast(self, device: torch.device) -> ContextManager:
+    def autocast(self, device: torch.device) -> AbstractContextManager:
         if self.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[self.dtype])

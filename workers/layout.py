@@ -13,13 +13,12 @@ every worker and every reader agree on the column of each parameter entry.
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
-from torch import nn
-
 from classgrad.service.errors import InputError
 from classgrad.service.store.params import ParamSlot
+from torch import nn
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -35,7 +34,7 @@ class ParamLayout:
         self._by_name = {s.name: s for s in self.slots}
 
     @classmethod
-    def from_model(cls, model: nn.Module, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> "ParamLayout":
+    def from_model(cls, model: nn.Module, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> ParamLayout:
         """Select parameters by fnmatch patterns on their names.
 
         An empty ``include`` means every parameter with ``requires_grad``; an explicit include may

@@ -17,11 +17,10 @@ add up to L. The partitioned engine additionally uses ``labels`` and ``sample_lo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from classgrad.service.errors import InputError
 from classgrad.workers.imports import import_object
 
@@ -52,7 +51,7 @@ class LossKind(ABC):
         """int64 ``[C]``: probe samples that contribute to each L_c."""
 
     @abstractmethod
-    def batch_losses(self, outputs: torch.Tensor, targets: torch.Tensor, norm: "LossNorm") -> torch.Tensor:
+    def batch_losses(self, outputs: torch.Tensor, targets: torch.Tensor, norm: LossNorm) -> torch.Tensor:
         """float ``[C]``: this micro-batch's contribution to L (contributions add up to L)."""
 
     def check_outputs(self, outputs: torch.Tensor) -> None:
@@ -62,7 +61,7 @@ class LossKind(ABC):
                 f"for loss.num_classes={self.num_classes}"
             )
 
-    def norm(self, targets: torch.Tensor) -> "LossNorm":
+    def norm(self, targets: torch.Tensor) -> LossNorm:
         """Probe-wide normalisers, computed once from all targets."""
         return LossNorm(total=len(targets), counts=self.counts(targets))
 
@@ -74,7 +73,7 @@ class LossNorm:
         self.total = int(total)
         self.counts = counts
 
-    def to(self, device: torch.device) -> "LossNorm":
+    def to(self, device: torch.device) -> LossNorm:
         return LossNorm(self.total, self.counts.to(device))
 
 

@@ -13,13 +13,13 @@ Image batches can be asked for channels-last (the partitioned engine's measured 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
-from torch.utils.data import Dataset
-
 from classgrad.service.errors import InputError
+from torch.utils.data import Dataset
 
 
 def _stack(items: Sequence[Any]) -> Any:

@@ -16,7 +16,7 @@ Models (every one maps a batch to ``[batch, num_classes]`` logits):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

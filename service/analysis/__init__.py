@@ -22,9 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
-
 from classgrad.service.errors import ConfigError
+from pydantic import BaseModel, ValidationError
 
 # Default memory budget for one block of rows read at once (rows x columns x 4 bytes).
 DEFAULT_BLOCK_MB = 64.0

@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
+from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 

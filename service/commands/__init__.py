@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 
 import yaml
-
 from classgrad.service.errors import ConfigError
 
 

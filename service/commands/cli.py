@@ -12,7 +12,7 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from classgrad.service.errors import ClassgradError
 from classgrad.service.version import __version__

@@ -109,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
         for info in jobs:
             d = _details(info)
             print(
-                f"{d['job_id']}  {d['status']:<9}  {d['start']}  {d['metadata'].get('classgrad_config', d['entrypoint'])}"
+                f"{d['job_id']}  {d['status']:<9}  {d['start']}  "
+                f"{d['metadata'].get('classgrad_config', d['entrypoint'])}"
             )
         return 0
     job_id = args.job_id

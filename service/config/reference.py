@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from pydantic import BaseModel
-
 from classgrad.service.config.job import JobConfig
+from pydantic import BaseModel
 
 __all__ = ["config_reference_markdown"]
 

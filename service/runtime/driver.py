@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from classgrad.service.config import JobConfig
 from classgrad.service import errors
+from classgrad.service.config import JobConfig
 from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError, first_line
 from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress

@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
 from classgrad.service.config import JobConfig
 
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -50,7 +49,8 @@ class Estimate:
             f"store      {self.num_classes} x {self.dim} {self.store_dtype} = {self.store_bytes * mb:,.1f} MB",
             f"engine     {self.engine} on {self.device}: {self.sample_rows} sample rows in "
             f"{self.sample_seconds:.2f} s (after a warm-up)",
-            f"per actor  {self.rows_per_s_per_actor:,.1f} rows/s, {self.memory_kind} {self.peak_memory_bytes * mb:,.0f} MB",
+            f"per actor  {self.rows_per_s_per_actor:,.1f} rows/s, "
+            f"{self.memory_kind} {self.peak_memory_bytes * mb:,.0f} MB",
             f"job        {self.num_workers} actors: ~{self.rows_per_s_job:,.1f} rows/s, "
             f"~{self.job_seconds:,.0f} s for {self.num_classes} rows (plus start-up)",
         ]
@@ -63,7 +63,6 @@ def _peak_rss_bytes() -> int:
 
 def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str | None = None) -> Estimate:
     import torch
-
     from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
     engine, projector, dim = checked_engine(config, device=device)

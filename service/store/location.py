@@ -17,10 +17,9 @@ import uuid
 
 import fsspec
 import zarr
-from zarr.storage import FsspecStore, LocalStore
-
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.format import ATTR_KEY
+from zarr.storage import FsspecStore, LocalStore
 
 
 def local_path(url: str) -> str | None:

@@ -10,11 +10,10 @@ Holds:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from torch import nn
-
 from classgrad.service.errors import InputError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
@@ -24,6 +23,7 @@ from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.probe import ProbeSet
+from torch import nn
 
 __all__ = [
     "ENGINES",

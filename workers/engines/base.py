@@ -24,19 +24,19 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterator, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.overrides import TorchFunctionMode
-
 from classgrad.service.errors import InputError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
 from classgrad.workers.probe import MicroBatch, ProbeSet
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 # Layers whose train-mode output for one sample depends on the other samples in the batch, or
 # on random draws: with any of them in train mode, a class's row is not the gradient of its own
@@ -102,7 +102,7 @@ class RowBlock:
         return len(self.classes)
 
     @staticmethod
-    def concat(blocks: Sequence["RowBlock"]) -> "RowBlock":
+    def concat(blocks: Sequence[RowBlock]) -> RowBlock:
         return RowBlock(*(torch.cat([getattr(b, f) for b in blocks]) for f in RowBlock.__dataclass_fields__))
 
 
@@ -129,7 +129,7 @@ class GradientEngine(ABC):
         loss: LossKind,
         layout: ParamLayout,
         *,
-        precision: PrecisionPolicy = PrecisionPolicy(),
+        precision: PrecisionPolicy = PrecisionPolicy(),  # noqa: B008 - a frozen value object
         device: torch.device | str = "cpu",
         block_rows: int | None = None,
         group_rows: int = 256,

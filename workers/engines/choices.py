@@ -38,9 +38,9 @@ FORMAT_TRIALS = 9
 INPUT_FORMAT: dict[tuple, str] = {}
 FORMAT_TIMES: dict[tuple, list[list]] = {}
 CONV_LAYOUT: dict[tuple, str] = {}
-HOOKS_CHECKED: "weakref.WeakKeyDictionary[nn.Module, set[tuple]]" = weakref.WeakKeyDictionary()
+HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 BLOCK_ROWS: dict[tuple, int] = {}
-NO_HEAD: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]]" = weakref.WeakKeyDictionary()
+NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
 
 
 def clear() -> None:

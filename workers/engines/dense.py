@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
-
 from classgrad.service.errors import ClassgradError
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines import choices
@@ -150,7 +149,7 @@ class DenseEngine(GradientEngine):
 
     # --- one block of VJPs --------------------------------------------------------------------
 
-    def _graph(self, mb) -> "_AutogradGraph | _FuncGraph | HeadGraph":
+    def _graph(self, mb) -> _AutogradGraph | _FuncGraph | HeadGraph:
         """Forward one micro-batch, keeping what its VJPs need.
 
         For a ``per_column`` loss (``logit``, ``bce``) on a model that ends in an ``nn.Linear``,
@@ -379,10 +378,8 @@ class DenseEngine(GradientEngine):
                 # look a little faster by chance, and smaller blocks hold less memory.
                 best = min(timings.values())
                 self.block_rows = choices.BLOCK_ROWS[key] = min(b for b, t in timings.items() if t <= 1.05 * best)
-                note = "dense block_rows=%d chosen from per-row times %s" % (
-                    self.block_rows,
-                    {b: f"{t * 1e3:.2f}ms" for b, t in timings.items()},
-                )
+                per_row = {b: f"{t * 1e3:.2f}ms" for b, t in timings.items()}
+                note = f"dense block_rows={self.block_rows} chosen from per-row times {per_row}"
                 log.info(note)
                 self.stats.notes.append(note)
         while pos < n:

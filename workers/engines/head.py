@@ -44,11 +44,10 @@ import collections
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.engines.base import reaches_any
 from classgrad.workers.layout import ParamLayout
+from torch import nn
 
 _FP_BYTES = 4
 
@@ -77,7 +76,7 @@ class HeadSplit:
     body_runs: list[tuple[int, int, int]]  # (offset in a row, offset in R, size) of consecutive columns
 
     @classmethod
-    def of(cls, engine, head: nn.Linear) -> "HeadSplit":
+    def of(cls, engine, head: nn.Linear) -> HeadSplit:
         layout: ParamLayout = engine.layout
         selected = set(layout.names)
         head_slots = {

@@ -7,10 +7,9 @@ C full forward+backward passes: use it to check results, not to compute many row
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
-
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines.base import GradientEngine, RowBlock
 
@@ -40,8 +39,8 @@ class ReferenceEngine(GradientEngine):
                 losses: list[torch.Tensor] = []
 
                 def compute(which: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-                    row, value = self._row(c, float(scales[0]))
-                    losses.append(value)
+                    row, value = self._row(c, float(scales[0]))  # noqa: B023 - called within this iteration
+                    losses.append(value)  # noqa: B023 - called within this iteration
                     return row.unsqueeze(0)
 
                 rows, scales, again = rows_with_rescale(compute, 1, self.precision, ids.new_tensor([c]), self.device)

@@ -17,16 +17,16 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
 from classgrad.workers.engines import GradientEngine, RowBlock
-from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.projection import Projector
+from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.runtime.writer import ShardWriter
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
-
 from classgrad.service.errors import InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import GradientEngine, create_engine
@@ -23,6 +21,7 @@ from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import create_loss
 from classgrad.workers.probe import ProbeSet
+from torch import nn
 
 if TYPE_CHECKING:
     from classgrad.service.config import JobConfig
@@ -91,7 +90,7 @@ def build_probe(factory: str, kwargs: dict | None = None, batch_size: int = 256)
     return ProbeSet(data, batch_size=batch_size)
 
 
-def build_job_engine(config: "JobConfig", device: str | None = None) -> GradientEngine:
+def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEngine:
     """Model, probe set, loss, parameter layout and engine for a job config."""
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
     probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)

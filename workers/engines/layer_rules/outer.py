@@ -16,7 +16,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 
 

@@ -48,12 +48,11 @@ forward hooks, and in-place changes of a captured input or output are refused or
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
-
-from torch import nn
 
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+from torch import nn
 
 SumsFn = Callable[[nn.Module, LayerCapture, LayerRows], None]
 AppliesFn = Callable[[nn.Module], "str | None"]

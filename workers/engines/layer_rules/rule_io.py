@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from classgrad.workers.layout import ParamSlot
 
 # A row whose entries are all bounded by this is finite, with room for the sums that form it.
@@ -90,7 +89,7 @@ class ClassRows:
         self.bounds: list[torch.Tensor] = []
         self.sums: list[torch.Tensor] = []
 
-    def for_layer(self, slots: dict[str, ParamSlot]) -> "LayerRows":
+    def for_layer(self, slots: dict[str, ParamSlot]) -> LayerRows:
         return LayerRows(self, slots)
 
     def columns(self, slot: ParamSlot) -> torch.Tensor:

@@ -13,13 +13,13 @@ gradient. A model that changes a captured output in place (``ReLU(inplace=True)`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, ContextManager
 
 import torch
-from torch import nn
-
 from classgrad.workers.engines.base import parameters_kept, reaches_any
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def forward_capturing(
     model: nn.Module,
     layers: dict[nn.Module, tuple[str, ...]],
     x: object,
-    context: Callable[[], ContextManager],
+    context: Callable[[], AbstractContextManager],
     clone: bool,
 ) -> tuple[object, list[Captured]] | None:
     """The model's output on ``x`` and every call of a layer in ``layers`` (module -> names of its

@@ -24,10 +24,10 @@ for, a group at a time. Speed choices measured on the way live in ``choices``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
-
 from classgrad.service.errors import ClassgradError, InputError
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines.base import GradientEngine, RowBlock, couples_samples, samples_independent

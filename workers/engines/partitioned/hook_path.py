@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-from torch import nn
-from torch.nn.modules import module as module_state  # where global forward hooks are kept
-
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, choice_clock
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRule, rule_for
@@ -30,6 +27,8 @@ from classgrad.workers.engines.partitioned.capture import forward_capturing
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
 from classgrad.workers.engines.partitioned.packing import ClassSamples
 from classgrad.workers.layout import ParamLayout, ParamSlot
+from torch import nn
+from torch.nn.modules import module as module_state  # where global forward hooks are kept
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class HookPlan:
         self.rules = rules
 
     @classmethod
-    def plan(cls, model: nn.Module, layout: ParamLayout) -> "HookPlan | None":
+    def plan(cls, model: nn.Module, layout: ParamLayout) -> HookPlan | None:
         if module_state._global_forward_hooks or module_state._global_forward_pre_hooks:
             return None  # hooks on every module (they may change a layer's input or output)
         modules = dict(model.named_modules())

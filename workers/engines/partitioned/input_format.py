@@ -11,10 +11,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
-
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import EngineStats
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ class ImageFormat:
                 for f, *t in trials[1:]:  # the first run pays one-off costs
                     best[f] = min([best.get(f, float("inf")), *t])
                 fmt = choices.INPUT_FORMAT[key] = min(best, key=best.get)
-                note = "partitioned: image inputs %s (seconds per sample: %s)" % (
+                note = "partitioned: image inputs {} (seconds per sample: {})".format(
                     fmt,
                     {f: f"{t:.2e}" for f, t in best.items()},
                 )

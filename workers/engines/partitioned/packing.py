@@ -82,7 +82,7 @@ class ClassSamples:
     counts: torch.Tensor
 
     @classmethod
-    def from_labels(cls, labels: torch.Tensor, counts: torch.Tensor) -> "ClassSamples":
+    def from_labels(cls, labels: torch.Tensor, counts: torch.Tensor) -> ClassSamples:
         return cls(torch.argsort(labels, stable=True), torch.cumsum(counts, 0) - counts, counts)
 
     def consecutive(self, classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,10 +9,9 @@ padded with weight-0 copies of their own samples (which add exactly zero); packi
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, parameters_kept
 from classgrad.workers.engines.partitioned.packing import ClassSamples
 from classgrad.workers.probe import tree_map_tensors
