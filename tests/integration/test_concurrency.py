@@ -28,8 +28,8 @@ from classgrad.service.config import JobConfig
 from classgrad.service.runtime.driver import JobDriver, prepare_store
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
-from tests.integration.conftest import small_job
-from tests.integration.harness import (
+from tests.support.jobs import small_job
+from tests.support.harness import (
     assert_identical,
     error_lines,
     shards_done,
@@ -45,7 +45,7 @@ MLP = {"model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes
        "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
                            "empty_classes": [5], "seed": 2}}}
 # The same MLP, 0.15 s per forward: the first driver holds the store for several seconds.
-SLOW = {**MLP, "model": {"factory": "tests.integration.slow_models:slow_mlp",
+SLOW = {**MLP, "model": {"factory": "tests.support.slow_models:slow_mlp",
                          "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16}}}
 
 

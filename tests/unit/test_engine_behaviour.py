@@ -14,7 +14,7 @@ from torch import nn
 
 from classgrad.service.config import BUILTIN_LOSS_KINDS
 from classgrad.service.errors import InputError, RowOverflowError
-from tests.unit.engine_cases import (
+from tests.support.engine_cases import (
     BATCH_SIZE, MODEL_CASES, NARROW_HEAD_MODELS, NUM_CLASSES, WeightUsedOutside, engine_for, log_softmax_mean,
     max_relative_error, probe_data, reference_rows,
 )

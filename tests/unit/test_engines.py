@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from classgrad.service.errors import InputError
-from tests.unit.engine_cases import (
+from tests.support.engine_cases import (
     BATCH_COUPLED_MODELS,
     EMPTY_CLASS, LOSS_CASES, MODEL_CASES, NUM_CLASSES, PARTITIONED_LOSSES, engine_for,
     max_relative_error, reference_rows, zero_rows,
