@@ -1,4 +1,6 @@
-"""Building a job from its config (``classgrad.workers.runtime.factory``): checkpoints."""
+"""Building a job from its config (``classgrad.workers.runtime.factory``): model by import path
+(checkpoint loaded without pickle, mode), probe set, engine, the preflight check, and one-line
+errors for bad factory paths."""
 
 from __future__ import annotations
 
@@ -8,10 +10,71 @@ import pickle
 import pytest
 import torch
 
+from classgrad.service.config import JobConfig
 from classgrad.service.errors import InputError
 from tests.support.engine_cases import NUM_CLASSES
 from classgrad.workers import zoo
-from classgrad.workers.runtime.factory import build_model, load_checkpoint
+from classgrad.workers.runtime.factory import build_job_engine, build_model, build_probe, load_checkpoint, preflight
+
+MLP = {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": NUM_CLASSES, "in_features": 8, "hidden": 16}}
+VECTORS = {"factory": "classgrad.workers.zoo:synthetic_probe",
+           "kwargs": {"num_classes": NUM_CLASSES, "samples_per_class": 2, "kind": "vector", "input_shape": [8]}}
+
+
+def job(**sections) -> JobConfig:
+    base = {"model": MLP, "data": VECTORS, "loss": {"num_classes": NUM_CLASSES}, "engine": {"device": "cpu"}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return JobConfig.model_validate(base)
+
+
+def test_build_model_calls_the_factory_with_its_kwargs_in_the_mode_asked_for():
+    model = build_model("classgrad.workers.zoo:mlp", {"num_classes": 5, "in_features": 3, "hidden": 7}, mode="train")
+    assert model.training
+    assert model(torch.zeros(2, 3)).shape == (2, 5)
+    assert not build_model("classgrad.workers.zoo:mlp", {"num_classes": 5}).training  # eval by default
+
+
+def test_build_probe_takes_the_factory_data_and_batch_size():
+    probe = build_probe(VECTORS["factory"], VECTORS["kwargs"], batch_size=5)
+    assert len(probe) == 2 * NUM_CLASSES and probe.batch_size == 5 and probe.num_micro_batches == 3
+
+
+def test_job_engine_follows_the_config():
+    config = job(engine={"kind": "dense", "block_rows": 2}, loss={"kind": "logit"}, params={"include": ["0.*"]},
+                 precision={"dtype": "bf16"}, data={"batch_size": 4})
+    engine = build_job_engine(config)
+    assert engine.name == "dense" and engine.block_rows == 2
+    assert engine.loss.name == "logit" and engine.layout.names == ["0.weight", "0.bias"]
+    assert engine.precision.dtype == "bf16" and engine.probe.batch_size == 4
+    assert str(engine.device) == "cpu"
+    assert build_job_engine(job()).name == "partitioned"  # auto, cross-entropy on an MLP
+
+
+@pytest.mark.parametrize("factory,kwargs,message", [
+    ("classgrad.workers.zoo.mlp", {}, "model.factory 'classgrad.workers.zoo.mlp': expected 'module:function'"),
+    ("classgrad.workers.nowhere:mlp", {}, "cannot import module 'classgrad.workers.nowhere'"),
+    ("classgrad.workers.zoo:no_such_model", {}, "module 'classgrad.workers.zoo' has no attribute 'no_such_model'"),
+    ("classgrad.workers.zoo:mlp", {"colour": 1}, "model.factory 'classgrad.workers.zoo:mlp' raised TypeError"),
+    ("classgrad.workers.zoo:synthetic_probe", {}, "returned tuple, not an nn.Module"),
+])
+def test_bad_model_factories_are_one_line_errors(factory, kwargs, message):
+    with pytest.raises(InputError, match=message) as info:
+        build_model(factory, kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_data_factory_is_named():
+    with pytest.raises(InputError, match="data.factory 'classgrad.workers.zoo:nope': module"):
+        build_probe("classgrad.workers.zoo:nope")
+
+
+def test_preflight_refuses_a_model_that_cannot_take_the_data():
+    engine = build_job_engine(job(model={"kwargs": {"num_classes": NUM_CLASSES, "in_features": 5}}))
+    with pytest.raises(InputError, match="the model's forward failed on the probe data: RuntimeError"):
+        preflight(engine)
+    preflight(build_job_engine(job()))  # a sound job passes
+
 
 # --- checkpoints ----------------------------------------------------------------------------
 
