@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from classgrad.service.errors import InputError, RowOverflowError
-from tests.support.engine_cases import NUM_CLASSES, max_relative_error
 from classgrad.workers import zoo
 from classgrad.workers.amp import PrecisionPolicy, rows_with_rescale
 from classgrad.workers.engines import build_engine
 from classgrad.workers.losses import partitioned_loss
+from tests.support.engine_cases import NUM_CLASSES, max_relative_error
 
 CPU = torch.device("cpu")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from classgrad.service.errors import InputError
-from tests.support.engine_cases import NUM_CLASSES
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.runtime.factory import preflight
+from tests.support.engine_cases import NUM_CLASSES
 
 
 def test_model_output_width_must_match_num_classes():

@@ -12,9 +12,9 @@ import torch
 
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import InputError
-from tests.support.engine_cases import NUM_CLASSES
 from classgrad.workers import zoo
 from classgrad.workers.runtime.factory import build_job_engine, build_model, build_probe, load_checkpoint, preflight
+from tests.support.engine_cases import NUM_CLASSES
 
 MLP = {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": NUM_CLASSES, "in_features": 8, "hidden": 16}}
 VECTORS = {"factory": "classgrad.workers.zoo:synthetic_probe",
@@ -88,7 +88,7 @@ def test_checkpoints_load_from_torch_and_safetensors(tmp_path):
     for name in ("w.pt", "w.safetensors"):
         model = build_model("classgrad.workers.zoo:mlp", {"num_classes": NUM_CLASSES}, str(tmp_path / name), "eval")
         assert not model.training
-        for a, b in zip(model.state_dict().values(), source.state_dict().values()):
+        for a, b in zip(model.state_dict().values(), source.state_dict().values(), strict=True):
             assert torch.equal(a, b)
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, max_relative_error
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, per_class_gradients
+from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, max_relative_error
 
 
 def test_a_hooked_parameter_used_outside_its_layer_is_detected():

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from classgrad.service.errors import InputError
-from tests.support.engine_cases import NUM_CLASSES
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.layout import ParamLayout
+from tests.support.engine_cases import NUM_CLASSES
 
 
 def test_parameter_patterns_that_select_nothing_are_refused():

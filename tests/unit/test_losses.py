@@ -10,10 +10,10 @@ import torch
 
 from classgrad.service.config import BUILTIN_LOSS_KINDS
 from classgrad.service.errors import InputError
-from tests.support.engine_cases import NUM_CLASSES
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.losses import LOSSES, DenseLoss, PartitionedLoss, create_loss, partitioned_loss, register_loss
+from tests.support.engine_cases import NUM_CLASSES
 
 # Three samples, three classes; class 2 has no samples.
 OUTPUTS = torch.tensor([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0], [0.0, 0.0, 3.0]], dtype=torch.float64)
@@ -67,8 +67,8 @@ def test_bce_is_the_probe_mean_of_binary_cross_entropy_per_column():
     loss = create_loss("bce", 3)
     assert loss.per_column and not loss.linear_in_outputs
     targets = torch.tensor([[1, 0, 0], [0, 1, 1], [1, 0, 0]])
-    want = [sum(math.log1p(math.exp(z[c])) - t[c] * z[c] for z, t in zip(OUTPUTS.tolist(), targets.tolist())) / 3
-            for c in range(3)]
+    pairs = list(zip(OUTPUTS.tolist(), targets.tolist(), strict=True))
+    want = [sum(math.log1p(math.exp(z[c])) - t[c] * z[c] for z, t in pairs) / 3 for c in range(3)]
     # float64 logaddexp against math.log1p/exp: a few float64 roundoffs.
     torch.testing.assert_close(_total(loss, OUTPUTS, targets, 2), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12)

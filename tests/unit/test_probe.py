@@ -9,9 +9,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from classgrad.service.errors import InputError
-from tests.support.engine_cases import NUM_CLASSES
 from classgrad.workers import zoo
 from classgrad.workers.probe import ProbeSet, tree_map_tensors
+from tests.support.engine_cases import NUM_CLASSES
 
 
 def test_micro_batches_cover_the_probe_set_in_order_with_a_short_last_one():
