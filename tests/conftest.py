@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from tests.integration.cluster import free_port  # stdlib only: cheap to import here
+from tests.support.cluster import free_port  # stdlib only: cheap to import here
 
 _MOTO_START_TIMEOUT_S = 60.0
 

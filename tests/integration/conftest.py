@@ -1,11 +1,11 @@
 """Fixtures for integration tests that run jobs on a real local Ray.
 
 - ``ray_local`` (module): ``ray.init`` with 2 CPUs on this machine, the repository root on the
-  workers' PYTHONPATH (so ``tests.integration.slow_models`` imports there), shut down after.
-- ``job_config``: builds a small, fast job config (a dict of overrides on top of defaults) whose
-  store lives under tmp_path.
+  workers' PYTHONPATH (so ``tests.support.slow_models`` imports there), shut down after.
+- ``job_config``: builds a small, fast job config (``tests.support.jobs.small_job``, overridden by
+  section) whose store lives under tmp_path.
 
-Running ``classgrad`` in a subprocess: ``harness.classgrad_cli`` / ``harness.start_cli``.
+Running ``classgrad`` in a subprocess: ``tests.support.harness.classgrad_cli`` / ``start_cli``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from classgrad.service.config import JobConfig
-from tests.integration.harness import fresh_ray_auth_afterwards, repo_env
+from tests.support.harness import fresh_ray_auth_afterwards, repo_env
+from tests.support.jobs import small_job
 
 
 @pytest.fixture(scope="module")
@@ -39,25 +40,6 @@ def ray_local():
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old
-
-
-def small_job(store_url: str, **sections: Any) -> dict:
-    """A job of 48 classes on a small CNN, 12 shards of 4 rows, 2 actors; override by section."""
-    base: dict[str, Any] = {
-        "model": {"factory": "classgrad.workers.zoo:small_cnn", "kwargs": {"num_classes": 48, "width": 4}},
-        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
-                 "kwargs": {"num_classes": 48, "samples_per_class": 3, "imbalance": 1.0, "empty_classes": [5],
-                            "input_shape": [3, 8, 8], "seed": 2},
-                 "batch_size": 16},
-        "loss": {"kind": "cross_entropy", "num_classes": 48},
-        "sharding": {"shard_rows": 4},
-        "store": {"url": store_url, "row_chunk": 2},
-        "cluster": {"num_workers": 2, "num_cpus_per_worker": 1},
-        "run": {"progress": "log", "log_every_s": 1.0},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    return base
 
 
 @pytest.fixture

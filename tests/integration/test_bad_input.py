@@ -33,10 +33,10 @@ from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.config import JobConfig
 from classgrad.service.runtime.driver import prepare_store
 from classgrad.service.store import open_store
-from tests.integration import faulty
-from tests.integration.cluster import free_port
-from tests.integration.conftest import small_job
-from tests.integration.harness import (
+from tests.support import faulty
+from tests.support.cluster import free_port
+from tests.support.jobs import small_job
+from tests.support.harness import (
     assert_identical,
     classgrad_cli,
     error_lines,
@@ -216,7 +216,7 @@ def labels_out_of_range(t: Ctx):
 
 @case("data: NaN/Inf in the inputs of probe sample 7")
 def nan_inputs(t: Ctx):
-    return [t.job(data={"factory": "tests.integration.faulty:nan_probe",
+    return [t.job(data={"factory": "tests.support.faulty:nan_probe",
                         "kwargs": {"nan_sample": 7, "num_classes": C, "samples_per_class": 3,
                                    "input_shape": [3, 8, 8], "seed": 2}})]
 
@@ -224,7 +224,7 @@ def nan_inputs(t: Ctx):
 def nan_inputs_only_an_actor_sees(t: Ctx):
     """Not in the table: ``test_an_error_inside_an_actor_in_a_real_process`` runs it."""
     # A Dataset's inputs are fetched batch by batch: the actor computing class 30 finds the NaN.
-    return [t.job(data={"factory": "tests.integration.faulty:nan_dataset",
+    return [t.job(data={"factory": "tests.support.faulty:nan_dataset",
                         "kwargs": {"nan_sample": 90, "num_classes": C, "samples_per_class": 3,
                                    "input_shape": [3, 8, 8], "seed": 2}})]
 

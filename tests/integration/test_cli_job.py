@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from classgrad.service.store import open_store
-from tests.integration.conftest import small_job
-from tests.integration.harness import (
+from tests.support.jobs import small_job
+from tests.support.harness import (
     classgrad_cli,
     kill_session,
     shards_done,
@@ -27,7 +27,7 @@ from tests.integration.harness import (
 )
 
 SLOW = {
-    "model": {"factory": "tests.integration.slow_models:slow_mlp",
+    "model": {"factory": "tests.support.slow_models:slow_mlp",
               "kwargs": {"num_classes": 48, "delay_s": 0.3, "in_features": 8, "hidden": 16}},
     "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
                         "seed": 2}},

@@ -28,9 +28,9 @@ import torch
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.errors import StoreError
 from classgrad.service.store import open_store
-from tests.integration.cluster import LocalRayCluster, free_port
-from tests.integration.harness import REPO, classgrad_cli, reference_rows, start_cli
-from tests.unit.engine_cases import max_relative_error
+from tests.support.cluster import LocalRayCluster, free_port
+from tests.support.harness import REPO, classgrad_cli, reference_rows, start_cli
+from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.slow  # real multi-node Ray clusters; deselect with -m "not slow"
 
@@ -38,7 +38,7 @@ CONFIG = "configs/cluster_s3.yaml"
 JOB_TIMEOUT_S = 240
 # The slow variant for the fault test: one forward per class (batch of 2 = one class's samples)
 # and 50 ms of sleep per forward, so 512 classes take ~13 s on each of 2 actors.
-SLOW = ["model.factory=tests.integration.slow_models:slow_mlp", "model.kwargs.delay_s=0.05",
+SLOW = ["model.factory=tests.support.slow_models:slow_mlp", "model.kwargs.delay_s=0.05",
         "data.batch_size=2", "params.include=[inner.2.*]"]
 
 

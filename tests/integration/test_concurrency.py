@@ -4,7 +4,7 @@
   names the running run (its id, host and pid), also when the second asks for a much shorter
   ``run.lease_ttl_s``: staleness is judged by the holder's TTL, the promise it renews by.
 - A lease whose holder stopped renewing (a driver that hangs: alive, so the dead-pid shortcut
-  of ``store.acquire_lease`` cannot apply) is refused while fresh and taken over, with a
+  of ``store.lease.acquire`` cannot apply) is refused while fresh and taken over, with a
   warning, once its TTL has passed; the job then completes and releases the lease.
 - Whoever takes a stale lease over promises its own TTL (checked on the store's API alone).
 
@@ -28,8 +28,8 @@ from classgrad.service.config import JobConfig
 from classgrad.service.runtime.driver import JobDriver, prepare_store
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
-from tests.integration.conftest import small_job
-from tests.integration.harness import (
+from tests.support.jobs import small_job
+from tests.support.harness import (
     assert_identical,
     error_lines,
     shards_done,
@@ -45,7 +45,7 @@ MLP = {"model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes
        "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
                            "empty_classes": [5], "seed": 2}}}
 # The same MLP, 0.15 s per forward: the first driver holds the store for several seconds.
-SLOW = {**MLP, "model": {"factory": "tests.integration.slow_models:slow_mlp",
+SLOW = {**MLP, "model": {"factory": "tests.support.slow_models:slow_mlp",
                          "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16}}}
 
 

@@ -20,7 +20,7 @@ safety check of ``test_safety.py``'s list, here to share the cluster).
 Every job ends with every row present exactly once (each shard completed once, by the run
 history's counts) and rows, losses and counts bit-identical to an uninterrupted run of the same
 job (``harness.uninterrupted``: the same worker code in this process, same engine, same CPU
-arithmetic). Faults come from ``tests/integration/faulty.py``.
+arithmetic). Faults come from ``tests/support/faulty.py``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import pytest
 
 from classgrad.service.config import JobConfig
 from classgrad.service.store import open_store
-from tests.integration import faulty
-from tests.integration.cluster import LocalRayCluster
-from tests.integration.harness import (
+from tests.support import faulty
+from tests.support.cluster import LocalRayCluster
+from tests.support.harness import (
     LOOPBACK,
     REPO,
     WILDCARD,

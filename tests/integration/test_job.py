@@ -11,7 +11,7 @@ import torch
 
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import open_store
-from tests.unit.engine_cases import max_relative_error
+from tests.support.engine_cases import max_relative_error
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.runtime.factory import build_model, build_probe
 
@@ -54,7 +54,7 @@ def _kill_one_actor_when(driver: JobDriver, ray, shards_done: int, killed: list)
 
 
 def test_killed_actor_is_replaced_and_rows_match_an_uninterrupted_run(job_config, ray_local, tmp_path):
-    slow = {"factory": "tests.integration.slow_models:slow_mlp",
+    slow = {"factory": "tests.support.slow_models:slow_mlp",
             "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16}}
     data = {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8], "seed": 2}}
     config = job_config(model=slow, data=data)

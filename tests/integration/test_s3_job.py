@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from classgrad.service.store import open_store
-from tests.integration.cluster import LocalRayCluster
-from tests.integration.harness import classgrad_cli, reference_rows
-from tests.unit.engine_cases import max_relative_error
+from tests.support.cluster import LocalRayCluster
+from tests.support.harness import classgrad_cli, reference_rows
+from tests.support.engine_cases import max_relative_error
 
 import s3fs  # noqa: E402
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster; deselect with -m "not slow"

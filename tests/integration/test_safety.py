@@ -39,8 +39,8 @@ import torch
 
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.store import open_store
-from tests.integration import faulty
-from tests.integration.harness import (
+from tests.support import faulty
+from tests.support.harness import (
     LOOPBACK,
     WILDCARD,
     error_lines,

@@ -17,7 +17,7 @@ from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.errors import CorruptChunkError, StoreError
 from classgrad.service.store import ParamSlot, StoreSpec, create_store, open_store
-from tests.unit.test_analysis_helpers import dense_similarity, synthetic_store, write_all
+from tests.support.stores import dense_similarity, synthetic_store, write_all
 
 REPO = Path(__file__).resolve().parents[2]
 U = 2.0**-24

@@ -30,8 +30,8 @@ import pytest
 from classgrad.service.config import JobConfig
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import open_store
-from tests.integration.conftest import small_job
-from tests.integration.harness import (
+from tests.support.jobs import small_job
+from tests.support.harness import (
     assert_identical,
     store_arrays,
     uninterrupted,

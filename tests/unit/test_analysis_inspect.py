@@ -11,7 +11,7 @@ import pytest
 
 from classgrad.service.analysis.inspect import grad_norms, inspect_store
 from classgrad.service.commands.cli import main as cli_main
-from tests.unit.test_analysis_helpers import LAYOUT, ZERO_ROW, synthetic_store
+from tests.support.stores import LAYOUT, ZERO_ROW, synthetic_store
 
 U = 2.0**-24
 

@@ -12,7 +12,7 @@ from PIL import Image
 from classgrad.service.analysis.plot import average_linkage_order, class_similarity, plot_store
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
-from tests.unit.test_analysis_helpers import dense_similarity, synthetic_store
+from tests.support.stores import dense_similarity, synthetic_store
 
 
 def check_png(path: str, size: tuple[int, int]) -> None:

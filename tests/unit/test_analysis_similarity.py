@@ -19,7 +19,7 @@ from classgrad.service.analysis.similarity import (
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.errors import ConfigError, StoreError, StoreIncompleteError
 from classgrad.service.store import open_store
-from tests.unit.test_analysis_helpers import ZERO_ROW, dense_similarity, synthetic_store
+from tests.support.stores import ZERO_ROW, dense_similarity, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff
 

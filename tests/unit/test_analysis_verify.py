@@ -17,7 +17,7 @@ import zarr
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, NONFINITE, verify_store
 from classgrad.service.commands.cli import main as cli_main
-from tests.unit.test_analysis_helpers import synthetic_store
+from tests.support.stores import synthetic_store
 
 # synthetic_store: 200 classes x 96, chunks 16 x 40, shards of 64 rows (4 shards).
 CHUNK = (16, 40)

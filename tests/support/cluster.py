@@ -15,7 +15,7 @@ is one without any token, for checking that such clients are refused.
 
 Typical use, one cluster per test module (starting one costs ~10-20 s on 2 cores)::
 
-    from tests.integration.cluster import LocalRayCluster
+    from tests.support.cluster import LocalRayCluster
 
     @pytest.fixture(scope="module")
     def cluster():

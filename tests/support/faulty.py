@@ -8,7 +8,7 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
 
     {"fail_class": 9, "fail_times": 2, "delay_s": 0.1, "hold_file": null}
 
-- ``flaky_cross_entropy`` (``loss.kind: tests.integration.faulty:flaky_cross_entropy``): the
+- ``flaky_cross_entropy`` (``loss.kind: tests.support.faulty:flaky_cross_entropy``): the
   per-sample cross-entropy of ``loss.kind: cross_entropy`` (the same rows, bit for bit), which
   first sleeps ``delay_s`` per call and raises ``InjectedFault`` whenever it is handed a sample
   of ``fail_class`` while fewer than ``fail_times`` faults have been raised, and waits while

@@ -1,5 +1,5 @@
-"""Stores for the tests of ``service/analysis`` (imported by the other test_analysis_* files),
-and a check that they hold what they claim.
+"""Stores for the tests of ``classgrad.service.analysis`` (``tests/unit/test_support_stores.py``
+checks that they hold what they claim).
 
 - ``synthetic_store``: C x D rows with planted structure (groups of classes sharing a direction,
   rows of very different norms, a zero row), in any store dtype, with a parameter layout or as
@@ -84,9 +84,3 @@ def dense_similarity(rows: np.ndarray, metric: str) -> np.ndarray:
     inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     return gram * inv[:, None] * inv[None, :]
 
-
-def test_synthetic_store_round_trips(tmp_path):
-    store, true = synthetic_store(tmp_path / "s", num_classes=40)
-    assert store.is_complete and true.shape == (40, DIM)
-    assert np.array_equal(true, synthetic_rows(40, DIM))  # float32 stores are bit-exact
-    assert not true[ZERO_ROW].any()

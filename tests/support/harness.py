@@ -17,7 +17,7 @@
 - ``tmpfs``: a small real filesystem mounted for a test (a full disk, a read-only one).
 - ``ray_processes``, ``listening``, ``job_api_without_token``: the processes of a Ray instance,
   the TCP ports they listen on, and what a client without a token gets from each (loopback only).
-- ``fault_job``: the small job of ``conftest.small_job`` through the fault-injecting loss of
+- ``fault_job``: the small job of ``jobs.small_job`` through the fault-injecting loss of
   ``faulty.py``, with a fault plan for the actors.
 """
 
@@ -46,19 +46,19 @@ CLI = [sys.executable, "-m", "classgrad"]
 
 
 def fault_job(url: str, plan_dir: str | None = None, **sections) -> dict:
-    """The small job of ``conftest.small_job`` (48 classes, class 5 empty, 12 shards of 4 rows,
+    """The small job of ``jobs.small_job`` (48 classes, class 5 empty, 12 shards of 4 rows,
     2 actors) on an MLP, through ``faulty.flaky_cross_entropy``; ``plan_dir`` (a fault plan)
     goes to the actors' environment only. Without a plan its rows are those of a plain
     cross-entropy job."""
-    from tests.integration import faulty
-    from tests.integration.conftest import small_job
+    from tests.support import faulty
+    from tests.support.jobs import small_job
 
     mine: dict[str, dict] = {
-        "model": {"factory": "tests.integration.faulty:unhooked_mlp",
+        "model": {"factory": "tests.support.faulty:unhooked_mlp",
                   "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16}},
         "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
                             "empty_classes": [5], "seed": 2}},
-        "loss": {"kind": "tests.integration.faulty:flaky_cross_entropy"},
+        "loss": {"kind": "tests.support.faulty:flaky_cross_entropy"},
         "engine": {"block_rows": 1},  # every class alone: see faulty.py
     }
     for name, values in sections.items():
@@ -235,7 +235,7 @@ def trusted_state(url: str, config: JobConfig | None = None) -> str:
     done = np.flatnonzero(store.shard_done)
     if done.size:
         assert config is not None, "done shards but no config to check them against"
-        from tests.unit.engine_cases import max_relative_error
+        from tests.support.engine_cases import max_relative_error
         from classgrad.workers.engines import per_class_gradients
         from classgrad.workers.runtime.factory import build_model, build_probe
 

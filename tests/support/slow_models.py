@@ -1,6 +1,6 @@
 """Models and data for fault tests: ordinary zoo models that take a known time per forward.
 
-Ray workers import this module by path (``tests.integration.slow_models:slow_mlp``), so tests
+Ray workers import this module by path (``tests.support.slow_models:slow_mlp``), so tests
 that use it must make the repository root importable on the workers (the Ray fixtures in
 ``tests/integration/conftest.py`` set PYTHONPATH for that).
 """

@@ -1,0 +1,126 @@
+"""The worker (``classgrad.workers.runtime.actor``), used directly as a plain class, without Ray:
+it computes whole shards into the store, marks a shard done only once every row is stored and
+only while its run holds the lease, and gathers rows before projecting them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from classgrad.service.config import JobConfig
+from classgrad.service.errors import LeaseHeldError
+from classgrad.service.runtime.driver import prepare_store
+from classgrad.service.store import open_store
+from classgrad.workers.engines import RowBlock, per_class_gradients
+from classgrad.workers.projection import Projector
+from classgrad.workers.runtime.actor import GradientWorker, project_rows_for, stored_blocks
+from classgrad.workers.runtime.factory import build_model, build_probe
+
+C = 12
+
+
+def config_for(tmp_path) -> JobConfig:
+    """12 classes, shards of 4 rows in chunks of 2: three shards."""
+    return JobConfig.model_validate({
+        "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 6, "hidden": 8}},
+        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
+                 "kwargs": {"num_classes": C, "samples_per_class": 2, "kind": "vector", "input_shape": [6]}},
+        "loss": {"num_classes": C},
+        "sharding": {"shard_rows": 4},
+        "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 2},
+    })
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """A worker sets this process's torch thread count (``num_threads``); later tests must not
+    inherit it: fewer threads change the summation order their tolerances were sized for."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def worker(tmp_path) -> GradientWorker:
+    config = config_for(tmp_path)
+    prepare_store(config)
+    return GradientWorker(config.model_dump(mode="json"), num_threads=1)
+
+
+def test_the_worker_is_a_plain_class_whose_methods_run_without_ray(worker):
+    assert not hasattr(GradientWorker, "remote")  # the driver wraps it with ray.remote; nothing here needs Ray
+    identity = worker.ready()
+    assert identity["engine"] == "partitioned" and identity["device"] == "cpu"
+    assert {"node", "host", "pid"} <= set(identity)
+    assert torch.get_num_threads() == 1  # num_threads: one torch thread, as each Ray actor runs
+
+
+def test_a_shard_is_computed_stored_and_marked_done(worker, tmp_path):
+    report = worker.compute_shard(1, attempt=2)
+    assert (report["shard"], report["attempt"], report["rows"]) == (1, 2, 4)
+    assert report["bytes"] > 0 and report["recomputed_rows"] == 0
+    store = open_store(str(tmp_path / "s.zarr"))
+    assert store.shard_done.tolist() == [False, True, False]
+    config = worker.config
+    want = per_class_gradients(build_model(config.model.factory, config.model.kwargs),
+                               build_probe(config.data.factory, config.data.kwargs), num_classes=C)
+    # Rows of classes 4..7 computed as one shard against all classes at once: the engine packs
+    # samples by request, so float32 summation order may differ.
+    np.testing.assert_allclose(store.rows(np.arange(4, 8)), want[4:8].numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_a_shard_that_fails_midway_is_not_marked_done(worker, tmp_path):
+    blocks = worker.engine.iter_blocks
+
+    def fails_after_one_block(classes):
+        it = blocks(classes)
+        yield next(it)
+        raise RuntimeError("device lost")
+
+    worker.engine.iter_blocks = fails_after_one_block
+    with pytest.raises(RuntimeError, match="device lost"):
+        worker.compute_shard(0)
+    assert not open_store(str(tmp_path / "s.zarr")).shard_done.any()
+
+
+def test_a_run_that_lost_the_lease_does_not_mark_its_shard_done(tmp_path):
+    config = config_for(tmp_path)
+    prepare_store(config)
+    open_store(config.store.url, mode="r+").lease.acquire("run-b")
+    stale = GradientWorker(config.model_dump(mode="json"), run_id="run-a")
+    with pytest.raises(LeaseHeldError, match=r"run 'run-a' no longer holds the lease .* shard 0 is not marked done"):
+        stale.compute_shard(0)
+    assert not open_store(config.store.url).shard_done.any()
+    current = GradientWorker(config.model_dump(mode="json"), run_id="run-b")
+    current.compute_shard(0)
+    assert open_store(config.store.url).shard_done.tolist() == [True, False, False]
+
+
+def test_rows_per_projection_fit_the_byte_budget():
+    assert project_rows_for(1000) == 256  # small rows: capped at 256
+    assert project_rows_for(1 << 22) == 64  # 64 rows of 4 Mi float32 values = 1 GiB
+    assert project_rows_for(1 << 30) == 1  # never fewer than one
+
+
+class TwoRowBlocks:
+    """Stands in for an engine: rows of any class list in blocks of two."""
+
+    def iter_blocks(self, classes):
+        for i in range(0, len(classes), 2):
+            ids = torch.tensor(classes[i:i + 2])
+            n = len(ids)
+            yield RowBlock(ids, torch.randn(n, 16, generator=torch.Generator().manual_seed(i)), torch.zeros(n),
+                           torch.ones(n, dtype=torch.long), torch.ones(n), torch.zeros(n, dtype=torch.bool))
+
+
+def test_blocks_are_gathered_before_each_projection():
+    engine = TwoRowBlocks()
+    plain = [(len(b), rows) for b, rows in stored_blocks(engine, None, list(range(5)), 3)]
+    assert plain == [(2, None), (2, None), (1, None)]  # unprojected: the engine's blocks as they come
+    projector = Projector(16, 4, seed=1)
+    got = list(stored_blocks(engine, projector, list(range(6)), 3))
+    assert [b.classes.tolist() for b, _ in got] == [[0, 1, 2, 3], [4, 5]]  # 2 + 2 >= 3 rows, then the rest
+    for merged, rows in got:
+        assert rows.shape == (len(merged), 4)
+        assert torch.equal(rows, projector.project(merged.rows))  # the same projection of the same rows
