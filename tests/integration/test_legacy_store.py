@@ -14,7 +14,7 @@ import zarr
 from classgrad.service.config import load_config
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import open_store
-from tests.unit.engine_cases import max_relative_error
+from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -19,7 +19,7 @@ from classgrad.workers.engines.layer_rules import (
 )
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
-from tests.unit.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
+from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
 
 BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone
 
