@@ -20,10 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 from classgrad.service.errors import ConfigError
 from pydantic import BaseModel, ValidationError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 # Default memory budget for one block of rows read at once (rows x columns x 4 bytes).
 DEFAULT_BLOCK_MB = 64.0
@@ -166,7 +169,7 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def validated(model: type[BaseModel], what: str, **values) -> BaseModel:
+def validated(model: type[ModelT], what: str, **values: Any) -> ModelT:
     """``model(**values)``, a validation error turned into one ``ConfigError`` line naming the
     option both as a field and as its command-line flag."""
     try:

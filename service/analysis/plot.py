@@ -166,7 +166,7 @@ def _histogram(norms: np.ndarray, path: Path, dpi: int) -> None:
     zeros = int((finite == 0).sum())
     note = f"; {zeros} zero rows not shown" if zeros else ""
     if positive.size and positive.max() / positive.min() > 100:
-        bins = np.logspace(np.log10(positive.min()), np.log10(positive.max()), 50)
+        bins: np.ndarray | int = np.logspace(np.log10(positive.min()), np.log10(positive.max()), 50)
         ax.set_xscale("log")
     else:
         bins = 50
@@ -216,7 +216,7 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
         from classgrad.service.errors import StoreIncompleteError
 
         raise StoreIncompleteError(f"store {url} has no rows written yet; nothing to plot")
-    written = {}
+    written: dict[str, str] = {}
     top = np.sort(norms.top(config.top_n))
     result: dict = {"files": written, "top_rows": top.tolist()}
     if len(top) >= 2:

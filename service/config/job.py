@@ -100,7 +100,7 @@ class JobConfig(BaseModel):
         """
         return fingerprint({name: getattr(self, name) for name in FINGERPRINT_FIELDS})
 
-    def same_job(self, recorded: Mapping[str, Any]) -> bool:
+    def same_job(self, recorded: Mapping[str, Any] | None) -> bool:
         """Whether a config recorded in a store (``attrs["config"]``, possibly written by an
         older classgrad under an older fingerprint scheme) computes what this config computes."""
         return recorded_fingerprint(recorded) == self.fingerprint()

@@ -8,6 +8,7 @@ of pydantic's validation errors into one ``ConfigError`` line that names the fie
 from __future__ import annotations
 
 import copy
+import os
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,7 +56,7 @@ def _yaml_problem(exc: yaml.YAMLError) -> tuple[int | None, str]:
     return line, " ".join(str(text).split())
 
 
-def _read_yaml_file(path: str | Path) -> dict[str, Any]:
+def _read_yaml_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     name = str(path)
     p = Path(path)
     if not p.exists():
@@ -205,7 +206,7 @@ def _validation_message(exc: ValidationError) -> str:
 
 
 def load_config(
-    path: str | Path | None = None,
+    path: str | os.PathLike[str] | None = None,
     overrides: Sequence[str] = (),
     *,
     base: Mapping[str, Any] | None = None,

@@ -226,7 +226,7 @@ class JobDriver:
         timeout = self.config.run.actor_start_timeout_s
         deadline = time.monotonic() + timeout
         waiting = {s.actor.ready.remote(): s for s in slots}
-        infos = []
+        infos: list[dict[str, Any]] = []
         while waiting:
             ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:

@@ -58,7 +58,7 @@ def check_reachable(address: str, source: str, timeout_s: float = 10.0) -> None:
 
 @contextmanager
 def ray_session(
-    address: str | None = None, *, option: str = "address", num_cpus: int | None = None, num_gpus: float | None = None
+    address: str | None = None, *, option: str = "address", num_cpus: int | None = None, num_gpus: int | None = None
 ) -> Iterator[ModuleType]:
     """The ``ray`` module with a session open: the one this process already has, or one joined
     at ``address`` (see ``resolve_ray_address``), or a new local Ray with ``num_cpus`` CPUs

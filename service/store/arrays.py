@@ -8,6 +8,8 @@ read error a checksum or decoding failure, as opposed to an I/O problem).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import zarr
 from classgrad.service.errors import ClassgradError, CorruptChunkError, StoreError, first_line
@@ -35,6 +37,8 @@ class StoreArrays:
                 arr = group[name]
             except KeyError:
                 raise StoreError(f"store at {loc.url} has no '{name}' array; it is damaged") from None
+            if not isinstance(arr, zarr.Array):
+                raise StoreError(f"store at {loc.url}: '{name}' is not an array; it is damaged")
             # Every chunk is written, even one equal to the fill value, so a written chunk
             # is never confused with a missing one (and no fill-value scan is paid per chunk).
             self._arrays[name] = arr.with_config({"write_empty_chunks": True})
@@ -77,7 +81,8 @@ class StoreArrays:
         sel_rows = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows
         selection = (sel_rows,) if arr.ndim == 1 else (sel_rows, slice(None) if cols is None else cols)
         try:
-            return arr.get_orthogonal_selection(selection)
+            # An array for slice and index-array selections (zarr's stubs also allow a scalar).
+            return cast(np.ndarray, arr.get_orthogonal_selection(selection))
         except ClassgradError:
             raise
         except Exception as exc:
@@ -131,6 +136,7 @@ class StoreArrays:
         fails on its own, else a StoreError carrying the I/O problem."""
         arr = self._arrays[name]
         row_idx = np.unique(rows // arr.chunks[0])
+        indices: list[tuple[int, ...]]
         if arr.ndim == 1:
             indices = [(int(i),) for i in row_idx]
         else:

@@ -36,6 +36,7 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
         raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})")
     if state == "other":
         raise StoreError(f"{url} holds something that is not a classgrad store")
+    assert meta is not None  # probe gives the metadata of a 'creating' or 'ready' store
     problems: list[str] = []
     if meta.get("format_version") != FORMAT_VERSION:
         problems.append(f"format_version is {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
@@ -93,7 +94,7 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
         meta["row_chunk"],
         min(meta["col_chunk"], D),
         meta["num_shards"],
-        STORAGE_DTYPES.get(meta.get("dtype"), "?"),
+        STORAGE_DTYPES.get(meta.get("dtype", ""), "?"),
     )
     out = []
     try:
@@ -106,6 +107,9 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
         except KeyError:
             out.append(f"array {name!r} is missing")
             continue
+        if not isinstance(arr, zarr.Array):
+            out.append(f"array {name!r} is a group, not an array")
+            continue
         if tuple(arr.shape) != shape or str(arr.dtype) != dtype or tuple(arr.chunks) != chunks:
             out.append(
                 f"array {name!r} is {list(arr.shape)} {arr.dtype} in chunks "
@@ -115,6 +119,9 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
     try:
         sim = group[SIM]
     except KeyError:
+        return out
+    if not isinstance(sim, zarr.Array):
+        out.append(f"{SIM} is a group, not an array")
         return out
     info = dict(sim.attrs)
     if tuple(sim.shape) != (C, C):
@@ -130,6 +137,10 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
     k = info.get("top_k")
     for name in (SIM_INDEX, SIM_VALUE):
         present = name in group
-        if k and (not present or tuple(group[name].shape) != (C, k)):
-            out.append(f"{name} is {list(group[name].shape) if present else 'missing'}, expected [{C}, {k}]")
+        if not k:
+            continue
+        node = group[name] if present else None
+        if not isinstance(node, zarr.Array) or tuple(node.shape) != (C, k):
+            found = list(node.shape) if isinstance(node, zarr.Array) else "a group" if present else "missing"
+            out.append(f"{name} is {found}, expected [{C}, {k}]")
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 import numpy as np
 import zarr
@@ -51,10 +52,12 @@ def create_store(
             f"refusing to write there (choose another store.url)"
         )
     if state == "ready" and not overwrite:
+        assert meta is not None  # probe gives the metadata of a ready store
         check_same(meta, spec, url)
         log.info("reopening store %s to resume (fingerprint %s)", url, spec.fingerprint)
         return GradStore(loc, "r+")
     if state == "ready":
+        assert meta is not None
         lease, now = read_lease(loc), time.time()
         if lease and lease_age(lease, now) < float(lease.get("ttl_s", 0)):
             raise LeaseHeldError(f"cannot overwrite: {held_message(url, lease, now)}")
@@ -79,7 +82,7 @@ def create_store(
     return GradStore(loc, "r+")
 
 
-def open_store(url: str, *, storage_options: dict | None = None, mode: str = "r") -> GradStore:
+def open_store(url: str, *, storage_options: dict | None = None, mode: Literal["r", "r+"] = "r") -> GradStore:
     """Open an existing store: ``mode="r"`` for readers, ``mode="r+"`` for workers."""
     if mode not in ("r", "r+"):
         raise StoreError(f"open_store: mode must be 'r' or 'r+', got {mode!r}")

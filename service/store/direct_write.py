@@ -14,10 +14,14 @@ import contextlib
 import os
 import struct
 import uuid
+from typing import TYPE_CHECKING, cast
 
 import crc32c
 import numpy as np
 import zarr
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 def write_direct(arr: zarr.Array, root: str, start: int, values: np.ndarray) -> None:
@@ -43,7 +47,8 @@ def write_direct(arr: zarr.Array, root: str, start: int, values: np.ndarray) -> 
                 full = np.full(chunks, arr.fill_value, dtype=little)
                 full[tuple(slice(0, n) for n in block.shape)] = block
                 block = full
-            data = memoryview(np.ascontiguousarray(block, dtype=little)).cast("B")
+            # ndarray supports the buffer protocol, but numpy's stubs do not declare __buffer__.
+            data = memoryview(cast("Buffer", np.ascontiguousarray(block, dtype=little))).cast("B")
             path = os.path.join(directory, leaf)
             tmp = f"{path}.{uuid.uuid4().hex}.partial"
             try:

@@ -44,6 +44,7 @@ def encode_rows(rows: np.ndarray, maxabs: np.ndarray | None, dtype: str) -> tupl
     """True float32 rows (and their max |value|, for low precision) -> (stored, row_scale)."""
     if dtype == "float32":
         return rows, np.ones(rows.shape[0], dtype=np.float32)
+    assert maxabs is not None, "maxabs is needed for low-precision rows"
     scale = row_scales(maxabs)
     scaled = rows * (np.float32(1.0) / scale)[:, None]  # exact: scale is a power of two
     if dtype == "float16":
@@ -56,5 +57,6 @@ def decode_rows(stored: np.ndarray, scale: np.ndarray | None, dtype: str) -> np.
     if dtype == "float32":
         return stored
     out = stored.astype(np.float32) if dtype == "float16" else bf16_bits_to_f32(stored)
+    assert scale is not None, "row_scale is needed for low-precision rows"
     out *= scale[:, None]
     return out

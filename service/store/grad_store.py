@@ -17,7 +17,7 @@ import copy
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -37,7 +37,7 @@ from classgrad.service.store.writer import RowWriter
 class GradStore:
     """An open store. Build it with ``create_store`` or ``open_store``."""
 
-    def __init__(self, loc: Location, mode: str) -> None:
+    def __init__(self, loc: Location, mode: Literal["r", "r+"]) -> None:
         self._loc = loc
         self._mode = mode
         url = loc.url
@@ -177,6 +177,7 @@ class GradStore:
         try:
             group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
             meta = group.attrs[ATTR_KEY]
+            assert isinstance(meta, dict)  # checked when the store was opened
             meta.setdefault("runs", []).append(entry)
             group.update_attributes({ATTR_KEY: meta})
         except Exception as exc:

@@ -136,12 +136,14 @@ class StoreLease:
                 current.get("pid"),
                 why,
             )
-        same_run = bool(current) and current.get("run_id") == run_id
+        started = now
+        if current and current.get("run_id") == run_id:  # the holder re-acquiring keeps its start
+            started = current["started"]
         lease = {
             "run_id": run_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "started": current["started"] if same_run else now,
+            "started": started,
             "heartbeat": now,
             "ttl_s": ttl_s,
             "info": json.loads(json.dumps(info or {}, default=str)),

@@ -19,6 +19,7 @@ import fsspec
 import zarr
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.format import ATTR_KEY
+from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore
 
 
@@ -40,7 +41,8 @@ class Location:
         self.options = dict(storage_options or {})
         path = local_path(url)
         self.local = path is not None
-        if self.local:
+        self.path: str
+        if path is not None:
             self.path = os.path.abspath(os.path.expanduser(path))
             self.fs = fsspec.filesystem("file")
         else:
@@ -50,7 +52,7 @@ class Location:
                 raise StoreError(f"cannot use store location {url}: {first_line(exc)}") from None
             self.path = self.path.rstrip("/")
 
-    def zarr_store(self, *, read_only: bool) -> zarr.abc.store.Store:
+    def zarr_store(self, *, read_only: bool) -> Store:
         if self.local:
             return LocalStore(self.path, read_only=read_only)
         return FsspecStore.from_url(self.url, storage_options=self.options or None, read_only=read_only)

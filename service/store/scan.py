@@ -62,16 +62,16 @@ def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArra
         ready = np.full(spec.num_classes, info.get("state") == "ready")
         names += [(n, ready) for n in RESULT_ARRAYS if arrays.result(n) is not None]
     for name, checked in names:
-        for sel, indices, block, exc in _scan_blocks(arrays[name]):
-            if exc is not None:
-                bad = arrays.corrupt_chunks(name, indices) if is_corruption(exc) else []
+        for sel, indices, block, error in _scan_blocks(arrays[name]):
+            if error is not None:
+                bad = arrays.corrupt_chunks(name, indices) if is_corruption(error) else []
                 problems += [ChunkProblem(name, "corrupt", arrays.describe_chunk(name, i, why)) for i, why in bad]
                 if not bad:
                     problems.append(
                         ChunkProblem(
                             name,
                             "unreadable",
-                            f"{name} rows [{sel[0].start}, {sel[0].stop}): cannot read: {first_line(exc)}",
+                            f"{name} rows [{sel[0].start}, {sel[0].stop}): cannot read: {first_line(error)}",
                         )
                     )
                 continue
@@ -126,6 +126,7 @@ def _scan_values(
             ChunkProblem(name, "bad_value", f"shard_done[{rows.start + s}] = {block[s]} (expected 0 or 1)")
             for s in np.flatnonzero(block > 1)
         ]
+    assert checked is not None  # only shard_done is scanned without a row mask
     mask = checked[rows]
     if not mask.any():
         return []
@@ -147,6 +148,7 @@ def _scan_values(
     bad_rows = bad if bad.ndim == 1 else bad.any(axis=1)
     for ri in np.unique((rows.start + np.flatnonzero(bad_rows)) // rc):
         local = slice(ri * rc - rows.start, min((ri + 1) * rc, rows.stop) - rows.start)
+        parts: list[tuple[tuple[int, ...], np.ndarray]]
         if bad.ndim == 1:
             parts = [((int(ri),), bad[local])]
         else:

@@ -119,6 +119,7 @@ class SimilarityArrays:
         if info is None or info.get("run_id") != run_id or info.get("state") != "computing":
             now = "no similarity" if info is None else f"run {info.get('run_id')!r} ({info.get('state')})"
             raise StoreError(f"similarity run {run_id!r} no longer owns {self._url}: it now holds {now}")
+        assert arr is not None  # info is None whenever arr is
         return arr, info
 
     def write_rows(
@@ -175,6 +176,7 @@ class SimilarityArrays:
         try:
             for name, data in parts:
                 target = arr if name == SIM else self._arrays.result(name)
+                assert target is not None, f"{name} is missing"  # begin() made it, as top_k > 0
                 for r0 in range(0, n, step):
                     target[start + r0 : min(start + r0 + step, stop)] = data[r0 : r0 + step]
         except ClassgradError:
@@ -242,6 +244,11 @@ class SimilarityArrays:
                 f"the similarity of {self._url} was computed with top_k 0; rerun `classgrad similarity --top-k K`"
             )
         ids = row_ids(ids, self._spec.num_classes)
-        index = self._read(self._arrays.result(SIM_INDEX), SIM_INDEX, ids, None)
-        value = self._read(self._arrays.result(SIM_VALUE), SIM_VALUE, ids, None)
+        out = []
+        for name in (SIM_INDEX, SIM_VALUE):
+            arr = self._arrays.result(name)
+            if arr is None:
+                raise StoreError(f"store {self._url} has no '{name}' array although top_k > 0; it is damaged")
+            out.append(self._read(arr, name, ids, None))
+        index, value = out
         return index, value
