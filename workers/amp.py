@@ -78,7 +78,7 @@ def rows_with_rescale(
     bad = ~torch.isfinite(rows).all(dim=1)
     while bool(bad.any()):
         if not policy.uses_scaling:
-            c = int(class_ids[bad.nonzero()[0, 0].item()])
+            c = int(class_ids[int(bad.nonzero()[0, 0].item())])
             raise InputError(f"non-finite gradient for class {c} in {policy.dtype}")
         scales = torch.where(bad, scales / 2, scales)
         if bool((scales[bad] < policy.min_scale).any()):

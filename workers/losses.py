@@ -215,8 +215,8 @@ register_loss("logit")(lambda c: DenseLoss(c, _logit, "logit", linear_in_outputs
 register_loss("bce")(lambda c: DenseLoss(c, _bce, "bce", multi_hot_targets=True, per_column=True))
 
 
-def create_loss(kind: str | Callable, num_classes: int) -> LossKind:
-    """A registered name, a ``module:function`` path, or a callable.
+def create_loss(kind: str | Callable | LossKind, num_classes: int) -> LossKind:
+    """A registered name, a ``module:function`` path, or a callable (a ``LossKind`` is returned as is).
 
     A callable marked with ``@partitioned_loss`` is a per-sample loss; any other callable maps
     ``(outputs, targets)`` to the per-class mean ``[C]`` over the samples it is given.

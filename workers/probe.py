@@ -79,7 +79,7 @@ class ProbeSet:
             if isinstance(inputs, torch.Tensor) and len(inputs) != len(targets):
                 raise InputError(f"data: {len(inputs)} inputs but {len(targets)} targets")
             self._inputs: Any = inputs
-            self._dataset: Dataset | None = None
+            self._dataset: Dataset | Sequence[Any] | None = None
             self.targets = targets.detach().cpu()
         elif isinstance(data, Dataset) or hasattr(data, "__getitem__"):
             self._inputs = None

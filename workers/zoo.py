@@ -65,6 +65,8 @@ def bn_cnn(num_classes: int = 10, in_channels: int = 3, width: int = 8, seed: in
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
+                # SmallCNN's BatchNorm2d layers track running statistics: both are tensors.
+                assert m.running_mean is not None and m.running_var is not None
                 m.running_mean.uniform_(-0.2, 0.2)
                 m.running_var.uniform_(0.5, 1.5)
     return model

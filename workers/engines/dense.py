@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, cast
 
 import torch
 from classgrad.service.errors import ClassgradError
@@ -114,7 +115,7 @@ class _FuncGraph:
 
     def __init__(self, values: torch.Tensor, vjp_fn, names: Sequence[str]):
         self.values, self.vjp_fn, self.names = values, vjp_fn, list(names)
-        self._vmapped = None
+        self._vmapped: Callable[..., Any] | None = None
 
     def _ordered(self, grads: dict) -> list[torch.Tensor | None]:
         return [grads.get(n) for n in self.names]
@@ -145,7 +146,8 @@ class DenseEngine(GradientEngine):
         self._block_rows_given = self.block_rows is not None
         self._samples = min(self.probe.batch_size, len(self.probe))  # rows of the current micro-batch
         self._head: HeadBasis | None = None  # kept for later calls (an actor's next shard) while valid
-        self._head_split: HeadSplit | None | bool = None  # per-row graphs from the head: not tried / split / False
+        # per-row graphs from the head: not tried (None) / the split / abandoned (False)
+        self._head_split: HeadSplit | None | Literal[False] = None
 
     # --- one block of VJPs --------------------------------------------------------------------
 
@@ -182,6 +184,7 @@ class DenseEngine(GradientEngine):
         path does not apply; then every later micro-batch takes the whole model."""
         reason = self._no_head("graph")
         if reason is None:
+            assert self._head_split is not False  # the caller skips the head once it is abandoned
             try:
                 graph, split = head_graph(self, mb, self._head_split)
             except NoHeadPath as exc:
@@ -235,7 +238,8 @@ class DenseEngine(GradientEngine):
         # Half-precision batch norm: computed in float32, or its backward cannot be vmapped.
         norm = NormInFloat32() if self.precision.dtype != "fp32" else contextlib.nullcontext()
         with parameters_kept(self.model), self.forward_context(mb.index), norm:
-            values, vjp_fn = vjp(contribution, params)
+            # torch.func.vjp's annotation covers has_aux=True too (three values); here it returns two.
+            values, vjp_fn = cast("tuple[torch.Tensor, Callable[..., Any]]", vjp(contribution, params))
         self.stats.forwards += 1
         return _FuncGraph(values.detach(), vjp_fn, names)
 
@@ -417,6 +421,7 @@ class DenseEngine(GradientEngine):
         if reason is not None:
             self._note(f"dense: one VJP per row ({reason})")
             return None
+        assert self._head is not None  # no reason: head_basis returned it
         self._note(
             f"dense: rows through the final Linear layer ({self._head.split.head.in_features} VJPs per "
             f"micro-batch instead of one per class)"

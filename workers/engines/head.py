@@ -135,7 +135,7 @@ def _head_candidates(engine, declared: str) -> list[nn.Linear]:
 def _forward_to_head(engine, mb, candidates: list[nn.Linear], head: nn.Linear | None):
     """The engine's forward of one micro-batch, watching the candidates:
     ``(outputs, contribution to L, h, head)``."""
-    calls: dict[nn.Module, list] = {m: [] for m in candidates}
+    calls: dict[nn.Linear, list] = {m: [] for m in candidates}
 
     def keep(module, args, output):
         calls[module].append((args[0] if args else None, output))
@@ -214,6 +214,7 @@ def head_basis(engine, row_bytes_budget: int) -> HeadBasis:
             basis = torch.zeros(features, body_dim, dtype=dtype, device=engine.device)
             feature_sum = torch.zeros(features, dtype=dtype, device=engine.device)
             weight_sum = torch.zeros((), dtype=dtype, device=engine.device)
+        assert basis is not None and feature_sum is not None and weight_sum is not None  # made with split
         body = split.runs_through_body(h)
         engine.check_finite_loss(contrib.detach(), torch.arange(engine.loss.num_classes))
         losses += contrib.detach().to(dtype)
@@ -243,6 +244,7 @@ def head_basis(engine, row_bytes_budget: int) -> HeadBasis:
         del out, contrib, h
     if split is None:
         raise NoHeadPath("the probe set is empty")
+    assert basis is not None and feature_sum is not None and weight_sum is not None  # made with split
     if not (bool(torch.isfinite(basis.sum())) and bool(torch.isfinite(feature_sum).all())):
         raise NoHeadPath("non-finite gradients: rows are checked one by one", lasting=False)
     return HeadBasis(split, basis, feature_sum, weight_sum, losses, engine.layout.dim, parameter_versions(engine.model))

@@ -38,6 +38,7 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
     file = Path(path)
     if not file.is_file():
         raise InputError(f"model.checkpoint {path!r}: no such file")
+    state: object  # a state dict, or a checkpoint holding one (checked below)
     if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 

@@ -30,6 +30,7 @@ def batchnorm_sums(module: nn.modules.batchnorm._BatchNorm, seen: LayerCapture, 
     gw = None
     if out.wants("weight"):
         A = seen.inputs_by_class()
+        assert module.running_mean is not None and module.running_var is not None  # running_statistics
         shape = (1, 1, G.shape[2]) + (1,) * (G.dim() - 3)
         mean = module.running_mean.to(G.dtype).view(shape)
         invstd = torch.rsqrt(module.running_var.to(G.dtype) + module.eps).view(shape)

@@ -101,7 +101,7 @@ class ConvFactors(OuterFactors):
                 if G.is_cuda:
                     torch.cuda.synchronize(G.device)
                 timings[candidate] = min(timings.get(candidate, float("inf")), clock() - t0)
-            layout = choices.CONV_LAYOUT[key] = min(timings, key=timings.get)
+            layout = choices.CONV_LAYOUT[key] = min(timings, key=timings.__getitem__)
             return result if layout == "channels_last" else run(layout)
         return run(layout)
 
@@ -115,6 +115,7 @@ class ConvFactors(OuterFactors):
     def input_tokens(self) -> torch.Tensor:
         """``[k * groups, m * ho * wo, cin / groups * kh * kw]``: the patch of every output pixel."""
         module, A, groups = self.module, self.A, self.module.groups
+        assert not isinstance(module.padding, str)  # zero_padding: the rule takes numeric padding only
         k, m = A.shape[:2]
         patches = F.unfold(
             A.reshape(k * m, *A.shape[2:]), module.kernel_size, module.dilation, module.padding, module.stride

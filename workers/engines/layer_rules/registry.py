@@ -50,12 +50,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 from torch import nn
 
-SumsFn = Callable[[nn.Module, LayerCapture, LayerRows], None]
-AppliesFn = Callable[[nn.Module], "str | None"]
+# A rule's functions take modules of its own type (``LayerRule.module_type``).
+M = TypeVar("M", bound=nn.Module)
+SumsFn = Callable[[M, LayerCapture, LayerRows], None]
+AppliesFn = Callable[[M], "str | None"]
+# The decorated ``sums`` as written (one function may be registered for several types).
+S = TypeVar("S", bound=Callable[[Any, LayerCapture, LayerRows], None])
 
 
 def _always(module: nn.Module) -> str | None:
@@ -63,25 +68,25 @@ def _always(module: nn.Module) -> str | None:
 
 
 @dataclass(frozen=True)
-class LayerRule:
+class LayerRule(Generic[M]):
     """How per-class gradients of one module type's parameters ``kinds`` come from its hooks."""
 
-    module_type: type[nn.Module]
-    sums: SumsFn
-    applies: AppliesFn = _always
+    module_type: type[M]
+    sums: SumsFn[M]
+    applies: AppliesFn[M] = _always
     kinds: tuple[str, ...] = ("weight", "bias")
 
 
-RULES: dict[type[nn.Module], LayerRule] = {}
+RULES: dict[type[nn.Module], LayerRule[Any]] = {}
 
 
 def register_rule(
-    module_type: type[nn.Module],
+    module_type: type[M],
     *,
-    applies: AppliesFn | None = None,
+    applies: AppliesFn[M] | None = None,
     kinds: tuple[str, ...] = ("weight", "bias"),
     replace: bool = False,
-) -> Callable[[SumsFn], SumsFn]:
+) -> Callable[[S], S]:
     """Register the decorated ``sums(module, seen, out)`` as the rule for ``module_type``.
 
     ``applies(module)`` says why a given layer is outside the rule (None: it applies); ``kinds``
@@ -90,7 +95,7 @@ def register_rule(
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_rule needs an nn.Module subclass, got {module_type!r}")
 
-    def decorate(sums: SumsFn) -> SumsFn:
+    def decorate(sums: S) -> S:
         if module_type in RULES and not replace:
             raise ValueError(
                 f"a layer rule for {module_type.__name__} is already registered "
@@ -102,6 +107,6 @@ def register_rule(
     return decorate
 
 
-def rule_for(module: nn.Module) -> LayerRule | None:
+def rule_for(module: nn.Module) -> LayerRule[Any] | None:
     """The rule registered for exactly this module's type, or None."""
     return RULES.get(type(module))

@@ -12,6 +12,7 @@ Holds:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +96,7 @@ class ClassRows:
     def columns(self, slot: ParamSlot) -> torch.Tensor:
         return self.rows[:, slot.offset : slot.offset + slot.size]
 
-    def zero_unwritten(self, slots: list[ParamSlot]) -> None:
+    def zero_unwritten(self, slots: Sequence[ParamSlot]) -> None:
         """Parameters with no path to the loss in this run get zero columns."""
         for slot in slots:
             if slot.name not in self.written:

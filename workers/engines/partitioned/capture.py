@@ -43,7 +43,7 @@ def forward_capturing(
     x: object,
     context: Callable[[], AbstractContextManager],
     clone: bool,
-) -> tuple[object, list[Captured]] | None:
+) -> tuple[torch.Tensor, list[Captured]] | None:
     """The model's output on ``x`` and every call of a layer in ``layers`` (module -> names of its
     selected parameters), in call order. None when an in-place change of a layer output that
     starts the graph (a leaf) was refused by autograd: run again with ``clone``."""

@@ -35,6 +35,7 @@ from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.hook_path import HookPath, HookPlan
 from classgrad.workers.engines.partitioned.packing import ClassSamples, plan_packs, plan_runs
 from classgrad.workers.engines.partitioned.vmap_path import VmapPath
+from classgrad.workers.losses import PartitionedLoss
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class PartitionedEngine(GradientEngine):
     """Forward+backward over each class's own samples; small classes split by hooks or vmap."""
 
     name = "partitioned"
+    # The constructor refuses any loss that is not ``partitioned``: the ``PartitionedLoss`` family.
+    loss: PartitionedLoss
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

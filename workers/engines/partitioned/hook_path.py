@@ -27,6 +27,7 @@ from classgrad.workers.engines.partitioned.capture import forward_capturing
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
 from classgrad.workers.engines.partitioned.packing import ClassSamples
 from classgrad.workers.layout import ParamLayout, ParamSlot
+from classgrad.workers.losses import PartitionedLoss
 from torch import nn
 from torch.nn.modules import module as module_state  # where global forward hooks are kept
 
@@ -58,7 +59,9 @@ class HookPlan:
         for slot in layout.slots:
             owner, _, kind = slot.name.rpartition(".")
             mod = modules.get(owner)
-            rule = None if mod is None else rule_for(mod)
+            if mod is None:
+                return None
+            rule = rule_for(mod)
             if rule is None or kind not in rule.kinds:
                 return None
             if uses[id(getattr(mod, kind))] != 1 or mod._forward_hooks or mod._forward_pre_hooks:
@@ -119,8 +122,10 @@ class HookPath:
             return self.rows(classes, scales, dest, where)
         out, captured = seen
         eng.stats.forwards += 1
-        eng.loss.check_outputs(out)
-        per_sample = eng.loss.sample_losses(out, eng.loss.labels(y))
+        loss = eng.loss
+        assert isinstance(loss, PartitionedLoss)  # the partitioned engine takes no other loss
+        loss.check_outputs(out)
+        per_sample = loss.sample_losses(out, loss.labels(y))
         dev_local = local.to(eng.device)
         weights = (1.0 / counts.clamp(min=1).double()).to(eng.device, per_sample.dtype)[dev_local]
         weighted = per_sample * weights
@@ -137,8 +142,8 @@ class HookPath:
             else ()
         )
         grads: list[torch.Tensor | None] = [None] * len(captured)
-        for i, g in zip(live, found):
-            grads[i] = g
+        for i, found_grad in zip(live, found):
+            grads[i] = found_grad
         eng.stats.backwards += 1
         if any(c.modified() for c in captured):
             if not self.clone:  # once: switch to copied outputs and redo the run

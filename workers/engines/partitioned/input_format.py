@@ -39,7 +39,7 @@ class ImageFormat:
                 best: dict[str, float] = {}
                 for f, *t in trials[1:]:  # the first run pays one-off costs
                     best[f] = min([best.get(f, float("inf")), *t])
-                fmt = choices.INPUT_FORMAT[key] = min(best, key=best.get)
+                fmt = choices.INPUT_FORMAT[key] = min(best, key=best.__getitem__)
                 note = "partitioned: image inputs {} (seconds per sample: {})".format(
                     fmt,
                     {f: f"{t:.2e}" for f, t in best.items()},

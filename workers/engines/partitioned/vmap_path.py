@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, parameters_kept
 from classgrad.workers.engines.partitioned.packing import ClassSamples
+from classgrad.workers.losses import PartitionedLoss
 from classgrad.workers.probe import tree_map_tensors
 
 # Writes per-parameter gradients [k, *shape] at loss scales into dest[where]: whether each row is finite.
@@ -34,10 +35,11 @@ class VmapPath:
 
         eng = self.engine
         model, loss, precision, device = eng.model, eng.loss, eng.precision, eng.device
+        assert isinstance(loss, PartitionedLoss)  # the partitioned engine takes no other loss
         low_precision = precision.dtype != "fp32"
 
         def class_loss(
-            params: dict, x: object, y: object, w: torch.Tensor, s: torch.Tensor
+            params: dict, x: object, y: torch.Tensor, w: torch.Tensor, s: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             with precision.autocast(device), NormInFloat32() if low_precision else contextlib.nullcontext():
                 out = functional_call(model, params, (x,))
