@@ -52,14 +52,16 @@ class ShardFailedError(ClassgradError):
     """A shard failed more times than allowed; the message names the shard and its error."""
 
 
-def first_line(exc: BaseException | str) -> str:
-    """The first non-empty line of an exception's message (or of a text), for one-line errors.
+def first_line(error: BaseException | str, *, with_type: bool = False, limit: int = 300) -> str:
+    """The first non-empty line of an error's message (or of a text), for one-line errors.
 
     Library exceptions (botocore, Ray, zarr) often carry several lines; a classgrad message
-    quotes only the first. An exception with no message gives its type's name.
+    quotes only the first, cut to ``limit`` characters. ``with_type`` puts the exception's type
+    in front (``NoCredentialsError: Unable to locate credentials``), where the type says what
+    the message does not; an exception with no message gives its type's name.
     """
-    text = exc if isinstance(exc, str) else str(exc)
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return "" if isinstance(exc, str) else type(exc).__name__
+    text = error if isinstance(error, str) else str(error)
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    if isinstance(error, BaseException) and (with_type or not line):
+        line = f"{type(error).__name__}: {line}" if line else type(error).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -454,11 +454,11 @@ def _cause_line(exc: BaseException) -> str:
     """The one line that says why a Ray task or actor failed."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, BaseException) and cause is not exc:
-        return first_line(f"{type(cause).__name__}: {cause}")
+        return first_line(cause, with_type=True)
     match = _exception_line(str(exc))
     if match:
         return f"{match['type'].rsplit('.', 1)[-1]}: {match['msg'] or ''}".strip()[:300]
-    return first_line(_ANSI.sub("", str(exc)))[:300] or type(exc).__name__
+    return first_line(_ANSI.sub("", str(exc))) or type(exc).__name__
 
 
 def _creation_error(exc: BaseException) -> ClassgradError | None:

@@ -185,18 +185,18 @@ def _sdk_errors(address: str, job_id: str | None = None) -> Iterator[None]:
         ) from None
     except (ConnectionError, requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
         raise JobSubmitError(
-            f"cannot reach the Ray job server at {address} ({first_line(exc)[:_LINE_MAX]}); "
+            f"cannot reach the Ray job server at {address} ({first_line(exc, limit=_LINE_MAX)}); "
             f"is the cluster up and the dashboard port reachable?"
         ) from None
     except requests.exceptions.RequestException as exc:
-        raise JobSubmitError(f"Ray job server at {address}: {first_line(exc)[:_LINE_MAX]}") from None
+        raise JobSubmitError(f"Ray job server at {address}: {first_line(exc, limit=_LINE_MAX)}") from None
     except RuntimeError as exc:
         text = str(exc)
         if job_id is not None and (" 404" in text or "does not exist" in text):
             raise JobSubmitError(
                 f"no job {job_id!r} on the Ray cluster at {address} (see `classgrad jobs list --address {address}`)"
             ) from None
-        raise JobSubmitError(f"Ray job server at {address}: {first_line(text)[:_LINE_MAX]}") from None
+        raise JobSubmitError(f"Ray job server at {address}: {first_line(text, limit=_LINE_MAX)}") from None
 
 
 # --------------------------------------------------------------------------- client
@@ -215,7 +215,7 @@ def connect(address: str | None = None) -> JobSubmissionClient:
         try:
             return JobSubmissionClient(url, headers=headers)
         except ValueError as exc:  # a malformed URL
-            raise JobSubmitError(f"--address {url!r}: {first_line(exc)[:_LINE_MAX]}") from None
+            raise JobSubmitError(f"--address {url!r}: {first_line(exc, limit=_LINE_MAX)}") from None
 
 
 def address_of(client: JobSubmissionClient) -> str:
@@ -313,7 +313,7 @@ def submit(client: JobSubmissionClient, submission: Submission, *, job_id: str |
                 submission_id=job_id,
             )
         except ValueError as exc:  # e.g. the packaged working dir is too large
-            raise JobSubmitError(f"cannot package the working dir: {first_line(exc)[:_LINE_MAX]}") from None
+            raise JobSubmitError(f"cannot package the working dir: {first_line(exc, limit=_LINE_MAX)}") from None
 
 
 # --------------------------------------------------------------------------- queries
@@ -360,7 +360,7 @@ def follow_logs(client: JobSubmissionClient, job_id: str, write: Callable[[str],
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - any websocket trouble: fall back to polling
-        log.info("log stream of job %s ended (%s); polling instead", job_id, first_line(exc)[:_LINE_MAX])
+        log.info("log stream of job %s ended (%s); polling instead", job_id, first_line(exc, limit=_LINE_MAX))
     while True:
         info = job_info(client, job_id)
         text = job_logs(client, job_id)
@@ -381,4 +381,4 @@ def failure_line(info: JobDetails, logs: str = "") -> str:
     found = _CLASSGRAD_ERROR.findall(logs or "")
     if found:
         return found[-1].strip()
-    return first_line(info.message or "")[:_LINE_MAX] or f"job {info.status}"
+    return first_line(info.message or "", limit=_LINE_MAX) or f"job {info.status}"

@@ -62,7 +62,7 @@ class StoreArrays:
             self._arrays.pop(name, None)
             return None
         except Exception as exc:
-            raise StoreError(f"cannot open {name} in {self.url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot open {name} in {self.url}: {first_line(exc, with_type=True)}") from None
         if not isinstance(node, zarr.Array):
             raise StoreError(f"store {self.url}: '{name}' is not an array; it is damaged")
         arr = node.with_config({"write_empty_chunks": True})
@@ -120,7 +120,7 @@ class StoreArrays:
                 arr[self.chunk_slices(name, index)]
             except Exception as exc:
                 if is_corruption(exc):
-                    reason = "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc)
+                    reason = "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc, with_type=True)
                     bad.append((index, reason))
         return bad
 
@@ -151,4 +151,4 @@ class StoreArrays:
                 f"corrupt data in store {self.url}: {self.describe_chunk(name, index, reason)}"
                 f"{more}; recompute those rows (`classgrad verify` lists every bad chunk)"
             )
-        return StoreError(f"cannot read {name} from {self.url}: {first_line(exc)}")
+        return StoreError(f"cannot read {name} from {self.url}: {first_line(exc, with_type=True)}")

@@ -68,7 +68,7 @@ def create_store(
         try:
             loc.remove_all()
         except OSError as exc:
-            raise StoreError(f"cannot delete old store at {url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot delete old store at {url}: {first_line(exc, with_type=True)}") from None
     _create(loc, spec)
     log.info(
         "created store %s: %d x %d %s, %d shards of %d rows",
@@ -124,4 +124,4 @@ def _create(loc: Location, spec: StoreSpec) -> None:
     except ClassgradError:
         raise
     except Exception as exc:
-        raise StoreError(f"cannot create store at {loc.url}: {first_line(exc)}") from None
+        raise StoreError(f"cannot create store at {loc.url}: {first_line(exc, with_type=True)}") from None

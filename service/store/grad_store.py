@@ -48,7 +48,7 @@ class GradStore:
         except FileNotFoundError:
             raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})") from None
         except Exception as exc:
-            raise StoreError(f"cannot open store at {url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot open store at {url}: {first_line(exc, with_type=True)}") from None
         meta = group.attrs.get(ATTR_KEY)
         if not isinstance(meta, dict):
             raise StoreError(f"{url} is a Zarr group but not a classgrad store (no '{ATTR_KEY}' attributes)")
@@ -64,7 +64,7 @@ class GradStore:
         try:
             self._spec = spec_from_meta(meta)
         except (KeyError, TypeError, StoreError) as exc:
-            raise StoreError(f"store at {url} has damaged classgrad attributes: {first_line(exc)}") from None
+            raise StoreError(f"store at {url} has damaged classgrad attributes: {first_line(exc, with_type=True)}") from None
         ids = self._spec.class_ids
         self._class_ids = (
             np.arange(self.num_classes, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
@@ -181,7 +181,7 @@ class GradStore:
             meta.setdefault("runs", []).append(entry)
             group.update_attributes({ATTR_KEY: meta})
         except Exception as exc:
-            raise StoreError(f"cannot record the run in {self.url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot record the run in {self.url}: {first_line(exc, with_type=True)}") from None
         self._meta = meta
 
     # ----------------------------------------------------------------- completeness

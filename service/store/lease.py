@@ -33,7 +33,7 @@ def read_lease(loc: Location) -> dict | None:
     try:
         data = loc.read_bytes(LEASE_KEY)
     except OSError as exc:
-        raise StoreError(f"cannot read the lease of {loc.url}: {first_line(exc)}") from None
+        raise StoreError(f"cannot read the lease of {loc.url}: {first_line(exc, with_type=True)}") from None
     if data is None:
         return None
     try:
@@ -106,7 +106,7 @@ class StoreLease:
         try:
             self._loc.write_bytes(LEASE_KEY, json.dumps(lease).encode())
         except OSError as exc:
-            raise StoreError(f"cannot write the lease of {self._loc.url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot write the lease of {self._loc.url}: {first_line(exc, with_type=True)}") from None
 
     def info(self) -> dict | None:
         """The current lease (run_id, host, pid, started, heartbeat, ttl_s, info), or None."""
@@ -180,7 +180,7 @@ class StoreLease:
         try:
             self._loc.delete(LEASE_KEY)
         except OSError as exc:
-            raise StoreError(f"cannot release the lease of {self._loc.url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot release the lease of {self._loc.url}: {first_line(exc, with_type=True)}") from None
 
     @contextlib.contextmanager
     def hold(

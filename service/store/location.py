@@ -49,7 +49,7 @@ class Location:
             try:
                 self.fs, self.path = fsspec.core.url_to_fs(url, **self.options)
             except (ImportError, ValueError, TypeError) as exc:
-                raise StoreError(f"cannot use store location {url}: {first_line(exc)}") from None
+                raise StoreError(f"cannot use store location {url}: {first_line(exc, with_type=True)}") from None
             self.path = self.path.rstrip("/")
 
     def zarr_store(self, *, read_only: bool) -> Store:
@@ -119,7 +119,7 @@ def probe(loc: Location) -> tuple[str, dict | None]:
     except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):
         return "other", None
     except Exception as exc:
-        raise StoreError(f"cannot read store location {loc.url}: {first_line(exc)}") from None
+        raise StoreError(f"cannot read store location {loc.url}: {first_line(exc, with_type=True)}") from None
     meta = group.attrs.get(ATTR_KEY)
     if not isinstance(meta, dict):
         return "other", None

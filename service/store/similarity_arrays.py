@@ -111,7 +111,7 @@ class SimilarityArrays:
         except ClassgradError:
             raise
         except Exception as exc:
-            raise StoreError(f"cannot create the similarity arrays in {self._url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot create the similarity arrays in {self._url}: {first_line(exc, with_type=True)}") from None
 
     def _run(self, run_id: str) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
@@ -183,7 +183,7 @@ class SimilarityArrays:
             raise
         except Exception as exc:
             raise StoreError(
-                f"cannot write similarity rows [{start}, {stop}) to {self._url}: {first_line(exc)}"
+                f"cannot write similarity rows [{start}, {stop}) to {self._url}: {first_line(exc, with_type=True)}"
             ) from None
 
     def finish(self, run_id: str, info: dict | None = None) -> None:
@@ -195,7 +195,7 @@ class SimilarityArrays:
         try:
             arr.update_attributes(attrs)
         except Exception as exc:
-            raise StoreError(f"cannot finish the similarity of {self._url}: {first_line(exc)}") from None
+            raise StoreError(f"cannot finish the similarity of {self._url}: {first_line(exc, with_type=True)}") from None
 
     def _ready(self) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
