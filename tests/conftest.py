@@ -31,21 +31,22 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log, stderr=subprocess.STDOUT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + _MOTO_START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"moto server exited with {proc.returncode}: "
-                            f"{log_path.read_text(errors='replace')[-2000:]}")
+                pytest.fail(
+                    f"moto server exited with {proc.returncode}: {log_path.read_text(errors='replace')[-2000:]}"
+                )
             try:
                 urllib.request.urlopen(f"{endpoint}/moto-api/reset", data=b"", timeout=1)
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"moto server did not answer on {endpoint} within "
-                                f"{_MOTO_START_TIMEOUT_S:.0f}s")
+                    pytest.fail(f"moto server did not answer on {endpoint} within {_MOTO_START_TIMEOUT_S:.0f}s")
                 time.sleep(0.1)
         yield endpoint
     finally:
@@ -59,13 +60,13 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def s3_storage_options(s3_server: str) -> dict:
-    return {"key": "testing-key-id", "secret": "testing-secret-key",
-            "client_kwargs": {"endpoint_url": s3_server}}
+    return {"key": "testing-key-id", "secret": "testing-secret-key", "client_kwargs": {"endpoint_url": s3_server}}
 
 
 @pytest.fixture
 def s3_bucket(s3_storage_options: dict) -> str:
     import s3fs
+
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**s3_storage_options).mkdir(name)
     return name

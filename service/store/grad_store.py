@@ -64,7 +64,9 @@ class GradStore:
         try:
             self._spec = spec_from_meta(meta)
         except (KeyError, TypeError, StoreError) as exc:
-            raise StoreError(f"store at {url} has damaged classgrad attributes: {first_line(exc, with_type=True)}") from None
+            raise StoreError(
+                f"store at {url} has damaged classgrad attributes: {first_line(exc, with_type=True)}"
+            ) from None
         ids = self._spec.class_ids
         self._class_ids = (
             np.arange(self.num_classes, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)

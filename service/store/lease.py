@@ -180,7 +180,9 @@ class StoreLease:
         try:
             self._loc.delete(LEASE_KEY)
         except OSError as exc:
-            raise StoreError(f"cannot release the lease of {self._loc.url}: {first_line(exc, with_type=True)}") from None
+            raise StoreError(
+                f"cannot release the lease of {self._loc.url}: {first_line(exc, with_type=True)}"
+            ) from None
 
     @contextlib.contextmanager
     def hold(

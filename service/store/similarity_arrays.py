@@ -111,7 +111,9 @@ class SimilarityArrays:
         except ClassgradError:
             raise
         except Exception as exc:
-            raise StoreError(f"cannot create the similarity arrays in {self._url}: {first_line(exc, with_type=True)}") from None
+            raise StoreError(
+                f"cannot create the similarity arrays in {self._url}: {first_line(exc, with_type=True)}"
+            ) from None
 
     def _run(self, run_id: str) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
@@ -195,7 +197,9 @@ class SimilarityArrays:
         try:
             arr.update_attributes(attrs)
         except Exception as exc:
-            raise StoreError(f"cannot finish the similarity of {self._url}: {first_line(exc, with_type=True)}") from None
+            raise StoreError(
+                f"cannot finish the similarity of {self._url}: {first_line(exc, with_type=True)}"
+            ) from None
 
     def _ready(self) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)

@@ -78,7 +78,9 @@ class RowWriter:
                 else:
                     self._arrays[name][start:stop] = values
         except Exception as exc:
-            raise StoreError(f"cannot write rows [{start}, {stop}) to {url}: {first_line(exc, with_type=True)}") from None
+            raise StoreError(
+                f"cannot write rows [{start}, {stop}) to {url}: {first_line(exc, with_type=True)}"
+            ) from None
         return stored.nbytes + scale.nbytes + loss.nbytes + count.nbytes
 
     def set_done(self, shard: int, value: int) -> None:
@@ -88,4 +90,6 @@ class RowWriter:
         try:
             self._arrays["shard_done"][shard] = value
         except Exception as exc:
-            raise StoreError(f"cannot update shard_done[{shard}] in {self._arrays.url}: {first_line(exc, with_type=True)}") from None
+            raise StoreError(
+                f"cannot update shard_done[{shard}] in {self._arrays.url}: {first_line(exc, with_type=True)}"
+            ) from None

@@ -84,18 +84,22 @@ CASES: list = []
 
 def case(message: str):
     """Register a case: ``fn(ctx) -> argv after "run"``; its error line must contain ``message``."""
+
     def register(fn: Callable[[Ctx], list[str]]):
         CASES.append(pytest.param(fn, message, id=fn.__name__))
         return fn
+
     return register
 
 
-VECTOR = {"model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
-          "data": {"kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
-                              "seed": 2}}}
+VECTOR = {
+    "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
+    "data": {"kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8], "seed": 2}},
+}
 
 
 # --- the job file ------------------------------------------------------------------------------
+
 
 @case("malformed YAML")
 def malformed_yaml(t: Ctx):
@@ -174,6 +178,7 @@ def config_file_missing(t: Ctx):
 
 # --- model, data and loss ----------------------------------------------------------------------
 
+
 @case("model.factory 'no_such_module:build': cannot import module 'no_such_module'")
 def model_factory_cannot_import(t: Ctx):
     return [t.job(model={"factory": "no_such_module:build"})]
@@ -216,17 +221,39 @@ def labels_out_of_range(t: Ctx):
 
 @case("data: NaN/Inf in the inputs of probe sample 7")
 def nan_inputs(t: Ctx):
-    return [t.job(data={"factory": "tests.support.faulty:nan_probe",
-                        "kwargs": {"nan_sample": 7, "num_classes": C, "samples_per_class": 3,
-                                   "input_shape": [3, 8, 8], "seed": 2}})]
+    return [
+        t.job(
+            data={
+                "factory": "tests.support.faulty:nan_probe",
+                "kwargs": {
+                    "nan_sample": 7,
+                    "num_classes": C,
+                    "samples_per_class": 3,
+                    "input_shape": [3, 8, 8],
+                    "seed": 2,
+                },
+            }
+        )
+    ]
 
 
 def nan_inputs_only_an_actor_sees(t: Ctx):
     """Not in the table: ``test_an_error_inside_an_actor_in_a_real_process`` runs it."""
     # A Dataset's inputs are fetched batch by batch: the actor computing class 30 finds the NaN.
-    return [t.job(data={"factory": "tests.support.faulty:nan_dataset",
-                        "kwargs": {"nan_sample": 90, "num_classes": C, "samples_per_class": 3,
-                                   "input_shape": [3, 8, 8], "seed": 2}})]
+    return [
+        t.job(
+            data={
+                "factory": "tests.support.faulty:nan_dataset",
+                "kwargs": {
+                    "nan_sample": 90,
+                    "num_classes": C,
+                    "samples_per_class": 3,
+                    "input_shape": [3, 8, 8],
+                    "seed": 2,
+                },
+            }
+        )
+    ]
 
 
 @case("loss.kind 'classgrad.workers.zoo:no_such_loss': module 'classgrad.workers.zoo' has no attribute")
@@ -256,6 +283,7 @@ def checkpoint_of_another_model(t: Ctx):
 
 
 # --- the store -----------------------------------------------------------------------------------
+
 
 @case("was made by another config")
 def store_made_by_another_config(t: Ctx):
@@ -305,6 +333,7 @@ def disk_full_mid_job(t: Ctx):
 
 # --- object storage (moto on loopback) --------------------------------------------------------------
 
+
 def _s3_job(t: Ctx, options: dict, bucket: str, *, look_with: dict | None = None) -> list[str]:
     """The job with its store on S3; ``look_with``: storage options that can list the bucket,
     to check that nothing was written (without them nothing can be: no bucket, no endpoint)."""
@@ -339,8 +368,9 @@ def s3_unknown_access_key(t: Ctx):
     return _s3_job(t, {**auth["good"], "key": "AKIANOSUCHKEY0000000"}, auth["bucket"], look_with=auth["good"])
 
 
-@case("cannot create store at s3://no-such-bucket/jobs/bad.zarr: FileNotFoundError: "
-      "The specified bucket does not exist")
+@case(
+    "cannot create store at s3://no-such-bucket/jobs/bad.zarr: FileNotFoundError: The specified bucket does not exist"
+)
 def s3_missing_bucket(t: Ctx):
     return _s3_job(t, t.fixture("s3_storage_options"), "no-such-bucket")
 
@@ -348,12 +378,17 @@ def s3_missing_bucket(t: Ctx):
 @case("Could not connect to the endpoint URL")
 def s3_unreachable_endpoint(t: Ctx):
     # A closed port on loopback; one attempt with a short timeout keeps the case fast.
-    options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
-               "config_kwargs": {"connect_timeout": 2, "retries": {"max_attempts": 1}}}
+    options = {
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}"},
+        "config_kwargs": {"connect_timeout": 2, "retries": {"max_attempts": 1}},
+    }
     return _s3_job(t, options, "some-bucket")
 
 
 # --- fixtures the cases ask for ---------------------------------------------------------------------
+
 
 @pytest.fixture
 def mount_tmpfs(tmp_path):
@@ -389,8 +424,9 @@ def no_aws_credentials(monkeypatch, tmp_path):
 
 def _moto_auth(endpoint: str, count: str) -> None:
     # moto checks signatures once INITIAL_NO_AUTH_ACTION_COUNT requests were served unchecked.
-    request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count.encode(),
-                                     headers={"Content-Type": "text/plain"})
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth", data=count.encode(), headers={"Content-Type": "text/plain"}
+    )
     urllib.request.urlopen(request, timeout=10).close()
 
 
@@ -400,18 +436,32 @@ def s3_auth(s3_server):
     real key pair (made by the 3 unchecked requests) and a bucket it owns."""
     import boto3
     import s3fs
+
     _moto_auth(s3_server, "3")
     iam = key = None
     user = f"classgrad-{uuid.uuid4().hex[:8]}"
     try:
-        iam = boto3.client("iam", endpoint_url=s3_server, region_name="us-east-1",
-                           aws_access_key_id="bootstrap", aws_secret_access_key="bootstrap")
+        iam = boto3.client(
+            "iam",
+            endpoint_url=s3_server,
+            region_name="us-east-1",
+            aws_access_key_id="bootstrap",
+            aws_secret_access_key="bootstrap",
+        )
         iam.create_user(UserName=user)
-        iam.put_user_policy(UserName=user, PolicyName="all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        iam.put_user_policy(
+            UserName=user,
+            PolicyName="all",
+            PolicyDocument=json.dumps(
+                {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+            ),
+        )
         key = iam.create_access_key(UserName=user)["AccessKey"]
-        good = {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"],
-                "client_kwargs": {"endpoint_url": s3_server}}
+        good = {
+            "key": key["AccessKeyId"],
+            "secret": key["SecretAccessKey"],
+            "client_kwargs": {"endpoint_url": s3_server},
+        }
         if not s3fs.S3FileSystem(**good, skip_instance_cache=True).exists("auth-bucket"):
             s3fs.S3FileSystem(**good, skip_instance_cache=True).mkdir("auth-bucket")
         yield {"bucket": "auth-bucket", "good": good}
@@ -424,6 +474,7 @@ def s3_auth(s3_server):
 
 
 # --- the tests ---------------------------------------------------------------------------------------
+
 
 def run_in_process(argv: list[str], capsys) -> tuple[int, str, str]:
     code = cli_main(["run", *argv])
@@ -475,8 +526,7 @@ def test_an_error_inside_an_actor_in_a_real_process(tmp_path, request, ray_local
     # forwarding), exit 2, and the shards done before it are correct.
     ctx = Ctx(tmp_path, request)
     address = ray_local.get_runtime_context().gcs_address
-    proc = classgrad_cli("run", *nan_inputs_only_an_actor_sees(ctx), "--set", f"cluster.address={address}",
-                         timeout=180)
+    proc = classgrad_cli("run", *nan_inputs_only_an_actor_sees(ctx), "--set", f"cluster.address={address}", timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
@@ -500,8 +550,7 @@ def test_empty_classes_work(tmp_path, capsys, ray_local):
     empty = [0, 5, 8, 9, 10, 11, 47]
     url = str(tmp_path / "empty.zarr")
     # An MLP (no convolutions): its rows computed here are bit-identical to an actor's.
-    job = small_job(url, model=VECTOR["model"],
-                    data={"kwargs": {**VECTOR["data"]["kwargs"], "empty_classes": empty}})
+    job = small_job(url, model=VECTOR["model"], data={"kwargs": {**VECTOR["data"]["kwargs"], "empty_classes": empty}})
     code, out, err = run_in_process([write_job(tmp_path / "empty.yaml", job)], capsys)
     assert code == 0, err[-3000:]
     got = store_arrays(url)

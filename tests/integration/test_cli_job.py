@@ -27,10 +27,11 @@ from tests.support.harness import (
 )
 
 SLOW = {
-    "model": {"factory": "tests.support.slow_models:slow_mlp",
-              "kwargs": {"num_classes": 48, "delay_s": 0.3, "in_features": 8, "hidden": 16}},
-    "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
-                        "seed": 2}},
+    "model": {
+        "factory": "tests.support.slow_models:slow_mlp",
+        "kwargs": {"num_classes": 48, "delay_s": 0.3, "in_features": 8, "hidden": 16},
+    },
+    "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8], "seed": 2}},
 }
 
 
@@ -113,11 +114,16 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, uninterrupted):
     np.testing.assert_array_equal(open_store(url).rows(np.arange(48)), uninterrupted)
 
 
-@pytest.mark.parametrize("sections,message", [
-    ({"loss": {"kind": "cross_entropy", "num_clases": 48}}, "loss.num_clases: unknown key"),
-    ({"model": {"kwargs": {"num_classes": 47, "width": 4}}},
-     r"model output has shape (4, 47), expected (batch, 48)"),
-])
+@pytest.mark.parametrize(
+    "sections,message",
+    [
+        ({"loss": {"kind": "cross_entropy", "num_clases": 48}}, "loss.num_clases: unknown key"),
+        (
+            {"model": {"kwargs": {"num_classes": 47, "width": 4}}},
+            r"model output has shape (4, 47), expected (batch, 48)",
+        ),
+    ],
+)
 def test_bad_config_prints_one_line_and_creates_no_store(tmp_path, sections, message):
     config, url = write_config(tmp_path, "bad", **sections)
     proc = classgrad_cli("run", config, timeout=120)

@@ -38,8 +38,12 @@ CONFIG = "configs/cluster_s3.yaml"
 JOB_TIMEOUT_S = 240
 # The slow variant for the fault test: one forward per class (batch of 2 = one class's samples)
 # and 50 ms of sleep per forward, so 512 classes take ~13 s on each of 2 actors.
-SLOW = ["model.factory=tests.support.slow_models:slow_mlp", "model.kwargs.delay_s=0.05",
-        "data.batch_size=2", "params.include=[inner.2.*]"]
+SLOW = [
+    "model.factory=tests.support.slow_models:slow_mlp",
+    "model.kwargs.delay_s=0.05",
+    "data.batch_size=2",
+    "params.include=[inner.2.*]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +94,7 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     # as interrupted and releases the store's lease before Ray's SIGKILL.
     stop = classgrad_cli("jobs", "stop", job_id, "--wait", "--address", cluster.dashboard_url, env=env, timeout=90)
     assert stop.returncode == 0 and "stop requested" in stop.stdout, stop.stdout + stop.stderr
-    status = classgrad_cli("jobs", "status", job_id, "--json", "--address", cluster.dashboard_url, env=env,
-                          timeout=60)
+    status = classgrad_cli("jobs", "status", job_id, "--json", "--address", cluster.dashboard_url, env=env, timeout=60)
     assert status.returncode == 0 and '"status": "STOPPED"' in status.stdout, status.stdout + status.stderr
     # The entrypoint is the module form, joining the cluster it runs in (see service/submit.py).
     assert f"python -m classgrad run {CONFIG}" in status.stdout and "cluster.address=auto" in status.stdout
@@ -101,8 +104,9 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     assert 2 <= done_at_stop < stopped.num_shards
 
     # The same command again resumes: done shards are skipped, the rest computed on two nodes.
-    again = classgrad_cli("submit", CONFIG, "--address", cluster.dashboard_url, "--follow", *sets, env=env,
-                          timeout=JOB_TIMEOUT_S)
+    again = classgrad_cli(
+        "submit", CONFIG, "--address", cluster.dashboard_url, "--follow", *sets, env=env, timeout=JOB_TIMEOUT_S
+    )
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert ": complete" in again.stdout
     run = check_store(store, overrides)
@@ -117,13 +121,37 @@ def test_ray_job_submit_runs_the_same_job(cluster, tmp_path):
     ray_cli = str(Path(sys.executable).with_name("ray"))
     # Ray's own client needs RAY_AUTH_MODE=token and the token (cluster.client_env gives both).
     r = subprocess.run(
-        [ray_cli, "job", "submit", "--address", cluster.dashboard_url, "--submission-id", job_id,
-         "--working-dir", str(REPO), "--", "python", "-m", "classgrad", "run", CONFIG,
-         "--set", f"store.url={store}", "--set", "cluster.address=auto"],
-        cwd=REPO, env=cluster.client_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+        [
+            ray_cli,
+            "job",
+            "submit",
+            "--address",
+            cluster.dashboard_url,
+            "--submission-id",
+            job_id,
+            "--working-dir",
+            str(REPO),
+            "--",
+            "python",
+            "-m",
+            "classgrad",
+            "run",
+            CONFIG,
+            "--set",
+            f"store.url={store}",
+            "--set",
+            "cluster.address=auto",
+        ],
+        cwd=REPO,
+        env=cluster.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    status = classgrad_cli("jobs", "status", job_id, "--address", cluster.dashboard_url,
-                           env=cluster.client_env(), timeout=60)
+    status = classgrad_cli(
+        "jobs", "status", job_id, "--address", cluster.dashboard_url, env=cluster.client_env(), timeout=60
+    )
     assert status.returncode == 0 and f"job         {job_id}: SUCCEEDED" in status.stdout, status.stdout
     run = check_store(store, [f"store.url={store}"])
     assert len(set(run["nodes"])) == 2
@@ -136,8 +164,9 @@ def test_clients_without_the_token_are_refused(cluster, tmp_path, monkeypatch, c
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=10)
         assert info.value.code == 401
-    request = urllib.request.Request(f"{cluster.dashboard_url}/api/jobs/",
-                                     headers={"Authorization": "Bearer not-the-token"})
+    request = urllib.request.Request(
+        f"{cluster.dashboard_url}/api/jobs/", headers={"Authorization": "Bearer not-the-token"}
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
     assert info.value.code == 403
@@ -146,8 +175,9 @@ def test_clients_without_the_token_are_refused(cluster, tmp_path, monkeypatch, c
     for var in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token either
-    code, out, err = in_process_cli(["submit", CONFIG, "--address", cluster.dashboard_url,
-                                     "--set", f"store.url={tmp_path / 'never.zarr'}"], capsys)
+    code, out, err = in_process_cli(
+        ["submit", CONFIG, "--address", cluster.dashboard_url, "--set", f"store.url={tmp_path / 'never.zarr'}"], capsys
+    )
     assert code == 2 and out == "" and err.startswith("classgrad: error: "), err
     assert "refused the request: no auth token was sent" in err
     assert not (tmp_path / "never.zarr").exists()
@@ -162,16 +192,30 @@ def test_clients_without_the_token_are_refused(cluster, tmp_path, monkeypatch, c
         code, _, err = in_process_cli(["jobs", action, "no-such-job", "--address", cluster.dashboard_url], capsys)
         assert code == 2 and "no job 'no-such-job'" in err and err.startswith("classgrad: error: "), (action, err)
     code, _, err = in_process_cli(["jobs", "list", "--address", f"127.0.0.1:{free_port()}"], capsys)
-    assert code == 2 and "cannot reach the Ray job server at http://127.0.0.1:" in err and err.startswith("classgrad: error: "), err
+    assert (
+        code == 2
+        and "cannot reach the Ray job server at http://127.0.0.1:" in err
+        and err.startswith("classgrad: error: ")
+    ), err
     code, out, _ = in_process_cli(["jobs", "list", "--address", cluster.dashboard_url], capsys)
     assert code == 0 and "SUCCEEDED" in out
 
 
 def test_a_failing_job_exits_3_with_its_own_error_line(cluster, tmp_path):
     # The factory's syntax is valid (checked locally), the module exists nowhere (found remotely).
-    r = classgrad_cli("submit", CONFIG, "--address", cluster.dashboard_url, "--follow",
-                      "--set", f"store.url={tmp_path / 'bad.zarr'}", "--set", "model.factory=no_such_module:net",
-                      env=cluster.client_env(), timeout=JOB_TIMEOUT_S)
+    r = classgrad_cli(
+        "submit",
+        CONFIG,
+        "--address",
+        cluster.dashboard_url,
+        "--follow",
+        "--set",
+        f"store.url={tmp_path / 'bad.zarr'}",
+        "--set",
+        "model.factory=no_such_module:net",
+        env=cluster.client_env(),
+        timeout=JOB_TIMEOUT_S,
+    )
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 3 and last.startswith("classgrad: error: job raysubmit_"), r.stderr[-2000:]
     assert " FAILED: classgrad: error: " in last and "no_such_module" in last, last
@@ -196,8 +240,15 @@ def _wait_for_progress(url: str, shards: int, proc: subprocess.Popen | None, tim
 def test_a_stopped_worker_node_mid_job_still_gives_a_complete_correct_store(cluster, tmp_path):
     store = str(tmp_path / "fault.zarr")
     overrides = [*SLOW, f"store.url={store}"]
-    proc = start_cli("submit", CONFIG, "--address", cluster.dashboard_url, "--follow",
-                     *[a for o in overrides for a in ("--set", o)], env=cluster.client_env())
+    proc = start_cli(
+        "submit",
+        CONFIG,
+        "--address",
+        cluster.dashboard_url,
+        "--follow",
+        *[a for o in overrides for a in ("--set", o)],
+        env=cluster.client_env(),
+    )
     try:
         done_before = _wait_for_progress(store, 3, proc)
         actors = cluster.actor_nodes("classgrad-")

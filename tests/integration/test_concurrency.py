@@ -41,12 +41,27 @@ from tests.support.harness import (
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-MLP = {"model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16}},
-       "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
-                           "empty_classes": [5], "seed": 2}}}
+MLP = {
+    "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16}},
+    "data": {
+        "kwargs": {
+            "num_classes": 48,
+            "samples_per_class": 3,
+            "kind": "vector",
+            "input_shape": [8],
+            "empty_classes": [5],
+            "seed": 2,
+        }
+    },
+}
 # The same MLP, 0.15 s per forward: the first driver holds the store for several seconds.
-SLOW = {**MLP, "model": {"factory": "tests.support.slow_models:slow_mlp",
-                         "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16}}}
+SLOW = {
+    **MLP,
+    "model": {
+        "factory": "tests.support.slow_models:slow_mlp",
+        "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16},
+    },
+}
 
 
 def refused_line(capsys, argv: list[str]) -> str:

@@ -60,14 +60,14 @@ JOB_TIMEOUT_S = 180
 # Fast node-death detection: the GCS declares a node dead after 5 missed 1 s health checks
 # (Ray's default is about 15 s or more), so a crashed node is noticed within seconds. Not
 # tighter: on a loaded 2-core machine a healthy node must never miss 5 in a row.
-HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000,
-          "health_check_failure_threshold": 5}
+HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 2000, "health_check_failure_threshold": 5}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalRayCluster(workers=2, head_cpus=1, worker_cpus=1, env={"PYTHONPATH": str(REPO)},
-                         system_config=HEALTH) as c:
+    with LocalRayCluster(
+        workers=2, head_cpus=1, worker_cpus=1, env={"PYTHONPATH": str(REPO)}, system_config=HEALTH
+    ) as c:
         yield c
 
 
@@ -79,8 +79,15 @@ def clean(tmp_path_factory) -> dict[str, np.ndarray]:
 
 
 def run_on(cluster: LocalRayCluster, config: str, *extra: str):
-    return classgrad_cli("run", config, "--set", f"cluster.address={cluster.gcs_address}", *extra,
-                         env=cluster.client_env(), timeout=JOB_TIMEOUT_S)
+    return classgrad_cli(
+        "run",
+        config,
+        "--set",
+        f"cluster.address={cluster.gcs_address}",
+        *extra,
+        env=cluster.client_env(),
+        timeout=JOB_TIMEOUT_S,
+    )
 
 
 def last_run(url: str) -> dict:
@@ -116,8 +123,9 @@ def test_a_shard_out_of_attempts_fails_the_job_naming_it_and_keeps_the_rest(clus
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     (line,) = error_lines(proc.stderr)
-    assert line.startswith("classgrad: error: shard 2 (rows 8-11) failed 2 times: InjectedFault: "
-                           "injected fault while computing class 9"), line
+    assert line.startswith(
+        "classgrad: error: shard 2 (rows 8-11) failed 2 times: InjectedFault: injected fault while computing class 9"
+    ), line
     assert f"{NUM_SHARDS - 1} of {NUM_SHARDS} shards are saved, rerun to resume" in line
     store = open_store(url)
     # Everything else was finished and saved before the job gave up (DESIGN.md, data flow 5).
@@ -154,13 +162,15 @@ def test_a_crashed_worker_node_loses_no_rows(cluster, clean, tmp_path):
     plan = faulty.write_plan(tmp_path / "faults", delay_s=0.15)
     url = str(tmp_path / "crash.zarr")
     config = write_job(tmp_path / "crash.yaml", fault_job(url, plan))
-    proc = start_cli("run", config, "--set", f"cluster.address={cluster.gcs_address}",
-                     env=cluster.client_env())
+    proc = start_cli("run", config, "--set", f"cluster.address={cluster.gcs_address}", env=cluster.client_env())
     try:
         wait_for(lambda: shards_done(url) >= 2, 120, "2 shards done", alive=proc)
         # Never the head (the GCS lives there); a worker node that hosts one of our actors.
-        actors = wait_for(lambda: {n: i for n, i in cluster.actor_nodes("classgrad-").items() if i != 0},
-                          30, "an actor on a worker node")
+        actors = wait_for(
+            lambda: {n: i for n, i in cluster.actor_nodes("classgrad-").items() if i != 0},
+            30,
+            "an actor on a worker node",
+        )
         victim = sorted(actors.values())[0]
         cluster.stop_node(victim, force=True)
         done_at_crash = shards_done(url)

@@ -22,8 +22,9 @@ def reference_rows(config) -> torch.Tensor:
     """Rows of the float64 reference engine for the job's model, data and loss."""
     model = build_model(config.model.factory, config.model.kwargs, mode=config.model.mode).double()
     probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
-    return per_class_gradients(model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind,
-                               engine="reference")
+    return per_class_gradients(
+        model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind, engine="reference"
+    )
 
 
 @pytest.mark.parametrize("loss,engine", [("cross_entropy", "partitioned"), ("logit", "dense")])
@@ -46,16 +47,27 @@ def _kill_one_actor_when(driver: JobDriver, ray, shards_done: int, killed: list)
     deadline = time.monotonic() + 60
     while driver.summary.shards_done < shards_done and time.monotonic() < deadline:
         time.sleep(0.05)
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(f"classgrad-{driver.run_id}-w0-")]
-    ray.kill(ray.get_actor(names[0], namespace=next(
-        a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == names[0])))
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"classgrad-{driver.run_id}-w0-")
+    ]
+    ray.kill(
+        ray.get_actor(
+            names[0],
+            namespace=next(
+                a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == names[0]
+            ),
+        )
+    )
     killed.append(names[0])
 
 
 def test_killed_actor_is_replaced_and_rows_match_an_uninterrupted_run(job_config, ray_local, tmp_path):
-    slow = {"factory": "tests.support.slow_models:slow_mlp",
-            "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16}}
+    slow = {
+        "factory": "tests.support.slow_models:slow_mlp",
+        "kwargs": {"num_classes": 48, "delay_s": 0.15, "in_features": 8, "hidden": 16},
+    }
     data = {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8], "seed": 2}}
     config = job_config(model=slow, data=data)
     driver = JobDriver(config)

@@ -48,5 +48,5 @@ def test_legacy_store_resumes_one_shard_with_the_same_rows(tmp_path: Path) -> No
     # match bit for bit; a later torch may order float32 sums differently, so allow float32
     # roundoff over the short sums of this tiny MLP (normwise, as the engine contract states).
     assert max_relative_error(torch.from_numpy(rows), torch.from_numpy(expected)) <= 1e-6
-    untouched = np.r_[0:start, stop:store.num_classes]
+    untouched = np.r_[0:start, stop : store.num_classes]
     np.testing.assert_array_equal(rows[untouched], expected[untouched])  # never rewritten

@@ -23,6 +23,7 @@ from tests.support.harness import classgrad_cli, reference_rows
 from tests.support.engine_cases import max_relative_error
 
 import s3fs  # noqa: E402
+
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster; deselect with -m "not slow"
 
 CONFIG = "configs/cluster_s3.yaml"
@@ -35,8 +36,12 @@ SECRET = secrets.token_urlsafe(30)
 
 @pytest.fixture(scope="module")
 def s3_cluster(s3_server: str):
-    env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server,
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ACCESS_KEY_ID": KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": s3_server,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     with LocalRayCluster(workers=1, head_cpus=1, worker_cpus=1, env=env) as cluster:
         yield cluster
 
@@ -45,8 +50,17 @@ def test_s3_store_end_to_end_without_credentials_anywhere(s3_cluster, s3_server,
     url = f"s3://{s3_bucket}/jobs/cluster_s3.zarr"
     # The submitting machine has no credentials: only the cluster's nodes do.
     client_env = {k: v for k, v in s3_cluster.client_env().items() if not k.startswith("AWS_")}
-    r = classgrad_cli("submit", CONFIG, "--address", s3_cluster.dashboard_url, "--follow", "--set", f"store.url={url}",
-                      env=client_env, timeout=JOB_TIMEOUT_S)
+    r = classgrad_cli(
+        "submit",
+        CONFIG,
+        "--address",
+        s3_cluster.dashboard_url,
+        "--follow",
+        "--set",
+        f"store.url={url}",
+        env=client_env,
+        timeout=JOB_TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     job_id = r.stdout.splitlines()[0].strip()
 
@@ -69,10 +83,12 @@ def test_s3_store_end_to_end_without_credentials_anywhere(s3_cluster, s3_server,
         for secret in (KEY_ID, SECRET, s3_server):
             assert secret.encode() not in data, (secret, key)
     # ... nor in what the driver printed (the job's logs), the job's record, or the client output.
-    logs = classgrad_cli("jobs", "logs", job_id, "--address", s3_cluster.dashboard_url, env=client_env,
-                         timeout=JOB_TIMEOUT_S)
-    status = classgrad_cli("jobs", "status", job_id, "--json", "--address", s3_cluster.dashboard_url,
-                           env=client_env, timeout=JOB_TIMEOUT_S)
+    logs = classgrad_cli(
+        "jobs", "logs", job_id, "--address", s3_cluster.dashboard_url, env=client_env, timeout=JOB_TIMEOUT_S
+    )
+    status = classgrad_cli(
+        "jobs", "status", job_id, "--json", "--address", s3_cluster.dashboard_url, env=client_env, timeout=JOB_TIMEOUT_S
+    )
     assert logs.returncode == 0 and "complete" in logs.stdout and '"SUCCEEDED"' in status.stdout
     for text in (logs.stdout, logs.stderr, status.stdout, r.stdout, r.stderr):
         assert KEY_ID not in text and SECRET not in text

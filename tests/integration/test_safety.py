@@ -96,8 +96,10 @@ def test_a_malicious_checkpoint_is_refused_and_its_code_never_runs(tmp_path, cap
 
 def _gcs_probe(port: int, env: dict) -> subprocess.CompletedProcess:
     """Ask the GCS at 127.0.0.1:port for its keys, as a client with the given environment."""
-    code = (f"from ray._raylet import GcsClient\n"
-            f"print('KEYS', len(GcsClient(address='127.0.0.1:{port}').internal_kv_keys(b'', None, timeout=10)))\n")
+    code = (
+        f"from ray._raylet import GcsClient\n"
+        f"print('KEYS', len(GcsClient(address='127.0.0.1:{port}').internal_kv_keys(b'', None, timeout=10)))\n"
+    )
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -120,22 +122,35 @@ def _gcs_port(ray_tmp: str) -> int | None:
 def test_token_auth_stays_on_and_no_credential_is_written_anywhere(tmp_path, ray_tmp, s3_bucket, s3_server):
     tag = uuid.uuid4().hex[:12].upper()
     secrets = {
-        "env key": f"AKIAENV{tag}", "env secret": f"env-secret-{tag}",
-        "options key": f"AKIAOPT{tag}", "options secret": f"options-secret-{tag}",
+        "env key": f"AKIAENV{tag}",
+        "env secret": f"env-secret-{tag}",
+        "options key": f"AKIAOPT{tag}",
+        "options secret": f"options-secret-{tag}",
         "runtime_env token": f"session-token-{tag}",
     }
     plan = faulty.write_plan(tmp_path / "faults", hold=True)
     url = f"s3://{s3_bucket}/jobs/safe.zarr"
-    options = {"key": secrets["options key"], "secret": secrets["options secret"],
-               "client_kwargs": {"endpoint_url": s3_server}}
-    job = fault_job(url, plan, store={"url": url, "storage_options": options},
-                    cluster={"runtime_env": {"env_vars": {"AWS_SESSION_TOKEN": secrets["runtime_env token"]}}})
+    options = {
+        "key": secrets["options key"],
+        "secret": secrets["options secret"],
+        "client_kwargs": {"endpoint_url": s3_server},
+    }
+    job = fault_job(
+        url,
+        plan,
+        store={"url": url, "storage_options": options},
+        cluster={"runtime_env": {"env_vars": {"AWS_SESSION_TOKEN": secrets["runtime_env token"]}}},
+    )
     path = write_job(tmp_path / "job.yaml", job)
     # Nobody asks for token auth (no RAY_AUTH_*), Ray's files go to a private temp dir, and the
     # driver has AWS credentials in its environment; -v: debug logging, the most it ever says.
     base = {k: v for k, v in repo_env().items() if not k.startswith(("RAY_", "AWS_"))}
-    env = {**base, "RAY_TMPDIR": ray_tmp, "AWS_ACCESS_KEY_ID": secrets["env key"],
-           "AWS_SECRET_ACCESS_KEY": secrets["env secret"]}
+    env = {
+        **base,
+        "RAY_TMPDIR": ray_tmp,
+        "AWS_ACCESS_KEY_ID": secrets["env key"],
+        "AWS_SECRET_ACCESS_KEY": secrets["env secret"],
+    }
     proc = start_cli("-v", "run", path, env=env, output=tmp_path / "cli")
     try:
         wait_for(lambda: faulty.started(plan), 120, "the job's actors to start", alive=proc)
@@ -143,8 +158,9 @@ def test_token_auth_stays_on_and_no_credential_is_written_anywhere(tmp_path, ray
 
         # ...and yet the GCS of the driver's Ray wants the token.
         no_token = _gcs_probe(port, {**base, "HOME": str(tmp_path)})  # no ~/.ray/auth_token there
-        wrong = _gcs_probe(port, {**base, "HOME": str(tmp_path), "RAY_AUTH_MODE": "token",
-                                  "RAY_AUTH_TOKEN": "not-the-token"})
+        wrong = _gcs_probe(
+            port, {**base, "HOME": str(tmp_path), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"}
+        )
         right = _gcs_probe(port, {**base, "RAY_AUTH_MODE": "token"})  # the token ray.init keeps in ~/.ray
         for refused in (no_token, wrong):
             assert refused.returncode != 0 and "InvalidAuthToken" in refused.stderr, refused.stderr[-2000:]
@@ -180,11 +196,15 @@ def test_token_auth_stays_on_and_no_credential_is_written_anywhere(tmp_path, ray
     places = {f"s3://{key}": data for key, data in objects.items()}
     places.update({"stdout": out.encode(), "stderr": err.encode()})
     places.update({str(p): p.read_bytes() for p in log_files})
-    leaks = [(what, where) for what, secret in secrets.items() for where, data in places.items()
-             if secret.encode() in data]
+    leaks = [
+        (what, where) for what, secret in secrets.items() for where, data in places.items() if secret.encode() in data
+    ]
     # Known, and Ray's own: its runtime env agent logs each runtime_env it creates, env_vars
     # values included. Credentials belong in the nodes' environment (or an IAM role), never in
     # cluster.runtime_env; classgrad keeps them out of the store, Ray's log is beyond it.
-    rays_own = [(what, where) for what, where in leaks
-                if what == "runtime_env token" and where.endswith("runtime_env_agent.log")]
+    rays_own = [
+        (what, where)
+        for what, where in leaks
+        if what == "runtime_env token" and where.endswith("runtime_env_agent.log")
+    ]
     assert [leak for leak in leaks if leak not in rays_own] == []

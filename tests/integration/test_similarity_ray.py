@@ -67,13 +67,11 @@ def test_ray_tasks_on_object_storage(ray_local, s3_bucket, s3_storage_options):
     """Tasks open the store on S3 themselves (storage options travel with them); a rerun
     replaces the previous arrays there too; verify sees the result."""
     url = f"s3://{s3_bucket}/store"
-    spec = StoreSpec(num_classes=64, dim=48, shard_rows=32, row_chunk=16, col_chunk=24,
-                     fingerprint="s3")
+    spec = StoreSpec(num_classes=64, dim=48, shard_rows=32, row_chunk=16, col_chunk=24, fingerprint="s3")
     rows = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
     write_all(create_store(url, spec, storage_options=s3_storage_options), rows)
     compute_similarity(url, storage_options=s3_storage_options, top_k=3, block_rows=16)
-    summary = compute_similarity(url, storage_options=s3_storage_options, metric="dot",
-                                 top_k=2, block_rows=32)
+    summary = compute_similarity(url, storage_options=s3_storage_options, metric="dot", top_k=2, block_rows=32)
     assert summary["tasks"] == 2
     reader = open_store(url, storage_options=s3_storage_options)
     ref = dense_similarity(rows, "dot")
@@ -89,17 +87,20 @@ def test_ray_tasks_on_object_storage(ray_local, s3_bucket, s3_storage_options):
 def demo_like_store(path: Path) -> None:
     """A store with the demo job's layout (its second hidden layer, "2.*") and 300 classes."""
     rng = np.random.default_rng(0)
-    spec = StoreSpec(num_classes=300, dim=1056, shard_rows=64, row_chunk=32,
-                     layout=(ParamSlot("2.weight", (32, 32), 0, 1024),
-                             ParamSlot("2.bias", (32,), 1024, 32)),
-                     fingerprint="demo-like", loss_kind="cross_entropy")
-    write_all(create_store(str(path), spec),
-              (0.01 * rng.standard_normal((300, 1056))).astype(np.float32))
+    spec = StoreSpec(
+        num_classes=300,
+        dim=1056,
+        shard_rows=64,
+        row_chunk=32,
+        layout=(ParamSlot("2.weight", (32, 32), 0, 1024), ParamSlot("2.bias", (32,), 1024, 32)),
+        fingerprint="demo-like",
+        loss_kind="cross_entropy",
+    )
+    write_all(create_store(str(path), spec), (0.01 * rng.standard_normal((300, 1056))).astype(np.float32))
 
 
 def doc_blocks(text: str) -> list[tuple[str, str]]:
-    return [(m.group(1), m.group(2)) for m in
-            re.finditer(r"```(python|console)\n(.*?)```", text, flags=re.S)]
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"```(python|console)\n(.*?)```", text, flags=re.S)]
 
 
 def test_docs_reading_snippets_run_as_written(ray_local, tmp_path, monkeypatch, capsys):
@@ -123,8 +124,7 @@ def test_docs_reading_snippets_run_as_written(ray_local, tmp_path, monkeypatch, 
     assert namespace["S"].shape == (2, 300) and namespace["index"].shape == (1, 10)
     assert namespace["lazy"].dims == ("class", "other_class")
     assert namespace["mean"] == pytest.approx(namespace["grads"].mean(axis=0).values)
-    assert sorted(os.listdir(tmp_path / "plots")) == ["class_norms.png", "param_norms.png",
-                                                       "similarity_heatmap.png"]
+    assert sorted(os.listdir(tmp_path / "plots")) == ["class_norms.png", "param_norms.png", "similarity_heatmap.png"]
     model = namespace["model"]
     assert model.get_parameter("2.bias").grad is not None  # loaded, then stepped
     assert model.get_parameter("0.bias").grad is None  # not in the store: left alone

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 C = 20_000
 SHARD_ROWS = 500  # 40 shards of ~0.2 s each on one core
 KILL_EVERY_SHARDS = 4  # kills once 2, 6, ... 30 shards are done: spread over the whole job,
-FIRST_KILL_AT = 2       # with 10 shards left after the last for it to land and be noticed
+FIRST_KILL_AT = 2  # with 10 shards left after the last for it to land and be noticed
 MIN_GAP_S = 1.0
 MAX_KILLS = 8
 # Liveness bound for the whole job: about 15 s of work on 2 cores, plus 8 replacements of a few
@@ -55,8 +55,10 @@ def soak_job(url: str) -> dict:
     return small_job(
         url,
         model={"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 8}},
-        data={"kwargs": {"num_classes": C, "samples_per_class": 1, "kind": "vector", "input_shape": [8],
-                         "seed": 3}, "batch_size": 256},
+        data={
+            "kwargs": {"num_classes": C, "samples_per_class": 1, "kind": "vector", "input_shape": [8], "seed": 3},
+            "batch_size": 256,
+        },
         loss={"num_classes": C},
         params={"include": ["0.*"]},
         # Kills land on running shards: each such shard counts an attempt, and each kill costs a
@@ -73,7 +75,7 @@ def _current_actor(ray, run_id: str, slot: int):
     named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     if not named:
         return None, None
-    newest = max(named, key=lambda a: int(a["name"][len(prefix):]))
+    newest = max(named, key=lambda a: int(a["name"][len(prefix) :]))
     return newest["name"], ray.get_actor(newest["name"], namespace=newest["namespace"])
 
 
@@ -127,9 +129,13 @@ def test_20000_classes_survive_an_actor_killed_every_few_seconds(tmp_path, ray_l
     summary = outcome["summary"]
     # The figures, for --junitxml (CI keeps them): what the job survived, and how long it took.
     gaps = np.diff([t0] + [at for _, at in kills])
-    for name, value in (("kills", len(kills)), ("actors_replaced", summary.actors_replaced),
-                        ("retries", summary.retries), ("seconds", round(seconds, 1)),
-                        ("seconds_between_kills", round(float(gaps[1:].mean()), 1) if len(gaps) > 1 else None)):
+    for name, value in (
+        ("kills", len(kills)),
+        ("actors_replaced", summary.actors_replaced),
+        ("retries", summary.retries),
+        ("seconds", round(seconds, 1)),
+        ("seconds_between_kills", round(float(gaps[1:].mean()), 1) if len(gaps) > 1 else None),
+    ):
         record_property(name, value)
     assert summary.status == "complete"
     assert len(kills) == MAX_KILLS, f"only {len(kills)} kills: {kills}"

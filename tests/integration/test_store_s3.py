@@ -12,9 +12,15 @@ import s3fs  # noqa: E402
 
 
 def spec(**kw) -> StoreSpec:
-    base = dict(num_classes=40, dim=24, shard_rows=16, row_chunk=8, col_chunk=10,
-                layout=(ParamSlot("w", (4, 4), 0, 16), ParamSlot("b", (8,), 16, 8)),
-                fingerprint="fp-s3")
+    base = dict(
+        num_classes=40,
+        dim=24,
+        shard_rows=16,
+        row_chunk=8,
+        col_chunk=10,
+        layout=(ParamSlot("w", (4, 4), 0, 16), ParamSlot("b", (8,), 16, 8)),
+        fingerprint="fp-s3",
+    )
     base.update(kw)
     return StoreSpec(**base)
 
@@ -23,12 +29,10 @@ def spec(**kw) -> StoreSpec:
 def test_s3_round_trip_without_credentials_in_the_store(s3_bucket, s3_storage_options, sharded):
     url = f"s3://{s3_bucket}/jobs/demo.zarr"
     rows = np.random.default_rng(0).standard_normal((40, 24)).astype(np.float32)
-    store = create_store(url, spec(sharded=sharded, dtype="float16", codec="zstd"),
-                         storage_options=s3_storage_options)
+    store = create_store(url, spec(sharded=sharded, dtype="float16", codec="zstd"), storage_options=s3_storage_options)
     for shard in range(store.num_shards):
         start, stop = store.shard_range(shard)
-        store.write_rows(start, rows[start:stop], loss=np.ones(stop - start),
-                         count=np.ones(stop - start))
+        store.write_rows(start, rows[start:stop], loss=np.ones(stop - start), count=np.ones(stop - start))
         store.mark_shard_done(shard)
     store.lease.acquire("run-1")
     store.append_run({"rows": 40})
@@ -42,8 +46,9 @@ def test_s3_round_trip_without_credentials_in_the_store(s3_bucket, s3_storage_op
     assert np.array_equal(reader.to_dask().compute(), out)  # the same decoding, exactly
 
     # Same fingerprint reopens; another is refused.
-    assert create_store(url, spec(sharded=sharded, dtype="float16", codec="zstd"),
-                        storage_options=s3_storage_options).is_complete
+    assert create_store(
+        url, spec(sharded=sharded, dtype="float16", codec="zstd"), storage_options=s3_storage_options
+    ).is_complete
     with pytest.raises(StoreMismatchError):
         create_store(url, spec(fingerprint="other"), storage_options=s3_storage_options)
 
@@ -66,8 +71,7 @@ def test_s3_overwrite(s3_bucket, s3_storage_options):
     store = create_store(url, spec(), storage_options=s3_storage_options)
     store.write_rows(0, np.ones((16, 24)), loss=np.ones(16), count=np.ones(16))
     store.mark_shard_done(0)
-    new = create_store(url, spec(fingerprint="v2"), storage_options=s3_storage_options,
-                       overwrite=True)
+    new = create_store(url, spec(fingerprint="v2"), storage_options=s3_storage_options, overwrite=True)
     assert new.fingerprint == "v2" and not new.shard_done.any()
     assert new.rows([0], allow_missing=True).shape == (1, 24)
 
@@ -82,11 +86,16 @@ def test_missing_bucket_is_one_clear_line(s3_storage_options):
 
 def test_unreachable_endpoint_is_one_clear_line():
     # A closed port; one attempt and a short timeout keep the test fast.
-    options = {"key": "k", "secret": "s",
-               "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
-               "config_kwargs": {"connect_timeout": 2, "retries": {"max_attempts": 1}}}
-    for call in (lambda: create_store("s3://b/x.zarr", spec(), storage_options=options),
-                 lambda: open_store("s3://b/x.zarr", storage_options=options)):
+    options = {
+        "key": "k",
+        "secret": "s",
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"connect_timeout": 2, "retries": {"max_attempts": 1}},
+    }
+    for call in (
+        lambda: create_store("s3://b/x.zarr", spec(), storage_options=options),
+        lambda: open_store("s3://b/x.zarr", storage_options=options),
+    ):
         with pytest.raises(StoreError) as info:
             call()
         message = str(info.value)

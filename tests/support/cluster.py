@@ -125,11 +125,18 @@ class LocalRayCluster:
     for looking at a failed test's nodes afterwards.
     """
 
-    def __init__(self, *, workers: int = 1, head_cpus: int = 1, worker_cpus: int = 1,
-                 root: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 system_config: Mapping[str, Any] | None = None,
-                 object_store_bytes: int = OBJECT_STORE_BYTES,
-                 start_timeout_s: float = NODE_START_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        workers: int = 1,
+        head_cpus: int = 1,
+        worker_cpus: int = 1,
+        root: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        system_config: Mapping[str, Any] | None = None,
+        object_store_bytes: int = OBJECT_STORE_BYTES,
+        start_timeout_s: float = NODE_START_TIMEOUT_S,
+    ) -> None:
         self._own_root = root is None
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="cgray-", dir="/tmp"))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -162,8 +169,11 @@ class LocalRayCluster:
         return self.token_path.read_text().strip()
 
     def _base_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_"))}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_"))
+        }
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
         env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -222,14 +232,24 @@ class LocalRayCluster:
         temp_dir = self.root / f"n{index}"  # short: it prefixes Unix socket paths
         temp_dir.mkdir(parents=True, exist_ok=True)
         ports = {
-            "node_manager": free_port(), "object_manager": free_port(),
-            "dashboard_agent_listen": free_port(), "dashboard_agent_grpc": free_port(),
-            "runtime_env_agent": free_port(), "metrics_export": free_port(),
+            "node_manager": free_port(),
+            "object_manager": free_port(),
+            "dashboard_agent_listen": free_port(),
+            "dashboard_agent_grpc": free_port(),
+            "runtime_env_agent": free_port(),
+            "metrics_export": free_port(),
         }
         cmd = [
-            _ray_executable(), "start", "--block", "--disable-usage-stats",
-            f"--node-ip-address={HOST}", f"--node-name=cg-{name}", f"--temp-dir={temp_dir}",
-            f"--num-cpus={num_cpus}", "--num-gpus=0", f"--object-store-memory={self.object_store_bytes}",
+            _ray_executable(),
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--node-ip-address={HOST}",
+            f"--node-name=cg-{name}",
+            f"--temp-dir={temp_dir}",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--object-store-memory={self.object_store_bytes}",
             f"--node-manager-port={ports['node_manager']}",
             f"--object-manager-port={ports['object_manager']}",
             f"--dashboard-agent-listen-port={ports['dashboard_agent_listen']}",
@@ -237,26 +257,44 @@ class LocalRayCluster:
             f"--runtime-env-agent-port={ports['runtime_env_agent']}",
             f"--metrics-export-port={ports['metrics_export']}",
             # 0/0 = workers bind OS-chosen ports: a fixed range would collide between nodes.
-            "--min-worker-port=0", "--max-worker-port=0",
+            "--min-worker-port=0",
+            "--max-worker-port=0",
         ]
         if head:
             ports.update(gcs=self.gcs_port, dashboard=self.dashboard_port, client_server=free_port())
             cmd += [
-                "--head", f"--port={self.gcs_port}", "--include-dashboard=true",
-                f"--dashboard-host={HOST}", f"--dashboard-port={self.dashboard_port}",
+                "--head",
+                f"--port={self.gcs_port}",
+                "--include-dashboard=true",
+                f"--dashboard-host={HOST}",
+                f"--dashboard-port={self.dashboard_port}",
                 f"--ray-client-server-port={ports['client_server']}",
             ]
             if self.system_config:
                 cmd.append(f"--system-config={json.dumps(self.system_config)}")
         else:
             cmd.append(f"--address={self.gcs_address}")
-        node = RayNode(index=index, name=name, head=head, num_cpus=num_cpus, temp_dir=temp_dir,
-                       log_path=self.root / f"{name}.log", ports=ports)
+        node = RayNode(
+            index=index,
+            name=name,
+            head=head,
+            num_cpus=num_cpus,
+            temp_dir=temp_dir,
+            log_path=self.root / f"{name}.log",
+            ports=ports,
+        )
         self.nodes.append(node)
         with open(node.log_path, "wb") as out:
             # Own session: stop_node finds exactly this node's processes by their session id.
-            node.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.node_env(), cwd=self.root, start_new_session=True)
+            node.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.node_env(),
+                cwd=self.root,
+                start_new_session=True,
+            )
         log.info("started Ray node %d (%s), pid %d, log %s", index, name, node.proc.pid, node.log_path)
         return node
 
@@ -341,8 +379,9 @@ class LocalRayCluster:
 
     def api(self, path: str, *, timeout_s: float = 10.0) -> Any:
         """GET a dashboard JSON endpoint with the cluster's token (e.g. ``/api/v0/nodes``)."""
-        request = urllib.request.Request(f"{self.dashboard_url}{path}",
-                                         headers={"Authorization": f"Bearer {self.token}"})
+        request = urllib.request.Request(
+            f"{self.dashboard_url}{path}", headers={"Authorization": f"Bearer {self.token}"}
+        )
         with urllib.request.urlopen(request, timeout=timeout_s) as response:  # noqa: S310 - loopback
             return json.loads(response.read())
 
@@ -354,8 +393,11 @@ class LocalRayCluster:
     def node_ids(self) -> dict[int, str]:
         """{node index: Ray node id} of the nodes the GCS reports ALIVE."""
         by_name = {f"cg-{n.name}": n.index for n in self.nodes}
-        return {by_name[r["node_name"]]: r["node_id"] for r in self._state("nodes", state="ALIVE")
-                if r.get("node_name") in by_name}
+        return {
+            by_name[r["node_name"]]: r["node_id"]
+            for r in self._state("nodes", state="ALIVE")
+            if r.get("node_name") in by_name
+        }
 
     def node_index(self, node_id: str) -> int | None:
         """Our index of a Ray node id (alive or dead), or None."""
@@ -368,8 +410,11 @@ class LocalRayCluster:
     def actor_nodes(self, name_prefix: str = "") -> dict[str, int]:
         """{actor name: node index} of ALIVE named actors whose name starts with ``name_prefix``."""
         index = {v: k for k, v in self.node_ids().items()}
-        return {a["name"]: index[a["node_id"]] for a in self._state("actors", state="ALIVE")
-                if a.get("name", "").startswith(name_prefix) and a.get("node_id") in index}
+        return {
+            a["name"]: index[a["node_id"]]
+            for a in self._state("actors", state="ALIVE")
+            if a.get("name", "").startswith(name_prefix) and a.get("node_id") in index
+        }
 
     def wait_for_nodes(self, count: int, timeout_s: float | None = None) -> None:
         """Wait until the GCS reports ``count`` alive nodes of ours (raises with logs if not)."""
@@ -400,8 +445,9 @@ class LocalRayCluster:
     def _check_processes(self) -> None:
         for node in self.nodes:
             if not node.stopped and node.proc is not None and node.proc.poll() is not None:
-                raise RuntimeError(f"Ray node {node.index} ({node.name}) exited with {node.proc.returncode}:\n"
-                                   f"{node.log_tail()}")
+                raise RuntimeError(
+                    f"Ray node {node.index} ({node.name}) exited with {node.proc.returncode}:\n{node.log_tail()}"
+                )
 
     def _logs(self) -> str:
         return "\n".join(f"--- {n.name} ({n.log_path})\n{n.log_tail()}" for n in self.nodes)

@@ -43,8 +43,12 @@ class StridedInplaceCNN(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(
-            nn.Conv2d(3, 4, 3, stride=2, dilation=2, padding=2), nn.ReLU(inplace=True),
-            nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(3, 4, 3, stride=2, dilation=2, padding=2),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(4, 6, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Linear(6, num_classes)
 
@@ -90,8 +94,14 @@ class WeightUsedOutside(nn.Module):
 
 def bn_without_running_stats() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, NUM_CLASSES)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, NUM_CLASSES),
+    ).eval()
 
 
 @dataclass(frozen=True)
@@ -102,28 +112,41 @@ class ModelCase:
 
 
 MODEL_CASES = {
-    "mlp": ModelCase("mlp", lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval(),
-                     dict(kind="vector", input_shape=(8,))),
-    "cnn": ModelCase("cnn", lambda: zoo.small_cnn(NUM_CLASSES, width=4).eval(),
-                     dict(kind="image", input_shape=(3, 8, 8))),
-    "bn_eval": ModelCase("bn_eval", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).eval(),
-                         dict(kind="image", input_shape=(3, 8, 8))),
-    "bn_train": ModelCase("bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).train(),
-                          dict(kind="image", input_shape=(3, 8, 8))),
-    "strided_inplace": ModelCase("strided_inplace", lambda: StridedInplaceCNN(NUM_CLASSES).eval(),
-                                 dict(kind="image", input_shape=(3, 9, 9))),
+    "mlp": ModelCase(
+        "mlp", lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval(), dict(kind="vector", input_shape=(8,))
+    ),
+    "cnn": ModelCase(
+        "cnn", lambda: zoo.small_cnn(NUM_CLASSES, width=4).eval(), dict(kind="image", input_shape=(3, 8, 8))
+    ),
+    "bn_eval": ModelCase(
+        "bn_eval", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).eval(), dict(kind="image", input_shape=(3, 8, 8))
+    ),
+    "bn_train": ModelCase(
+        "bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=4).train(), dict(kind="image", input_shape=(3, 8, 8))
+    ),
+    "strided_inplace": ModelCase(
+        "strided_inplace", lambda: StridedInplaceCNN(NUM_CLASSES).eval(), dict(kind="image", input_shape=(3, 9, 9))
+    ),
     "tied": ModelCase("tied", lambda: TiedMLP(NUM_CLASSES).eval(), dict(kind="vector", input_shape=(8,))),
-    "weight_outside": ModelCase("weight_outside", lambda: WeightUsedOutside(NUM_CLASSES).eval(),
-                                dict(kind="vector", input_shape=(8,))),
+    "weight_outside": ModelCase(
+        "weight_outside", lambda: WeightUsedOutside(NUM_CLASSES).eval(), dict(kind="vector", input_shape=(8,))
+    ),
     "bn_no_stats": ModelCase("bn_no_stats", bn_without_running_stats, dict(kind="image", input_shape=(3, 8, 8))),
-    "transformer": ModelCase("transformer", lambda: zoo.tiny_transformer(NUM_CLASSES, vocab=32, dim=8, max_len=8).eval(),
-                             dict(kind="tokens", vocab=32, seq_len=6)),
+    "transformer": ModelCase(
+        "transformer",
+        lambda: zoo.tiny_transformer(NUM_CLASSES, vocab=32, dim=8, max_len=8).eval(),
+        dict(kind="tokens", vocab=32, seq_len=6),
+    ),
     # Fewer features into the final Linear layer than classes: the dense engine's rows through
     # the head (classgrad.workers.engines.head) apply to linear losses.
-    "narrow_mlp": ModelCase("narrow_mlp", lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=5).eval(),
-                            dict(kind="vector", input_shape=(8,))),
-    "narrow_bn_train": ModelCase("narrow_bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=1).train(),
-                                 dict(kind="image", input_shape=(3, 8, 8))),
+    "narrow_mlp": ModelCase(
+        "narrow_mlp",
+        lambda: zoo.mlp(NUM_CLASSES, in_features=8, hidden=5).eval(),
+        dict(kind="vector", input_shape=(8,)),
+    ),
+    "narrow_bn_train": ModelCase(
+        "narrow_bn_train", lambda: zoo.bn_cnn(NUM_CLASSES, width=1).train(), dict(kind="image", input_shape=(3, 8, 8))
+    ),
 }
 # Models whose final Linear layer has fewer input features than there are classes.
 NARROW_HEAD_MODELS = {"narrow_mlp", "narrow_bn_train"}
@@ -143,26 +166,39 @@ BATCH_COUPLED_MODELS = {"bn_train", "bn_no_stats", "narrow_bn_train"}
 def probe_data(model_case: str, loss_case: str, samples_per_class: int = 3):
     """Imbalanced classes (one empty, one bigger than a batch), multi-hot targets for bce."""
     return zoo.synthetic_probe(
-        NUM_CLASSES, samples_per_class, imbalance=1.0, empty_classes=[EMPTY_CLASS],
-        multilabel=loss_case == "bce", seed=1, **MODEL_CASES[model_case].data_kwargs,
+        NUM_CLASSES,
+        samples_per_class,
+        imbalance=1.0,
+        empty_classes=[EMPTY_CLASS],
+        multilabel=loss_case == "bce",
+        seed=1,
+        **MODEL_CASES[model_case].data_kwargs,
     )
 
 
-def engine_for(model_case: str, loss_case: str, engine: str, *, float64: bool = False,
-               samples_per_class: int = 3, **options):
+def engine_for(
+    model_case: str, loss_case: str, engine: str, *, float64: bool = False, samples_per_class: int = 3, **options
+):
     model = MODEL_CASES[model_case].build()
     if float64:
         model = copy.deepcopy(model).double()
-    return build_engine(model, probe_data(model_case, loss_case, samples_per_class),
-                        num_classes=NUM_CLASSES, loss=LOSS_CASES[loss_case], engine=engine,
-                        batch_size=BATCH_SIZE, **options)
+    return build_engine(
+        model,
+        probe_data(model_case, loss_case, samples_per_class),
+        num_classes=NUM_CLASSES,
+        loss=LOSS_CASES[loss_case],
+        engine=engine,
+        batch_size=BATCH_SIZE,
+        **options,
+    )
 
 
 @functools.lru_cache(maxsize=None)
 def reference_rows(model_case: str, loss_case: str, samples_per_class: int = 3):
     """The reference engine in float64: the ground truth every engine is compared with."""
-    block = engine_for(model_case, loss_case, "reference", float64=True,
-                       samples_per_class=samples_per_class).compute(range(NUM_CLASSES))
+    block = engine_for(model_case, loss_case, "reference", float64=True, samples_per_class=samples_per_class).compute(
+        range(NUM_CLASSES)
+    )
     return block.rows, block.loss
 
 

@@ -55,8 +55,14 @@ class InjectedFault(RuntimeError):
     """The error the fault plan raises (an ordinary exception, as a bug in user code would be)."""
 
 
-def write_plan(directory: str | Path, *, fail_class: int | None = None, fail_times: int = 0,
-               delay_s: float = 0.0, hold: bool = False) -> str:
+def write_plan(
+    directory: str | Path,
+    *,
+    fail_class: int | None = None,
+    fail_times: int = 0,
+    delay_s: float = 0.0,
+    hold: bool = False,
+) -> str:
     """Write a fault plan into ``directory`` (created); returns the directory as a string.
     ``hold``: the loss waits while ``<directory>/hold`` exists (``release`` removes it), after
     leaving ``<directory>/started``: a job that is surely running while a test looks at it."""
@@ -65,8 +71,16 @@ def write_plan(directory: str | Path, *, fail_class: int | None = None, fail_tim
     hold_file = path / "hold"
     if hold:
         hold_file.touch()
-    (path / PLAN).write_text(json.dumps({"fail_class": fail_class, "fail_times": fail_times,
-                                         "delay_s": delay_s, "hold_file": str(hold_file) if hold else None}))
+    (path / PLAN).write_text(
+        json.dumps(
+            {
+                "fail_class": fail_class,
+                "fail_times": fail_times,
+                "delay_s": delay_s,
+                "hold_file": str(hold_file) if hold else None,
+            }
+        )
+    )
     return str(path)
 
 
@@ -123,8 +137,9 @@ def flaky_cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Te
             if _count_fault(directory, int(plan.get("fail_times", 0)), int(target)):
                 raise InjectedFault(f"injected fault while computing class {target} (pid {os.getpid()})")
     # Exactly what loss.kind=cross_entropy computes (workers/losses.py), so rows are identical.
-    return F.cross_entropy(outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs,
-                           labels, reduction="none")
+    return F.cross_entropy(
+        outputs.float() if outputs.dtype in (torch.float16, torch.bfloat16) else outputs, labels, reduction="none"
+    )
 
 
 def _no_op(module: nn.Module, args: tuple) -> None:

@@ -54,10 +54,20 @@ def fault_job(url: str, plan_dir: str | None = None, **sections) -> dict:
     from tests.support.jobs import small_job
 
     mine: dict[str, dict] = {
-        "model": {"factory": "tests.support.faulty:unhooked_mlp",
-                  "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16}},
-        "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "kind": "vector", "input_shape": [8],
-                            "empty_classes": [5], "seed": 2}},
+        "model": {
+            "factory": "tests.support.faulty:unhooked_mlp",
+            "kwargs": {"num_classes": 48, "in_features": 8, "hidden": 16},
+        },
+        "data": {
+            "kwargs": {
+                "num_classes": 48,
+                "samples_per_class": 3,
+                "kind": "vector",
+                "input_shape": [8],
+                "empty_classes": [5],
+                "seed": 2,
+            }
+        },
         "loss": {"kind": "tests.support.faulty:flaky_cross_entropy"},
         "engine": {"block_rows": 1},  # every class alone: see faulty.py
     }
@@ -83,10 +93,16 @@ def write_job(path: Path, job: dict) -> str:
     return str(path)
 
 
-def classgrad_cli(*args: str, env: dict[str, str] | None = None,
-                  timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([*CLI, *args], cwd=REPO, env=env or repo_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+def classgrad_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        [*CLI, *args],
+        cwd=REPO,
+        env=env or repo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -99,11 +115,19 @@ def start_cli(*args: str, env: dict[str, str] | None = None, output: Path | None
     with ``output`` to the files ``output.stdout`` and ``output.stderr`` (for chatty runs whose
     output would fill a pipe that is read only at the end)."""
     if output is None:
-        return subprocess.Popen([*CLI, *args], cwd=REPO, env=env or repo_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return subprocess.Popen(
+            [*CLI, *args],
+            cwd=REPO,
+            env=env or repo_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     with open(f"{output}.stdout", "wb") as out, open(f"{output}.stderr", "wb") as err:
-        return subprocess.Popen([*CLI, *args], cwd=REPO, env=env or repo_env(), stdout=out, stderr=err,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [*CLI, *args], cwd=REPO, env=env or repo_env(), stdout=out, stderr=err, start_new_session=True
+        )
 
 
 def kill_session(proc: subprocess.Popen) -> None:
@@ -124,8 +148,14 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("classgrad:")]
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, *,
-             every_s: float = 0.1, alive: subprocess.Popen | None = None):
+def wait_for(
+    predicate: Callable[[], object],
+    timeout_s: float,
+    what: str,
+    *,
+    every_s: float = 0.1,
+    alive: subprocess.Popen | None = None,
+):
     """Poll ``predicate`` until it returns a true value (returned); fail after ``timeout_s``.
     With ``alive``, also fail as soon as that process has exited."""
     deadline = time.monotonic() + timeout_s
@@ -135,8 +165,10 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, *,
             return value
         if alive is not None and alive.poll() is not None:
             out, err = alive.communicate()  # None when its output goes to files
-            raise AssertionError(f"process ended while waiting for {what}: rc {alive.returncode}\n"
-                                 f"{(out or '')[-2000:]}\n{(err or '')[-3000:]}")
+            raise AssertionError(
+                f"process ended while waiting for {what}: rc {alive.returncode}\n"
+                f"{(out or '')[-2000:]}\n{(err or '')[-3000:]}"
+            )
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(every_s)
@@ -174,8 +206,14 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
     # The whole probe set in one batch: a job's small batch may only exist to slow it down, and
     # the reference loop would pay it once per class (rows do not depend on it).
     probe = build_probe(config.data.factory, config.data.kwargs, batch_size=4096)
-    return per_class_gradients(model, probe, num_classes=config.loss.num_classes, loss=config.loss.kind,
-                               params=list(config.params.include), engine="reference")
+    return per_class_gradients(
+        model,
+        probe,
+        num_classes=config.loss.num_classes,
+        loss=config.loss.kind,
+        params=list(config.params.include),
+        engine="reference",
+    )
 
 
 def uninterrupted(config: JobConfig) -> dict[str, np.ndarray]:
@@ -186,8 +224,7 @@ def uninterrupted(config: JobConfig) -> dict[str, np.ndarray]:
     threads = torch.get_num_threads()
     try:
         store = prepare_store(config).store
-        worker = GradientWorker(config.model_dump(mode="json"),
-                                num_threads=config.cluster.num_cpus_per_worker)
+        worker = GradientWorker(config.model_dump(mode="json"), num_threads=config.cluster.num_cpus_per_worker)
         for shard in range(store.num_shards):
             worker.compute_shard(shard)
     finally:
@@ -202,8 +239,7 @@ def tmpfs(path: Path, size: str, *, readonly: bool = False) -> Iterator[Path]:
     lazily at the end, so files a killed actor still holds open cannot keep it mounted."""
     path.mkdir(parents=True, exist_ok=True)
     options = f"size={size},mode=0777" + (",ro" if readonly else "")
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
     if mount.returncode != 0:
         pytest.skip(f"cannot mount a {size} tmpfs here ({mount.stderr.strip() or mount.returncode})")
     try:
@@ -239,13 +275,20 @@ def trusted_state(url: str, config: JobConfig | None = None) -> str:
         from classgrad.workers.engines import per_class_gradients
         from classgrad.workers.runtime.factory import build_model, build_probe
 
-        model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint,
-                            config.model.mode).double()
+        model = build_model(
+            config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode
+        ).double()
         probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
         ids = np.concatenate([np.arange(*store.shard_range(int(s))) for s in done])
-        ref = per_class_gradients(model, probe, num_classes=store.num_classes, classes=ids.tolist(),
-                                  loss=config.loss.kind, params=list(config.params.include) or None,
-                                  engine=config.engine.kind)
+        ref = per_class_gradients(
+            model,
+            probe,
+            num_classes=store.num_classes,
+            classes=ids.tolist(),
+            loss=config.loss.kind,
+            params=list(config.params.include) or None,
+            engine=config.engine.kind,
+        )
         rows = torch.from_numpy(store.rows(ids))
         zero = (ref == 0).all(dim=1)
         assert bool((rows[zero] == 0).all())
@@ -281,8 +324,11 @@ def listening(processes: list) -> list[tuple[str, int, str]]:
     out = []
     for p in processes:
         try:
-            out += [(c.laddr.ip, c.laddr.port, p.name()) for c in p.net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN]
+            out += [
+                (c.laddr.ip, c.laddr.port, p.name())
+                for c in p.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN
+            ]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out

@@ -15,8 +15,11 @@ import numpy as np
 
 from classgrad.service.store import ParamSlot, StoreSpec, create_store
 
-LAYOUT = (ParamSlot("layer.weight", (8, 10), 0, 80), ParamSlot("layer.bias", (8,), 80, 8),
-          ParamSlot("head.weight", (2, 4), 88, 8))
+LAYOUT = (
+    ParamSlot("layer.weight", (8, 10), 0, 80),
+    ParamSlot("layer.bias", (8,), 80, 8),
+    ParamSlot("head.weight", (2, 4), 88, 8),
+)
 DIM = 96
 ZERO_ROW = 7
 
@@ -33,22 +36,43 @@ def synthetic_rows(num_classes: int, dim: int, seed: int = 0) -> np.ndarray:
 def write_all(store, rows: np.ndarray, shards=None) -> None:
     for shard in range(store.num_shards) if shards is None else shards:
         a, b = store.shard_range(shard)
-        store.write_rows(a, rows[a:b], loss=np.linspace(1, 2, b - a),
-                         count=np.full(b - a, 2))
+        store.write_rows(a, rows[a:b], loss=np.linspace(1, 2, b - a), count=np.full(b - a, 2))
         store.mark_shard_done(shard)
 
 
-def synthetic_store(path, *, num_classes: int = 500, dim: int = DIM, dtype: str = "float32",
-                    projected: bool = False, row_chunk: int = 16, shard_rows: int = 64,
-                    col_chunk: int = 40, shards=None, seed: int = 0, **spec):
+def synthetic_store(
+    path,
+    *,
+    num_classes: int = 500,
+    dim: int = DIM,
+    dtype: str = "float32",
+    projected: bool = False,
+    row_chunk: int = 16,
+    shard_rows: int = 64,
+    col_chunk: int = 40,
+    shards=None,
+    seed: int = 0,
+    **spec,
+):
     """(open r+ store, true float32 rows as the reader returns them)."""
     layout = () if projected or dim != DIM else LAYOUT
-    projection = {"kind": "rademacher", "dim": dim, "seed": 0, "out_dim": dim} \
-        if projected else None
-    store = create_store(str(path), StoreSpec(
-        num_classes=num_classes, dim=dim, shard_rows=shard_rows, row_chunk=row_chunk,
-        col_chunk=col_chunk, dtype=dtype, layout=layout, projection=projection,
-        fingerprint=f"fp-{seed}", loss_kind="cross_entropy", **spec))
+    projection = {"kind": "rademacher", "dim": dim, "seed": 0, "out_dim": dim} if projected else None
+    store = create_store(
+        str(path),
+        StoreSpec(
+            num_classes=num_classes,
+            dim=dim,
+            shard_rows=shard_rows,
+            row_chunk=row_chunk,
+            col_chunk=col_chunk,
+            dtype=dtype,
+            layout=layout,
+            projection=projection,
+            fingerprint=f"fp-{seed}",
+            loss_kind="cross_entropy",
+            **spec,
+        ),
+    )
     rows = synthetic_rows(num_classes, dim, seed)
     write_all(store, rows, shards)
     true = store.rows(np.arange(num_classes), allow_missing=True)
@@ -62,14 +86,25 @@ def model_store(path, *, num_classes: int = 500, dtype: str = "float32"):
     from classgrad.workers.zoo import mlp, synthetic_probe
 
     model = mlp(num_classes=num_classes, in_features=8, hidden=8, depth=1, seed=1).eval()
-    data = synthetic_probe(num_classes=num_classes, samples_per_class=2, kind="vector",
-                           input_shape=[8], empty_classes=[3], seed=1)
+    data = synthetic_probe(
+        num_classes=num_classes, samples_per_class=2, kind="vector", input_shape=[8], empty_classes=[3], seed=1
+    )
     rows = per_class_gradients(model, data, num_classes=num_classes).numpy()
     layout = ParamLayout.from_model(model)
-    store = create_store(str(path), StoreSpec(
-        num_classes=num_classes, dim=layout.dim, shard_rows=128, row_chunk=32,
-        col_chunk=1024, dtype=dtype, fingerprint="fp-model", loss_kind="cross_entropy",
-        layout=layout.slots))
+    store = create_store(
+        str(path),
+        StoreSpec(
+            num_classes=num_classes,
+            dim=layout.dim,
+            shard_rows=128,
+            row_chunk=32,
+            col_chunk=1024,
+            dtype=dtype,
+            fingerprint="fp-model",
+            loss_kind="cross_entropy",
+            layout=layout.slots,
+        ),
+    )
     write_all(store, rows)
     return store, model, store.rows(np.arange(num_classes))
 
@@ -83,4 +118,3 @@ def dense_similarity(rows: np.ndarray, metric: str) -> np.ndarray:
     norms = np.linalg.norm(x, axis=1)
     inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     return gram * inv[:, None] * inv[None, :]
-

@@ -22,14 +22,21 @@ C = 12
 
 def config_for(tmp_path) -> JobConfig:
     """12 classes, shards of 4 rows in chunks of 2: three shards."""
-    return JobConfig.model_validate({
-        "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 6, "hidden": 8}},
-        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
-                 "kwargs": {"num_classes": C, "samples_per_class": 2, "kind": "vector", "input_shape": [6]}},
-        "loss": {"num_classes": C},
-        "sharding": {"shard_rows": 4},
-        "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 2},
-    })
+    return JobConfig.model_validate(
+        {
+            "model": {
+                "factory": "classgrad.workers.zoo:mlp",
+                "kwargs": {"num_classes": C, "in_features": 6, "hidden": 8},
+            },
+            "data": {
+                "factory": "classgrad.workers.zoo:synthetic_probe",
+                "kwargs": {"num_classes": C, "samples_per_class": 2, "kind": "vector", "input_shape": [6]},
+            },
+            "loss": {"num_classes": C},
+            "sharding": {"shard_rows": 4},
+            "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 2},
+        }
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -63,8 +70,11 @@ def test_a_shard_is_computed_stored_and_marked_done(worker, tmp_path):
     store = open_store(str(tmp_path / "s.zarr"))
     assert store.shard_done.tolist() == [False, True, False]
     config = worker.config
-    want = per_class_gradients(build_model(config.model.factory, config.model.kwargs),
-                               build_probe(config.data.factory, config.data.kwargs), num_classes=C)
+    want = per_class_gradients(
+        build_model(config.model.factory, config.model.kwargs),
+        build_probe(config.data.factory, config.data.kwargs),
+        num_classes=C,
+    )
     # Rows of classes 4..7 computed as one shard against all classes at once: the engine packs
     # samples by request, so float32 summation order may differ.
     np.testing.assert_allclose(store.rows(np.arange(4, 8)), want[4:8].numpy(), rtol=1e-5, atol=1e-7)
@@ -108,10 +118,16 @@ class TwoRowBlocks:
 
     def iter_blocks(self, classes):
         for i in range(0, len(classes), 2):
-            ids = torch.tensor(classes[i:i + 2])
+            ids = torch.tensor(classes[i : i + 2])
             n = len(ids)
-            yield RowBlock(ids, torch.randn(n, 16, generator=torch.Generator().manual_seed(i)), torch.zeros(n),
-                           torch.ones(n, dtype=torch.long), torch.ones(n), torch.zeros(n, dtype=torch.bool))
+            yield RowBlock(
+                ids,
+                torch.randn(n, 16, generator=torch.Generator().manual_seed(i)),
+                torch.zeros(n),
+                torch.ones(n, dtype=torch.long),
+                torch.ones(n),
+                torch.zeros(n, dtype=torch.bool),
+            )
 
 
 def test_blocks_are_gathered_before_each_projection():

@@ -28,11 +28,17 @@ def test_policy_scales_only_in_fp16():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"dtype": "fp8"}, "precision.dtype must be fp32, fp16 or bf16, got 'fp8'"),
-    ({"dtype": "fp16", "init_scale": 4.0, "min_scale": 8.0}, r"min_scale must be in \(0, init_scale=4.0\], got 8.0"),
-    ({"dtype": "fp16", "min_scale": 0.0}, "min_scale must be in"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"dtype": "fp8"}, "precision.dtype must be fp32, fp16 or bf16, got 'fp8'"),
+        (
+            {"dtype": "fp16", "init_scale": 4.0, "min_scale": 8.0},
+            r"min_scale must be in \(0, init_scale=4.0\], got 8.0",
+        ),
+        ({"dtype": "fp16", "min_scale": 0.0}, "min_scale must be in"),
+    ],
+)
 def test_bad_policies_are_refused(kwargs, message):
     with pytest.raises(InputError, match=message):
         PrecisionPolicy(**kwargs)
@@ -55,8 +61,9 @@ class RowsThatOverflowAbove:
 
 def test_only_the_overflowing_rows_are_halved_and_recomputed():
     compute = RowsThatOverflowAbove([64.0, 16.0, 64.0, 32.0])
-    rows, scales, recomputed = rows_with_rescale(compute, 4, PrecisionPolicy("fp16", init_scale=64.0),
-                                                 torch.tensor([10, 11, 12, 13]), CPU)
+    rows, scales, recomputed = rows_with_rescale(
+        compute, 4, PrecisionPolicy("fp16", init_scale=64.0), torch.tensor([10, 11, 12, 13]), CPU
+    )
     # Row 1 needs two halvings (64 -> 32 -> 16), row 3 one (64 -> 32); rows 0 and 2 none.
     assert compute.calls == [([0, 1, 2, 3], [64.0] * 4), ([1, 3], [32.0, 32.0]), ([1], [16.0])]
     assert scales.tolist() == [64.0, 16.0, 64.0, 32.0]
@@ -96,8 +103,15 @@ def hot_logit(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _hot_engine(engine: str, **options):
     data = zoo.synthetic_probe(NUM_CLASSES, 4, kind="vector", input_shape=(8,), seed=3)
-    return build_engine(zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval(), data, num_classes=NUM_CLASSES,
-                        loss=hot_logit, engine=engine, batch_size=8, **options)
+    return build_engine(
+        zoo.mlp(NUM_CLASSES, in_features=8, hidden=16).eval(),
+        data,
+        num_classes=NUM_CLASSES,
+        loss=hot_logit,
+        engine=engine,
+        batch_size=8,
+        **options,
+    )
 
 
 @pytest.mark.parametrize("engine", ["partitioned", "dense", "reference"])

@@ -61,13 +61,11 @@ def test_weighted_sum_matches_numpy(real, tmp_path, kind):
     summary = aggregate(url, str(tmp_path / "g.safetensors"), weights=spec, block_rows=64)
     tensors = load_file(str(tmp_path / "g.safetensors"))
     # One tensor per parameter, named and shaped like the model's parameters.
-    assert {n: tuple(t.shape) for n, t in tensors.items()} == \
-        {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == {n: tuple(p.shape) for n, p in model.named_parameters()}
     got = flat(tensors, store)
     ref = weights @ rows.astype(np.float64)
     assert (np.abs(got - ref) <= error_bound(rows, weights, 64)).all()  # see error_bound
-    assert summary["scale"] == 1.0 and summary["norm"] == pytest.approx(np.linalg.norm(ref),
-                                                                        rel=1e-6)  # float32 sums
+    assert summary["scale"] == 1.0 and summary["norm"] == pytest.approx(np.linalg.norm(ref), rel=1e-6)  # float32 sums
 
 
 def test_zero_weight_blocks_and_missing_rows(tmp_path):
@@ -98,7 +96,7 @@ def test_same_optimizer_step_as_setting_grad_by_hand(real, tmp_path):
         opt_hand.zero_grad()
         for entry in store.layout:
             param = dict(by_hand.named_parameters())[entry.name]
-            part = mean[entry.offset: entry.offset + entry.size].reshape(entry.shape)
+            part = mean[entry.offset : entry.offset + entry.size].reshape(entry.shape)
             param.grad = torch.from_numpy(part.astype(np.float32))
         opt_hand.step()
     assert info["loaded"] == [n for n, _ in model.named_parameters()] and not info["not_in_file"]
@@ -139,8 +137,11 @@ def test_load_into_grad_refuses_mismatches(real, tmp_path):
     info = load_into_grad(other, tmp_path / "g.safetensors", strict=False)
     assert info["loaded"] == ["0.weight", "0.bias"]
     wrong = torch.nn.Sequential(torch.nn.Linear(8, 9))
-    with pytest.raises(InputError, match=r"'0.weight' has shape \[8, 8\], the model's "
-                                         r"parameter \[9, 8\]"):
+    with pytest.raises(
+        InputError,
+        match=r"'0.weight' has shape \[8, 8\], the model's "
+        r"parameter \[9, 8\]",
+    ):
         load_into_grad(wrong, tmp_path / "g.safetensors", strict=False)
     with pytest.raises(InputError, match="cannot load"):
         load_into_grad(other, tmp_path / "nothing.safetensors")

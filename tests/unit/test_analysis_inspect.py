@@ -18,13 +18,12 @@ U = 2.0**-24
 
 def reference_param_sq(rows: np.ndarray) -> np.ndarray:
     x = rows.astype(np.float64) ** 2
-    return np.stack([x[:, e.offset: e.offset + e.size].sum(axis=1) for e in LAYOUT], axis=1)
+    return np.stack([x[:, e.offset : e.offset + e.size].sum(axis=1) for e in LAYOUT], axis=1)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_norms_match_numpy_with_bands_crossing_parameters(tmp_path, dtype):
-    store, rows = synthetic_store(tmp_path / "s", num_classes=200, dtype=dtype,
-                                  shards=[0, 2, 3])
+    store, rows = synthetic_store(tmp_path / "s", num_classes=200, dtype=dtype, shards=[0, 2, 3])
     # 16 rows x 40 columns per read: bands [0, 40), [40, 80), [80, 96) cut layer.weight.
     norms = grad_norms(store, block_rows=16, block_mb=16 * 40 * 4 / 2**20)
     done = np.r_[0:64, 128:200]
@@ -33,20 +32,25 @@ def test_norms_match_numpy_with_bands_crossing_parameters(tmp_path, dtype):
     ref = np.linalg.norm(rows[done].astype(np.float64), axis=1)
     # Squares rounded to float32 (u relative each), summed in float64: ~u relative overall.
     assert norms.row[done] == pytest.approx(ref, rel=4 * U, abs=0)
-    assert norms.param_sq[done] == pytest.approx(reference_param_sq(rows[done]), rel=4 * U,
-                                                 abs=0)
+    assert norms.param_sq[done] == pytest.approx(reference_param_sq(rows[done]), rel=4 * U, abs=0)
     assert norms.names == [e.name for e in LAYOUT]
 
 
 def test_inspect_store_summary(tmp_path):
-    store, rows = synthetic_store(tmp_path / "s", num_classes=200, shards=[0, 1, 3],
-                                  class_names=tuple(f"class-{i}" for i in range(200)))
+    store, rows = synthetic_store(
+        tmp_path / "s", num_classes=200, shards=[0, 1, 3], class_names=tuple(f"class-{i}" for i in range(200))
+    )
     info = inspect_store(store, top=3)
     assert info["shape"] == [200, 96] and info["dtype"] == "float32"
     assert [e["name"] for e in info["layout"]] == [e.name for e in LAYOUT]
     assert info["layout"][0] == {"name": "layer.weight", "shape": [8, 10], "size": 80, "offset": 0}
-    assert info["completion"] == {"shards_done": 3, "shards_total": 4, "rows_done": 136,
-                                  "complete": False, "missing_ranges": [[128, 192]]}
+    assert info["completion"] == {
+        "shards_done": 3,
+        "shards_total": 4,
+        "rows_done": 136,
+        "complete": False,
+        "missing_ranges": [[128, 192]],
+    }
     done = np.r_[0:128, 192:200]
     ref = np.linalg.norm(rows[done].astype(np.float64), axis=1)
     n = info["class_norms"]
@@ -77,8 +81,15 @@ def test_cli_text_and_json(tmp_path, capsys):
     synthetic_store(tmp_path / "s", num_classes=64)
     assert cli_main(["inspect", str(tmp_path / "s")]) == 0
     text = capsys.readouterr().out
-    for expected in ("64 classes x 96 float32", "1/1 shards", "complete", "layer.weight",
-                     "(8, 10)", "class norms 64 rows", "param norms"):
+    for expected in (
+        "64 classes x 96 float32",
+        "1/1 shards",
+        "complete",
+        "layer.weight",
+        "(8, 10)",
+        "class norms 64 rows",
+        "param norms",
+    ):
         assert expected in text, expected
     assert cli_main(["inspect", str(tmp_path / "s"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -29,8 +29,7 @@ def test_pngs_with_computed_similarity(tmp_path):
     result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=25, dpi=50)
     assert set(result["files"]) == {"similarity_heatmap", "class_norms", "param_norms"}
     # Fixed figure sizes in inches times the dpi (no tight bounding box).
-    assert result["sizes"] == {"similarity_heatmap": [450, 400], "class_norms": [400, 250],
-                               "param_norms": [450, 300]}
+    assert result["sizes"] == {"similarity_heatmap": [450, 400], "class_norms": [400, 250], "param_norms": [450, 300]}
     for name, path in result["files"].items():
         check_png(path, tuple(result["sizes"][name]))
     assert result["similarity_source"] == "computed" and result["metric"] == "cosine"
@@ -48,8 +47,7 @@ def test_heatmap_uses_the_stored_similarity(tmp_path):
 
 def test_projected_store_and_cli(tmp_path, capsys):
     synthetic_store(tmp_path / "p", num_classes=40, projected=True, dim=24)
-    assert cli_main(["plot", str(tmp_path / "p"), "--out", str(tmp_path / "png"),
-                     "--top-n", "8"]) == 0
+    assert cli_main(["plot", str(tmp_path / "p"), "--out", str(tmp_path / "png"), "--top-n", "8"]) == 0
     out = capsys.readouterr().out
     assert "similarity_heatmap.png (900 x 800)" in out and "class_norms.png (800 x 500)" in out
     assert "no per-parameter norms" in out and not (tmp_path / "png" / "param_norms.png").exists()

@@ -81,18 +81,17 @@ def test_cosine_matches_dense_numpy_for_every_dtype(tmp_path, dtype):
 
 def test_dot_with_column_bands_and_projected_store(tmp_path):
     store, rows = synthetic_store(tmp_path / "s", projected=True, dim=72, col_chunk=16)
-    summary = compute_similarity(str(tmp_path / "s"), executor="local", metric="dot", top_k=5,
-                                 block_rows=96, band_cols=32)
+    summary = compute_similarity(
+        str(tmp_path / "s"), executor="local", metric="dot", top_k=5, block_rows=96, band_cols=32
+    )
     assert summary["band_cols"] == 32 and summary["tasks"] == 6  # 500 rows / 96, 3 bands
     # Three bands summed in float32: two more roundings on top of the per-band products.
-    check_result(open_store(str(tmp_path / "s")), rows, "dot", 5,
-                 float32_bound(rows, "dot", rows.shape[1] + 2))
+    check_result(open_store(str(tmp_path / "s")), rows, "dot", 5, float32_bound(rows, "dot", rows.shape[1] + 2))
 
 
 def test_float64_precision(tmp_path):
     store, rows = synthetic_store(tmp_path / "s", num_classes=200)
-    compute_similarity(str(tmp_path / "s"), executor="local", metric="dot", top_k=3,
-                       precision="float64", block_rows=64)
+    compute_similarity(str(tmp_path / "s"), executor="local", metric="dot", top_k=3, precision="float64", block_rows=64)
     got = open_store(str(tmp_path / "s")).similarity()
     ref = dense_similarity(rows, "dot")
     # float64 products, then one rounding to float32: half a float32 ulp of each value, plus
@@ -109,8 +108,9 @@ def test_rerun_replaces_the_result_and_stale_writers_are_refused(tmp_path):
     info = reader.similarity_info()
     assert info["metric"] == "dot" and info["top_k"] == 2 and info["run_id"] != first["run_id"]
     assert reader.similarity_neighbours()[0].shape == (100, 2)
-    assert (np.abs(reader.similarity() - dense_similarity(rows, "dot"))
-            <= float32_bound(rows, "dot", rows.shape[1])).all()  # see float32_bound
+    assert (
+        np.abs(reader.similarity() - dense_similarity(rows, "dot")) <= float32_bound(rows, "dot", rows.shape[1])
+    ).all()  # see float32_bound
     # A run that dies after starting leaves a result readers refuse, and a task of an older
     # run can no longer write into the new arrays.
     store.similarity_arrays.begin(metric="cosine", top_k=3, chunk_rows=16, run_id="crashed")
@@ -132,8 +132,11 @@ def test_incomplete_store_is_refused_naming_the_missing_rows(tmp_path):
 def test_options_are_checked_before_any_work(tmp_path):
     synthetic_store(tmp_path / "s", num_classes=64)
     url = str(tmp_path / "s")
-    with pytest.raises(ConfigError, match=r"--block-rows must be a positive multiple of the "
-                                          r"store's row_chunk \(16\), got 20"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--block-rows must be a positive multiple of the "
+        r"store's row_chunk \(16\), got 20",
+    ):
         compute_similarity(url, executor="local", block_rows=20)
     with pytest.raises(ConfigError, match="--block-rows"):
         compute_similarity(url, executor="ray", block_rows=20)  # refused before Ray starts
@@ -164,13 +167,14 @@ def test_task_reports_memory_within_the_bound(tmp_path):
     summary = compute_similarity(str(tmp_path / "s"), executor="local", block_rows=64)
     for report in summary["task_reports"]:
         assert 0 <= report["rss_added"] <= summary["memory_bound_bytes"]
-        assert report["read_bytes"] == (report["stop"] - report["start"] + 256) * 96 * 4 - \
-            (report["stop"] - report["start"]) * 96 * 4  # own block once, every block once
+        assert (
+            report["read_bytes"]
+            == (report["stop"] - report["start"] + 256) * 96 * 4 - (report["stop"] - report["start"]) * 96 * 4
+        )  # own block once, every block once
 
 
 def test_top_k_ties_go_to_the_lower_index():
-    strip = np.array([[0.0, 5.0, 1.0, 1.0, 1.0, 1.0],
-                      [2.0, 9.0, 2.0, 2.0, 3.0, 2.0]], dtype=np.float32)
+    strip = np.array([[0.0, 5.0, 1.0, 1.0, 1.0, 1.0], [2.0, 9.0, 2.0, 2.0, 3.0, 2.0]], dtype=np.float32)
     index, value = top_k_rows(strip, 0, 3)
     # Row 0 excludes column 0; row 1 excludes column 1 (its own).
     assert index.tolist() == [[1, 2, 3], [4, 0, 2]]
@@ -199,9 +203,17 @@ def test_help_states_the_config_defaults():
     from classgrad.service.commands import aggregate, plot, similarity
 
     cases = [
-        (similarity, SimilarityConfig, {"--top-k": "top_k", "--metric": "metric",
-                                        "--block-mb": "block_mb", "--precision": "precision",
-                                        "--num-cpus": "num_cpus"}),
+        (
+            similarity,
+            SimilarityConfig,
+            {
+                "--top-k": "top_k",
+                "--metric": "metric",
+                "--block-mb": "block_mb",
+                "--precision": "precision",
+                "--num-cpus": "num_cpus",
+            },
+        ),
         (plot, PlotConfig, {"--top-n": "top_n", "--dpi": "dpi"}),
         (aggregate, AggregateConfig, {"--weights": "weights"}),
     ]
@@ -212,8 +224,9 @@ def test_help_states_the_config_defaults():
         for action in parser._actions:
             for flag in set(action.option_strings) & set(flags):
                 assert action.default is None, flag  # not given -> the config's default
-                match = re.search(r"\(default ([^;)]+)[;)]", action.help) or \
-                    re.search(r"'(\w+)' \(default\)", action.help)
+                match = re.search(r"\(default ([^;)]+)[;)]", action.help) or re.search(
+                    r"'(\w+)' \(default\)", action.help
+                )
                 stated, default = match.group(1), config.model_fields[flags[flag]].default
                 assert stated == str(default) or float(stated) == default, flag
                 checked += 1

@@ -66,8 +66,10 @@ def test_missing_shard_and_deleted_chunk_are_incomplete(sound, capsys):
     os.remove(sound / "grads" / "c" / "9" / "0")  # rows [144, 160): shard 2, still done
     report = verify_store(str(sound))
     assert report.code == INCOMPLETE
-    assert any("grads chunk (9, 0)" in p and "missing although its rows are marked done" in p
-               for p in report.problems["incomplete"])
+    assert any(
+        "grads chunk (9, 0)" in p and "missing although its rows are marked done" in p
+        for p in report.problems["incomplete"]
+    )
 
 
 def test_nan_bits_written_into_a_chunk_file(sound, capsys):
@@ -94,7 +96,8 @@ def test_nonfinite_written_through_zarr(tmp_path, dtype):
     report = verify_store(str(tmp_path / "s"))
     assert report.code == NONFINITE
     assert report.problems["nonfinite"] == [
-        "grads chunk (4, 1) (key grads/c/4/1, rows [64, 80)): rows [70, 71): 1 NaN/Inf values"]
+        "grads chunk (4, 1) (key grads/c/4/1, rows [64, 80)): rows [70, 71): 1 NaN/Inf values"
+    ]
 
 
 def test_metadata_problems(sound, capsys):
@@ -148,8 +151,7 @@ def test_similarity_arrays_are_checked(sound, capsys):
     code, out = verify(sound, capsys)
     assert code == CORRUPT and "similarity chunk (1, 0)" in out
     # An unfinished rerun is a note, not a failure: readers refuse it and a rerun replaces it.
-    open_store(str(sound), mode="r+").similarity_arrays.begin(metric="dot", top_k=2, chunk_rows=16,
-                                                       run_id="died")
+    open_store(str(sound), mode="r+").similarity_arrays.begin(metric="dot", top_k=2, chunk_rows=16, run_id="died")
     code, out = verify(sound, capsys)
     assert code == 0 and "note: the similarity matrix is unfinished (run 'died')" in out
 

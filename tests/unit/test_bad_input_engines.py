@@ -33,8 +33,9 @@ def test_labels_outside_the_class_range_are_refused():
 def test_non_finite_loss_names_the_class(engine):
     x, y = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
     x[int((y == 2).nonzero()[0])] = float("nan")
-    eng = build_engine(zoo.mlp(NUM_CLASSES, in_features=8).eval(), (x, y), num_classes=NUM_CLASSES,
-                       engine=engine, loss="cross_entropy")
+    eng = build_engine(
+        zoo.mlp(NUM_CLASSES, in_features=8).eval(), (x, y), num_classes=NUM_CLASSES, engine=engine, loss="cross_entropy"
+    )
     with pytest.raises(InputError, match=r"non-finite loss for class\(es\) \[2"):
         eng.compute(range(NUM_CLASSES))
     with pytest.raises(InputError, match="NaN/Inf in the inputs of probe sample 4"):

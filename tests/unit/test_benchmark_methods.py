@@ -34,8 +34,9 @@ def _methods(case: common.Case, classes: list[int]) -> dict:
 def test_every_timed_method_computes_the_reference_rows(model: str, loss: str) -> None:
     case = common.make_case(model, NUM_CLASSES, 3, loss=loss, width=4, hidden=8)
     case.batch_size = 8  # several micro-batches, so the methods' sums over them are exercised
-    want = per_class_gradients(case.model, (case.x, case.y), num_classes=NUM_CLASSES, loss=loss,
-                               engine="reference", batch_size=case.batch_size)
+    want = per_class_gradients(
+        case.model, (case.x, case.y), num_classes=NUM_CLASSES, loss=loss, engine="reference", batch_size=case.batch_size
+    )
     classes = list(range(NUM_CLASSES))
     for name, build in _methods(case, classes).items():
         holder: dict = {}

@@ -22,8 +22,10 @@ C = 24
 def config_for(tmp_path, **sections) -> JobConfig:
     base = {
         "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
-        "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
-                 "kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8]}},
+        "data": {
+            "factory": "classgrad.workers.zoo:synthetic_probe",
+            "kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8]},
+        },
         "loss": {"num_classes": C},
         "sharding": {"shard_rows": 8},
         "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 4},

@@ -133,17 +133,13 @@ def test_yaml_merge_keys_may_override(tmp_path: Path) -> None:
 
 
 def test_import_paths_and_registered_names_accepted() -> None:
-    cfg = load_config(
-        overrides=[NC, "loss.kind=my_pkg.losses:Weighted.per_class", "model.factory=m:f"]
-    )
+    cfg = load_config(overrides=[NC, "loss.kind=my_pkg.losses:Weighted.per_class", "model.factory=m:f"])
     assert cfg.loss.kind == "my_pkg.losses:Weighted.per_class" and cfg.model.factory == "m:f"
     for kind in ("cross_entropy", "logit", "bce"):
         assert load_config(overrides=[NC, f"loss.kind={kind}"]).loss.kind == kind
 
 
-@pytest.mark.parametrize(
-    "address", ["auto", "local", "ray://head:10001", "head:6379", "10.1.2.3:6379", "[::1]:6379"]
-)
+@pytest.mark.parametrize("address", ["auto", "local", "ray://head:10001", "head:6379", "10.1.2.3:6379", "[::1]:6379"])
 def test_ray_addresses_accepted(address: str) -> None:
     cfg = load_config(overrides=[NC, f"cluster.address='{address}'"])
     assert cfg.cluster.address == address
@@ -178,8 +174,7 @@ _SECTION_KEYS = {
     "engine": "block_rows, device, group_rows, kind",
     "sharding": "max_attempts, shard_rows",
     "store": "codec, col_chunk, dtype, overwrite, row_chunk, sharded, storage_options, url",
-    "cluster": "address, inflight_per_worker, num_cpus_per_worker, num_gpus_per_worker, "
-    "num_workers, runtime_env",
+    "cluster": "address, inflight_per_worker, num_cpus_per_worker, num_gpus_per_worker, num_workers, runtime_env",
     "projection": "dim, kind, per_param, seed",
     "run": "actor_start_timeout_s, lease_ttl_s, log_every_s, progress",
 }
@@ -253,7 +248,10 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
             "or an import path 'module:function')",
         ),
         # bad import path / device / address / checkpoint syntax
-        ([NC, "model.factory=classgrad.workers.zoo.small_cnn"], "model.factory: must be an import path 'module:function'"),
+        (
+            [NC, "model.factory=classgrad.workers.zoo.small_cnn"],
+            "model.factory: must be an import path 'module:function'",
+        ),
         ([NC, "model.factory=classgrad.workers.zoo:1net"], "model.factory: must be an import path"),
         ([NC, "model.factory='classgrad.workers.zoo:'"], "model.factory: must be an import path"),
         ([NC, "data.factory=:probe"], "data.factory: must be an import path"),
@@ -281,7 +279,10 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
         (["=3"], "--set =3: expected key=value"),
         (["a..b=3"], "--set a..b=3: expected key=value"),
         ([NC, "foo=3"], f"--set foo: unknown section (choices: {_SECTIONS})"),
-        ([NC, "engine.blok_rows=3"], "--set engine.blok_rows: unknown key (choices: block_rows, device, group_rows, kind)"),
+        (
+            [NC, "engine.blok_rows=3"],
+            "--set engine.blok_rows: unknown key (choices: block_rows, device, group_rows, kind)",
+        ),
         ([NC, "store.url.x=3"], "--set store.url.x: store.url is not a mapping"),
         ([NC, "data.batch_size=[1"], "--set data.batch_size: malformed value ("),
         (["loss=3", "loss.num_classes=3"], "--set loss.num_classes: loss is int, not a mapping"),
@@ -298,9 +299,7 @@ def test_misspelt_key_is_reported_before_the_missing_one() -> None:
     )
     with pytest.raises(ConfigError) as info:
         load_config(base={"loss": {"num_clases": 10}})
-    assert str(info.value) == (
-        "config error: loss.num_clases: unknown key (choices: kind, num_classes) (and 1 more)"
-    )
+    assert str(info.value) == ("config error: loss.num_clases: unknown key (choices: kind, num_classes) (and 1 more)")
 
 
 def test_several_errors_are_counted() -> None:
@@ -318,7 +317,10 @@ def test_several_cross_field_errors_are_counted() -> None:
     ("text", "expected"),
     [
         ("loss: {num_classes: 3}\nbogus: {a: 1}\n", f"bogus: unknown section (choices: {_SECTIONS})"),
-        ("loss:\n  num_classes: 3\n  num_classes: 4\n", "job.yaml line 3: malformed YAML (duplicate key 'num_classes')"),
+        (
+            "loss:\n  num_classes: 3\n  num_classes: 4\n",
+            "job.yaml line 3: malformed YAML (duplicate key 'num_classes')",
+        ),
         ("loss: {num_classes: 3\nstore: {}\n", "job.yaml line 2: malformed YAML ("),
         ("loss:\n  kind: logit\n bad indent: 1\n", "job.yaml line 3: malformed YAML ("),
         ("- loss\n- store\n", "job.yaml: the top level must be a mapping of sections (model, data,"),

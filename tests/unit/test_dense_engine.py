@@ -13,8 +13,15 @@ import torch
 from torch import nn
 
 from tests.support.engine_cases import (
-    BATCH_SIZE, MODEL_CASES, NARROW_HEAD_MODELS, NUM_CLASSES, engine_for, log_softmax_mean,
-    max_relative_error, probe_data, reference_rows,
+    BATCH_SIZE,
+    MODEL_CASES,
+    NARROW_HEAD_MODELS,
+    NUM_CLASSES,
+    engine_for,
+    log_softmax_mean,
+    max_relative_error,
+    probe_data,
+    reference_rows,
 )
 from classgrad.workers.engines import build_engine, choices, dense, per_class_gradients
 
@@ -117,8 +124,15 @@ def test_linear_loss_rows_go_through_the_head_and_match_the_reference(model_case
     features = dict(model.named_modules())[head_name].in_features
     vjps = 0 if selection == "head" else features
     assert eng.stats.backwards == (vjps + 1) * eng.probe.num_micro_batches
-    want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss="logit",
-                        engine="reference", batch_size=batch_size, **options).compute(range(NUM_CLASSES))
+    want = build_engine(
+        copy.deepcopy(model).double(),
+        data,
+        num_classes=NUM_CLASSES,
+        loss="logit",
+        engine="reference",
+        batch_size=batch_size,
+        **options,
+    ).compute(range(NUM_CLASSES))
     # The float64 reference's contract (see test_engines): a few float32 roundoffs.
     assert max_relative_error(got.rows, want.rows) <= 1e-6
     torch.testing.assert_close(got.loss.double(), want.loss, rtol=1e-6, atol=1e-7)
@@ -141,8 +155,9 @@ def test_the_head_basis_is_kept_for_later_calls_until_a_parameter_changes():
         model[0].weight.mul_(1.5)
     changed = eng.compute([0]).rows
     assert eng.stats.forwards == 2 * forwards
-    want = per_class_gradients(model, data, num_classes=NUM_CLASSES, loss="logit", engine="reference",
-                               batch_size=5, classes=[0])
+    want = per_class_gradients(
+        model, data, num_classes=NUM_CLASSES, loss="logit", engine="reference", batch_size=5, classes=[0]
+    )
     # fp32 against the fp32 reference: summation order only.
     assert max_relative_error(changed, want) <= 1e-5
 
@@ -188,19 +203,30 @@ def test_rows_take_the_next_path_when_a_head_condition_fails(case):
     loss = {"bce": "bce", "custom_dense": log_softmax_mean}.get(case, "logit")
     data = probe_data("narrow_mlp", "bce" if case == "bce" else "logit", samples_per_class=8)
     precision = "fp16" if case == "fp16" else "fp32"
-    eng = build_engine(model, data, num_classes=NUM_CLASSES, loss=loss, engine="dense", precision=precision,
-                       batch_size=5)
+    eng = build_engine(
+        model, data, num_classes=NUM_CLASSES, loss=loss, engine="dense", precision=precision, batch_size=5
+    )
     got = eng.compute(range(NUM_CLASSES)).rows
     notes = " | ".join(eng.stats.notes)
     assert HEAD_NOTE not in notes
-    reason = {"bce": "not declared linear in outputs", "custom_dense": "not declared per column",
-              "fp16": "fp16 loss scaling", "scaled_output": "not the output of one",
-              "tied_head": "also used below it", "wide_head": "at least as many input features"}[case]
+    reason = {
+        "bce": "not declared linear in outputs",
+        "custom_dense": "not declared per column",
+        "fp16": "fp16 loss scaling",
+        "scaled_output": "not the output of one",
+        "tied_head": "also used below it",
+        "wide_head": "at least as many input features",
+    }[case]
     assert reason in notes, notes
     # bce and a wide head still start each row's backward at the head's input; the others cannot.
     assert (GRAPH_NOTE in notes) == (case in ("bce", "wide_head")), notes
-    want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss=loss,
-                        engine="reference", batch_size=5).compute(range(NUM_CLASSES)).rows
+    want = (
+        build_engine(
+            copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss=loss, engine="reference", batch_size=5
+        )
+        .compute(range(NUM_CLASSES))
+        .rows
+    )
     # fp32: a few roundoffs (test_engines' contract); fp16: test_engines' low-precision bound.
     assert max_relative_error(got, want) <= (1e-2 if case == "fp16" else 1e-6)
 
@@ -234,12 +260,27 @@ def test_per_column_rows_start_at_the_head_input_and_match_the_reference(model_c
     head_name = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
     options = {"all": {}, "body": {"exclude": [f"{head_name}.*"]}, "head": {"params": [f"{head_name}.*"]}}[selection]
     data = probe_data(model_case, "bce")
-    eng = build_engine(model, data, num_classes=NUM_CLASSES, loss="bce", engine="dense", batch_size=BATCH_SIZE,
-                       block_rows=block_rows, **options)
+    eng = build_engine(
+        model,
+        data,
+        num_classes=NUM_CLASSES,
+        loss="bce",
+        engine="dense",
+        batch_size=BATCH_SIZE,
+        block_rows=block_rows,
+        **options,
+    )
     got = eng.compute(range(NUM_CLASSES))
     assert any(GRAPH_NOTE in n for n in eng.stats.notes), eng.stats.notes
-    want = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, loss="bce",
-                        engine="reference", batch_size=BATCH_SIZE, **options).compute(range(NUM_CLASSES))
+    want = build_engine(
+        copy.deepcopy(model).double(),
+        data,
+        num_classes=NUM_CLASSES,
+        loss="bce",
+        engine="reference",
+        batch_size=BATCH_SIZE,
+        **options,
+    ).compute(range(NUM_CLASSES))
     # The float64 reference's contract (see test_engines): a few float32 roundoffs.
     assert max_relative_error(got.rows, want.rows) <= 1e-6
     torch.testing.assert_close(got.loss.double(), want.loss, rtol=1e-6, atol=1e-7)

@@ -109,8 +109,11 @@ def test_gpu_worker_group_and_token_auth(kind):
     doc = manifests()[kind]
     spec = cluster_spec(doc)
     assert spec["rayVersion"] == ray_pin()
-    gpu_groups = [g for g in spec["workerGroupSpecs"]
-                  if any("nvidia.com/gpu" in c["resources"]["limits"] for c in g["template"]["spec"]["containers"])]
+    gpu_groups = [
+        g
+        for g in spec["workerGroupSpecs"]
+        if any("nvidia.com/gpu" in c["resources"]["limits"] for c in g["template"]["spec"]["containers"])
+    ]
     assert gpu_groups, "no worker group requests nvidia.com/gpu"
     for c in containers(doc):
         env = {e["name"]: e for e in c.get("env", [])}
@@ -187,29 +190,52 @@ def test_gpu_examples_are_one_computation_on_one_and_on_eight_gpus():
 
 def test_entrypoint_and_runtime_env(monkeypatch):
     monkeypatch.chdir(REPO)
-    sub = prepare_submission("configs/cluster_s3.yaml", ["store.url=s3://b/x.zarr", "cluster.num_workers=4"],
-                             working_dir=".", excludes=["data/"])
+    sub = prepare_submission(
+        "configs/cluster_s3.yaml",
+        ["store.url=s3://b/x.zarr", "cluster.num_workers=4"],
+        working_dir=".",
+        excludes=["data/"],
+    )
     assert shlex.split(sub.entrypoint) == [
-        "python", "-m", "classgrad", "run", "configs/cluster_s3.yaml", "--set", "store.url=s3://b/x.zarr",
-        "--set", "cluster.num_workers=4", "--set", "cluster.address=auto"]
+        "python",
+        "-m",
+        "classgrad",
+        "run",
+        "configs/cluster_s3.yaml",
+        "--set",
+        "store.url=s3://b/x.zarr",
+        "--set",
+        "cluster.num_workers=4",
+        "--set",
+        "cluster.address=auto",
+    ]
     assert sub.runtime_env["working_dir"] == str(REPO)
     assert set(DEFAULT_EXCLUDES) | {"data/"} == set(sub.runtime_env["excludes"])
     assert {".venv", ".git", "stores", "*.zarr"} <= set(DEFAULT_EXCLUDES)
     # `jobs stop` reaches the driver as SIGINT, which it handles like Ctrl-C.
-    assert sub.runtime_env["env_vars"] == STOP_ENV == {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
+    assert (
+        sub.runtime_env["env_vars"] == STOP_ENV == {"RAY_JOB_STOP_SIGNAL": "SIGINT", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
+    )
     assert sub.metadata["classgrad_config"] == "configs/cluster_s3.yaml"
     # An explicit address wins over the default `auto`; the Python is configurable.
-    own = prepare_submission(REPO / "configs/cluster_s3.yaml", ["cluster.address=10.0.0.1:6379"],
-                             working_dir=REPO, python="/opt/py/bin/python")
+    own = prepare_submission(
+        REPO / "configs/cluster_s3.yaml",
+        ["cluster.address=10.0.0.1:6379"],
+        working_dir=REPO,
+        python="/opt/py/bin/python",
+    )
     assert own.entrypoint.startswith("/opt/py/bin/python -m classgrad run configs/cluster_s3.yaml")
     assert "cluster.address=auto" not in own.entrypoint
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["store.url=stores/x.zarr"], "is a relative path"),
-    (["store.url=memory://x"], "memory:// store lives in one process"),
-    (["cluster.nodes=3"], "cluster.nodes"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["store.url=stores/x.zarr"], "is a relative path"),
+        (["store.url=memory://x"], "memory:// store lives in one process"),
+        (["cluster.nodes=3"], "cluster.nodes"),
+    ],
+)
 def test_refused_before_anything_is_uploaded(overrides, message):
     error = ConfigError if overrides[0].startswith("cluster.nodes") else JobSubmitError
     with pytest.raises(error, match=re.escape(message)):

@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_config_reference_in_readme_is_current():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "config_reference.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "config_reference.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -15,9 +15,11 @@ CREATION_FAILED = (
     "    raise InputError(...)\n"
     "classgrad.service.errors.InputError: model.factory 'x:y' raised ValueError: boom\n"
 )
-NODE_LOST = ("The actor died unexpectedly before finishing this task.\n"
-             "\tclass_name: GradientWorker\n\tactor_id: 1234\n"
-             "The actor is dead because its node has died. Node Id: abcd\n")
+NODE_LOST = (
+    "The actor died unexpectedly before finishing this task.\n"
+    "\tclass_name: GradientWorker\n\tactor_id: 1234\n"
+    "The actor is dead because its node has died. Node Id: abcd\n"
+)
 
 
 class _Err(Exception):

@@ -9,8 +9,15 @@ import torch
 from classgrad.service.errors import InputError
 from tests.support.engine_cases import (
     BATCH_COUPLED_MODELS,
-    EMPTY_CLASS, LOSS_CASES, MODEL_CASES, NUM_CLASSES, PARTITIONED_LOSSES, engine_for,
-    max_relative_error, reference_rows, zero_rows,
+    EMPTY_CLASS,
+    LOSS_CASES,
+    MODEL_CASES,
+    NUM_CLASSES,
+    PARTITIONED_LOSSES,
+    engine_for,
+    max_relative_error,
+    reference_rows,
+    zero_rows,
 )
 from classgrad.workers import zoo
 from classgrad.workers.engines import per_class_gradients
@@ -27,7 +34,10 @@ def _applicable(model_case: str, loss_case: str, engine: str) -> bool:
 
 MATRIX = [
     pytest.param(m, l, e, id=f"{e}-{l}-{m}")
-    for m in MODEL_CASES for l in LOSS_CASES for e in ENGINE_CASES if _applicable(m, l, e)
+    for m in MODEL_CASES
+    for l in LOSS_CASES
+    for e in ENGINE_CASES
+    if _applicable(m, l, e)
 ]
 
 
@@ -79,8 +89,11 @@ LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
 
 LOW_PRECISION_MATRIX = [
     pytest.param(m, l, e, p, id=f"{p}-{e}-{l}-{m}")
-    for m in MODEL_CASES for l in ("cross_entropy", "logit") for e in ("partitioned", "dense")
-    for p in ("fp16", "bf16") if _applicable(m, l, e)
+    for m in MODEL_CASES
+    for l in ("cross_entropy", "logit")
+    for e in ("partitioned", "dense")
+    for p in ("fp16", "bf16")
+    if _applicable(m, l, e)
 ]
 
 
@@ -89,7 +102,8 @@ def test_low_precision_matches_reference(model_case, loss_case, engine, precisio
     # 8 samples per class: per-class averages over more samples keep single ReLU flips small.
     ref_rows, _ = reference_rows(model_case, loss_case, samples_per_class=8)
     block = engine_for(model_case, loss_case, engine, precision=precision, samples_per_class=8).compute(
-        range(NUM_CLASSES))
+        range(NUM_CLASSES)
+    )
     assert block.rows.dtype == torch.float32 and bool(torch.isfinite(block.rows).all())
     assert max_relative_error(block.rows, ref_rows) <= LOW_PRECISION_TOLERANCE[precision]
     assert torch.equal(zero_rows(block.rows), zero_rows(ref_rows))
@@ -141,8 +155,9 @@ def test_per_class_gradients_api():
     data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8))
     full = per_class_gradients(model, data, num_classes=NUM_CLASSES)
     assert full.dtype == torch.float32 and full.shape == (NUM_CLASSES, sum(p.numel() for p in model.parameters()))
-    some = per_class_gradients(model, data, num_classes=NUM_CLASSES, classes=[4, 1], params=["head.2.*"],
-                               engine="dense")
+    some = per_class_gradients(
+        model, data, num_classes=NUM_CLASSES, classes=[4, 1], params=["head.2.*"], engine="dense"
+    )
     layout = ParamLayout.from_model(model)
     start = layout.slot("head.2.weight").offset
     # Same rows by another engine and a column subset: float32 summation order only.

@@ -17,8 +17,10 @@ from classgrad.workers.runtime.factory import build_job_engine, build_model, bui
 from tests.support.engine_cases import NUM_CLASSES
 
 MLP = {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": NUM_CLASSES, "in_features": 8, "hidden": 16}}
-VECTORS = {"factory": "classgrad.workers.zoo:synthetic_probe",
-           "kwargs": {"num_classes": NUM_CLASSES, "samples_per_class": 2, "kind": "vector", "input_shape": [8]}}
+VECTORS = {
+    "factory": "classgrad.workers.zoo:synthetic_probe",
+    "kwargs": {"num_classes": NUM_CLASSES, "samples_per_class": 2, "kind": "vector", "input_shape": [8]},
+}
 
 
 def job(**sections) -> JobConfig:
@@ -41,8 +43,13 @@ def test_build_probe_takes_the_factory_data_and_batch_size():
 
 
 def test_job_engine_follows_the_config():
-    config = job(engine={"kind": "dense", "block_rows": 2}, loss={"kind": "logit"}, params={"include": ["0.*"]},
-                 precision={"dtype": "bf16"}, data={"batch_size": 4})
+    config = job(
+        engine={"kind": "dense", "block_rows": 2},
+        loss={"kind": "logit"},
+        params={"include": ["0.*"]},
+        precision={"dtype": "bf16"},
+        data={"batch_size": 4},
+    )
     engine = build_job_engine(config)
     assert engine.name == "dense" and engine.block_rows == 2
     assert engine.loss.name == "logit" and engine.layout.names == ["0.weight", "0.bias"]
@@ -51,13 +58,16 @@ def test_job_engine_follows_the_config():
     assert build_job_engine(job()).name == "partitioned"  # auto, cross-entropy on an MLP
 
 
-@pytest.mark.parametrize("factory,kwargs,message", [
-    ("classgrad.workers.zoo.mlp", {}, "model.factory 'classgrad.workers.zoo.mlp': expected 'module:function'"),
-    ("classgrad.workers.nowhere:mlp", {}, "cannot import module 'classgrad.workers.nowhere'"),
-    ("classgrad.workers.zoo:no_such_model", {}, "module 'classgrad.workers.zoo' has no attribute 'no_such_model'"),
-    ("classgrad.workers.zoo:mlp", {"colour": 1}, "model.factory 'classgrad.workers.zoo:mlp' raised TypeError"),
-    ("classgrad.workers.zoo:synthetic_probe", {}, "returned tuple, not an nn.Module"),
-])
+@pytest.mark.parametrize(
+    "factory,kwargs,message",
+    [
+        ("classgrad.workers.zoo.mlp", {}, "model.factory 'classgrad.workers.zoo.mlp': expected 'module:function'"),
+        ("classgrad.workers.nowhere:mlp", {}, "cannot import module 'classgrad.workers.nowhere'"),
+        ("classgrad.workers.zoo:no_such_model", {}, "module 'classgrad.workers.zoo' has no attribute 'no_such_model'"),
+        ("classgrad.workers.zoo:mlp", {"colour": 1}, "model.factory 'classgrad.workers.zoo:mlp' raised TypeError"),
+        ("classgrad.workers.zoo:synthetic_probe", {}, "returned tuple, not an nn.Module"),
+    ],
+)
 def test_bad_model_factories_are_one_line_errors(factory, kwargs, message):
     with pytest.raises(InputError, match=message) as info:
         build_model(factory, kwargs)

@@ -112,8 +112,14 @@ def test_recorded_config_ignores_what_is_not_hashed() -> None:
 
 @pytest.mark.parametrize(
     "recorded",
-    [None, [], "model: x", {"loss": {"num_classes": 10}, "model": {"retired_key": 1}},
-     {"loss": {"num_classes": 0}}, {"loss": {"num_classes": 10}, "precision": "fp16"}],
+    [
+        None,
+        [],
+        "model: x",
+        {"loss": {"num_classes": 10}, "model": {"retired_key": 1}},
+        {"loss": {"num_classes": 0}},
+        {"loss": {"num_classes": 10}, "precision": "fp16"},
+    ],
 )
 def test_recorded_config_today_refuses_is_not_the_same_job(recorded: Any) -> None:
     assert recorded_fingerprint(recorded) is None

@@ -65,6 +65,7 @@ def test_global_module_hooks_keep_rows_exact():
     """A hook on every module that rescales Linear outputs changes the gradient of every layer
     below it; per-class sums taken at the hooked layers' outputs would miss it, so the engine
     must not use them while such hooks exist."""
+
     def doubled(module, args, output):
         return output * 2 if isinstance(module, nn.Linear) else None
 

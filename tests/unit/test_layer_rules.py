@@ -15,7 +15,14 @@ from torch import nn
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, choices
 from classgrad.workers.engines.layer_rules import (
-    RULES, ClassGrid, ClassRows, LayerCapture, LayerRows, class_outer_sums, register_rule, rule_for,
+    RULES,
+    ClassGrid,
+    ClassRows,
+    LayerCapture,
+    LayerRows,
+    class_outer_sums,
+    register_rule,
+    rule_for,
 )
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
@@ -65,20 +72,37 @@ def _build(case: str) -> tuple[nn.Module, dict]:
     image, vector = dict(kind="image", input_shape=(3, 9, 9)), dict(kind="vector", input_shape=(8,))
     models = {
         "linear": (lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)), vector),
-        "linear_no_bias": (lambda: nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(),
-                                                 nn.Linear(16, NUM_CLASSES, bias=False)), vector),
-        "linear_positions": (lambda: nn.Sequential(Tokens(2, 4), nn.Linear(4, 6), nn.Tanh(), nn.Flatten(),
-                                                   nn.Linear(12, NUM_CLASSES)), vector),
+        "linear_no_bias": (
+            lambda: nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, NUM_CLASSES, bias=False)),
+            vector,
+        ),
+        "linear_positions": (
+            lambda: nn.Sequential(Tokens(2, 4), nn.Linear(4, 6), nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)),
+            vector,
+        ),
         "conv": (lambda: _conv_head(nn.Conv2d(3, 4, 3), channels=4), image),
         "conv_no_bias": (lambda: _conv_head(nn.Conv2d(3, 4, 3, bias=False), channels=4), image),
-        "conv_strided": (lambda: _conv_head(nn.Conv2d(3, 4, 3, stride=2, padding=(2, 1), dilation=2), channels=4),
-                         image),
-        "conv_grouped": (lambda: _conv_head(nn.Conv2d(3, 6, 1), nn.Conv2d(6, 4, 3, groups=2, padding=1),
-                                            nn.Conv2d(4, 4, 3, groups=4, stride=2), channels=4), image),
-        "batchnorm1d": (lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(),
-                                              nn.Linear(16, NUM_CLASSES)), vector),
-        "batchnorm1d_positions": (lambda: nn.Sequential(Tokens(2, 4), nn.BatchNorm1d(2), nn.Tanh(), nn.Flatten(),
-                                                        nn.Linear(8, NUM_CLASSES)), vector),
+        "conv_strided": (
+            lambda: _conv_head(nn.Conv2d(3, 4, 3, stride=2, padding=(2, 1), dilation=2), channels=4),
+            image,
+        ),
+        "conv_grouped": (
+            lambda: _conv_head(
+                nn.Conv2d(3, 6, 1),
+                nn.Conv2d(6, 4, 3, groups=2, padding=1),
+                nn.Conv2d(4, 4, 3, groups=4, stride=2),
+                channels=4,
+            ),
+            image,
+        ),
+        "batchnorm1d": (
+            lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)),
+            vector,
+        ),
+        "batchnorm1d_positions": (
+            lambda: nn.Sequential(Tokens(2, 4), nn.BatchNorm1d(2), nn.Tanh(), nn.Flatten(), nn.Linear(8, NUM_CLASSES)),
+            vector,
+        ),
         "batchnorm2d": (lambda: _conv_head(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), channels=4), image),
     }
     build, data_kwargs = models[case]
@@ -92,19 +116,34 @@ def _data(data_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(model: nn.Module, data, params=None):
     """(engine, its rows, the float64 reference engine's rows)."""
-    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=BATCH_SIZE,
-                       params=params)
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=BATCH_SIZE, params=params)
     got = eng.compute(range(NUM_CLASSES)).rows
-    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, engine="reference",
-                       batch_size=BATCH_SIZE, params=params).compute(range(NUM_CLASSES)).rows
+    ref = (
+        build_engine(
+            copy.deepcopy(model).double(),
+            data,
+            num_classes=NUM_CLASSES,
+            engine="reference",
+            batch_size=BATCH_SIZE,
+            params=params,
+        )
+        .compute(range(NUM_CLASSES))
+        .rows
+    )
     return eng, got, ref
 
 
 RULE_CASES = {  # case -> the layer types whose rule must be used
-    "linear": {nn.Linear}, "linear_no_bias": {nn.Linear}, "linear_positions": {nn.Linear},
-    "conv": {nn.Conv2d, nn.Linear}, "conv_no_bias": {nn.Conv2d, nn.Linear}, "conv_strided": {nn.Conv2d, nn.Linear},
-    "conv_grouped": {nn.Conv2d, nn.Linear}, "batchnorm1d": {nn.BatchNorm1d, nn.Linear},
-    "batchnorm1d_positions": {nn.BatchNorm1d, nn.Linear}, "batchnorm2d": {nn.BatchNorm2d, nn.Conv2d, nn.Linear},
+    "linear": {nn.Linear},
+    "linear_no_bias": {nn.Linear},
+    "linear_positions": {nn.Linear},
+    "conv": {nn.Conv2d, nn.Linear},
+    "conv_no_bias": {nn.Conv2d, nn.Linear},
+    "conv_strided": {nn.Conv2d, nn.Linear},
+    "conv_grouped": {nn.Conv2d, nn.Linear},
+    "batchnorm1d": {nn.BatchNorm1d, nn.Linear},
+    "batchnorm1d_positions": {nn.BatchNorm1d, nn.Linear},
+    "batchnorm2d": {nn.BatchNorm2d, nn.Conv2d, nn.Linear},
 }
 
 
@@ -122,11 +161,14 @@ def test_each_rule_matches_the_float64_reference(case):
     assert torch.equal(zero_rows(got), zero_rows(ref))  # the empty class, and only it
 
 
-@pytest.mark.parametrize("case,params", [
-    ("conv", ["0.bias"]),  # a conv's bias alone
-    ("batchnorm2d", ["1.weight"]),  # a norm layer's weight alone
-    ("linear", ["2.bias", "0.weight"]),  # a weight in one layer, a bias in another
-])
+@pytest.mark.parametrize(
+    "case,params",
+    [
+        ("conv", ["0.bias"]),  # a conv's bias alone
+        ("batchnorm2d", ["1.weight"]),  # a norm layer's weight alone
+        ("linear", ["2.bias", "0.weight"]),  # a weight in one layer, a bias in another
+    ],
+)
 def test_rules_compute_only_the_selected_parameters(case, params):
     model, data_kwargs = _build(case)
     eng, got, ref = _rows(model, _data(data_kwargs), params=params)
@@ -149,8 +191,10 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(groups, stride, dilati
     local = torch.repeat_interleave(torch.arange(k), counts)
     within = torch.arange(len(local)) - (torch.cumsum(counts, 0) - counts)[local]
     seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, torch.float64))
-    slots = {"weight": ParamSlot("weight", tuple(conv.weight.shape), 0, conv.weight.numel()),
-             "bias": ParamSlot("bias", tuple(conv.bias.shape), conv.weight.numel(), conv.bias.numel())}
+    slots = {
+        "weight": ParamSlot("weight", tuple(conv.weight.shape), 0, conv.weight.numel()),
+        "bias": ParamSlot("bias", tuple(conv.bias.shape), conv.weight.numel(), conv.bias.numel()),
+    }
     dim = conv.weight.numel() + conv.bias.numel()
 
     class FromTokens(ConvFactors):
@@ -163,8 +207,17 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(groups, stride, dilati
         class_outer_sums(factors, LayerRows(run, slots))
         assert run.certainly_finite()
         results.append(run.rows)
-    want = torch.stack([torch.cat([t.flatten() for t in torch.autograd.grad(
-        (conv(x[local == i]) * g[local == i]).sum(), [conv.weight, conv.bias])]) for i in range(k)])
+    want = torch.stack(
+        [
+            torch.cat(
+                [
+                    t.flatten()
+                    for t in torch.autograd.grad((conv(x[local == i]) * g[local == i]).sum(), [conv.weight, conv.bias])
+                ]
+            )
+            for i in range(k)
+        ]
+    )
     # float64 sums of at most a few hundred products of O(1) numbers, in different orders.
     torch.testing.assert_close(results[0], want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(results[1], want, rtol=1e-12, atol=1e-12)
@@ -203,6 +256,7 @@ def scale_rule():
             for kind, value in (("weight", gw), ("bias", gb)):
                 if value is not None:
                     out.put(kind, value)
+
         return calls
 
     yield register

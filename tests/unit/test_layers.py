@@ -14,15 +14,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # folder -> the package it installs as (pyproject.toml's [tool.setuptools] package-dir)
-FOLDERS = {REPO / "src" / "classgrad": "classgrad", REPO / "service": "classgrad.service",
-           REPO / "workers": "classgrad.workers"}
+FOLDERS = {
+    REPO / "src" / "classgrad": "classgrad",
+    REPO / "service": "classgrad.service",
+    REPO / "workers": "classgrad.workers",
+}
 # package (and everything below it unless listed itself) -> layer; a package imports only its own
 # layer or lower ones. 0 bottom: errors, config, store; 1 compute; 2 runtime; 3 analyses, CLI, API.
 LAYERS = {
-    "classgrad.service": 0, "classgrad.service.config": 0, "classgrad.service.store": 0,
-    "classgrad.workers": 1, "classgrad.workers.engines": 1,
-    "classgrad.service.runtime": 2, "classgrad.workers.runtime": 2,
-    "classgrad.service.analysis": 3, "classgrad.service.commands": 3, "classgrad": 3,
+    "classgrad.service": 0,
+    "classgrad.service.config": 0,
+    "classgrad.service.store": 0,
+    "classgrad.workers": 1,
+    "classgrad.workers.engines": 1,
+    "classgrad.service.runtime": 2,
+    "classgrad.workers.runtime": 2,
+    "classgrad.service.analysis": 3,
+    "classgrad.service.commands": 3,
+    "classgrad": 3,
 }
 MAX_LINES = 600
 
@@ -74,8 +83,10 @@ def imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
 def module_edges() -> dict[str, set[str]]:
     """importing module -> classgrad modules it imports."""
     modules = source_modules()
-    return {module: {n for n in imported_names(module, path, set(modules)) if n in modules and n != module}
-            for module, path in modules.items()}
+    return {
+        module: {n for n in imported_names(module, path, set(modules)) if n in modules and n != module}
+        for module, path in modules.items()
+    }
 
 
 def package_edges() -> dict[str, set[str]]:
@@ -106,7 +117,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for target in sorted(edges.get(node, ())):
             if state.get(target) == "open":
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         state[node] = "done"

@@ -71,7 +71,11 @@ def test_slots_are_contiguous_and_name_their_columns():
     model = nn.Sequential(nn.Linear(3, 2), nn.ReLU(), nn.Linear(2, 4))
     layout = ParamLayout.from_model(model)
     assert [(s.name, s.shape, s.offset, s.size) for s in layout.slots] == [
-        ("0.weight", (2, 3), 0, 6), ("0.bias", (2,), 6, 2), ("2.weight", (4, 2), 8, 8), ("2.bias", (4,), 16, 4)]
+        ("0.weight", (2, 3), 0, 6),
+        ("0.bias", (2,), 6, 2),
+        ("2.weight", (4, 2), 8, 8),
+        ("2.bias", (4,), 16, 4),
+    ]
     assert layout.dim == 20 and len(layout) == 4
     assert layout.to_list()[2] == {"name": "2.weight", "shape": [4, 2], "offset": 8, "size": 8}
     with pytest.raises(InputError, match=r"unknown parameter 'nope' \(layout has: 0.weight, 0.bias"):

@@ -50,8 +50,9 @@ def test_cross_entropy_is_the_mean_over_each_class_samples():
     assert loss.counts(LABELS).tolist() == [2, 1, 0]
     for split in (1, 2):
         # float64 log-sum-exp against math.log/exp: a few float64 roundoffs.
-        torch.testing.assert_close(_total(loss, OUTPUTS, LABELS, split), torch.tensor(want, dtype=torch.float64),
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            _total(loss, OUTPUTS, LABELS, split), torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12
+        )
 
 
 def test_logit_is_the_probe_mean_of_each_output_column():
@@ -70,8 +71,9 @@ def test_bce_is_the_probe_mean_of_binary_cross_entropy_per_column():
     pairs = list(zip(OUTPUTS.tolist(), targets.tolist(), strict=True))
     want = [sum(math.log1p(math.exp(z[c])) - t[c] * z[c] for z, t in pairs) / 3 for c in range(3)]
     # float64 logaddexp against math.log1p/exp: a few float64 roundoffs.
-    torch.testing.assert_close(_total(loss, OUTPUTS, targets, 2), torch.tensor(want, dtype=torch.float64),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        _total(loss, OUTPUTS, targets, 2), torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=1e-12
+    )
     with pytest.raises(InputError, match=r"multi-hot of shape \[N, 3\]"):
         loss.validate_targets(LABELS)
 

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = {"classgrad": REPO / "src" / "classgrad", "classgrad.service": REPO / "service",
-           "classgrad.workers": REPO / "workers"}
+FOLDERS = {
+    "classgrad": REPO / "src" / "classgrad",
+    "classgrad.service": REPO / "service",
+    "classgrad.workers": REPO / "workers",
+}
 
 
 def test_the_package_list_names_every_source_folder():
@@ -33,9 +36,23 @@ def installed(tmp_path_factory) -> Path:
     """A non-editable install of this checkout (no dependencies: they come from the venv)."""
     site = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-         "--no-build-isolation", "--target", str(site), str(REPO)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return site
 
@@ -61,8 +78,9 @@ def test_a_users_own_workers_and_service_change_nothing(installed, tmp_path):
         "print(classgrad.__version__)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(installed)}
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert done.stdout.strip() == project["version"]

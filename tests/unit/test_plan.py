@@ -17,9 +17,7 @@ def _by_index(shards: list[Shard]) -> list[Shard]:
     ("num_rows", "shard_rows", "row_chunk"),
     [(1, 16, 16), (16, 16, 16), (100, 32, 16), (10_000, 256, 16), (257, 256, 1), (48, 48, 16)],
 )
-def test_cover_every_row_once_on_chunk_boundaries(
-    num_rows: int, shard_rows: int, row_chunk: int
-) -> None:
+def test_cover_every_row_once_on_chunk_boundaries(num_rows: int, shard_rows: int, row_chunk: int) -> None:
     shards = plan_shards(num_rows, shard_rows, row_chunk)
     ordered = _by_index(shards)
     assert [s.index for s in ordered] == list(range(len(shards)))

@@ -60,13 +60,16 @@ def test_check_finite_names_the_first_bad_sample_in_any_input():
     ProbeSet((torch.zeros(5, 2), torch.zeros(5))).check_finite()  # finite: no error
 
 
-@pytest.mark.parametrize("data,batch_size,message", [
-    ((torch.zeros(3, 2), torch.zeros(3)), 0, "data.batch_size must be > 0, got 0"),
-    ((torch.zeros(3, 2), torch.zeros(4)), 2, "data: 3 inputs but 4 targets"),
-    ((torch.zeros(0, 2), torch.zeros(0)), 2, "the probe set is empty"),
-    (TensorDataset(torch.zeros(0, 2), torch.zeros(0)), 2, "the probe set is empty"),
-    (42, 2, "expected a Dataset of \\(input, target\\) or a pair"),
-])
+@pytest.mark.parametrize(
+    "data,batch_size,message",
+    [
+        ((torch.zeros(3, 2), torch.zeros(3)), 0, "data.batch_size must be > 0, got 0"),
+        ((torch.zeros(3, 2), torch.zeros(4)), 2, "data: 3 inputs but 4 targets"),
+        ((torch.zeros(0, 2), torch.zeros(0)), 2, "the probe set is empty"),
+        (TensorDataset(torch.zeros(0, 2), torch.zeros(0)), 2, "the probe set is empty"),
+        (42, 2, "expected a Dataset of \\(input, target\\) or a pair"),
+    ],
+)
 def test_bad_probe_sets_are_refused_in_one_line(data, batch_size, message):
     with pytest.raises(InputError, match=message):
         ProbeSet(data, batch_size=batch_size)

@@ -175,9 +175,7 @@ def test_seeds_and_groups_give_different_matrices(kind: str) -> None:
         "seed0": Projector(rows, k, kind=kind, seed=0).matrix_block(0, 0, rows),
         "seed1": Projector(rows, k, kind=kind, seed=1).matrix_block(0, 0, rows),
         "seed2^32": Projector(rows, k, kind=kind, seed=2**32).matrix_block(0, 0, rows),
-        "group1": Projector(2 * rows, k, kind=kind, seed=0, groups=[(0, rows), (rows, rows)]).matrix_block(
-            1, 0, rows
-        ),
+        "group1": Projector(2 * rows, k, kind=kind, seed=0, groups=[(0, rows), (rows, rows)]).matrix_block(1, 0, rows),
     }
     names = list(mats)
     for i, a in enumerate(names):

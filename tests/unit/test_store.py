@@ -36,10 +36,17 @@ REL_TOL = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
 def make_spec(**kw) -> StoreSpec:
-    base = dict(num_classes=50, dim=30, shard_rows=16, row_chunk=8, col_chunk=7,
-                layout=(ParamSlot("w", (5, 4), 0, 20), ParamSlot("b", (10,), 20, 10)),
-                fingerprint="fp-1", loss_kind="cross_entropy",
-                config={"loss": {"kind": "cross_entropy"}})
+    base = dict(
+        num_classes=50,
+        dim=30,
+        shard_rows=16,
+        row_chunk=8,
+        col_chunk=7,
+        layout=(ParamSlot("w", (5, 4), 0, 20), ParamSlot("b", (10,), 20, 10)),
+        fingerprint="fp-1",
+        loss_kind="cross_entropy",
+        config={"loss": {"kind": "cross_entropy"}},
+    )
     base.update(kw)
     return StoreSpec(**base)
 
@@ -58,8 +65,7 @@ def fill(store, rows: np.ndarray, shards=None) -> None:
     for shard in range(store.num_shards) if shards is None else shards:
         start, stop = store.shard_range(shard)
         n = stop - start
-        store.write_rows(start, rows[start:stop], loss=np.arange(start, stop) * 0.5,
-                         count=np.arange(start, stop) + 1)
+        store.write_rows(start, rows[start:stop], loss=np.arange(start, stop) * 0.5, count=np.arange(start, stop) + 1)
         store.mark_shard_done(shard)
         assert n > 0
 
@@ -108,13 +114,14 @@ def test_round_trip(tmp_path, dtype, codec, sharded):
 
 def test_bfloat16_rounds_to_nearest_even(tmp_path):
     import ml_dtypes
+
     rng = np.random.default_rng(1)
     rows = rng.standard_normal((16, 64)).astype(np.float32)
     # Exact ties (low 16 bits 0x8000) with both parities of the kept bit.
-    rows[0, :4] = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF],
-                           dtype=np.uint32).view(np.float32)
-    store = create_store(str(tmp_path / "s"), make_spec(num_classes=16, dim=64, layout=(),
-                                                        col_chunk=64, dtype="bfloat16"))
+    rows[0, :4] = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF], dtype=np.uint32).view(np.float32)
+    store = create_store(
+        str(tmp_path / "s"), make_spec(num_classes=16, dim=64, layout=(), col_chunk=64, dtype="bfloat16")
+    )
     fill(store, rows)
     bits = zarr.open_group(str(tmp_path / "s"), mode="r")["grads"][:]
     scale = store.row_scale()
@@ -135,11 +142,14 @@ def test_direct_chunk_files_are_byte_identical_to_zarrs(tmp_path, dtype):
     mem_url = f"memory://classgrad-tests/{uuid.uuid4().hex}"
     fill(create_store(mem_url, spec), rows)
     mem = fsspec.filesystem("memory")
-    mem_root = mem_url[len("memory://"):]
-    mem_chunks = {k.split(mem_root, 1)[1].lstrip("/") for k in mem.find(mem_root)
-                  if "/c/" in k}
-    local_chunks = {os.path.relpath(os.path.join(r, f), tmp_path / "s")
-                    for r, _, fs in os.walk(tmp_path / "s") for f in fs if f != "zarr.json"}
+    mem_root = mem_url[len("memory://") :]
+    mem_chunks = {k.split(mem_root, 1)[1].lstrip("/") for k in mem.find(mem_root) if "/c/" in k}
+    local_chunks = {
+        os.path.relpath(os.path.join(r, f), tmp_path / "s")
+        for r, _, fs in os.walk(tmp_path / "s")
+        for f in fs
+        if f != "zarr.json"
+    }
     # grads: 7 x 5 chunks; row_scale, loss, count: 7 each; shard_done: 4
     assert local_chunks == mem_chunks and len(local_chunks) == 7 * 5 + 3 * 7 + 4
     for key in sorted(local_chunks):
@@ -153,8 +163,9 @@ def test_memory_store_round_trip():
     fill(create_store(url, spec), rows)
     store = open_store(url)
     assert store.is_complete
-    assert np.allclose(store.rows([5, 49]), rows[[5, 49]], rtol=0,
-                       atol=REL_TOL["float16"] * np.abs(rows[49]).max())  # see REL_TOL
+    assert np.allclose(
+        store.rows([5, 49]), rows[[5, 49]], rtol=0, atol=REL_TOL["float16"] * np.abs(rows[49]).max()
+    )  # see REL_TOL
 
 
 def test_ids_any_order_with_repeats_and_params(tmp_path):
@@ -175,8 +186,7 @@ def test_ids_any_order_with_repeats_and_params(tmp_path):
 
 
 def test_metadata_round_trip(tmp_path):
-    spec = make_spec(class_ids=tuple(range(100, 150)), class_names=tuple(f"c{i}" for i in
-                                                                          range(50)))
+    spec = make_spec(class_ids=tuple(range(100, 150)), class_names=tuple(f"c{i}" for i in range(50)))
     store = create_store(str(tmp_path / "s"), spec)
     again = open_store(str(tmp_path / "s"))
     assert again.spec.layout == spec.layout
@@ -192,8 +202,7 @@ def test_metadata_round_trip(tmp_path):
     attrs["dim"] = -1  # a copy: the store is unaffected
     assert again.attrs["dim"] == 30
     # Plain zarr readers see the attributes too.
-    assert zarr.open_group(str(tmp_path / "s"), mode="r").attrs["classgrad"]["loss_kind"] == \
-        "cross_entropy"
+    assert zarr.open_group(str(tmp_path / "s"), mode="r").attrs["classgrad"]["loss_kind"] == "cross_entropy"
 
 
 def test_bfloat16_attributes_say_how_it_is_stored(tmp_path):
@@ -269,22 +278,19 @@ def _write_shards(url: str, shards: list[int], barrier) -> None:
         start, stop = store.shard_range(shard)
         for a in range(start, stop, store.row_chunk):  # block by block, as workers do
             b = min(a + store.row_chunk, stop)
-            store.write_rows(a, rows[a:b], loss=np.full(b - a, shard, dtype=np.float32),
-                             count=np.full(b - a, shard))
+            store.write_rows(a, rows[a:b], loss=np.full(b - a, shard, dtype=np.float32), count=np.full(b - a, shard))
         store.mark_shard_done(shard)
 
 
 def test_two_processes_write_different_shards_concurrently(tmp_path):
     url = str(tmp_path / "s")
-    spec = make_spec(num_classes=200, dim=300, shard_rows=16, row_chunk=8, col_chunk=64,
-                     layout=())
+    spec = make_spec(num_classes=200, dim=300, shard_rows=16, row_chunk=8, col_chunk=64, layout=())
     create_store(url, spec)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(2)
     # Interleaved shards, so the two writers touch neighbouring chunks and the same
     # directories all the time.
-    procs = [ctx.Process(target=_write_shards, args=(url, list(range(k, spec.num_shards, 2)),
-                                                     barrier)) for k in (0, 1)]
+    procs = [ctx.Process(target=_write_shards, args=(url, list(range(k, spec.num_shards, 2)), barrier)) for k in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
@@ -306,6 +312,7 @@ def test_external_readers_agree(tmp_path, dtype, sharded):
     import dask.array as da
     import tensorstore as ts
     import xarray as xr
+
     path = tmp_path / "s"
     spec = make_spec(dtype=dtype, sharded=sharded, codec="zstd")
     fill(create_store(str(path), spec), make_rows(spec.num_classes, spec.dim))
@@ -314,9 +321,12 @@ def test_external_readers_agree(tmp_path, dtype, sharded):
 
     raw_zarr = zarr.open_group(str(path), mode="r")["grads"][:]
     raw_dask = da.from_zarr(str(path), component="grads").compute()
-    raw_ts = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
-                                                     "path": str(path / "grads")}},
-                     open=True).result().read().result()
+    raw_ts = (
+        ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / "grads")}}, open=True)
+        .result()
+        .read()
+        .result()
+    )
     raw_xr = xr.open_zarr(str(path), consolidated=False, mask_and_scale=False)["grads"].values
     for raw in (raw_zarr, raw_dask, raw_ts, raw_xr):
         assert raw.dtype == raw_zarr.dtype
@@ -324,8 +334,7 @@ def test_external_readers_agree(tmp_path, dtype, sharded):
         assert np.array_equal(stored_times_scale(path, dtype, raw), ours)
     # The lazy views of true values.
     assert np.array_equal(store.to_dask().compute(), ours)
-    arr = xr.DataArray(store.to_dask(), dims=("class", "param"),
-                       coords={"class": store.class_ids})
+    arr = xr.DataArray(store.to_dask(), dims=("class", "param"), coords={"class": store.class_ids})
     assert np.array_equal(arr.sel({"class": [7, 9]}).values, ours[[7, 9]])
     ds = xr.open_zarr(str(path), consolidated=False)
     assert set(ds.data_vars) >= {"grads", "row_scale", "loss", "count", "shard_done"}
@@ -349,8 +358,11 @@ def test_flipped_byte_is_reported_as_corruption(tmp_path, codec):
     fill(store, rows)
     flip_byte(path / "grads" / "c" / "2" / "1")  # rows 16..23, columns 7..13
     reader = open_store(str(path))
-    with pytest.raises(CorruptChunkError, match=r"grads chunk \(2, 1\) \(key grads/c/2/1, "
-                                                r"rows \[16, 24\)\): crc32c checksum mismatch"):
+    with pytest.raises(
+        CorruptChunkError,
+        match=r"grads chunk \(2, 1\) \(key grads/c/2/1, "
+        r"rows \[16, 24\)\): crc32c checksum mismatch",
+    ):
         reader.rows([17])
     with pytest.raises(CorruptChunkError, match="grads/c/2/1"):
         reader.param("w", [20])
@@ -458,26 +470,28 @@ def test_file_url(tmp_path):
     assert open_store(str(tmp_path / "s")).is_complete
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(shard_rows=12), "shard_rows"),
-    (dict(num_classes=0), "num_classes"),
-    (dict(dtype="int8"), "dtype"),
-    (dict(codec="lz4"), "codec"),
-    (dict(layout=(ParamSlot("w", (5, 4), 0, 20),)), "layout"),
-    (dict(layout=(ParamSlot("w", (5, 4), 0, 21), ParamSlot("b", (9,), 21, 9))), "layout"),
-    (dict(class_ids=(1, 2)), "class_ids"),
-    (dict(class_names=("a",)), "class_names"),
-    (dict(projection={"kind": "rademacher", "dim": 30}), "layout"),
-    (dict(config={"x": object()}), "config"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(shard_rows=12), "shard_rows"),
+        (dict(num_classes=0), "num_classes"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(codec="lz4"), "codec"),
+        (dict(layout=(ParamSlot("w", (5, 4), 0, 20),)), "layout"),
+        (dict(layout=(ParamSlot("w", (5, 4), 0, 21), ParamSlot("b", (9,), 21, 9))), "layout"),
+        (dict(class_ids=(1, 2)), "class_ids"),
+        (dict(class_names=("a",)), "class_names"),
+        (dict(projection={"kind": "rademacher", "dim": 30}), "layout"),
+        (dict(config={"x": object()}), "config"),
+    ],
+)
 def test_spec_validation_names_the_field(bad, field):
     with pytest.raises(StoreError, match=f"store spec: {field} "):
         make_spec(**bad)
 
 
 def test_projected_store_and_col_chunk_clipping(tmp_path):
-    spec = make_spec(layout=(), projection={"kind": "rademacher", "dim": 30, "seed": 0},
-                     col_chunk=1 << 20)
+    spec = make_spec(layout=(), projection={"kind": "rademacher", "dim": 30, "seed": 0}, col_chunk=1 << 20)
     assert spec.col_chunk == 30
     store = create_store(str(tmp_path / "s"), spec)
     assert store.attrs["projection"]["kind"] == "rademacher"
@@ -555,8 +569,15 @@ def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, cap
     # A real process that has exited: its pid is provably gone.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
-    lease = {"run_id": "run-dead", "host": socket.gethostname(), "pid": dead_pid, "started": time.time(),
-             "heartbeat": time.time(), "ttl_s": 60.0, "info": {}}
+    lease = {
+        "run_id": "run-dead",
+        "host": socket.gethostname(),
+        "pid": dead_pid,
+        "started": time.time(),
+        "heartbeat": time.time(),
+        "ttl_s": 60.0,
+        "info": {},
+    }
     (tmp_path / "s" / "lease.json").write_text(json.dumps(lease))
     store = open_store(url, mode="r+")
     assert store.lease.info()["run_id"] == "run-dead"

@@ -24,9 +24,14 @@ def make_store(tmp_path):
 def block(start: int, n: int) -> RowBlock:
     """Rows whose every value is their row index + 1; loss 0.5 * (row + 1), count row + 2."""
     ids = torch.arange(start, start + n)
-    return RowBlock(classes=ids, rows=(ids + 1).float()[:, None].expand(n, DIM).clone(),
-                    loss=0.5 * (ids + 1).float(), count=ids + 2, loss_scale=torch.ones(n),
-                    recomputed=torch.zeros(n, dtype=torch.bool))
+    return RowBlock(
+        classes=ids,
+        rows=(ids + 1).float()[:, None].expand(n, DIM).clone(),
+        loss=0.5 * (ids + 1).float(),
+        count=ids + 2,
+        loss_scale=torch.ones(n),
+        recomputed=torch.zeros(n, dtype=torch.bool),
+    )
 
 
 def recording(store) -> list[tuple[int, int]]:
