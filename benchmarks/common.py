@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.losses import create_loss
-from torch import nn
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 AUTOCAST = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -117,6 +117,7 @@ def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str
     """The job through JobDriver on the already running local Ray; phases timed."""
     import psutil
     import ray
+
     from classgrad.service.config import JobConfig
     from classgrad.service.runtime.driver import JobDriver
     from classgrad.service.store import open_store

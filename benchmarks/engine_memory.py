@@ -46,6 +46,7 @@ def child(args) -> None:
 
     import numpy as np
     import torch
+
     from classgrad.workers import zoo
     from classgrad.workers.engines import build_engine
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from classgrad.workers.amp import PrecisionPolicy
-from classgrad.workers.layout import ParamLayout
-from classgrad.workers.probe import ProbeSet
 
 from benchmarks import common
 from benchmarks.common import Case, fmt_s, make_case, print_table
+from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.probe import ProbeSet
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = common.OUT_DIR / "engine_speedup.json"

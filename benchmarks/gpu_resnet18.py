@@ -31,11 +31,11 @@ import argparse
 from typing import Any
 
 import torch
-from classgrad.workers import zoo
 
 from benchmarks import common
 from benchmarks.alternatives import add, run_table, subset
 from benchmarks.common import Case, fmt_s, print_table
+from classgrad.workers import zoo
 
 OUT = common.OUT_DIR / "gpu_resnet18.json"
 

@@ -28,10 +28,10 @@ import os
 import platform
 
 import torch
-from classgrad.workers.projection import HASH_NAME, Projector
 
 from benchmarks import common
 from benchmarks.common import print_table
+from classgrad.workers.projection import HASH_NAME, Projector
 
 GOAL = 0.50
 OUT = common.OUT_DIR / "projection.json"

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from classgrad.service.analysis import fmt_bytes
 from classgrad.service.analysis.similarity import PeakMemory, compute_similarity, top_k_rows
 from classgrad.service.store import StoreSpec, create_store, open_store

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from classgrad.service.store import StoreSpec, create_store
 
 GOAL = 0.70

@@ -16,9 +16,10 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
+
 from classgrad.service.errors import InputError
 from classgrad.service.store.params import ParamSlot
-from torch import nn
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

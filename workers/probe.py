@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from classgrad.service.errors import InputError
 from torch.utils.data import Dataset
+
+from classgrad.service.errors import InputError
 
 
 def _stack(items: Sequence[Any]) -> Any:

@@ -83,6 +83,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from classgrad.service.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
-from classgrad.service.errors import ConfigError
 from pydantic import BaseModel, ValidationError
+
+from classgrad.service.errors import ConfigError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

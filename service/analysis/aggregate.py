@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
 from classgrad.service.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from classgrad.service.analysis import (
     DEFAULT_BLOCK_MB,
     completion,

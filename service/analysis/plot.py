@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
 from pydantic import BaseModel, ConfigDict, Field
+
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
 
 log = logging.getLogger(__name__)
 

@@ -43,11 +43,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, validated
 from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from classgrad.service.config.fields import DEVICE_RE, PositiveFiniteFloat, Section
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
 from pydantic_core import PydanticCustomError
+
+from classgrad.service.config.fields import DEVICE_RE, PositiveFiniteFloat, Section
 
 __all__ = ["EngineConfig", "ParamsConfig", "PrecisionConfig", "ProjectionConfig"]
 

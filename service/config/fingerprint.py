@@ -21,11 +21,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from classgrad.service.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
 from classgrad.service.config.fields import Section, canonical_import_path
 from classgrad.service.config.inputs import DataConfig, LossConfig, ModelConfig
 from classgrad.service.config.placement import ShardingConfig, StoreConfig
-from pydantic import ValidationError
 
 __all__ = ["FINGERPRINT_FIELDS", "FINGERPRINT_VERSION", "fingerprint", "recorded_fingerprint"]
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from classgrad.service.config.fields import Section, check_import_path
 from pydantic import Field, PositiveInt, field_validator
 from pydantic_core import PydanticCustomError
+
+from classgrad.service.config.fields import Section, check_import_path
 
 __all__ = [
     "BUILTIN_LOSS_KINDS",

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
 from classgrad.service.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
 from classgrad.service.config.fingerprint import FINGERPRINT_FIELDS, fingerprint, recorded_fingerprint
 from classgrad.service.config.inputs import DENSE_LOSS_KINDS, DataConfig, LossConfig, ModelConfig
 from classgrad.service.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
 from classgrad.service.config.redaction import redact
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
 
 __all__ = ["JobConfig"]
 

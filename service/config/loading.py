@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
 from classgrad.service.config.job import JobConfig
 from classgrad.service.errors import ConfigError
-from pydantic import BaseModel, ValidationError
 
 __all__ = ["load_config"]
 

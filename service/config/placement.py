@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from classgrad.service.config.fields import ADDRESS_RE, NonNegativeFiniteFloat, PositiveFiniteFloat, Section
 from pydantic import Field, PositiveInt, field_validator
 from pydantic_core import PydanticCustomError
+
+from classgrad.service.config.fields import ADDRESS_RE, NonNegativeFiniteFloat, PositiveFiniteFloat, Section
 
 __all__ = ["ClusterConfig", "RunConfig", "ShardingConfig", "StoreConfig"]
 

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import annotated_types
-from classgrad.service.config.job import JobConfig
 from pydantic import BaseModel
+
+from classgrad.service.config.job import JobConfig
 
 __all__ = ["config_reference_markdown"]
 

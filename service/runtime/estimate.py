@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
 from classgrad.service.config import JobConfig
 
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -63,6 +64,7 @@ def _peak_rss_bytes() -> int:
 
 def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str | None = None) -> Estimate:
     import torch
+
     from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
     engine, projector, dim = checked_engine(config, device=device)

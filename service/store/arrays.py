@@ -12,6 +12,7 @@ from typing import cast
 
 import numpy as np
 import zarr
+
 from classgrad.service.errors import ClassgradError, CorruptChunkError, StoreError, first_line
 from classgrad.service.store.format import ARRAYS
 from classgrad.service.store.location import Location

@@ -8,6 +8,7 @@ the similarity result's). The checks of the chunks themselves are in ``scan``.
 from __future__ import annotations
 
 import zarr
+
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.format import (
     FORMAT_VERSION,

@@ -13,6 +13,8 @@ from typing import Literal
 
 import numpy as np
 import zarr
+from zarr.codecs import BytesCodec
+
 from classgrad.service.errors import ClassgradError, LeaseHeldError, StoreError, first_line
 from classgrad.service.store.encoding import BF16_NAN
 from classgrad.service.store.format import (
@@ -28,7 +30,6 @@ from classgrad.service.store.format import (
 from classgrad.service.store.grad_store import GradStore
 from classgrad.service.store.lease import held_message, lease_age, read_lease
 from classgrad.service.store.location import Location, probe
-from zarr.codecs import BytesCodec
 
 log = logging.getLogger(__name__)
 

@@ -83,10 +83,11 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+
 from classgrad.service.errors import StoreError, StoreMismatchError
 from classgrad.service.store.encoding import TOP_EXP
 from classgrad.service.store.params import ParamSlot
-from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 FORMAT_VERSION = 1
 

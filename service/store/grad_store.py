@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 import zarr
+
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, StoreSpec, spec_from_meta

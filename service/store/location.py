@@ -17,10 +17,11 @@ import uuid
 
 import fsspec
 import zarr
-from classgrad.service.errors import StoreError, first_line
-from classgrad.service.store.format import ATTR_KEY
 from zarr.abc.store import Store
 from zarr.storage import FsspecStore, LocalStore
+
+from classgrad.service.errors import StoreError, first_line
+from classgrad.service.store.format import ATTR_KEY
 
 
 def local_path(url: str) -> str | None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+
 from classgrad.service.errors import CorruptChunkError, StoreError, StoreIncompleteError
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.encoding import bf16_bits_to_f32, decode_rows

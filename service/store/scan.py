@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+
 from classgrad.service.errors import CorruptChunkError, first_line
 from classgrad.service.store.arrays import StoreArrays, is_corruption
 from classgrad.service.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec

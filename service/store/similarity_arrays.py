@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import zarr
+from zarr.codecs import BytesCodec
+
 from classgrad.service.errors import ClassgradError, StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.format import (
@@ -28,7 +30,6 @@ from classgrad.service.store.format import (
     codecs,
 )
 from classgrad.service.store.indexing import row_ids
-from zarr.codecs import BytesCodec
 
 # write_rows hands zarr about this many bytes per call (whole chunks).
 _SIM_WRITE_BYTES = 8 << 20

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.direct_write import write_direct

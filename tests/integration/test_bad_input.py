@@ -23,8 +23,8 @@ import json
 import os
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -35,7 +35,6 @@ from classgrad.service.runtime.driver import prepare_store
 from classgrad.service.store import open_store
 from tests.support import faulty
 from tests.support.cluster import free_port
-from tests.support.jobs import small_job
 from tests.support.harness import (
     assert_identical,
     classgrad_cli,
@@ -46,6 +45,7 @@ from tests.support.harness import (
     uninterrupted,
     write_job,
 )
+from tests.support.jobs import small_job
 
 C = 48
 

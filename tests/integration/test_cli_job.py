@@ -17,7 +17,6 @@ import pytest
 import yaml
 
 from classgrad.service.store import open_store
-from tests.support.jobs import small_job
 from tests.support.harness import (
     classgrad_cli,
     kill_session,
@@ -25,6 +24,7 @@ from tests.support.harness import (
     start_cli,
     wait_for,
 )
+from tests.support.jobs import small_job
 
 SLOW = {
     "model": {

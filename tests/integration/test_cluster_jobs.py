@@ -29,8 +29,8 @@ from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.errors import StoreError
 from classgrad.service.store import open_store
 from tests.support.cluster import LocalRayCluster, free_port
-from tests.support.harness import REPO, classgrad_cli, reference_rows, start_cli
 from tests.support.engine_cases import max_relative_error
+from tests.support.harness import REPO, classgrad_cli, reference_rows, start_cli
 
 pytestmark = pytest.mark.slow  # real multi-node Ray clusters; deselect with -m "not slow"
 

@@ -25,10 +25,9 @@ import pytest
 
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.config import JobConfig
-from classgrad.service.runtime.driver import JobDriver, prepare_store
 from classgrad.service.errors import LeaseHeldError
+from classgrad.service.runtime.driver import JobDriver, prepare_store
 from classgrad.service.store import open_store
-from tests.support.jobs import small_job
 from tests.support.harness import (
     assert_identical,
     error_lines,
@@ -38,6 +37,7 @@ from tests.support.harness import (
     wait_for,
     write_job,
 )
+from tests.support.jobs import small_job
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

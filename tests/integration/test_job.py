@@ -11,9 +11,9 @@ import torch
 
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import open_store
-from tests.support.engine_cases import max_relative_error
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.runtime.factory import build_model, build_probe
+from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

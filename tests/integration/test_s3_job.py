@@ -15,14 +15,13 @@ import secrets
 
 import numpy as np
 import pytest
+import s3fs  # noqa: E402
 import torch
 
 from classgrad.service.store import open_store
 from tests.support.cluster import LocalRayCluster
-from tests.support.harness import classgrad_cli, reference_rows
 from tests.support.engine_cases import max_relative_error
-
-import s3fs  # noqa: E402
+from tests.support.harness import classgrad_cli, reference_rows
 
 pytestmark = pytest.mark.slow  # a real two-node Ray cluster; deselect with -m "not slow"
 

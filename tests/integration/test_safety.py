@@ -35,6 +35,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import s3fs  # noqa: E402
 import torch
 
 from classgrad.service.commands.cli import main as cli_main
@@ -55,8 +56,6 @@ from tests.support.harness import (
     wait_for,
     write_job,
 )
-
-import s3fs  # noqa: E402
 
 
 class _Payload:

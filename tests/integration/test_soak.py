@@ -30,13 +30,13 @@ import pytest
 from classgrad.service.config import JobConfig
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import open_store
-from tests.support.jobs import small_job
 from tests.support.harness import (
     assert_identical,
     store_arrays,
     uninterrupted,
     wait_for,
 )
+from tests.support.jobs import small_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import s3fs  # noqa: E402
 
 from classgrad.service.errors import StoreError, StoreMismatchError
 from classgrad.service.store import ParamSlot, StoreSpec, create_store, open_store
-
-import s3fs  # noqa: E402
 
 
 def spec(**kw) -> StoreSpec:

@@ -5,7 +5,8 @@ server plus any number of worker nodes joined with ``ray start --address``, all 
 each node a separate ``ray start --block`` process tree with its own ports, temp dir, log file
 and Unix session, so one node can be stopped (``stop_node``: SIGTERM to each of its processes,
 what ``ray stop`` sends) or crashed (``stop_node(i, force=True)``: SIGKILL) without touching the
-others or any other Ray on the machine (``ray stop`` itself would stop every Ray here). ``free_port`` is the port picker it uses.
+others or any other Ray on the machine (``ray stop`` itself would stop every Ray here).
+``free_port`` is the port picker it uses.
 
 Token authentication stays on: the cluster gets its own random token in a file under its root
 (``RAY_AUTH_MODE=token`` + ``RAY_AUTH_TOKEN_PATH`` in every node's environment), so nothing is
@@ -49,9 +50,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -193,7 +193,7 @@ def engine_for(
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_rows(model_case: str, loss_case: str, samples_per_class: int = 3):
     """The reference engine in float64: the ground truth every engine is compared with."""
     block = engine_for(model_case, loss_case, "reference", float64=True, samples_per_class=samples_per_class).compute(

@@ -29,8 +29,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -271,9 +271,9 @@ def trusted_state(url: str, config: JobConfig | None = None) -> str:
     done = np.flatnonzero(store.shard_done)
     if done.size:
         assert config is not None, "done shards but no config to check them against"
-        from tests.support.engine_cases import max_relative_error
         from classgrad.workers.engines import per_class_gradients
         from classgrad.workers.runtime.factory import build_model, build_probe
+        from tests.support.engine_cases import max_relative_error
 
         model = build_model(
             config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from classgrad.workers.engines import per_class_gradients
-
 from benchmarks import common
+from classgrad.workers.engines import per_class_gradients
 
 NUM_CLASSES = 6
 

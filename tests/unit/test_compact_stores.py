@@ -11,10 +11,10 @@ from classgrad.service.config import JobConfig
 from classgrad.service.runtime.driver import prepare_store
 from classgrad.service.runtime.estimate import estimate_job
 from classgrad.service.store import open_store
-from classgrad.workers.runtime.actor import GradientWorker
 from classgrad.workers.engines import per_class_gradients
-from classgrad.workers.runtime.factory import build_model, build_probe
 from classgrad.workers.projection import Projector
+from classgrad.workers.runtime.actor import GradientWorker
+from classgrad.workers.runtime.factory import build_model, build_probe
 
 C = 24
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from classgrad.service.config import JobConfig, config_reference_markdown, load_config
 from classgrad.service.errors import ClassgradError, ConfigError
@@ -154,7 +155,7 @@ def test_resolved_device() -> None:
 
 def test_config_is_immutable() -> None:
     cfg = load_config(overrides=[NC])
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.store.url = "elsewhere"  # type: ignore[misc]
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from classgrad.workers.engines import build_engine, choices, dense, per_class_gradients
 from tests.support.engine_cases import (
     BATCH_SIZE,
     MODEL_CASES,
@@ -23,7 +24,6 @@ from tests.support.engine_cases import (
     probe_data,
     reference_rows,
 )
-from classgrad.workers.engines import build_engine, choices, dense, per_class_gradients
 
 # --- one forward per micro-batch, rows in blocks -------------------------------------------
 

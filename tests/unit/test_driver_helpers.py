@@ -3,8 +3,8 @@ of a user error (fail at once) or of something a replacement can fix."""
 
 from __future__ import annotations
 
-from classgrad.service.runtime.driver import _cause_line, _creation_error
 from classgrad.service.errors import InputError
+from classgrad.service.runtime.driver import _cause_line, _creation_error
 
 # The text of a real ActorDiedError for a constructor that raised (Ray 2.60), ANSI codes included.
 CREATION_FAILED = (

@@ -20,8 +20,8 @@ from classgrad.service.errors import ConfigError, InputError
 from classgrad.workers.projection import (
     HASH_NAME,
     PROJECTIONS,
-    Projector,
     ProjectionKind,
+    Projector,
     create_projection,
     mix32,
     register_projection,

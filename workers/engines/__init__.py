@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+
 from classgrad.service.errors import InputError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
@@ -23,7 +25,6 @@ from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.probe import ProbeSet
-from torch import nn
 
 __all__ = [
     "ENGINES",

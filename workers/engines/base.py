@@ -30,13 +30,14 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
 from classgrad.service.errors import InputError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
 from classgrad.workers.probe import MicroBatch, ProbeSet
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
 # Layers whose train-mode output for one sample depends on the other samples in the batch, or
 # on random draws: with any of them in train mode, a class's row is not the gradient of its own

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
 import torch
+
 from classgrad.service.errors import ClassgradError
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines import choices

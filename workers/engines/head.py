@@ -44,10 +44,11 @@ import collections
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.engines.base import reaches_any
 from classgrad.workers.layout import ParamLayout
-from torch import nn
 
 _FP_BYTES = 4
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines.base import GradientEngine, RowBlock
 

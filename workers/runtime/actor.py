@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store

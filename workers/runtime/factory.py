@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
 from classgrad.service.errors import InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import GradientEngine, create_engine
@@ -21,7 +23,6 @@ from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import create_loss
 from classgrad.workers.probe import ProbeSet
-from torch import nn
 
 if TYPE_CHECKING:
     from classgrad.service.config import JobConfig

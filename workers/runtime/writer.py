@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from classgrad.service.errors import StoreError
 from classgrad.service.store import GradStore
 from classgrad.workers.engines import RowBlock

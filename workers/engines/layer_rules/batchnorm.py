@@ -10,9 +10,10 @@ statistics couple the samples; the partitioned engine refuses such models anyway
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
-from torch import nn
 
 
 def running_statistics(module: nn.modules.batchnorm._BatchNorm) -> str | None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import choice_clock
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
-from torch import nn
 
 
 def zero_padding(module: nn.Conv2d) -> str | None:

@@ -7,10 +7,11 @@ sequence input, is a token) and ``linear_sums``, registered for ``nn.Linear``.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
-from torch import nn
 
 
 class LinearFactors(OuterFactors):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 
 

@@ -52,8 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 from torch import nn
+
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 
 # A rule's functions take modules of its own type (``LayerRule.module_type``).
 M = TypeVar("M", bound=nn.Module)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from classgrad.workers.layout import ParamSlot
 
 # A row whose entries are all bounded by this is finite, with room for the sums that form it.

@@ -18,8 +18,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
-from classgrad.workers.engines.base import parameters_kept, reaches_any
 from torch import nn
+
+from classgrad.workers.engines.base import parameters_kept, reaches_any
 
 
 @dataclass(frozen=True)

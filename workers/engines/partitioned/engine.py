@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
 from classgrad.service.errors import ClassgradError, InputError
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines.base import GradientEngine, RowBlock, couples_samples, samples_independent

@@ -20,6 +20,9 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.nn.modules import module as module_state  # where global forward hooks are kept
+
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, choice_clock
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRule, rule_for
@@ -28,8 +31,6 @@ from classgrad.workers.engines.partitioned.input_format import ImageFormat
 from classgrad.workers.engines.partitioned.packing import ClassSamples
 from classgrad.workers.layout import ParamLayout, ParamSlot
 from classgrad.workers.losses import PartitionedLoss
-from torch import nn
-from torch.nn.modules import module as module_state  # where global forward hooks are kept
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
+
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import EngineStats
-from torch import nn
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
+
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, parameters_kept
 from classgrad.workers.engines.partitioned.packing import ClassSamples
 from classgrad.workers.losses import PartitionedLoss
