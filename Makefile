@@ -1,7 +1,7 @@
 # The two commands in the README: `make demo` and `make test`. Both set up .venv first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test unit integration bench clean
+.PHONY: setup demo lint test unit integration bench clean
 
 setup:
 	bash scripts/bootstrap.sh
@@ -9,7 +9,13 @@ setup:
 demo: setup
 	.venv/bin/classgrad run configs/demo.yaml
 
-test: setup
+# ruff (lint and format) and mypy, with zero errors: part of the test command CI runs.
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	$(PY) scripts/typecheck.py
+
+test: setup lint
 	$(PY) -m pytest -q tests
 
 unit: setup
