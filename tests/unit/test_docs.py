@@ -27,6 +27,11 @@ def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
     first_block = readme.split("```bash", 1)[1].split("```", 1)[0]
     assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]
     assert "exec make test" in (REPO / ".ci" / "run").read_text()
+    # CI's test command includes the lint and type checks, so they cannot drift into failing.
+    assert "test: setup lint\n" in (REPO / "Makefile").read_text()
+    lint = (REPO / "Makefile").read_text().split("lint: setup\n", 1)[1].split("\n\n", 1)[0]
+    for check in (".venv/bin/ruff check .", ".venv/bin/ruff format --check .", "$(PY) scripts/typecheck.py"):
+        assert f"\t{check}\n" in lint + "\n", check
     makefile = (REPO / "Makefile").read_text()
     assert "demo: setup\n\t.venv/bin/classgrad run configs/demo.yaml" in makefile
 
