@@ -3,7 +3,7 @@
 Holds the command registry (name -> module with ``add_arguments``/``main``) and ``main``. Errors
 a user can cause (``ClassgradError``) print one line and exit with their code (2); Ctrl-C exits
 130 after the driver has saved what it finished; anything else is a bug: one line, exit 1, and
-the traceback only with ``--debug``.
+the traceback only with ``--debug``. Error lines and log lines pass through ``redact_text``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from classgrad.service.config.redaction import RedactingFilter, redact_text
 from classgrad.service.errors import ClassgradError
 from classgrad.service.version import __version__
 
@@ -68,6 +69,8 @@ def _configure_logging(args: argparse.Namespace) -> None:
         stream=sys.stderr,
     )
     logging.getLogger("classgrad").setLevel(level)
+    for handler in logging.getLogger().handlers:  # any library's line may quote a URL with its password
+        handler.addFilter(RedactingFilter())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -76,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._main(args) or 0)
     except ClassgradError as exc:
-        print(f"classgrad: error: {exc}", file=sys.stderr)
+        print(f"classgrad: error: {redact_text(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("classgrad: interrupted; finished shards are saved, rerun the same command to resume", file=sys.stderr)
@@ -85,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(
-            f"classgrad: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)", file=sys.stderr
+            redact_text(f"classgrad: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)"),
+            file=sys.stderr,
         )
         return 1
 

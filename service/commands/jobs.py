@@ -63,15 +63,20 @@ def _time(ms: int | None) -> str:
 
 
 def _details(info) -> dict:
-    return {
-        "job_id": info.submission_id or info.job_id,
-        "status": str(info.status),
-        "message": info.message,
-        "entrypoint": info.entrypoint,
-        "start": _time(info.start_time),
-        "end": _time(info.end_time),
-        "metadata": info.metadata or {},
-    }
+    from classgrad.service.config.redaction import redact
+
+    # A job submitted by other means may carry a credential in its entrypoint or metadata.
+    return redact(
+        {
+            "job_id": info.submission_id or info.job_id,
+            "status": str(info.status),
+            "message": info.message,
+            "entrypoint": info.entrypoint,
+            "start": _time(info.start_time),
+            "end": _time(info.end_time),
+            "metadata": info.metadata or {},
+        }
+    )
 
 
 def finish_followed(client, job_id: str) -> int:

@@ -34,8 +34,10 @@ def status_of(store) -> dict:
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.store import open_store
 
+    from classgrad.service.config.redaction import redact
+
     store = open_store(args.store, storage_options=storage_options(args))
-    info = status_of(store)
+    info = redact(status_of(store))  # a run's error recorded by an older classgrad may quote a credential
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0

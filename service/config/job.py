@@ -107,13 +107,10 @@ class JobConfig(BaseModel):
         return recorded_fingerprint(recorded) == self.fingerprint()
 
     def redacted(self) -> dict[str, Any]:
-        """The whole config as a JSON-able dict, with secrets replaced by ``"***"``.
-
-        Secrets are values under any key containing key/secret/token/password/credential
-        (any case, any depth) in `store.storage_options` and `cluster.runtime_env` (where
-        `env_vars` commonly carries cloud credentials). This is what the store's attributes hold.
+        """The whole config as a JSON-able dict, with secrets replaced by ``"***"``: values under
+        secret-looking keys and every ``env_vars`` value, in every section at any depth, and
+        credentials inside strings (URL passwords, connection strings); see ``redaction``. This is
+        what the store's attributes hold and what is ever logged; the fingerprint is computed from
+        the real values.
         """
-        dumped = self.model_dump(mode="json")
-        dumped["store"]["storage_options"] = redact(dumped["store"]["storage_options"])
-        dumped["cluster"]["runtime_env"] = redact(dumped["cluster"]["runtime_env"])
-        return dumped
+        return redact(self.model_dump(mode="json"))

@@ -1,25 +1,151 @@
-"""Secrets hidden from the config as it is written into a store.
+"""Secrets hidden from the config wherever it is stored or logged, and from free text.
 
-Holds ``redact`` (values under secret-looking keys replaced, at any depth) and ``REDACTED``.
+Holds:
+
+- ``is_secret_key``: the rule for secret-looking keys (words, not substrings: ``api_token``,
+  ``passwd``, ``GITHUB_PAT``, ``HF_AUTH``, ``AccountKey`` are secret; ``tokenizer``,
+  ``num_tokens``, ``author``, ``monkey`` are not);
+- ``redact``: a config (or any JSON-able value) with every value under a secret-looking key,
+  every value of an ``env_vars`` mapping and every credential inside a string replaced, at any
+  depth, in every section;
+- ``redact_text``: credentials inside free text (a URL's userinfo, ``name=value`` pairs with a
+  secret-looking name as in connection strings and query strings) replaced;
+- ``RedactingFilter``: a logging filter that passes every record's message through ``redact_text``;
+- ``has_secrets`` (whether ``redact`` would hide anything but ``env_vars`` values: the warning
+  that Ray logs its runtime env) and ``REDACTED``.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
-__all__ = ["REDACTED", "redact"]
+__all__ = ["REDACTED", "RedactingFilter", "has_secrets", "is_secret_key", "redact", "redact_text"]
 
-# Keys whose values are treated as secrets when the config is written anywhere.
-_SECRET_RE = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
 REDACTED = "***"
 
+# A key is split into words (snake_case, kebab-case, dotted and camelCase) and is secret when a
+# word is one of these: whole words, so `tokenizer`, `num_tokens` and `keyboard` are not.
+_SECRET_WORDS = frozenset(
+    {
+        "apikey",
+        "auth",
+        "authorization",
+        "bearer",
+        "cookie",
+        "credential",
+        "credentials",
+        "creds",
+        "key",
+        "pass",
+        "passphrase",
+        "passwd",
+        "password",
+        "passwords",
+        "pat",
+        "private",
+        "pwd",
+        "sas",
+        "secret",
+        "secrets",
+        "sig",
+        "signature",
+        "token",
+    }
+)
+# ...or ends with one of these (keys written as one word: `authtoken`, `clientsecret`, `accountkey`).
+_SECRET_SUFFIXES = (
+    "accesskey",
+    "accountkey",
+    "apikey",
+    "auth",
+    "credential",
+    "credentials",
+    "passwd",
+    "password",
+    "privatekey",
+    "secret",
+    "secretkey",
+    "token",
+)
+_WORD_RE = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
+# scheme://user:password@host (or scheme://token@host): the userinfo of a URL.
+# Greedy up to the last "@" before the path: a password may hold an unencoded "@".
+_USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^\s/?#]+)@")
+# name=value in connection strings (`;`-separated) and query strings (`&`-separated).
+_PAIR_RE = re.compile(r"(?P<name>[A-Za-z][\w.\-]*)=(?P<value>[^;&\s\"',]+)")
 
-def redact(value: Any) -> Any:
-    """``value`` with every value under a key containing key/secret/token/password/credential
-    (any case, any depth, in mappings and lists) replaced by ``REDACTED``."""
+
+def _words(key: str) -> list[str]:
+    return [w.lower() for w in _WORD_RE.findall(key)]
+
+
+def is_secret_key(key: object) -> bool:
+    """Whether values under ``key`` are treated as secrets (see the module's docstring)."""
+    words = _words(str(key))
+    return any(w in _SECRET_WORDS or w.endswith(_SECRET_SUFFIXES) for w in words)
+
+
+def _userinfo(match: re.Match[str]) -> str:
+    user, sep, _ = match["userinfo"].partition(":")
+    # user:password keeps the user; a lone user part may itself be a token (https://TOKEN@host).
+    return f"{match['scheme']}{user}:{REDACTED}@" if sep else f"{match['scheme']}{REDACTED}@"
+
+
+def _pair(match: re.Match[str]) -> str:
+    return f"{match['name']}={REDACTED}" if is_secret_key(match["name"]) else match[0]
+
+
+def redact_text(text: str) -> str:
+    """``text`` with URL userinfo and secret-looking ``name=value`` values replaced by ``REDACTED``."""
+    if "@" in text:
+        text = _USERINFO_RE.sub(_userinfo, text)
+    if "=" in text:
+        text = _PAIR_RE.sub(_pair, text)
+    return text
+
+
+def redact(value: Any, *, all_values: bool = False) -> Any:
+    """``value`` with secrets replaced by ``REDACTED``, in mappings and lists at any depth: every
+    value under a secret-looking key (``is_secret_key``), every value of an ``env_vars`` mapping
+    (any variable can carry a credential: ``DATABASE_URL``, ``HF_AUTH``), and credentials inside
+    strings (``redact_text``). Keys are kept, so the shape of the config stays readable."""
     if isinstance(value, dict):
-        return {k: REDACTED if _SECRET_RE.search(str(k)) else redact(v) for k, v in value.items()}
+        return {
+            k: REDACTED
+            if all_values or is_secret_key(k)
+            else redact(v, all_values=str(k) == "env_vars" and isinstance(v, dict))
+            for k, v in value.items()
+        }
     if isinstance(value, list):
-        return [redact(v) for v in value]
+        return [REDACTED if all_values else redact(v) for v in value]
+    if all_values:
+        return REDACTED
+    if isinstance(value, str):
+        return redact_text(value)
     return value
+
+
+def has_secrets(value: Any) -> bool:
+    """Whether ``value`` holds a secret-looking key or a credential inside a string (``env_vars``
+    values count only when they look like one: their names and contents are checked)."""
+    if isinstance(value, dict):
+        return any(is_secret_key(k) or has_secrets(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_secrets(v) for v in value)
+    return isinstance(value, str) and redact_text(value) != value
+
+
+class RedactingFilter(logging.Filter):
+    """Passes each record's message through ``redact_text`` (installed on the CLI's log handlers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a malformed record: logging reports it itself
+            return True
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, None
+        return True

@@ -256,6 +256,21 @@ def _check_store_url(url: str) -> None:
     log.warning("store.url %s is a local path: every node of the cluster must mount it at that path", url)
 
 
+def _check_overrides_hold_no_secret(overrides: Sequence[str]) -> None:
+    """Refuse a secret in a ``--set``: it would travel in the job's entrypoint, which the cluster
+    shows to everyone who can list its jobs (``classgrad jobs status``, the dashboard)."""
+    from classgrad.service.config.redaction import is_secret_key, redact_text
+
+    for item in overrides:
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        if "env_vars" in parts[:-1] or any(is_secret_key(p) for p in parts) or redact_text(value) != value:
+            raise JobSubmitError(
+                f"--set {key.strip()}=...: a secret given with --set would be shown in the job's entrypoint "
+                f"on the cluster; put it in the job file (uploaded with the working dir) or the nodes' environment"
+            )
+
+
 def prepare_submission(
     config: str | os.PathLike,
     overrides: Sequence[str] = (),
@@ -284,6 +299,7 @@ def prepare_submission(
             f"config {config} is outside the working dir {wd}: it must travel with it "
             f"(move it in, or pass --working-dir)"
         ) from None
+    _check_overrides_hold_no_secret(overrides)
     args = [python, "-m", "classgrad", "run", rel]
     for item in overrides:
         args += ["--set", item]

@@ -455,9 +455,10 @@ def test_redacted_hides_secrets_at_any_depth() -> None:
     }
     assert so["config_kwargs"] == [{"Password": "***"}]
     assert so["Credentials"] == "***"
+    # Every env_vars value is hidden (any variable may carry a credential: DATABASE_URL, HF_AUTH).
     assert red["cluster"]["runtime_env"]["env_vars"] == {
         "AWS_SECRET_ACCESS_KEY": "***",
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "***",
     }
     text = json.dumps(red)  # JSON-able, and no secret survives anywhere in it
     for secret in ("AKIA1", "s3cr3t", "hidden1", "hidden2", "hidden3", "hidden4", "hidden5"):
@@ -482,6 +483,6 @@ def test_config_reference_mentions_every_field() -> None:
         for key, info in model.model_fields.items():  # type: ignore[union-attr]
             assert info.description, f"{section}.{key} has no description"
             assert info.description.replace("|", "\\|") in rows[key]
-    assert "| `num_classes` | int > 0 | required |" in text
+    assert "| `num_classes` | int > 0, ≤ 2147483647 | required |" in text
     assert "| `dtype` | `fp32` \\| `fp16` \\| `bf16` | `fp32` |" in text
     assert "| `block_rows` | int > 0 or null | `null` |" in text
