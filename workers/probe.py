@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from classgrad.service.errors import InputError
+from classgrad.service.errors import InputError, first_line
 
 
 def _stack(items: Sequence[Any]) -> Any:
@@ -60,6 +60,14 @@ def _to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = Non
     return tree_map_tensors(move, batch)
 
 
+def _item(dataset: Any, index: int) -> Any:
+    """``dataset[index]``; the user's ``__getitem__`` failing is one ``InputError`` naming the item."""
+    try:
+        return dataset[index]
+    except Exception as exc:  # noqa: BLE001 - the user's dataset failed: report it in one line
+        raise InputError(f"data: item {index} of the probe set raised {first_line(exc, with_type=True)}") from exc
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch of the probe set: sample indices in probe order."""
@@ -88,7 +96,7 @@ class ProbeSet:
             n = len(data)  # type: ignore[arg-type]
             if n == 0:
                 raise InputError("data: the probe set is empty")
-            self.targets = _stack([torch.as_tensor(data[i][1]) for i in range(n)])
+            self.targets = _stack([torch.as_tensor(_item(data, i)[1]) for i in range(n)])
         else:
             raise InputError(
                 f"data: expected a Dataset of (input, target) or a pair (inputs, targets), got {type(data).__name__}"
@@ -105,7 +113,7 @@ class ProbeSet:
         pass where the inputs are held as tensors."""
         if self._dataset is None:
             return _index(self._inputs, indices, memory_format)
-        batch = _stack([self._dataset[int(i)][0] for i in indices])
+        batch = _stack([_item(self._dataset, int(i))[0] for i in indices])
         return batch if memory_format is None else _in_format(batch, memory_format)
 
     def batch(

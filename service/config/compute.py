@@ -7,10 +7,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, field_validator
+from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from classgrad.service.config.fields import DEVICE_RE, PositiveFiniteFloat, Section
+from classgrad.service.config.fields import (
+    DEVICE_RE,
+    PositiveFiniteFloat,
+    Section,
+    StrictNonNegativeInt,
+    StrictPositiveInt,
+)
 
 __all__ = ["EngineConfig", "ParamsConfig", "PrecisionConfig", "ProjectionConfig"]
 
@@ -57,13 +63,13 @@ class EngineConfig(Section):
         "checking), or `auto`: partitioned when the loss is class-partitioned and the model "
         "treats samples independently, dense otherwise.",
     )
-    block_rows: PositiveInt | None = Field(
+    block_rows: StrictPositiveInt | None = Field(
         None,
         description="Rows per VJP block of the dense engine (the graph is kept while one block "
         "runs); null = chosen by a short measurement. Not used when rows go through the model's "
         "final Linear layer (a loss linear in the outputs: see the dense engine).",
     )
-    group_rows: PositiveInt = Field(
+    group_rows: StrictPositiveInt = Field(
         256,
         description="Rows accumulated at once over the micro-batches of the probe set (bounds "
         "the memory of the row accumulator: group_rows × D floats).",
@@ -89,14 +95,14 @@ class EngineConfig(Section):
 class ProjectionConfig(Section):
     """Optional random projection of each row to `dim` columns (Johnson–Lindenstrauss)."""
 
-    dim: PositiveInt | None = Field(
+    dim: StrictPositiveInt | None = Field(
         None, description="k, the stored row length; null = store full rows (no projection)."
     )
     kind: Literal["rademacher", "gaussian"] = Field(
         "rademacher",
         description="Distribution of the random matrix's entries: random signs or Gaussian.",
     )
-    seed: NonNegativeInt = Field(
+    seed: StrictNonNegativeInt = Field(
         0,
         description="Seed of the projection; the matrix is regenerated block by block from it, "
         "identically on every worker.",

@@ -3,7 +3,8 @@
 Holds:
 
 - ``Section``: the base of every section (unknown keys are errors, values frozen once validated);
-- ``PositiveFiniteFloat``/``NonNegativeFiniteFloat``: the bounded float field types;
+- ``PositiveFiniteFloat``/``NonNegativeFiniteFloat``/``StrictPositiveInt``/``StrictNonNegativeInt``:
+  the bounded number field types (a bool is never a number: ``batch_size: true`` is refused);
 - ``canonical_import_path`` (pre-namespace ``workers.``/``service.`` prefixes rewritten) and
   ``check_import_path`` (that, then the ``module:function`` syntax);
 - the syntax of torch devices and Ray addresses (``DEVICE_RE``, ``ADDRESS_RE``).
@@ -14,9 +15,10 @@ Only syntax is checked here: an import happens in the actor, where the module ha
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from annotated_types import Ge, Gt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "NonNegativeFiniteFloat",
     "PositiveFiniteFloat",
     "Section",
+    "StrictNonNegativeInt",
+    "StrictPositiveInt",
     "canonical_import_path",
     "check_import_path",
 ]
@@ -36,8 +40,21 @@ DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(:\d+)?$")
 # Ray addresses ray.init accepts: "auto", "local", a Ray client URL, or the GCS "host:port".
 ADDRESS_RE = re.compile(r"^(auto|local|ray://\S+|(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5})$")
 
-PositiveFiniteFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegativeFiniteFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+def _not_a_bool(value: Any) -> Any:
+    # YAML reads `yes`/`true` as a bool, and pydantic would take it as 1 or 1.0.
+    if isinstance(value, bool):
+        raise PydanticCustomError(
+            "bool_not_number", "must be a number, got a bool ({value})", {"value": str(value).lower()}
+        )
+    return value
+
+
+# Strict: a bool (`batch_size: true`), a float (`4.0`) or a string is refused, never read as an int.
+StrictPositiveInt = Annotated[int, Strict(), Gt(0)]
+StrictNonNegativeInt = Annotated[int, Strict(), Ge(0)]
+PositiveFiniteFloat = Annotated[float, BeforeValidator(_not_a_bool), Field(gt=0, allow_inf_nan=False)]
+NonNegativeFiniteFloat = Annotated[float, BeforeValidator(_not_a_bool), Field(ge=0, allow_inf_nan=False)]
 
 # Import paths written before classgrad had one namespace (`workers.zoo:mlp`): accepted and
 # rewritten to today's module, so old job files (and the configs recorded in old stores) still work.

@@ -6,17 +6,19 @@ Holds ``ModelConfig``, ``DataConfig`` and ``LossConfig``, with the built-in loss
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PositiveInt, field_validator
+from annotated_types import Gt, Le
+from pydantic import Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
-from classgrad.service.config.fields import Section, check_import_path
+from classgrad.service.config.fields import Section, StrictPositiveInt, check_import_path
 
 __all__ = [
     "BUILTIN_LOSS_KINDS",
     "CHECKPOINT_SUFFIXES",
     "DENSE_LOSS_KINDS",
+    "MAX_CLASSES",
     "DataConfig",
     "LossConfig",
     "ModelConfig",
@@ -30,6 +32,9 @@ BUILTIN_LOSS_KINDS: tuple[str, ...] = ("bce", "cross_entropy", "logit")
 DENSE_LOSS_KINDS: frozenset[str] = frozenset({"bce", "logit"})
 
 CHECKPOINT_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".safetensors")
+# The most classes a job may have: class ids and row indices stay within int32 (zarr chunk
+# indices, torch's bincount of labels); far beyond any real label set.
+MAX_CLASSES = 2**31 - 1
 
 
 class ModelConfig(Section):
@@ -78,7 +83,7 @@ class DataConfig(Section):
         "`(input, target)` or a pair of tensors `(inputs, targets)`.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
-    batch_size: PositiveInt = Field(256, description="Probe samples per forward pass (micro-batch).")
+    batch_size: StrictPositiveInt = Field(256, description="Probe samples per forward pass (micro-batch).")
 
     @field_validator("factory")
     @classmethod
@@ -98,7 +103,7 @@ class LossConfig(Section):
         "(dense), or a per-sample loss `(outputs, labels) -> [n]` marked with "
         "`@classgrad.workers.losses.partitioned_loss` (class-partitioned: L_c is its mean over class c).",
     )
-    num_classes: PositiveInt = Field(
+    num_classes: Annotated[int, Strict(), Gt(0), Le(MAX_CLASSES)] = Field(
         description="C, the number of classes (rows of the store); the model's output must have "
         "C columns. Required: it fixes the store's shape, so it is never guessed.",
     )

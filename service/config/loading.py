@@ -1,6 +1,7 @@
 """Loading a job: YAML file and ``--set a.b=c`` overrides -> ``JobConfig``, problems on one line.
 
-Holds ``load_config`` and what it needs: a YAML loader that refuses duplicate keys, the
+Holds ``load_config`` and what it needs: a YAML loader that refuses duplicate keys and documents
+that expand (through aliases) to more than ``MAX_YAML_NODES`` values, the
 override parser (a path that names no field is refused, listing the keys), and the translation
 of pydantic's validation errors into one ``ConfigError`` line that names the field.
 """
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from classgrad.service.config.job import JobConfig
 from classgrad.service.errors import ConfigError
 
-__all__ = ["load_config"]
+__all__ = ["MAX_YAML_NODES", "load_config"]
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -47,6 +48,59 @@ def _construct_mapping_no_duplicates(loader: _StrictLoader, node: yaml.MappingNo
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping_no_duplicates)
 
 
+# The most values (scalars, lists and mappings, each alias counted as everything it stands for)
+# a job file or a --set value may expand to: a real job file has a few hundred; a YAML alias
+# bomb (aliases of aliases) of a kilobyte expands to millions, and every copy made of the
+# loaded config (merging, validation) multiplies its memory.
+MAX_YAML_NODES = 100_000
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """How many values ``root`` stands for once every alias is expanded, without expanding them
+    (a node reached twice is counted twice, its size computed once); stops past ``MAX_YAML_NODES``."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, depth: int) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if depth > 100:  # deeper than any job file; also keeps the recursion bounded
+            return MAX_YAML_NODES + 1
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            children: list[yaml.Node] = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child, depth + 1)
+            if total > MAX_YAML_NODES:
+                break
+        sizes[id(node)] = total
+        return total
+
+    return size(root, 0)
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    """``text`` parsed with the strict loader, refusing a document that expands (through aliases)
+    to more than ``MAX_YAML_NODES`` values before anything is built from it."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node) > MAX_YAML_NODES:
+            raise ConfigError(
+                f"config error: {where}: expands to more than {MAX_YAML_NODES} values "
+                f"(YAML aliases of aliases?); refusing to build it"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _yaml_problem(exc: yaml.YAMLError) -> tuple[int | None, str]:
     """(1-based line or None, short description) of a YAML error, on one line."""
     mark = getattr(exc, "problem_mark", None)
@@ -69,7 +123,7 @@ def _read_yaml_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config error: {name}: cannot read ({exc})") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = _load_yaml(text, name)
     except yaml.YAMLError as exc:
         line, problem = _yaml_problem(exc)
         where = f"{name} line {line}" if line is not None else name
@@ -138,10 +192,16 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     try:
         # A YAML scalar or flow value, so "3" is an int, "true" a bool, "[a, b]" a list and
         # "null" None, exactly as they would be in the file.
-        value = yaml.load(raw_value, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        value = _load_yaml(raw_value, f"--set {key}")
     except yaml.YAMLError as exc:
         _, problem = _yaml_problem(exc)
         raise ConfigError(f"config error: --set {key}: malformed value ({problem})") from None
+    if len(parts) == 1 and value is None:
+        # In a file, an empty section (every line commented out) means its defaults; on the
+        # command line, `model=null` is a typo or a wish to reset that the user must spell out.
+        raise ConfigError(
+            f"config error: --set {key}=null: a section cannot be null (to reset it to its defaults: --set {key}={{}})"
+        )
     node = data
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})

@@ -29,7 +29,8 @@ from typing import Any
 
 from classgrad.service import errors
 from classgrad.service.config import JobConfig
-from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError, first_line
+from classgrad.service.config.redaction import has_secrets, redact_text
+from classgrad.service.errors import ClassgradError, ConfigError, ShardFailedError, StoreError, first_line
 from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
@@ -176,12 +177,10 @@ class JobDriver:
     def _connect(self) -> None:
         """Use this process's Ray, or join cluster.address (RAY_ADDRESS inside a Ray job), or start a
         local Ray with enough CPUs for every actor."""
-        import ray
-
         cluster = self.config.cluster
         needed = cluster.num_workers * cluster.num_cpus_per_worker
         cpus = os.cpu_count() or 1
-        starts_local = not ray.is_initialized() and resolve_ray_address(cluster.address)[0] is None
+        starts_local = self._starts_local_ray()
         if starts_local and needed > cpus:
             log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores", needed, cpus)
         self._ray.enter_context(ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed)))
@@ -201,14 +200,44 @@ class JobDriver:
 
     def _warn_about_secrets(self) -> None:
         # Ray writes runtime_env values into its own logs (runtime_env_agent.log).
-        if (
-            self.config.redacted()["cluster"]["runtime_env"]
-            != self.config.model_dump(mode="json")["cluster"]["runtime_env"]
-        ):
+        if has_secrets(self.config.cluster.runtime_env):
             log.warning(
                 "cluster.runtime_env holds secret-looking values; Ray writes runtime_env into its "
                 "logs: give credentials to the nodes' environment instead"
             )
+
+    def _check_device(self) -> None:
+        """Refuse a device the actors cannot have, once, before any actor starts (an actor failing
+        on it would be replaced, again and again): GPUs the cluster lacks, and on a cluster that is
+        this machine alone, a device this machine lacks (Ray does not count MPS devices)."""
+        import ray
+
+        device = self.config.resolved_device()
+        if device == "cpu":
+            return
+        wanted = self.config.cluster.num_gpus_per_worker
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if device.startswith("cuda") and gpus < wanted:
+            raise ConfigError(
+                f"engine.device {device!r}: the Ray cluster has {gpus:g} GPUs, each actor asks for "
+                f"{wanted:g} (cluster.num_gpus_per_worker); use engine.device=cpu and num_gpus_per_worker=0"
+            )
+        here = ray.util.get_node_ip_address()
+        if all(node["NodeManagerAddress"] == here for node in ray.nodes() if node.get("Alive")):
+            self._check_device_here()
+
+    def _starts_local_ray(self) -> bool:
+        import ray
+
+        return not ray.is_initialized() and resolve_ray_address(self.config.cluster.address)[0] is None
+
+    def _check_device_here(self) -> None:
+        from classgrad.workers.devices import check_device
+
+        try:
+            check_device(self.config.resolved_device())
+        except ClassgradError as exc:
+            raise ConfigError(f"engine.{exc}") from None
 
     def _start_actor(self, slot: _Slot) -> None:
         slot.generation += 1
@@ -263,6 +292,15 @@ class JobDriver:
 
     def run(self) -> RunSummary:
         t_start = time.perf_counter()
+        url = self.config.store.url
+        if url.lower().startswith("memory://"):
+            # The driver would create it in its own memory, where no actor can write a row.
+            raise ConfigError(
+                f"store.url {url!r}: a memory:// store lives in one process, and a job's actors run in "
+                f"others; use a path or s3://bucket/path"
+            )
+        if self._starts_local_ray():  # the actors will run on this machine: check its device now
+            self._check_device_here()
         prepared = prepare_store(self.config)
         store = prepared.store
         self.summary.engine = prepared.engine_kind
@@ -291,11 +329,11 @@ class JobDriver:
                     raise
                 except ClassgradError as exc:
                     self.summary.status = "failed"
-                    self.summary.error = str(exc)
+                    self.summary.error = redact_text(str(exc))
                     raise
                 except BaseException as exc:
                     self.summary.status = "failed"
-                    self.summary.error = f"{type(exc).__name__}: {exc}"
+                    self.summary.error = redact_text(f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
                     self.summary.ended = _now()
@@ -327,6 +365,7 @@ class JobDriver:
         from classgrad.workers.runtime.actor import GradientWorker
 
         self._actor_cls = ray.remote(GradientWorker)
+        self._check_device()
         self._warn_about_secrets()
         self._slots = [_Slot(i) for i in range(min(cfg.cluster.num_workers, len(todo)))]
         for slot in self._slots:

@@ -26,8 +26,11 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
 - ``nan_dataset``: a probe set served as a ``Dataset`` with NaN in one sample's input, which
   only the actor that computes that sample's class sees (the driver's preflight cannot check a
   Dataset's inputs up front).
-- ``nan_probe`` (tensors with NaN in one sample: the driver's preflight catches it) and
-  ``other_model_checkpoint`` (weights that do not fit the job's model), for bad-input tests.
+- ``nan_probe`` (tensors with NaN in one sample: the driver's preflight catches it),
+  ``raising_dataset`` (a Dataset whose ``__getitem__`` raises on one item),
+  ``other_model_checkpoint`` (weights that do not fit the job's model) and
+  ``resized_checkpoint`` (the job's model's keys, other shapes), for bad-input tests;
+  ``authenticated_probe`` (a probe set whose factory takes a credential), for redaction tests.
 - ``write_plan`` and ``faults_raised`` for the tests.
 """
 
@@ -169,3 +172,36 @@ def other_model_checkpoint(path: str) -> str:
     """Save the state dict of a model that is not ``small_cnn`` (keys that do not fit it)."""
     torch.save(zoo.mlp(4, in_features=3, hidden=5).state_dict(), path)
     return path
+
+
+class _RaisingDataset(Dataset):
+    def __init__(self, bad_item: int, inputs: torch.Tensor, targets: torch.Tensor):
+        self.bad_item, self.inputs, self.targets = bad_item, inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == self.bad_item:
+            raise OSError(f"image file {index}.png is truncated")
+        return self.inputs[index], self.targets[index]
+
+
+def raising_dataset(bad_item: int, **probe_kwargs) -> Dataset:
+    """``classgrad.workers.zoo.synthetic_probe(**probe_kwargs)`` as a Dataset whose ``__getitem__``
+    raises ``OSError`` on item ``bad_item`` (as a corrupt file would)."""
+    return _RaisingDataset(bad_item, *zoo.synthetic_probe(**probe_kwargs))
+
+
+def resized_checkpoint(path: str, **small_cnn_kwargs) -> str:
+    """Save the state dict of ``small_cnn(**small_cnn_kwargs)``: the keys of the job's small CNN,
+    other shapes when the kwargs differ (another width or class count)."""
+    torch.save(zoo.small_cnn(**small_cnn_kwargs).state_dict(), path)
+    return path
+
+
+def authenticated_probe(source: dict, **probe_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``synthetic_probe(**probe_kwargs)``, from a factory that takes a credential, as one that
+    downloads its data would (``source: {url: ..., api_token: ...}``); the credential is unused."""
+    assert isinstance(source.get("api_token"), str)
+    return zoo.synthetic_probe(**probe_kwargs)

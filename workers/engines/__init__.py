@@ -18,6 +18,7 @@ from torch import nn
 
 from classgrad.service.errors import InputError
 from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
 from classgrad.workers.engines.dense import DenseEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
@@ -84,6 +85,7 @@ def build_engine(
     group_rows: int = 256,
 ) -> GradientEngine:
     """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again."""
+    check_device(device)  # before the probe set is read: a missing GPU is named in one line
     loss_kind = create_loss(loss, num_classes)
     policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
     layout = ParamLayout.from_model(model, include=list(params or ()), exclude=list(exclude))

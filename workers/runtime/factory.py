@@ -18,6 +18,7 @@ from torch import nn
 
 from classgrad.service.errors import InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.devices import check_device
 from classgrad.workers.engines import GradientEngine, create_engine
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
@@ -60,12 +61,27 @@ def load_checkpoint(model: nn.Module, path: str) -> None:
             state = state[key]
     if not isinstance(state, dict):
         raise InputError(f"model.checkpoint {path!r}: expected a state dict, got {type(state).__name__}")
+    _check_shapes(model, state, path)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise InputError(
             f"model.checkpoint {path!r} does not fit the model: missing {result.missing_keys[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
+
+
+def _check_shapes(model: nn.Module, state: dict, path: str) -> None:
+    """Refuse a checkpoint whose tensors have other shapes than the model's (the right keys for
+    another width or class count): one line naming the first few, not torch's multi-line error."""
+    expected = model.state_dict()
+    wrong = [
+        f"{name} is {tuple(value.shape)} in the checkpoint, {tuple(expected[name].shape)} in the model"
+        for name, value in state.items()
+        if name in expected and isinstance(value, torch.Tensor) and value.shape != expected[name].shape
+    ]
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise InputError(f"model.checkpoint {path!r} does not fit the model: {'; '.join(wrong[:3])}{more}")
 
 
 def _call_factory(path: str, kwargs: dict, what: str) -> Any:
@@ -93,7 +109,9 @@ def build_probe(factory: str, kwargs: dict | None = None, batch_size: int = 256)
 
 
 def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEngine:
-    """Model, probe set, loss, parameter layout and engine for a job config."""
+    """Model, probe set, loss, parameter layout and engine for a job config (the device checked first)."""
+    device = device or config.resolved_device()
+    check_device(device)
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
     probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
     loss = create_loss(config.loss.kind, config.loss.num_classes)
@@ -106,7 +124,7 @@ def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEn
         loss,
         layout,
         precision=policy,
-        device=device or config.resolved_device(),
+        device=device,
         block_rows=config.engine.block_rows,
         group_rows=config.engine.group_rows,
     )
