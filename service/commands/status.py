@@ -32,9 +32,8 @@ def status_of(store) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.store import open_store
-
     from classgrad.service.config.redaction import redact
+    from classgrad.service.store import open_store
 
     store = open_store(args.store, storage_options=storage_options(args))
     info = redact(status_of(store))  # a run's error recorded by an older classgrad may quote a credential

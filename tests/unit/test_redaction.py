@@ -212,12 +212,11 @@ def test_no_secret_in_the_store_logs_or_json_outputs(tmp_path: Path, capsys, cap
         assert leaked(text) == [], text[:2000]
 
 
-def test_an_error_line_is_redacted(tmp_path: Path, capsys) -> None:
-    # A store location that cannot be used, named with its password: the error line hides it.
-    url = f"s3://bucket/x.zarr?X-Amz-Credential={SECRETS['api_token']}"
-    code = cli_main(["status", f"ftp://me:{SECRETS['url_password']}@host/{url}"])
+def test_an_error_line_is_redacted(capsys) -> None:
+    # A store location that cannot be reached, named with its password: the error line hides it.
+    code = cli_main(["status", f"http://me:{SECRETS['url_password']}@127.0.0.1:9/x.zarr"])
     _, err = capsys.readouterr()
-    assert code != 0 and err.startswith("classgrad: "), err
+    assert code == 2 and err.startswith("classgrad: error: cannot open store at http://me:***@127.0.0.1:9/"), err
     assert leaked(err) == [], err
 
 
