@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from classgrad.service.commands.cli import main as cli_main
@@ -169,6 +170,26 @@ def override_of_an_unknown_key(t: Ctx):
 @case("engine.device 'cuda' needs cluster.num_gpus_per_worker > 0")
 def cuda_without_gpus(t: Ctx):
     return [t.job(engine={"device": "cuda"})]
+
+
+# A device the actors cannot have is refused once, before any actor starts (issue 15, item 9).
+# In a fresh process without a cluster the driver checks its own machine before it writes
+# anything (tests/unit/test_bad_input_cli.py); joining a running Ray (here, the module's), it
+# checks the cluster's GPUs, and the device itself when every node is this machine.
+
+
+@case("engine.device 'cuda': the Ray cluster has 0 GPUs, each actor asks for 1")
+def cuda_on_a_cluster_without_gpus(t: Ctx):
+    if torch.cuda.is_available():
+        pytest.skip("checks a Ray cluster without GPUs")
+    return [t.job(engine={"device": "cuda"}, cluster={"num_gpus_per_worker": 1})]
+
+
+@case("engine.device 'mps': MPS (Apple GPU) is not available on this machine")
+def mps_on_a_cluster_of_this_machine(t: Ctx):
+    if torch.backends.mps.is_available():
+        pytest.skip("checks a machine without MPS")
+    return [t.job(engine={"device": "mps"})]
 
 
 @case("not found")
