@@ -2,8 +2,11 @@
 
 Holds:
 - ``prepare_store``: builds the job's engine once on the driver (on the CPU) to check the
-  config against the real model and data before anything is written, then creates or reopens
-  the store (same fingerprint required) with all of its metadata.
+  config against the real model and data before anything is written, takes the run's identity
+  from that build (what the rows are computed from: ``classgrad.workers.identity``), then
+  creates or reopens the store (same fingerprint required) with all of its metadata.
+- ``check_identity``: before any done shard is trusted, the store's recorded identity must be
+  this run's (a checkpoint, data or factory code changed at the same path is refused).
 - ``JobDriver``: joins or starts Ray, creates the actors, keeps each one fed with about
   ``inflight_per_worker`` shards, requeues the shards of an actor that died and replaces it,
   retries a shard that raised (up to ``sharding.max_attempts``; a shard out of attempts fails
@@ -29,12 +32,13 @@ from typing import Any
 
 from classgrad.service import errors
 from classgrad.service.config import JobConfig
-from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError, first_line
+from classgrad.service.errors import ClassgradError, ShardFailedError, StoreError, StoreMismatchError, first_line
 from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store
+from classgrad.service.store.format import OVERWRITE_HINT
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ class PreparedJob:
     shards: list[Shard]
     engine_kind: str
     dim: int
+    identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
 
 
 def resumable_fingerprint(config: JobConfig) -> str:
@@ -86,9 +91,11 @@ def prepare_store(config: JobConfig) -> PreparedJob:
     Every user error (bad factory, wrong output width, labels out of range, patterns that
     select nothing, a store made by another config) is raised here, before a store exists.
     """
+    from classgrad.workers.identity import engine_identity
     from classgrad.workers.runtime.actor import checked_engine
 
     engine, projector, dim = checked_engine(config, device="cpu")
+    identity = engine_identity(engine).to_dict()
     layout = engine.layout
     spec = StoreSpec(
         num_classes=config.loss.num_classes,
@@ -104,6 +111,7 @@ def prepare_store(config: JobConfig) -> PreparedJob:
         projection=projector.describe() if projector else None,
         config=config.redacted(),
         fingerprint=resumable_fingerprint(config),
+        identity=identity,
         versions=library_versions(),
     )
     store = create_store(
@@ -112,7 +120,33 @@ def prepare_store(config: JobConfig) -> PreparedJob:
     # Partitioned work grows with a class's samples; dense rows all cost the same.
     work = engine.counts.double().clamp(min=1).numpy() if engine.name == "partitioned" else None
     shards = plan_shards(spec.num_classes, spec.shard_rows, spec.row_chunk, work_per_row=work)
-    return PreparedJob(store=store, shards=shards, engine_kind=engine.name, dim=dim)
+    return PreparedJob(store=store, shards=shards, engine_kind=engine.name, dim=dim, identity=identity)
+
+
+def check_identity(store: GradStore, identity: dict) -> None:
+    """Refuse (``StoreMismatchError``, one line saying what changed) a store whose done shards were
+    computed from other inputs than ``identity`` (this run's). A store with no shard done takes
+    this run's identity; one made before identities were recorded is resumed as before."""
+    from classgrad.workers.identity import RunIdentity, identity_changes, listed
+
+    recorded = store.spec.identity
+    current = RunIdentity.from_dict(identity)
+    if recorded is None or current is None:
+        log.info("store %s records no identity of its inputs (made before they were recorded)", store.url)
+        return
+    changed = identity_changes(recorded, current)
+    if not changed:
+        return
+    done = int(store.shard_done.sum())
+    if not done:
+        log.warning("store %s: no shard is done yet; it now records this run's inputs (%s)", store.url, listed(changed))
+        store.record_identity(identity)
+        return
+    raise StoreMismatchError(
+        f"store at {store.url} holds {done} done shards computed from other inputs: {listed(changed)} differ from "
+        f"this run's (model.checkpoint, data or factory code changed at the same path?); restore the inputs it was "
+        f"made with, or use another store.url, or replace it with {OVERWRITE_HINT}"
+    )
 
 
 @dataclass
@@ -215,7 +249,10 @@ class JobDriver:
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
         slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker, run_id=self.run_id
+            self.config.model_dump(mode="json"),
+            num_threads=self.config.cluster.num_cpus_per_worker,
+            run_id=self.run_id,
+            identity=self._identity,
         )
 
     def _wait_ready(self, slots: list[_Slot]) -> None:
@@ -275,6 +312,8 @@ class JobDriver:
                 ttl_s=self.config.run.lease_ttl_s,
                 info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started},
             ) as lease:
+                check_identity(store, prepared.identity)  # before any done shard is trusted
+                self._identity = prepared.identity
                 try:
                     todo = dispatch_order(prepared.shards, store.shard_done)
                     self.summary.shards_skipped = len(prepared.shards) - len(todo)

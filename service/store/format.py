@@ -50,7 +50,10 @@ array exists, then "ready"); ``num_classes``, ``dim``, ``shard_rows``, ``num_sha
 ``checksum``; ``sharded``; ``class_ids`` (null means row i is class i) and ``class_names``
 (or null); ``layout`` (list of {name, shape, offset, size}; empty when projected);
 ``projection`` (or null); ``loss_kind``; ``config`` (the job config, redacted by the caller);
-``fingerprint``; ``versions``; ``runs`` (run history, appended by the driver). Storage options
+``fingerprint``; ``identity`` (what the rows were computed from: digests of the model's
+parameters and of the probe set, and the model's outputs on a few probe samples; JSON made and
+compared by ``classgrad.workers.identity``, null in stores made before it); ``versions``;
+``runs`` (run history, appended by the driver). Storage options
 (credentials, endpoints) are never written anywhere in the store.
 
 Low precision: each row is stored as g / row_scale with a power-of-two row_scale chosen so
@@ -146,6 +149,7 @@ class StoreSpec:
     projection: dict | None = None
     config: dict = field(default_factory=dict)
     fingerprint: str = ""
+    identity: dict | None = None  # what the rows are computed from (classgrad.workers.identity)
     versions: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -186,7 +190,7 @@ class StoreSpec:
             if len(names) != self.num_classes:
                 raise bad("class_names", f"has {len(names)} entries, expected num_classes ({self.num_classes})")
             put("class_names", names)
-        for name in ("config", "versions", "projection"):
+        for name in ("config", "versions", "projection", "identity"):
             try:
                 json.dumps(getattr(self, name))
             except (TypeError, ValueError) as exc:
@@ -239,6 +243,7 @@ def spec_to_meta(spec: StoreSpec) -> dict:
         "loss_kind": spec.loss_kind,
         "config": spec.config,
         "fingerprint": spec.fingerprint,
+        "identity": spec.identity,
         "versions": {"numpy": np.__version__, "zarr": zarr.__version__, **spec.versions},
         "runs": [],
     }
@@ -264,6 +269,7 @@ def spec_from_meta(meta: dict) -> StoreSpec:
         projection=meta["projection"],
         config=meta["config"],
         fingerprint=meta["fingerprint"],
+        identity=meta.get("identity"),  # absent in stores made before it was recorded
         versions=meta["versions"],
     )
 

@@ -4,7 +4,8 @@ Holds ``GradStore``: opened by ``create_store`` or ``open_store``, it checks the
 version and state, and offers the metadata (``spec``, sizes, ``layout``, ``class_ids``...),
 the row writer (``write_rows``, ``mark_shard_done``), completeness (``shard_done``,
 ``missing_ranges``), the reader (``rows``, ``param``, ``iter_blocks``, ``block``,
-``rows_band``, the per-row vectors, ``to_dask``), the run history (``append_run``), the chunk
+``rows_band``, the per-row vectors, ``to_dask``), the run history (``append_run``), the recorded
+identity (``record_identity``), the chunk
 scan (``scan_chunks``, ``verify_chunks``) and the similarity reader (``similarity``...). The
 work is done by the objects it holds: ``StoreArrays`` (arrays, reads with a diagnosis),
 ``RowWriter``, ``RowReader``, and, public, ``lease`` (``StoreLease``) and
@@ -186,6 +187,22 @@ class GradStore:
         except Exception as exc:
             raise StoreError(f"cannot record the run in {self.url}: {first_line(exc, with_type=True)}") from None
         self._meta = meta
+
+    def record_identity(self, identity: dict) -> None:
+        """Replace the recorded identity (``spec.identity``); the driver does it only while no
+        shard is done, so no row was computed from the identity it replaces."""
+        self._arrays.require_writable()
+        identity = json.loads(json.dumps(identity))
+        try:
+            group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
+            meta = group.attrs[ATTR_KEY]
+            assert isinstance(meta, dict)  # checked when the store was opened
+            meta["identity"] = identity
+            group.update_attributes({ATTR_KEY: meta})
+        except Exception as exc:
+            raise StoreError(f"cannot record the identity in {self.url}: {first_line(exc, with_type=True)}") from None
+        self._meta = meta
+        self._spec = spec_from_meta(meta)
 
     # ----------------------------------------------------------------- completeness
 
