@@ -3,7 +3,7 @@
 Holds:
 - ``prepare_store``: builds the job's engine once on the driver (on the CPU) to check the
   config against the real model and data before anything is written, takes the run's identity
-  from that build (what the rows are computed from: ``classgrad.workers.identity``), then
+  from that build (what the rows are computed from: ``classgrad.workers.runtime.identity``), then
   creates or reopens the store (same fingerprint required) with all of its metadata.
 - ``check_identity``: before any done shard is trusted, the store's recorded identity must be
   this run's (a checkpoint, data or factory code changed at the same path is refused).
@@ -91,8 +91,8 @@ def prepare_store(config: JobConfig) -> PreparedJob:
     Every user error (bad factory, wrong output width, labels out of range, patterns that
     select nothing, a store made by another config) is raised here, before a store exists.
     """
-    from classgrad.workers.identity import engine_identity
     from classgrad.workers.runtime.actor import checked_engine
+    from classgrad.workers.runtime.identity import engine_identity
 
     engine, projector, dim = checked_engine(config, device="cpu")
     identity = engine_identity(engine).to_dict()
@@ -127,7 +127,7 @@ def check_identity(store: GradStore, identity: dict) -> None:
     """Refuse (``StoreMismatchError``, one line saying what changed) a store whose done shards were
     computed from other inputs than ``identity`` (this run's). A store with no shard done takes
     this run's identity; one made before identities were recorded is resumed as before."""
-    from classgrad.workers.identity import RunIdentity, identity_changes, listed
+    from classgrad.workers.runtime.identity import RunIdentity, identity_changes, listed
 
     recorded = store.spec.identity
     current = RunIdentity.from_dict(identity)

@@ -52,7 +52,7 @@ array exists, then "ready"); ``num_classes``, ``dim``, ``shard_rows``, ``num_sha
 ``projection`` (or null); ``loss_kind``; ``config`` (the job config, redacted by the caller);
 ``fingerprint``; ``identity`` (what the rows were computed from: digests of the model's
 parameters and of the probe set, and the model's outputs on a few probe samples; JSON made and
-compared by ``classgrad.workers.identity``, null in stores made before it); ``versions``;
+compared by ``classgrad.workers.runtime.identity``, null in stores made before it); ``versions``;
 ``runs`` (run history, appended by the driver). Storage options
 (credentials, endpoints) are never written anywhere in the store.
 
@@ -149,7 +149,7 @@ class StoreSpec:
     projection: dict | None = None
     config: dict = field(default_factory=dict)
     fingerprint: str = ""
-    identity: dict | None = None  # what the rows are computed from (classgrad.workers.identity)
+    identity: dict | None = None  # what the rows are computed from (workers/runtime/identity.py)
     versions: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""A run's identity (``classgrad.workers.identity``): digests of the model as built and of the
+"""A run's identity (``classgrad.workers.runtime.identity``): digests of the model as built and of the
 probe set, the model's outputs on the first probe samples compared within a stated tolerance, the
 refusal of a factory that is not deterministic, and the checks the driver and an actor make with
 them (``check_identity`` in the driver, ``GradientWorker(identity=...)``)."""
@@ -16,7 +16,9 @@ from classgrad.service.errors import InputError, StoreMismatchError
 from classgrad.service.runtime.driver import check_identity, prepare_store
 from classgrad.service.store import open_store
 from classgrad.workers import zoo
-from classgrad.workers.identity import (
+from classgrad.workers.runtime.actor import GradientWorker
+from classgrad.workers.runtime.factory import build_job_engine
+from classgrad.workers.runtime.identity import (
     OUTPUTS,
     PARAMS,
     PROBE,
@@ -27,8 +29,6 @@ from classgrad.workers.identity import (
     identity_changes,
     model_digest,
 )
-from classgrad.workers.runtime.actor import GradientWorker
-from classgrad.workers.runtime.factory import build_job_engine
 
 C = 12
 MLP = {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 6, "hidden": 8}}

@@ -3,8 +3,8 @@
 Holds ``GradientWorker``, a plain class (no Ray import) that the driver turns into a Ray actor
 with ``ray.remote``; tests and benchmarks can use it directly. It builds its model, probe set,
 engine and (optional) projector once, and refuses to start when its build differs from the
-driver's (the run's identity, ``classgrad.workers.identity``); then for each shard: computes the rows block by block,
-hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
+driver's (the run's identity, ``identity``); then for each shard: computes the rows block by
+block, hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
 row is stored, and returns a small report. Rows never travel back to the driver.
 
 Also holds what the driver and ``classgrad estimate`` share with it: ``build_projector``,
@@ -27,9 +27,9 @@ from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
 from classgrad.workers.engines import GradientEngine, RowBlock
-from classgrad.workers.identity import check_same_build, engine_identity
 from classgrad.workers.projection import Projector
 from classgrad.workers.runtime.factory import build_job_engine, preflight
+from classgrad.workers.runtime.identity import check_same_build, engine_identity
 from classgrad.workers.runtime.writer import ShardWriter
 
 log = logging.getLogger(__name__)
