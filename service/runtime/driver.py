@@ -276,7 +276,8 @@ class JobDriver:
                 info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started},
             ) as lease:
                 try:
-                    todo = dispatch_order(prepared.shards, store.shard_done)
+                    # One listing: done shards whose recorded chunks are gone or resized are unmarked.
+                    todo = dispatch_order(prepared.shards, store.unmark_damaged_shards())
                     self.summary.shards_skipped = len(prepared.shards) - len(todo)
                     if todo:
                         self._run_shards(store, todo, t_start, lease)
