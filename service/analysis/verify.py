@@ -123,7 +123,8 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
     damaged: set[int] = set()
     for problem in store.scan_chunks():
         report.add(_KIND_FLAGS[problem.kind], problem.message)
-        damaged.update(problem.shards)
+        # A shard not marked done is already recomputed by the next run; a corrupt mark is rewritten.
+        damaged.update(s for s in problem.shards if done[s] or problem.array == "shard_done")
     if repair:
         _repair(url, storage_options, sorted(damaged), report)
     info = store.similarity_info()
