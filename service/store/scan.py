@@ -69,10 +69,10 @@ def scan_chunks(
     except CorruptChunkError:
         done_readable = False
         done = np.zeros(spec.num_shards, dtype=bool)
-        bad = dict(arrays.corrupt_chunks("shard_done", [(i,) for i in range(spec.num_shards)]))
+        corrupt = dict(arrays.corrupt_chunks("shard_done", [(i,) for i in range(spec.num_shards)]))
         for i in range(spec.num_shards):
-            if (i,) in bad:
-                message = arrays.describe_chunk("shard_done", (i,), bad[(i,)]) + " (read as not done)"
+            if (i,) in corrupt:
+                message = arrays.describe_chunk("shard_done", (i,), corrupt[(i,)]) + " (read as not done)"
                 problems.append(ChunkProblem("shard_done", "corrupt", message, (i,)))
             else:
                 done[i] = bool(arrays["shard_done"][i])
