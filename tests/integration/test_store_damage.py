@@ -9,10 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import open_store
+from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -51,8 +53,12 @@ def test_rerun_recomputes_exactly_the_damaged_shard(tmp_path, job_config, how, c
     if how != "flip":
         assert f"shard {SHARD} (rows 12-15) is marked done but" in caplog.text
     assert verify_store(url).code == 0
-    # Same model, data and CPU arithmetic: the recomputed rows are the rows computed the first time.
-    np.testing.assert_array_equal(open_store(url).rows(np.arange(48)), expected)
+    rows = open_store(url).rows(np.arange(48))
+    untouched = np.r_[0:12, 16:48]
+    np.testing.assert_array_equal(rows[untouched], expected[untouched])  # never rewritten
+    # The recomputed shard is packed into other batches than in the first run, so its float32
+    # sums may be ordered differently: allow float32 roundoff, normwise (as the engine contract states).
+    assert max_relative_error(torch.from_numpy(rows[12:16]), torch.from_numpy(expected[12:16])) <= 1e-5
 
 
 def test_format_1_store_resumes_a_damaged_shard_by_verify_repair(tmp_path):
