@@ -56,7 +56,7 @@ class RowReader:
                     "so the next run recomputes it",
                     self._arrays.url,
                     shard,
-                    first_line(exc),
+                    "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc),
                     shard,
                 )
         return done
