@@ -315,7 +315,8 @@ class JobDriver:
                 check_identity(store, prepared.identity)  # before any done shard is trusted
                 self._identity = prepared.identity
                 try:
-                    todo = dispatch_order(prepared.shards, store.shard_done)
+                    # One listing: done shards whose recorded chunks are gone or resized are unmarked.
+                    todo = dispatch_order(prepared.shards, store.unmark_damaged_shards())
                     self.summary.shards_skipped = len(prepared.shards) - len(todo)
                     if todo:
                         self._run_shards(store, todo, t_start, lease)

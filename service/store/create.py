@@ -30,6 +30,7 @@ from classgrad.service.store.format import (
 from classgrad.service.store.grad_store import GradStore
 from classgrad.service.store.lease import held_message, lease_age, read_lease
 from classgrad.service.store.location import Location, probe
+from classgrad.service.store.records import RECORDS_DIR
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ def _create(loc: Location, spec: StoreSpec) -> None:
                 compressors=codecs(spec.codec if name != "shard_done" else "none"),
                 dimension_names=ARRAY_DIMS[name],
             )
+        # A Zarr group of its own, so that Zarr tools listing the store do not warn about it;
+        # its records are plain JSON files that Zarr ignores.
+        group.create_group(RECORDS_DIR, attributes={"classgrad": "per-shard records (plain JSON files)"})
         meta["state"] = "ready"
         group.update_attributes({ATTR_KEY: meta})
     except ClassgradError:

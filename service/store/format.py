@@ -1,12 +1,13 @@
 """The store format: key names, array layout, metadata, and the checks that go with them.
 
-Holds ``FORMAT_VERSION``, the key and array names (``ATTR_KEY``, ``LEASE_KEY``, ``ARRAYS``, the
-similarity arrays' names and ``SIMILARITY_METRICS``), ``StoreSpec`` (everything needed to create
-a store, checked on construction), ``spec_to_meta`` / ``spec_from_meta`` (the spec <-> the
-``attributes["classgrad"]`` JSON), ``array_table`` (name -> shape, chunks, dtype), ``codecs``
-(each array's codec pipeline), ``check_layout`` (the parameter layout's consistency) and
-``check_same`` (may an existing store be reopened by this spec). Only this package knows these
-names; this module is where they are written down.
+Holds ``FORMAT_VERSION`` (and ``READABLE_VERSIONS``), the key and array names (``ATTR_KEY``,
+``LEASE_KEY``, ``ARRAYS``, the similarity arrays' names and ``SIMILARITY_METRICS``),
+``StoreSpec`` (everything needed to create a store, checked on construction), ``spec_to_meta``
+/ ``spec_from_meta`` (the spec <-> the ``attributes["classgrad"]`` JSON), ``array_table``
+(name -> shape, chunks, dtype), ``codecs`` (each array's codec pipeline), ``check_layout`` (the
+parameter layout's consistency), ``check_same`` (may an existing store be reopened by this
+spec), ``metadata_digest`` and ``check_metadata_digest`` (over ``DIGESTED_KEYS``). Only this
+package knows these names; this module is where they are written down.
 
 Layout of a store (a Zarr v3 group)::
 
@@ -18,6 +19,10 @@ Layout of a store (a Zarr v3 group)::
     count/            (C,) int64, chunks (row_chunk,): probe samples behind row c
     shard_done/       (num_shards,) uint8, chunks (1,): 1 once every row of the shard is stored
     lease.json        the running driver's lease (plain JSON, not Zarr; readers ignore it)
+    shard_records/<shard>.json  (format 2) written just before the shard's shard_done mark:
+                      {"shard", "rows", "digest", "chunks": {key: [size, digest]}} for every
+                      chunk object of its rows in grads, row_scale, loss and count; digest =
+                      blake2b-128 of the key, a NUL byte and the object's bytes
   written by ``classgrad similarity`` (optional; replaced whole by each run):
     similarity/       (C, C) float32, chunks (chunk_rows, C) (row blocks; chunk_rows divides
                       row_chunk), fill NaN: cosine or dot product of rows i and j. Its own
@@ -53,7 +58,9 @@ array exists, then "ready"); ``num_classes``, ``dim``, ``shard_rows``, ``num_sha
 ``fingerprint``; ``identity`` (what the rows were computed from: digests of the model's
 parameters and of the probe set, and the model's outputs on a few probe samples; JSON made and
 compared by ``classgrad.workers.runtime.identity``, null in stores made before it); ``versions``;
-``runs`` (run history, appended by the driver). Storage options
+``runs`` (run history, appended by the driver); (format 2) ``metadata_digest`` ({keys, sha256}:
+sha256 of the canonical JSON of those keys' values, set at creation, checked by
+``classgrad verify``). Storage options
 (credentials, endpoints) are never written anywhere in the store.
 
 Low precision: each row is stored as g / row_scale with a power-of-two row_scale chosen so
@@ -79,6 +86,7 @@ Reading without classgrad (``path`` is the store directory)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -92,7 +100,9 @@ from classgrad.service.errors import StoreError, StoreMismatchError
 from classgrad.service.store.encoding import TOP_EXP
 from classgrad.service.store.params import ParamSlot
 
-FORMAT_VERSION = 1
+# 2: per-shard records (shard_records/) and the metadata digest; 1 is still read (see DESIGN.md).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 ATTR_KEY = "classgrad"
 LEASE_KEY = "lease.json"
@@ -121,6 +131,9 @@ STRUCTURE_KEYS = (
     "projection",
 )
 OVERWRITE_HINT = "--set store.overwrite=true"
+# What ``metadata_digest`` covers (format 2): the layout, the rows' classes, shapes, chunks and
+# dtypes; not the run history, the config text or analysis results, which change legitimately.
+DIGESTED_KEYS = STRUCTURE_KEYS + ("num_shards", "storage_dtype", "class_names", "loss_kind")
 
 # The downstream results written by ``classgrad similarity``.
 SIMILARITY_METRICS = ("cosine", "dot")
@@ -247,8 +260,28 @@ def spec_to_meta(spec: StoreSpec) -> dict:
         "versions": {"numpy": np.__version__, "zarr": zarr.__version__, **spec.versions},
         "runs": [],
     }
+    meta["metadata_digest"] = metadata_digest(json.loads(json.dumps(meta)), DIGESTED_KEYS)
     # Normalise through JSON (tuples -> lists) so comparisons with stored attributes are exact.
     return json.loads(json.dumps(meta))
+
+
+def metadata_digest(meta: dict, keys: tuple | list) -> dict:
+    """``{"keys": [...], "sha256": hex}``: the digest of ``meta``'s values at ``keys``."""
+    text = json.dumps({str(k): meta.get(str(k)) for k in keys}, sort_keys=True, separators=(",", ":"))
+    return {"keys": list(keys), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def check_metadata_digest(meta: dict) -> list[str]:
+    """Problems of a format-2 store's recorded ``metadata_digest`` against its metadata."""
+    recorded = meta.get("metadata_digest")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("keys"), list):
+        return ["metadata_digest is missing or malformed (format 2 records it at creation)"]
+    if metadata_digest(meta, recorded["keys"])["sha256"] != recorded.get("sha256"):
+        return [
+            f"metadata_digest does not match the metadata ({', '.join(map(str, recorded['keys']))}): "
+            f"the layout, class ids or array structure changed after the store was created"
+        ]
+    return []
 
 
 def spec_from_meta(meta: dict) -> StoreSpec:

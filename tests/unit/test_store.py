@@ -148,7 +148,7 @@ def test_direct_chunk_files_are_byte_identical_to_zarrs(tmp_path, dtype):
         os.path.relpath(os.path.join(r, f), tmp_path / "s")
         for r, _, fs in os.walk(tmp_path / "s")
         for f in fs
-        if f != "zarr.json"
+        if f != "zarr.json" and not r.endswith("shard_records")
     }
     # grads: 7 x 5 chunks; row_scale, loss, count: 7 each; shard_done: 4
     assert local_chunks == mem_chunks and len(local_chunks) == 7 * 5 + 3 * 7 + 4
@@ -248,10 +248,10 @@ def test_bad_rows_refused(tmp_path):
     rows[2, 5] = np.inf
     with pytest.raises(StoreError, match=r"row 2 \(class 2\) has non-finite values"):
         store.write_rows(0, rows, loss=np.zeros(8), count=np.zeros(8))
-    huge = np.full((8, 30), 3e38, dtype=np.float32)  # finite, though each row sums to inf
-    store.write_rows(0, huge, loss=np.zeros(8), count=np.zeros(8))
+    huge = np.full((16, 30), 3e38, dtype=np.float32)  # finite, though each row sums to inf
+    store.write_rows(0, huge, loss=np.zeros(16), count=np.zeros(16))
     store.mark_shard_done(0)
-    assert np.array_equal(store.rows(range(8)), huge)
+    assert np.array_equal(store.rows(range(16)), huge)
     low = create_store(str(tmp_path / "f16"), make_spec(dtype="float16"))
     with pytest.raises(StoreError, match=r"row 2 \(class 2\) has non-finite values"):
         low.write_rows(0, rows, loss=np.zeros(8), count=np.zeros(8))
