@@ -3,19 +3,23 @@
 Holds ``RowWriter`` (``write_rows``: true float32 rows plus their loss and count, refused
 unless finite and aligned to whole chunks; ``set_done``: a shard's ``shard_done`` mark). Rows
 of local, uncompressed, unsharded stores go through ``direct_write``; the rest through Zarr.
+Transient I/O errors are retried (``retry``); what still fails raises ``StoreUnavailableError``
+(the driver retries the shard), anything else ``StoreError``.
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 
-from classgrad.service.errors import StoreError, first_line
+from classgrad.service.errors import StoreError
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.direct_write import write_direct
 from classgrad.service.store.encoding import encode_rows, row_maxabs
 from classgrad.service.store.format import StoreSpec
+from classgrad.service.store.retry import io_error, retry_transient
 
 
 class RowWriter:
@@ -72,25 +76,32 @@ class RowWriter:
                 f"write_rows: row {row} (class {int(self._class_ids[row])}) has non-finite values; refusing to store it"
             )
         stored, scale = encode_rows(rows, maxabs, dtype)
-        try:
-            for name, values in (("grads", stored), ("row_scale", scale), ("loss", loss), ("count", count)):
-                if self._direct:
-                    write_direct(self._arrays[name], os.path.join(self._arrays.loc.path, name), start, values)
-                else:
-                    self._arrays[name][start:stop] = values
-        except Exception as exc:
-            raise StoreError(
-                f"cannot write rows [{start}, {stop}) to {url}: {first_line(exc, with_type=True)}"
-            ) from None
+        for name, values in (("grads", stored), ("row_scale", scale), ("loss", loss), ("count", count)):
+            # Whole chunks: a write sent again after a transient error stores the same bytes.
+            try:
+                retry_transient(
+                    partial(self._write, name, start, values), f"writing {name} rows [{start}, {stop}) of {url}"
+                )
+            except Exception as exc:
+                raise io_error(f"cannot write rows [{start}, {stop}) to {url}", exc) from None
         return stored.nbytes + scale.nbytes + loss.nbytes + count.nbytes
+
+    def _write(self, name: str, start: int, values: np.ndarray) -> None:
+        if self._direct:
+            write_direct(self._arrays[name], os.path.join(self._arrays.loc.path, name), start, values)
+        else:
+            self._arrays[name][start : start + len(values)] = values
 
     def set_done(self, shard: int, value: int) -> None:
         """Set ``shard_done[shard]`` (1 once every row of the shard is durable, or back to 0)."""
         self._arrays.require_writable()
         self._spec.shard_range(shard)  # range check
-        try:
+        url = self._arrays.url
+
+        def write() -> None:
             self._arrays["shard_done"][shard] = value
+
+        try:
+            retry_transient(write, f"setting shard_done[{shard}] of {url}")
         except Exception as exc:
-            raise StoreError(
-                f"cannot update shard_done[{shard}] in {self._arrays.url}: {first_line(exc, with_type=True)}"
-            ) from None
+            raise io_error(f"cannot update shard_done[{shard}] in {url}", exc) from None
