@@ -10,7 +10,8 @@ Holds:
 - ``JobDriver``: joins or starts Ray, creates the actors, keeps each one fed with about
   ``inflight_per_worker`` shards, requeues the shards of an actor that died and replaces it,
   retries a shard that raised (up to ``sharding.max_attempts``; a shard out of attempts fails
-  the job once every other shard is done), holds the store's lease, shows
+  the job once every other shard is done; a user error fails it at once, unless retryable, as a
+  store still unreachable after the store's own retries is), holds the store's lease, shows
   progress, and writes the run summary into the store's history.
 - ``RunSummary``: what a run did, printed by the CLI and stored in the run history.
 
@@ -441,7 +442,7 @@ class JobDriver:
 
     def _shard_raised(self, shard: Shard, exc: Exception, queue, attempts) -> None:
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, ClassgradError):
+        if isinstance(cause, ClassgradError) and not cause.retryable:
             raise type(cause)(str(cause))  # the user's to fix: retrying cannot help
         attempts[shard.index] += 1
         line = _cause_line(exc)

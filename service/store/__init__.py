@@ -5,7 +5,8 @@ layout described in full), ``params`` (``ParamSlot``), ``encoding`` (row scale, 
 ``indexing`` (row ids and ranges), ``location`` (local or fsspec location, ``local_path``),
 ``create`` (``create_store``, ``open_store``), ``grad_store`` (``GradStore``), ``arrays``
 (array reads with a diagnosis), ``reader`` and ``writer`` (rows), ``direct_write`` (the chunk
-writer for local uncompressed stores), ``lease`` (the driver's lease), ``similarity_arrays``
+writer for local uncompressed stores), ``lease`` (the driver's lease), ``retry`` (transient I/O
+errors sent again with backoff), ``similarity_arrays``
 (the similarity results), ``scan`` (chunk scanning, ``ChunkProblem``) and ``checks``
 (``check_metadata``). It needs numpy, zarr and fsspec only (s3fs for ``s3://``; dask for
 ``to_dask``), never torch or Ray.

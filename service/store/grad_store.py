@@ -34,6 +34,7 @@ from classgrad.service.store.location import Location
 from classgrad.service.store.params import ParamSlot
 from classgrad.service.store.reader import RowReader
 from classgrad.service.store.records import ShardRecord, list_sizes, record_key, record_problems
+from classgrad.service.store.retry import io_error, retry_transient
 from classgrad.service.store.scan import ChunkProblem, scan_chunks
 from classgrad.service.store.similarity_arrays import SimilarityArrays
 from classgrad.service.store.writer import RowWriter
@@ -200,15 +201,21 @@ class GradStore:
         """Append one run record (any JSON-serialisable dict) to attributes["runs"]."""
         self._arrays.require_writable()
         entry = json.loads(json.dumps(entry, default=str))
-        try:
+
+        def append() -> dict:
             group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
             meta = group.attrs[ATTR_KEY]
             assert isinstance(meta, dict)  # checked when the store was opened
-            meta.setdefault("runs", []).append(entry)
+            runs = meta.setdefault("runs", [])
+            if not runs or runs[-1] != entry:  # a try whose answer was lost may have appended it
+                runs.append(entry)
             group.update_attributes({ATTR_KEY: meta})
+            return meta
+
+        try:
+            self._meta = retry_transient(append, f"recording the run in {self.url}")
         except Exception as exc:
-            raise StoreError(f"cannot record the run in {self.url}: {first_line(exc, with_type=True)}") from None
-        self._meta = meta
+            raise io_error(f"cannot record the run in {self.url}", exc) from None
 
     def record_identity(self, identity: dict) -> None:
         """Replace the recorded identity (``spec.identity``); the driver does it only while no

@@ -21,9 +21,10 @@ import socket
 import time
 from collections.abc import Iterator
 
-from classgrad.service.errors import ClassgradError, LeaseHeldError, StoreError, first_line
+from classgrad.service.errors import ClassgradError, LeaseHeldError, StoreError, StoreUnavailableError
 from classgrad.service.store.format import LEASE_KEY
 from classgrad.service.store.location import Location
+from classgrad.service.store.retry import io_error, retry_transient
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,9 @@ log = logging.getLogger(__name__)
 def read_lease(loc: Location) -> dict | None:
     """The lease at ``loc``, or None (none, or unreadable: then it is ignored with a warning)."""
     try:
-        data = loc.read_bytes(LEASE_KEY)
-    except OSError as exc:
-        raise StoreError(f"cannot read the lease of {loc.url}: {first_line(exc, with_type=True)}") from None
+        data = retry_transient(lambda: loc.read_bytes(LEASE_KEY), f"reading the lease of {loc.url}")
+    except Exception as exc:  # botocore's connection errors are no OSErrors
+        raise io_error(f"cannot read the lease of {loc.url}", exc) from None
     if data is None:
         return None
     try:
@@ -85,9 +86,18 @@ class HeldLease:
 
     def keep_alive(self) -> None:
         """Refresh the heartbeat if ``renew_every_s`` has passed since the last one;
-        ``LeaseHeldError`` if another run has taken the lease."""
-        if time.monotonic() - self._renewed > self.renew_every_s:
-            self._lease.renew(self.run_id)
+        ``LeaseHeldError`` if another run has taken the lease. A renewal that fails on an
+        unreachable store is tried again on the next call, until two periods have passed."""
+        since = time.monotonic() - self._renewed
+        if since > self.renew_every_s:
+            try:
+                self._lease.renew(self.run_id)
+            except StoreUnavailableError as exc:
+                # The heartbeat is renewed every third of the TTL: a missed renewal leaves time.
+                if since > 2 * self.renew_every_s:
+                    raise
+                log.warning("could not renew the lease (%s); trying again", exc)
+                return
             self._renewed = time.monotonic()
 
 
@@ -103,10 +113,11 @@ class StoreLease:
             raise StoreError(f"store {self._loc.url} is open read-only; open it with mode='r+'")
 
     def _write(self, lease: dict) -> None:
+        data = json.dumps(lease).encode()
         try:
-            self._loc.write_bytes(LEASE_KEY, json.dumps(lease).encode())
-        except OSError as exc:
-            raise StoreError(f"cannot write the lease of {self._loc.url}: {first_line(exc, with_type=True)}") from None
+            retry_transient(lambda: self._loc.write_bytes(LEASE_KEY, data), f"writing the lease of {self._loc.url}")
+        except Exception as exc:
+            raise io_error(f"cannot write the lease of {self._loc.url}", exc) from None
 
     def info(self) -> dict | None:
         """The current lease (run_id, host, pid, started, heartbeat, ttl_s, info), or None."""
@@ -178,11 +189,9 @@ class StoreLease:
             )
             return
         try:
-            self._loc.delete(LEASE_KEY)
-        except OSError as exc:
-            raise StoreError(
-                f"cannot release the lease of {self._loc.url}: {first_line(exc, with_type=True)}"
-            ) from None
+            retry_transient(lambda: self._loc.delete(LEASE_KEY), f"releasing the lease of {self._loc.url}")
+        except Exception as exc:
+            raise io_error(f"cannot release the lease of {self._loc.url}", exc) from None
 
     @contextlib.contextmanager
     def hold(

@@ -3,7 +3,9 @@
 Holds ``RowWriter`` (``write_rows``: true float32 rows plus their loss and count, refused
 unless finite and aligned to whole chunks; ``set_done``: a shard's record, then its
 ``shard_done`` mark). Rows of local, uncompressed, unsharded stores go through
-``direct_write``; the rest through Zarr.
+``direct_write``; the rest through Zarr. Transient I/O errors are retried (``retry``); what
+still fails raises ``StoreUnavailableError`` (the driver retries the shard), anything else
+``StoreError``.
 
 Marking a shard done, in this order: the shard record (each chunk object's key, size and
 digest: from the bytes the direct writer wrote, else read back once), then on local disks an
@@ -16,11 +18,12 @@ from __future__ import annotations
 
 import os
 import struct
+from functools import partial
 
 import crc32c
 import numpy as np
 
-from classgrad.service.errors import ClassgradError, StoreError, first_line
+from classgrad.service.errors import ClassgradError, StoreError
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.direct_write import write_direct, write_file
 from classgrad.service.store.encoding import encode_rows, row_maxabs
@@ -34,6 +37,7 @@ from classgrad.service.store.records import (
     sync_dir,
     sync_paths,
 )
+from classgrad.service.store.retry import io_error, retry_transient
 
 
 class RowWriter:
@@ -93,20 +97,22 @@ class RowWriter:
                 f"write_rows: row {row} (class {int(self._class_ids[row])}) has non-finite values; refusing to store it"
             )
         stored, scale = encode_rows(rows, maxabs, dtype)
-        try:
-            for name, values in (("grads", stored), ("row_scale", scale), ("loss", loss), ("count", count)):
-                if self._direct:
-                    for key, size, digest in write_direct(
-                        self._arrays[name], self._arrays.loc.path, name, start, values
-                    ):
-                        self._written[key] = (size, digest)
-                else:
-                    self._arrays[name][start:stop] = values
-        except Exception as exc:
-            raise StoreError(
-                f"cannot write rows [{start}, {stop}) to {url}: {first_line(exc, with_type=True)}"
-            ) from None
+        for name, values in (("grads", stored), ("row_scale", scale), ("loss", loss), ("count", count)):
+            # Whole chunks: a write sent again after a transient error stores the same bytes.
+            try:
+                retry_transient(
+                    partial(self._write, name, start, values), f"writing {name} rows [{start}, {stop}) of {url}"
+                )
+            except Exception as exc:
+                raise io_error(f"cannot write rows [{start}, {stop}) to {url}", exc) from None
         return stored.nbytes + scale.nbytes + loss.nbytes + count.nbytes
+
+    def _write(self, name: str, start: int, values: np.ndarray) -> None:
+        if self._direct:
+            for key, size, digest in write_direct(self._arrays[name], self._arrays.loc.path, name, start, values):
+                self._written[key] = (size, digest)
+        else:
+            self._arrays[name][start : start + len(values)] = values
 
     def set_done(self, shard: int, value: int) -> None:
         """Set ``shard_done[shard]``: 1 once every row of the shard is written (its record and, on
@@ -114,7 +120,9 @@ class RowWriter:
         self._arrays.require_writable()
         rows = self._spec.shard_range(shard)  # range check
         loc = self._arrays.loc
-        try:
+        url = self._arrays.url
+
+        def write() -> None:
             if value:
                 record = self._record(shard, rows)
                 if loc.local and self.durable:
@@ -131,12 +139,13 @@ class RowWriter:
                 self._write_local(f"shard_done/c/{shard}", (data, struct.pack("<I", crc32c.crc32c(data))))
             else:
                 self._arrays["shard_done"][shard] = value
+
+        try:
+            retry_transient(write, f"marking shard {shard} of {url} {'done' if value else 'not done'}")
         except ClassgradError:
             raise
         except Exception as exc:
-            raise StoreError(
-                f"cannot update shard_done[{shard}] in {self._arrays.url}: {first_line(exc, with_type=True)}"
-            ) from None
+            raise io_error(f"cannot update shard_done[{shard}] in {url}", exc) from None
 
     def _record(self, shard: int, rows: tuple[int, int]) -> ShardRecord:
         """The shard's record: digests of the chunks written by this writer, else read back."""
