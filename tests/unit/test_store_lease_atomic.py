@@ -22,7 +22,7 @@ import zarr
 
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.errors import LeaseHeldError
-from classgrad.service.store import StoreSpec, create_store, open_store, store_lease
+from classgrad.service.store import StoreSpec, create_store, store_lease
 from classgrad.service.store.lease_files import LocalLeaseFile
 
 
