@@ -4,6 +4,7 @@
 - Of many takers started together on a new store, or on a stale lease, exactly one gets it.
 - The lease lives next to the store: deleting the store (an overwrite) leaves it held.
 - A store that a live lease holder is still creating is never deleted by another creator.
+- The driver takes the lease before it creates anything.
 - ``classgrad status`` says when the lease's holder process is gone or its lease has expired.
 """
 
@@ -21,9 +22,12 @@ import pytest
 import zarr
 
 from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
+from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import StoreSpec, create_store, store_lease
 from classgrad.service.store.lease_files import LocalLeaseFile
+from tests.support.jobs import small_job
 
 
 def spec(fingerprint: str = "fp-1") -> StoreSpec:
@@ -176,3 +180,13 @@ def test_status_says_when_the_lease_holder_is_gone_or_its_lease_expired(tmp_path
     text, info = _status(url, capsys)
     assert info["lease"] is None and info["lease_state"] is None
     assert not any(line.startswith("lease") for line in text.splitlines())
+
+
+def test_the_driver_takes_the_lease_before_it_creates_the_store(tmp_path):
+    url = str(tmp_path / "new.zarr")
+    config = JobConfig.model_validate(small_job(url))
+    store_lease(url).acquire("run-other", ttl_s=60.0)  # a live driver (this process) took the new store
+    with pytest.raises(LeaseHeldError, match="in use by run 'run-other'"):
+        JobDriver(config).run()  # refused at the lease: before Ray, before any store exists
+    assert not os.path.exists(url)
+    assert store_lease(url).info()["run_id"] == "run-other"
