@@ -1,13 +1,14 @@
 """The store format: key names, array layout, metadata, and the checks that go with them.
 
 Holds ``FORMAT_VERSION`` (and ``READABLE_VERSIONS``), the key and array names (``ATTR_KEY``,
-``LEASE_KEY``, ``ARRAYS``, the similarity arrays' names and ``SIMILARITY_METRICS``),
-``StoreSpec`` (everything needed to create a store, checked on construction), ``spec_to_meta``
-/ ``spec_from_meta`` (the spec <-> the ``attributes["classgrad"]`` JSON), ``array_table``
-(name -> shape, chunks, dtype), ``codecs`` (each array's codec pipeline), ``check_layout`` (the
-parameter layout's consistency), ``check_same`` (may an existing store be reopened by this
-spec), ``metadata_digest`` and ``check_metadata_digest`` (over ``DIGESTED_KEYS``). Only this
-package knows these names; this module is where they are written down.
+the lease's and the deletion marker's ``*_SUFFIX``, ``LEGACY_LEASE_KEY``, ``ARRAYS``, the
+similarity arrays' names and ``SIMILARITY_METRICS``), ``StoreSpec`` (everything needed to create
+a store, checked on construction), ``spec_to_meta`` / ``spec_from_meta`` (the spec <-> the
+``attributes["classgrad"]`` JSON), ``array_table`` (name -> shape, chunks, dtype), ``codecs``
+(each array's codec pipeline), ``check_layout`` (the parameter layout's consistency),
+``check_same`` (may an existing store be reopened by this spec), ``metadata_digest`` and
+``check_metadata_digest`` (over ``DIGESTED_KEYS``). Only this package knows these names; this
+module is where they are written down.
 
 Layout of a store (a Zarr v3 group)::
 
@@ -18,7 +19,6 @@ Layout of a store (a Zarr v3 group)::
     loss/             (C,) float32, chunks (row_chunk,): L_c at theta
     count/            (C,) int64, chunks (row_chunk,): probe samples behind row c
     shard_done/       (num_shards,) uint8, chunks (1,): 1 once every row of the shard is stored
-    lease.json        the running driver's lease (plain JSON, not Zarr; readers ignore it)
     shard_records/<shard>.json  (format 2) written just before the shard's shard_done mark:
                       {"shard", "rows", "digest", "chunks": {key: [size, digest]}} for every
                       chunk object of its rows in grads, row_scale, loss and count; digest =
@@ -33,6 +33,19 @@ Layout of a store (a Zarr v3 group)::
                       of each row's most similar rows, best first, ties by lower index, self
                       excluded (absent when top_k is 0)
     similarity_topk_value/  (C, top_k) float32: their similarity values
+
+Next to the store, outside what an overwrite deletes (siblings of its directory or prefix:
+``/data/s.zarr`` has ``/data/s.zarr.classgrad-lease.json``; a store at a bucket's root keeps them
+under the root, as ``.classgrad-lease.json``...)::
+
+    STORE.classgrad-lease.json  the driver's lease (plain JSON: run_id, host, pid, started,
+                      heartbeat, ttl_s, info), taken before the store is created or deleted:
+                      created only if absent, replaced only if unchanged (local: exclusive
+                      create plus an fcntl lock on STORE.classgrad-lease.lock, which stays;
+                      S3: If-None-Match / If-Match conditional PUTs)
+    STORE.classgrad-deleting    present while an overwrite deletes the store; a rerun finishes
+                      the deletion (only the keys a classgrad store holds) before creating
+  Stores written before keep ``lease.json`` inside (``LEGACY_LEASE_KEY``); deletion removes it.
 
 Dimension names: ``grads`` (class, param), the per-row arrays (class,), ``shard_done`` (shard),
 ``similarity`` (class, other_class), the top-k arrays (class, neighbour).
@@ -105,7 +118,10 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 
 ATTR_KEY = "classgrad"
-LEASE_KEY = "lease.json"
+LEASE_SUFFIX = ".classgrad-lease.json"
+LEASE_LOCK_SUFFIX = ".classgrad-lease.lock"
+DELETING_SUFFIX = ".classgrad-deleting"
+LEGACY_LEASE_KEY = "lease.json"  # where stores written before kept the lease (inside the store)
 ARRAYS = ("grads", "row_scale", "loss", "count", "shard_done")
 ARRAY_DIMS = {
     "grads": ("class", "param"),
