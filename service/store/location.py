@@ -13,6 +13,7 @@ the environment or the options, never stored), ``memory://`` for tests.
 from __future__ import annotations
 
 import os
+import uuid
 
 import fsspec
 import zarr
@@ -66,6 +67,24 @@ class Location:
         if self.local or "/" in self.path.strip("/"):
             return f"{self.path.rstrip('/')}{suffix}"
         return f"{self.path}/{suffix}"
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The object ``name`` (relative to the store), or None when there is none."""
+        try:
+            return self.fs.cat_file(self.key(name))
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write the object ``name`` whole: one PUT on object storage; locally, a temporary file
+        renamed over it, so that a reader never sees half a file."""
+        if self.local:
+            tmp = f"{self.key(name)}.{uuid.uuid4().hex}.partial"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self.key(name))
+        else:
+            self.fs.pipe_file(self.key(name), data)
 
     def is_empty(self) -> bool:
         if self.local:

@@ -148,7 +148,7 @@ def test_an_overwrite_deletes_only_the_stores_keys(tmp_path):
         [
             "zarr.json",
             "grads/c/notes",
-            *(f"{a}/zarr.json" for a in ("count", "grads", "loss", "row_scale", "shard_done")),
+            *(f"{a}/zarr.json" for a in ("count", "grads", "loss", "row_scale", "shard_done", "shard_records")),
         ]
     )
     assert zarr.open_group(url, mode="r").attrs["classgrad"]["fingerprint"] == "fp-2"
