@@ -10,9 +10,15 @@ from __future__ import annotations
 
 
 class ClassgradError(Exception):
-    """A problem the user can fix; its message is one clear line."""
+    """A problem the user can fix; its message is one clear line.
+
+    ``retryable``: the problem may pass by itself (the store was unreachable for a while), so the
+    driver retries the shard that raised it (``sharding.max_attempts``) instead of failing the job
+    at once, as it does for every other ``ClassgradError``.
+    """
 
     exit_code = 2
+    retryable = False
 
 
 class ConfigError(ClassgradError):
@@ -26,6 +32,14 @@ class InputError(ClassgradError):
 
 class StoreError(ClassgradError):
     """The store cannot be created, opened or written as asked."""
+
+
+class StoreUnavailableError(StoreError):
+    """Store I/O kept failing for a reason that may pass (throttling, connections refused or
+    reset, timeouts) after the store's own retries; the message names the request and the
+    last error. Retryable: the driver retries the shard."""
+
+    retryable = True
 
 
 class StoreMismatchError(StoreError):

@@ -2,9 +2,11 @@
 
 Holds ``ProbeSet``: the probe data as given (a ``Dataset`` of ``(input, target)`` or a pair of
 tensors), its targets gathered once on the CPU, the micro-batches every engine walks in the
-same order, and the per-class sample index that the partitioned engine uses; and
+same order, the per-class sample index that the partitioned engine uses, and the digest of the
+probe set as built (``digest``; a Dataset's is taken while its targets are gathered, the one pass
+over it) with the check that its first samples read the same twice (``reads_repeat``); and
 ``tree_map_tensors``, which maps a function over the tensors of a batch (inputs may be nests of
-tuples, lists and dicts).
+tuples, lists and dicts), and ``digest_into``, which hashes such a nest.
 
 Inputs stay where the user put them and are fetched per batch; only targets (small) are held
 whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and a stack.
@@ -13,6 +15,7 @@ Image batches can be asked for channels-last (the partitioned engine's measured 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,10 @@ import torch
 from torch.utils.data import Dataset
 
 from classgrad.service.errors import InputError, first_line
+
+# Samples of a Dataset whose digests are kept from the first read, to check that a second read
+# gives the same inputs (``reads_repeat``: random transforms make a probe set differ per read).
+HEAD_SAMPLES = 4
 
 
 def _stack(items: Sequence[Any]) -> Any:
@@ -45,6 +52,33 @@ def tree_map_tensors(fn: Any, tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: tree_map_tensors(fn, v) for k, v in tree.items()}
     return tree
+
+
+def digest_into(h: Any, tree: Any) -> None:
+    """Feed a nest of tensors (tuples, lists, dicts; numbers and arrays as tensors) into the hash
+    ``h``: structure, dtypes, shapes and the bytes of each tensor on the CPU."""
+    if isinstance(tree, (tuple, list)):
+        h.update(f"{type(tree).__name__}[{len(tree)}]".encode())
+        for t in tree:
+            digest_into(h, t)
+    elif isinstance(tree, dict):
+        h.update(f"dict[{len(tree)}]".encode())
+        for k, v in tree.items():
+            h.update(repr(k).encode())
+            digest_into(h, v)
+    elif isinstance(tree, str):
+        h.update(f"str:{tree!r}".encode())
+    else:
+        t = tree if isinstance(tree, torch.Tensor) else torch.as_tensor(tree)
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _sample_digest(inputs: Any) -> str:
+    h = hashlib.sha256()
+    digest_into(h, inputs)
+    return h.hexdigest()
 
 
 def _in_format(batch: Any, memory_format: torch.memory_format) -> Any:
@@ -90,13 +124,26 @@ class ProbeSet:
             self._inputs: Any = inputs
             self._dataset: Dataset | Sequence[Any] | None = None
             self.targets = targets.detach().cpu()
+            self._inputs_digest: str | None = None  # taken when first asked for (``digest``)
+            self._head: list[str] = []
         elif isinstance(data, Dataset) or hasattr(data, "__getitem__"):
             self._inputs = None
             self._dataset = data
             n = len(data)  # type: ignore[arg-type]
             if n == 0:
                 raise InputError("data: the probe set is empty")
-            self.targets = _stack([torch.as_tensor(_item(data, i)[1]) for i in range(n)])
+            # The one pass that reads every sample (for its target) also hashes its inputs.
+            h = hashlib.sha256()
+            gathered: list[torch.Tensor] = []
+            self._head = []
+            for i in range(n):
+                item = _item(data, i)
+                digest_into(h, item[0])
+                if i < HEAD_SAMPLES:
+                    self._head.append(_sample_digest(item[0]))
+                gathered.append(torch.as_tensor(item[1]))
+            self.targets = _stack(gathered)
+            self._inputs_digest = h.hexdigest()
         else:
             raise InputError(
                 f"data: expected a Dataset of (input, target) or a pair (inputs, targets), got {type(data).__name__}"
@@ -147,6 +194,26 @@ class ProbeSet:
 
         if self._inputs is not None and (i := first_bad(self._inputs)) is not None:
             raise InputError(f"data: NaN/Inf in the inputs of probe sample {i}")
+
+    @property
+    def digest(self) -> str:
+        """sha256 hex of the probe set as built: its inputs (a Dataset's as read when the probe set
+        was built) and its targets."""
+        if self._inputs_digest is None:
+            h = hashlib.sha256()
+            digest_into(h, self._inputs)
+            self._inputs_digest = h.hexdigest()
+        h = hashlib.sha256(b"classgrad probe set v1")
+        h.update(self._inputs_digest.encode())
+        digest_into(h, self.targets)
+        return h.hexdigest()
+
+    def reads_repeat(self) -> bool:
+        """Whether the first samples of a Dataset give the same inputs when read again (random
+        transforms do not); always true for inputs held as tensors."""
+        if self._dataset is None:
+            return True
+        return all(_sample_digest(self._dataset[i][0]) == d for i, d in enumerate(self._head))
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """The probe set in order, ``batch_size`` samples at a time (the same for every engine)."""

@@ -2,7 +2,7 @@
 
 Holds ``GradNorms`` and ``grad_norms`` (per-class gradient norms and per-class x per-parameter
 squared norms in one out-of-core pass over the rows of done shards, band by band), and
-``inspect_store`` (shape, dtype, chunks, parameter layout, completion, norm summaries, the
+``inspect_store`` (format version, shape, dtype, chunks, parameter layout, completion, norm summaries, the
 similarity if one is stored) as a JSON-ready dict, plus ``format_report`` (the text the
 command prints).
 """
@@ -108,6 +108,7 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None, block_m
     loss = store.loss()
     info = {
         "store": store.url,
+        "format_version": store.format_version,
         "shape": [store.num_classes, store.dim],
         "dtype": store.dtype,
         "storage_dtype": attrs.get("storage_dtype"),
@@ -160,6 +161,8 @@ def format_report(info: dict) -> str:
     comp = info["completion"]
     lines = [
         f"store       {info['store']}",
+        f"format      version {info['format_version']}"
+        f"{'' if info['format_version'] >= 2 else ' (older: no shard records nor metadata digest)'}",
         f"rows        {C} classes x {D} {info['dtype']} ({fmt_bytes(info['stored_bytes'])} "
         f"stored, chunks {info['chunks'][0]} x {info['chunks'][1]}, codec {info['codec']}"
         f"{', sharded' if info['sharded'] else ''})",

@@ -1,18 +1,22 @@
 """Is a store sound? ``classgrad verify``: what it checks and the exit code that says what failed.
 
-Holds the exit-code bit flags, ``VerifyReport`` and ``verify_store``.
+Holds the exit-code bit flags, ``VerifyReport`` and ``verify_store`` (with ``repair``: unmark the
+damaged shards so that the next run recomputes them).
 
 Exit codes (bit flags, OR-ed together; 0 means every check passed)::
 
     0   all good
     4   INCOMPLETE  shards not marked done, or chunks missing from shards marked done
                     (or from a finished similarity)
-    8   CORRUPT     a chunk fails its crc32c checksum, cannot be decoded, or cannot be read
+    8   CORRUPT     a chunk fails its crc32c checksum, cannot be decoded, or cannot be read, or
+                    (format 2) differs from its shard record's size or digest (a valid chunk
+                    copied over another)
     16  NONFINITE   NaN or Inf stored in the rows (or loss) of a done shard, or in a finished
                     similarity
     32  METADATA    inconsistent metadata: format/state, sizes, dtype, the parameter layout
                     (offsets contiguous from 0, sizes matching shapes, summing to dim), class
-                    ids/names (one per row), a missing fingerprint, array shapes/chunks,
+                    ids/names (one per row), a missing fingerprint, array shapes/chunks, a
+                    metadata digest that does not match (format 2),
                     shard_done values other than 0/1, row_scale not positive and finite (or
                     count negative) in a done row, top-k indices out of range, a similarity
                     computed from other rows
@@ -50,6 +54,7 @@ class VerifyReport:
     store: str
     problems: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in FLAG_NAMES.values()})
     notes: list[str] = field(default_factory=list)
+    repaired: list[int] = field(default_factory=list)  # shards unmarked by ``--repair``
 
     def add(self, flag: int, line: str) -> None:
         self.problems[FLAG_NAMES[flag]].append(line)
@@ -65,6 +70,7 @@ class VerifyReport:
             "failed": [FLAG_NAMES[f] for f in FLAG_NAMES if self.code & f],
             "problems": self.problems,
             "notes": self.notes,
+            "repaired_shards": self.repaired,
         }
 
     def format(self) -> str:
@@ -89,9 +95,11 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyReport:
+def verify_store(url: str, *, storage_options: dict | None = None, repair: bool = False) -> VerifyReport:
     """Run every check on the store at ``url``. Raises ``StoreError`` only when there is no
-    classgrad store there at all; everything else is reported."""
+    classgrad store there at all; everything else is reported. With ``repair``, the done shards
+    whose chunks are damaged are unmarked (under the store's lease) so that the next run
+    recomputes them; the report still says what was found, and a note says what was unmarked."""
     from classgrad.service.errors import StoreError
     from classgrad.service.store import check_metadata, fmt_ranges, open_store
 
@@ -105,14 +113,20 @@ def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyRepo
             raise
         report.notes.append(f"the store cannot be opened, so its data was not checked: {exc}")
         return report
+
     done = store.shard_done
     missing = store.missing_ranges(done)
     if missing:
         report.add(
             INCOMPLETE, f"{int((~done).sum())} of {store.num_shards} shards not marked done: rows {fmt_ranges(missing)}"
         )
+    damaged: set[int] = set()
     for problem in store.scan_chunks():
         report.add(_KIND_FLAGS[problem.kind], problem.message)
+        # A shard not marked done is already recomputed by the next run; a corrupt mark is rewritten.
+        damaged.update(s for s in problem.shards if done[s] or problem.array == "shard_done")
+    if repair:
+        _repair(url, storage_options, sorted(damaged), report)
     info = store.similarity_info()
     if info is not None and info.get("state") != "ready":
         report.notes.append(
@@ -120,3 +134,24 @@ def verify_store(url: str, *, storage_options: dict | None = None) -> VerifyRepo
             f"rerun `classgrad similarity` to replace it"
         )
     return report
+
+
+def _repair(url: str, storage_options: dict | None, shards: list[int], report: VerifyReport) -> None:
+    """Unmark ``shards`` under the store's lease (a running job would race with it)."""
+    import os
+    import socket
+
+    from classgrad.service.store import open_store
+
+    if not shards:
+        report.notes.append("repair: no damaged shard to unmark")
+        return
+    store = open_store(url, storage_options=storage_options, mode="r+")
+    run_id = f"verify-repair-{os.getpid()}"
+    with store.lease.hold(run_id, info={"host": socket.gethostname(), "pid": os.getpid(), "command": "verify"}):
+        for shard in shards:
+            store.clear_shard_done(shard)
+    report.repaired = shards
+    report.notes.append(
+        f"repair: unmarked {len(shards)} damaged shard(s) {shards}; rerun `classgrad run` to recompute them"
+    )

@@ -1,9 +1,14 @@
-"""``classgrad status STORE``: how far a job has got (shards done, missing rows, runs, lease)."""
+"""``classgrad status STORE``: how far a job has got (shards done, missing rows, runs, lease).
+
+The lease is shown with its state: live, expired (no heartbeat within its TTL) or its holder's
+process gone (a driver on this host whose pid no longer exists); a rerun takes over the last two.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from classgrad.service.commands import add_store_arguments, storage_options
 
@@ -17,8 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def status_of(store) -> dict:
     from classgrad.service.analysis import completion
+    from classgrad.service.store import lease_state
 
     runs = store.attrs.get("runs", [])
+    lease = store.lease.info()
+    state, why = lease_state(lease, time.time()) if lease else (None, None)
     return {
         "store": store.url,
         "num_classes": store.num_classes,
@@ -27,7 +35,9 @@ def status_of(store) -> dict:
         **completion(store),  # shards_done, shards_total, rows_done, complete, missing_ranges
         "last_run": runs[-1] if runs else None,
         "runs": len(runs),
-        "lease": store.lease.info(),
+        "lease": lease,
+        "lease_state": state,  # null (no lease) | live | expired | holder_gone
+        "lease_state_detail": why,
     }
 
 
@@ -61,4 +71,7 @@ def main(args: argparse.Namespace) -> int:
     if info["lease"]:
         lease = info["lease"]
         print(f"lease     held by run {lease.get('run_id')} on {lease.get('host')} (pid {lease.get('pid')})")
+        state = {"live": "live", "expired": "EXPIRED", "holder_gone": "HOLDER GONE"}[info["lease_state"]]
+        rerun = "" if info["lease_state"] == "live" else "; a rerun takes it over"
+        print(f"          {state}: {info['lease_state_detail']}{rerun}")
     return 0

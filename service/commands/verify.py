@@ -1,5 +1,6 @@
-"""``classgrad verify STORE``: completeness, checksums, NaN/Inf, metadata; the exit code says
-what failed (bit flags, see ``classgrad.service.analysis.verify``)."""
+"""``classgrad verify STORE [--repair]``: completeness, checksums and shard-record digests, NaN/Inf,
+metadata; the exit code says what failed (bit flags, see ``classgrad.service.analysis.verify``);
+``--repair`` unmarks the damaged shards so that the next run recomputes them."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ HELP = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="unmark the done shards whose chunks are damaged, so that the next `classgrad run` recomputes them",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.analysis.verify import verify_store
 
-    report = verify_store(args.store, storage_options=storage_options(args))
+    report = verify_store(args.store, storage_options=storage_options(args), repair=args.repair)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
     return report.code

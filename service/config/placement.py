@@ -79,7 +79,14 @@ class StoreConfig(Section):
     overwrite: bool = Field(
         False,
         description="Replace an existing store made by another config instead of refusing it "
-        "(a store with the same fingerprint is resumed either way).",
+        "(a store with the same fingerprint is resumed either way; see `recompute`), and finish "
+        "the deletion of a store that an interrupted overwrite left, or delete a store's "
+        "leftover chunks. Only keys a classgrad store holds are deleted, never other files.",
+    )
+    recompute: bool = Field(
+        False,
+        description="Delete an existing store with this config's fingerprint and compute every "
+        "row again, instead of resuming it (a store of another config still needs `overwrite`).",
     )
 
     @field_validator("url")

@@ -1,13 +1,18 @@
 """The driver of one extraction job: plan, create the store, run the actors, survive faults.
 
 Holds:
-- ``prepare_store``: builds the job's engine once on the driver (on the CPU) to check the
-  config against the real model and data before anything is written, then creates or reopens
-  the store (same fingerprint required) with all of its metadata.
+- ``check_job``: builds the job's engine once on the driver (on the CPU) to check the config
+  against the real model and data before anything is written, and takes the run's identity
+  from that build (what the rows are computed from: ``classgrad.workers.runtime.identity``);
+  ``prepare_store`` then creates or reopens the store (same fingerprint required) with all of
+  its metadata, under the lease that ``JobDriver.run`` takes first.
+- ``check_identity``: before any done shard is trusted, the store's recorded identity must be
+  this run's (a checkpoint, data or factory code changed at the same path is refused).
 - ``JobDriver``: joins or starts Ray, creates the actors, keeps each one fed with about
   ``inflight_per_worker`` shards, requeues the shards of an actor that died and replaces it,
   retries a shard that raised (up to ``sharding.max_attempts``; a shard out of attempts fails
-  the job once every other shard is done), holds the store's lease, shows
+  the job once every other shard is done; a user error fails it at once, unless retryable, as a
+  store still unreachable after the store's own retries is), holds the store's lease, shows
   progress, and writes the run summary into the store's history.
 - ``RunSummary``: what a run did, printed by the CLI and stored in the run history.
 
@@ -30,12 +35,20 @@ from typing import Any
 from classgrad.service import errors
 from classgrad.service.config import JobConfig
 from classgrad.service.config.redaction import has_secrets, redact_text
-from classgrad.service.errors import ClassgradError, ConfigError, ShardFailedError, StoreError, first_line
+from classgrad.service.errors import (
+    ClassgradError,
+    ConfigError,
+    ShardFailedError,
+    StoreError,
+    StoreMismatchError,
+    first_line,
+)
 from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
-from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store
+from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store, store_lease
+from classgrad.service.store.format import OVERWRITE_HINT
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +70,30 @@ def library_versions() -> dict[str, str]:
 
 
 @dataclass
+class CheckedJob:
+    """The job checked against its real model and data: the store it needs and its shards."""
+
+    spec: StoreSpec
+    shards: list[Shard]
+    engine_kind: str
+    dim: int
+    identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
+
+
+@dataclass
 class PreparedJob:
     store: GradStore
     shards: list[Shard]
     engine_kind: str
     dim: int
+    identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
 
 
 def resumable_fingerprint(config: JobConfig) -> str:
     """The config's fingerprint, or the one recorded in its existing store when that store was made
     by the same job under an older fingerprint scheme (so it is resumed rather than refused)."""
     fingerprint = config.fingerprint()
-    if config.store.overwrite:  # the store is replaced anyway; the new one records today's fingerprint
+    if config.store.recompute:  # the store is replaced anyway; the new one records today's fingerprint
         return fingerprint
     try:
         attrs = open_store(config.store.url, storage_options=config.store.storage_options).attrs
@@ -81,15 +106,17 @@ def resumable_fingerprint(config: JobConfig) -> str:
     return fingerprint
 
 
-def prepare_store(config: JobConfig) -> PreparedJob:
-    """Check the job against its real model and data, then create (or reopen) its store.
+def check_job(config: JobConfig) -> CheckedJob:
+    """Check the job against its real model and data, and say what store it needs.
 
     Every user error (bad factory, wrong output width, labels out of range, patterns that
-    select nothing, a store made by another config) is raised here, before a store exists.
+    select nothing) is raised here, before the store's lease is taken or a store exists.
     """
     from classgrad.workers.runtime.actor import checked_engine
+    from classgrad.workers.runtime.identity import engine_identity
 
     engine, projector, dim = checked_engine(config, device="cpu")
+    identity = engine_identity(engine).to_dict()
     layout = engine.layout
     spec = StoreSpec(
         num_classes=config.loss.num_classes,
@@ -105,15 +132,59 @@ def prepare_store(config: JobConfig) -> PreparedJob:
         projection=projector.describe() if projector else None,
         config=config.redacted(),
         fingerprint=resumable_fingerprint(config),
+        identity=identity,
         versions=library_versions(),
-    )
-    store = create_store(
-        config.store.url, spec, storage_options=config.store.storage_options, overwrite=config.store.overwrite
     )
     # Partitioned work grows with a class's samples; dense rows all cost the same.
     work = engine.counts.double().clamp(min=1).numpy() if engine.name == "partitioned" else None
     shards = plan_shards(spec.num_classes, spec.shard_rows, spec.row_chunk, work_per_row=work)
-    return PreparedJob(store=store, shards=shards, engine_kind=engine.name, dim=dim)
+    return CheckedJob(spec=spec, shards=shards, engine_kind=engine.name, dim=dim, identity=identity)
+
+
+def prepare_store(
+    config: JobConfig, *, lease: HeldLease | None = None, checked: CheckedJob | None = None
+) -> PreparedJob:
+    """Check the job (``check_job``, unless ``checked`` is given), then create (or reopen) its store
+    under ``lease``, the caller's lease on it (without one, a lease is held for the creation alone).
+
+    A store made by another config is refused here, before anything is written.
+    """
+    job = checked or check_job(config)
+    store = create_store(
+        config.store.url,
+        job.spec,
+        storage_options=config.store.storage_options,
+        overwrite=config.store.overwrite,
+        recompute=config.store.recompute,
+        lease=lease,
+    )
+    return PreparedJob(store=store, shards=job.shards, engine_kind=job.engine_kind, dim=job.dim, identity=job.identity)
+
+
+def check_identity(store: GradStore, identity: dict) -> None:
+    """Refuse (``StoreMismatchError``, one line saying what changed) a store whose done shards were
+    computed from other inputs than ``identity`` (this run's). A store with no shard done takes
+    this run's identity; one made before identities were recorded is resumed as before."""
+    from classgrad.workers.runtime.identity import RunIdentity, identity_changes, listed
+
+    recorded = store.spec.identity
+    current = RunIdentity.from_dict(identity)
+    if recorded is None or current is None:
+        log.info("store %s records no identity of its inputs (made before they were recorded)", store.url)
+        return
+    changed = identity_changes(recorded, current)
+    if not changed:
+        return
+    done = int(store.shard_done.sum())
+    if not done:
+        log.warning("store %s: no shard is done yet; it now records this run's inputs (%s)", store.url, listed(changed))
+        store.record_identity(identity)
+        return
+    raise StoreMismatchError(
+        f"store at {store.url} holds {done} done shards computed from other inputs: {listed(changed)} differ from "
+        f"this run's (model.checkpoint, data or factory code changed at the same path?); restore the inputs it was "
+        f"made with, or use another store.url, or replace it with {OVERWRITE_HINT}"
+    )
 
 
 @dataclass
@@ -244,7 +315,10 @@ class JobDriver:
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
         slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            self.config.model_dump(mode="json"), num_threads=self.config.cluster.num_cpus_per_worker, run_id=self.run_id
+            self.config.model_dump(mode="json"),
+            num_threads=self.config.cluster.num_cpus_per_worker,
+            run_id=self.run_id,
+            identity=self._identity,
         )
 
     def _wait_ready(self, slots: list[_Slot]) -> None:
@@ -301,20 +375,26 @@ class JobDriver:
             )
         if self._starts_local_ray():  # the actors will run on this machine: check its device now
             self._check_device_here()
-        prepared = prepare_store(self.config)
-        store = prepared.store
-        self.summary.engine = prepared.engine_kind
-        self.summary.shards_total = len(prepared.shards)
-        # The lease is released on the way out of the ``with`` (also when the record failed: a
-        # stale lease would refuse the rerun), after the record and before the actors are stopped.
+        checked = check_job(self.config)
+        store_cfg = self.config.store
+        # The lease is taken before the store is created, reopened or deleted, so that two drivers
+        # never both touch it. It is released on the way out of the ``with`` (also when the record
+        # failed: a stale lease would refuse the rerun), after the record and before the actors stop.
         try:
-            with store.lease.hold(
+            with store_lease(store_cfg.url, storage_options=store_cfg.storage_options).hold(
                 self.run_id,
                 ttl_s=self.config.run.lease_ttl_s,
                 info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started},
             ) as lease:
+                prepared = prepare_store(self.config, lease=lease, checked=checked)
+                store = prepared.store
+                self.summary.engine = prepared.engine_kind
+                self.summary.shards_total = len(prepared.shards)
+                check_identity(store, prepared.identity)  # before any done shard is trusted
+                self._identity = prepared.identity
                 try:
-                    todo = dispatch_order(prepared.shards, store.shard_done)
+                    # One listing: done shards whose recorded chunks are gone or resized are unmarked.
+                    todo = dispatch_order(prepared.shards, store.unmark_damaged_shards())
                     self.summary.shards_skipped = len(prepared.shards) - len(todo)
                     if todo:
                         self._run_shards(store, todo, t_start, lease)
@@ -440,7 +520,7 @@ class JobDriver:
 
     def _shard_raised(self, shard: Shard, exc: Exception, queue, attempts) -> None:
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, ClassgradError):
+        if isinstance(cause, ClassgradError) and not cause.retryable:
             raise type(cause)(str(cause))  # the user's to fix: retrying cannot help
         attempts[shard.index] += 1
         line = _cause_line(exc)

@@ -5,8 +5,10 @@ layout described in full), ``params`` (``ParamSlot``), ``encoding`` (row scale, 
 ``indexing`` (row ids and ranges), ``location`` (local or fsspec location, ``local_path``),
 ``create`` (``create_store``, ``open_store``), ``grad_store`` (``GradStore``), ``arrays``
 (array reads with a diagnosis), ``reader`` and ``writer`` (rows), ``direct_write`` (the chunk
-writer for local uncompressed stores), ``lease`` (the driver's lease), ``similarity_arrays``
-(the similarity results), ``scan`` (chunk scanning, ``ChunkProblem``) and ``checks``
+writer for local uncompressed stores), ``lease`` (the driver's lease, ``store_lease``),
+``lease_files`` (its atomic files), ``store_keys`` (the keys a store holds, their deletion),
+``retry`` (transient I/O errors sent again with backoff), ``records`` (per-shard records),
+``similarity_arrays`` (the similarity results), ``scan`` (chunk scanning, ``ChunkProblem``) and ``checks``
 (``check_metadata``). It needs numpy, zarr and fsspec only (s3fs for ``s3://``; dask for
 ``to_dask``), never torch or Ray.
 """
@@ -16,7 +18,7 @@ from classgrad.service.store.create import create_store, open_store
 from classgrad.service.store.format import FORMAT_VERSION, SIMILARITY_METRICS, StoreSpec
 from classgrad.service.store.grad_store import GradStore
 from classgrad.service.store.indexing import fmt_ranges
-from classgrad.service.store.lease import HeldLease, StoreLease
+from classgrad.service.store.lease import HeldLease, StoreLease, lease_state, store_lease
 from classgrad.service.store.location import local_path
 from classgrad.service.store.params import ParamSlot
 from classgrad.service.store.scan import ChunkProblem
@@ -35,6 +37,8 @@ __all__ = [
     "check_metadata",
     "create_store",
     "fmt_ranges",
+    "lease_state",
     "local_path",
     "open_store",
+    "store_lease",
 ]

@@ -1,6 +1,7 @@
 """The structured metadata checks of ``classgrad verify``: a store's metadata, not trusted.
 
-Holds ``check_metadata`` (one line per problem in the format version, state, sizes, dtype,
+Holds ``check_metadata`` (one line per problem in the format version (and, from format 2, the
+metadata digest), state, sizes, dtype,
 parameter layout, class ids and names, fingerprint, the arrays' shapes, dtypes and chunks, and
 the similarity result's). The checks of the chunks themselves are in ``scan``.
 """
@@ -11,7 +12,7 @@ import zarr
 
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.format import (
-    FORMAT_VERSION,
+    READABLE_VERSIONS,
     SIM,
     SIM_INDEX,
     SIM_VALUE,
@@ -19,6 +20,7 @@ from classgrad.service.store.format import (
     STORAGE_DTYPES,
     array_table,
     check_layout,
+    check_metadata_digest,
 )
 from classgrad.service.store.location import Location, probe
 
@@ -39,8 +41,9 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
         raise StoreError(f"{url} holds something that is not a classgrad store")
     assert meta is not None  # probe gives the metadata of a 'creating' or 'ready' store
     problems: list[str] = []
-    if meta.get("format_version") != FORMAT_VERSION:
-        problems.append(f"format_version is {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    version = meta.get("format_version")
+    if version not in READABLE_VERSIONS:
+        problems.append(f"format_version is {version!r}, expected one of {', '.join(map(str, READABLE_VERSIONS))}")
     if meta.get("state") != "ready":
         problems.append(f"state is {meta.get('state')!r}: creation was interrupted")
     ints = ("num_classes", "dim", "shard_rows", "num_shards", "row_chunk", "col_chunk")
@@ -84,6 +87,8 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
             f"fingerprint is {fingerprint!r}: missing (a rerun could not tell whether the store was made by its config)"
         )
     problems += _check_arrays(loc, meta)
+    if version in READABLE_VERSIONS and version >= 2:
+        problems += check_metadata_digest(meta)
     return problems
 
 

@@ -1,25 +1,30 @@
 """Creating and opening stores: the two ways to get a ``GradStore``.
 
-Holds ``create_store`` (driver only: create the group, arrays and attributes once, or reopen a
-store of the same config to resume, or replace it when asked) and ``open_store`` (workers with
-``mode="r+"``, readers with ``mode="r"``).
+Holds ``create_store`` (driver only, under the store's lease: create the group, arrays and
+attributes once, or reopen a store of the same config to resume, or replace it when asked,
+finishing first any deletion that an interrupted overwrite left) and ``open_store`` (workers
+with ``mode="r+"``, readers with ``mode="r"``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from typing import Literal
 
 import numpy as np
 import zarr
 from zarr.codecs import BytesCodec
 
-from classgrad.service.errors import ClassgradError, LeaseHeldError, StoreError, first_line
+from classgrad.service.errors import ClassgradError, StoreError, StoreMismatchError, first_line
 from classgrad.service.store.encoding import BF16_NAN
 from classgrad.service.store.format import (
     ARRAY_DIMS,
     ATTR_KEY,
+    DELETING_SUFFIX,
+    OVERWRITE_HINT,
     STORAGE_DTYPES,
     StoreSpec,
     array_table,
@@ -28,52 +33,111 @@ from classgrad.service.store.format import (
     spec_to_meta,
 )
 from classgrad.service.store.grad_store import GradStore
-from classgrad.service.store.lease import held_message, lease_age, read_lease
+from classgrad.service.store.lease import HeldLease, StoreLease
 from classgrad.service.store.location import Location, probe
+from classgrad.service.store.records import RECORDS_DIR
+from classgrad.service.store.store_keys import delete_store_keys, list_keys
 
 log = logging.getLogger(__name__)
 
+# Why a deletion was started (written into the deletion marker): only one that replaced a
+# half-created store may be finished by a run that did not ask for an overwrite.
+_HALF_CREATED = "half-created"
+
 
 def create_store(
-    url: str, spec: StoreSpec, *, storage_options: dict | None = None, overwrite: bool = False
+    url: str,
+    spec: StoreSpec,
+    *,
+    storage_options: dict | None = None,
+    overwrite: bool = False,
+    recompute: bool = False,
+    lease: HeldLease | None = None,
 ) -> GradStore:
     """Driver only: create the store (group, arrays, attributes, once) or reopen it to resume.
 
-    An existing store with the same fingerprint is reopened and nothing is rewritten; one with
-    another fingerprint raises ``StoreMismatchError``; ``overwrite=True`` deletes it and creates
-    a new one. A location holding anything that is not a classgrad store is never touched.
+    An existing store with the same fingerprint is reopened and nothing is rewritten (also with
+    ``overwrite=True``); one with another fingerprint raises ``StoreMismatchError``, unless
+    ``overwrite=True``: then it is deleted and a new one created. ``recompute=True`` deletes a
+    store of the same fingerprint too. Only the keys a classgrad store holds are ever deleted;
+    a location holding anything else (and no store) is never touched.
+
+    ``lease`` is the caller's ``HeldLease`` on this store (a driver takes it before anything
+    else, ``store_lease(url).hold(run_id)``); without one, a lease is taken for the creation alone.
     """
     if not isinstance(spec, StoreSpec):
         raise StoreError(f"create_store needs a StoreSpec, got {type(spec).__name__}")
     loc = Location(url, storage_options)
+    if lease is None:
+        with StoreLease(loc, writable=True).hold(f"create-{uuid.uuid4().hex[:8]}") as own:
+            return _create_or_reopen(loc, spec, overwrite, recompute, own)
+    if lease.url != url:
+        raise StoreError(f"create_store: the lease given is the lease of {lease.url}, not of {url}")
+    lease.confirm()  # LeaseHeldError unless the caller still holds it
+    return _create_or_reopen(loc, spec, overwrite, recompute, lease)
+
+
+def _create_or_reopen(loc: Location, spec: StoreSpec, overwrite: bool, recompute: bool, lease: HeldLease) -> GradStore:
+    url = loc.url
+    marker = _read_marker(loc)
+    if marker is not None:
+        reason = marker.get("reason")
+        if not (overwrite or recompute or reason == _HALF_CREATED):
+            raise StoreError(
+                f"store {url} was being deleted ({reason}, run {marker.get('run_id')!r}) when its run stopped; "
+                f"rerun with {OVERWRITE_HINT} to finish the deletion and create a new store"
+            )
+        log.warning("store %s: finishing the deletion that run %r started (%s)", url, marker.get("run_id"), reason)
+        _delete(loc, lease, str(reason))
+        _create(loc, spec)
+        return _created(loc, spec)
     state, meta = probe(loc)
+    if state == "other":
+        keys = list_keys(loc)
+        if not keys.others:  # nothing but the keys of a store without its group metadata
+            state = "leftovers" if keys.store else "empty"
     if state == "other":
         raise StoreError(
             f"{url} already holds something that is not a classgrad store; "
             f"refusing to write there (choose another store.url)"
         )
-    if state == "ready" and not overwrite:
+    if state == "leftovers":
+        if not overwrite:
+            raise StoreError(
+                f"{url} holds chunks of a classgrad store but no store metadata (a deletion or a creation "
+                f"that did not finish); rerun with {OVERWRITE_HINT} to delete them"
+            )
+        log.warning("overwrite: deleting the leftovers of a classgrad store at %s", url)
+        _delete(loc, lease, "leftovers")
+    elif state == "ready":
         assert meta is not None  # probe gives the metadata of a ready store
-        check_same(meta, spec, url)
-        log.info("reopening store %s to resume (fingerprint %s)", url, spec.fingerprint)
-        return GradStore(loc, "r+")
-    if state == "ready":
-        assert meta is not None
-        lease, now = read_lease(loc), time.time()
-        if lease and lease_age(lease, now) < float(lease.get("ttl_s", 0)):
-            raise LeaseHeldError(f"cannot overwrite: {held_message(url, lease, now)}")
-        log.warning("overwrite: deleting store %s (fingerprint %s)", url, meta.get("fingerprint"))
-    elif state == "creating":
-        log.warning("store %s was left half-created by an interrupted run; recreating it", url)
-    if state != "empty":
         try:
-            loc.remove_all()
-        except OSError as exc:
-            raise StoreError(f"cannot delete old store at {url}: {first_line(exc, with_type=True)}") from None
+            check_same(meta, spec, url)
+        except StoreMismatchError:
+            if not overwrite:
+                raise
+            log.warning("overwrite: deleting store %s (fingerprint %s)", url, meta.get("fingerprint"))
+            _delete(loc, lease, "overwrite")
+        else:
+            if not recompute:
+                if overwrite:
+                    log.info("store %s has this config's fingerprint: resuming it (recompute to start over)", url)
+                log.info("reopening store %s to resume (fingerprint %s)", url, spec.fingerprint)
+                return GradStore(loc, "r+")
+            log.warning("recompute: deleting store %s (fingerprint %s) to compute it again", url, spec.fingerprint)
+            _delete(loc, lease, "recompute")
+    elif state == "creating":
+        # Under the lease, so its creator is gone: no live driver is creating it.
+        log.warning("store %s was left half-created by an interrupted run; recreating it", url)
+        _delete(loc, lease, _HALF_CREATED)
     _create(loc, spec)
+    return _created(loc, spec)
+
+
+def _created(loc: Location, spec: StoreSpec) -> GradStore:
     log.info(
         "created store %s: %d x %d %s, %d shards of %d rows",
-        url,
+        loc.url,
         spec.num_classes,
         spec.dim,
         spec.dtype,
@@ -81,6 +145,37 @@ def create_store(
         spec.shard_rows,
     )
     return GradStore(loc, "r+")
+
+
+def _read_marker(loc: Location) -> dict | None:
+    try:
+        data = loc.fs.cat_file(loc.sibling(DELETING_SUFFIX))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreError(f"cannot read {loc.url}: {first_line(exc, with_type=True)}") from None
+    try:
+        marker = json.loads(data)
+    except ValueError:
+        marker = None
+    return marker if isinstance(marker, dict) else {"reason": "unknown"}
+
+
+def _delete(loc: Location, lease: HeldLease, reason: str) -> None:
+    """Delete the store's keys under a marker next to it, so that a deletion cut short is
+    recognised (and finished) by the next run instead of leaving an unusable location."""
+    marker = loc.sibling(DELETING_SUFFIX)
+    try:
+        loc.fs.pipe_file(marker, json.dumps({"run_id": lease.run_id, "reason": reason, "time": time.time()}).encode())
+        others = delete_store_keys(loc, lease.keep_alive)
+        loc.fs.rm_file(marker)
+    except ClassgradError:
+        raise
+    except OSError as exc:
+        raise StoreError(f"cannot delete the old store at {loc.url}: {first_line(exc, with_type=True)}") from None
+    if others:
+        shown = ", ".join(others[:3]) + (" ..." if len(others) > 3 else "")
+        log.warning("store %s: left %d other file(s) there untouched: %s", loc.url, len(others), shown)
 
 
 def open_store(url: str, *, storage_options: dict | None = None, mode: Literal["r", "r+"] = "r") -> GradStore:
@@ -120,6 +215,9 @@ def _create(loc: Location, spec: StoreSpec) -> None:
                 compressors=codecs(spec.codec if name != "shard_done" else "none"),
                 dimension_names=ARRAY_DIMS[name],
             )
+        # A Zarr group of its own, so that Zarr tools listing the store do not warn about it;
+        # its records are plain JSON files that Zarr ignores.
+        group.create_group(RECORDS_DIR, attributes={"classgrad": "per-shard records (plain JSON files)"})
         meta["state"] = "ready"
         group.update_attributes({ATTR_KEY: meta})
     except ClassgradError:

@@ -3,9 +3,11 @@
 Holds ``write_direct``: the chunks of one array covering a run of rows, written in exactly the
 Zarr v3 chunk format the array's metadata declares (the chunk's little-endian bytes, then their
 crc32c as a little-endian uint32, at key ``<name>/c/<i>[/<j>]``), each through a temporary file
-and a rename, as Zarr's ``LocalStore`` does. zarr-python's pipeline copies every chunk three
-times (fill, merge, checksum append), which halves write throughput; a test checks these files
-are byte-identical to Zarr's own.
+and a rename, as Zarr's ``LocalStore`` does; it returns each object's key, size and digest (for
+the shard record, computed from the bytes in memory, never read back). zarr-python's pipeline
+copies every chunk three times (fill, merge, checksum append), which halves write throughput; a
+test checks these files are byte-identical to Zarr's own. Also ``write_file`` (one file written
+whole through a rename, optionally fsync'ed with its directory).
 """
 
 from __future__ import annotations
@@ -20,16 +22,22 @@ import crc32c
 import numpy as np
 import zarr
 
+from classgrad.service.store.records import chunk_digest, sync_dir
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+WrittenChunk = tuple[str, int, str]  # key relative to the store root, size in bytes, digest
 
-def write_direct(arr: zarr.Array, root: str, start: int, values: np.ndarray) -> None:
-    """Write the chunks of ``arr`` (stored under directory ``root``) covering rows
-    [start, start + len(values)); ``start`` is a multiple of the row chunk."""
+
+def write_direct(arr: zarr.Array, store_root: str, name: str, start: int, values: np.ndarray) -> list[WrittenChunk]:
+    """Write the chunks of array ``name`` (``arr``, in the store at directory ``store_root``)
+    covering rows [start, start + len(values)); ``start`` is a multiple of the row chunk.
+    Returns (key, size, digest) of each chunk file written."""
     chunks = arr.chunks
     little = values.dtype.newbyteorder("<")
-    root = os.path.join(root, "c")
+    root = os.path.join(store_root, name, "c")
+    written: list[WrittenChunk] = []
     rc = chunks[0]
     for r0 in range(0, values.shape[0], rc):
         rows = values[r0 : r0 + rc]
@@ -50,13 +58,28 @@ def write_direct(arr: zarr.Array, root: str, start: int, values: np.ndarray) -> 
             # ndarray supports the buffer protocol, but numpy's stubs do not declare __buffer__.
             data = memoryview(cast("Buffer", np.ascontiguousarray(block, dtype=little))).cast("B")
             path = os.path.join(directory, leaf)
-            tmp = f"{path}.{uuid.uuid4().hex}.partial"
-            try:
-                with open(tmp, "wb") as fh:
-                    fh.write(data)
-                    fh.write(struct.pack("<I", crc32c.crc32c(data)))
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                raise
+            trailer = struct.pack("<I", crc32c.crc32c(data))
+            write_file(path, (data, trailer))
+            key = os.path.relpath(path, store_root).replace(os.sep, "/")
+            written.append((key, data.nbytes + len(trailer), chunk_digest(key, (data, trailer))))
+    return written
+
+
+def write_file(path: str, parts: tuple, *, sync: bool = False) -> None:
+    """Write ``parts`` (byte strings) to ``path`` through a temporary file and a rename; with
+    ``sync``, the file is fsync'ed before the rename and its directory after it."""
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        with open(tmp, "wb") as fh:
+            for part in parts:
+                fh.write(part)
+            if sync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    if sync:
+        sync_dir(os.path.dirname(path))

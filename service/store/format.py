@@ -1,12 +1,14 @@
 """The store format: key names, array layout, metadata, and the checks that go with them.
 
-Holds ``FORMAT_VERSION``, the key and array names (``ATTR_KEY``, ``LEASE_KEY``, ``ARRAYS``, the
+Holds ``FORMAT_VERSION`` (and ``READABLE_VERSIONS``), the key and array names (``ATTR_KEY``,
+the lease's and the deletion marker's ``*_SUFFIX``, ``LEGACY_LEASE_KEY``, ``ARRAYS``, the
 similarity arrays' names and ``SIMILARITY_METRICS``), ``StoreSpec`` (everything needed to create
 a store, checked on construction), ``spec_to_meta`` / ``spec_from_meta`` (the spec <-> the
 ``attributes["classgrad"]`` JSON), ``array_table`` (name -> shape, chunks, dtype), ``codecs``
-(each array's codec pipeline), ``check_layout`` (the parameter layout's consistency) and
-``check_same`` (may an existing store be reopened by this spec). Only this package knows these
-names; this module is where they are written down.
+(each array's codec pipeline), ``check_layout`` (the parameter layout's consistency),
+``check_same`` (may an existing store be reopened by this spec), ``metadata_digest`` and
+``check_metadata_digest`` (over ``DIGESTED_KEYS``). Only this package knows these names; this
+module is where they are written down.
 
 Layout of a store (a Zarr v3 group)::
 
@@ -17,7 +19,10 @@ Layout of a store (a Zarr v3 group)::
     loss/             (C,) float32, chunks (row_chunk,): L_c at theta
     count/            (C,) int64, chunks (row_chunk,): probe samples behind row c
     shard_done/       (num_shards,) uint8, chunks (1,): 1 once every row of the shard is stored
-    lease.json        the running driver's lease (plain JSON, not Zarr; readers ignore it)
+    shard_records/<shard>.json  (format 2) written just before the shard's shard_done mark:
+                      {"shard", "rows", "digest", "chunks": {key: [size, digest]}} for every
+                      chunk object of its rows in grads, row_scale, loss and count; digest =
+                      blake2b-128 of the key, a NUL byte and the object's bytes
   written by ``classgrad similarity`` (optional; replaced whole by each run):
     similarity/       (C, C) float32, chunks (chunk_rows, C) (row blocks; chunk_rows divides
                       row_chunk), fill NaN: cosine or dot product of rows i and j. Its own
@@ -28,6 +33,19 @@ Layout of a store (a Zarr v3 group)::
                       of each row's most similar rows, best first, ties by lower index, self
                       excluded (absent when top_k is 0)
     similarity_topk_value/  (C, top_k) float32: their similarity values
+
+Next to the store, outside what an overwrite deletes (siblings of its directory or prefix:
+``/data/s.zarr`` has ``/data/s.zarr.classgrad-lease.json``; a store at a bucket's root keeps them
+under the root, as ``.classgrad-lease.json``...)::
+
+    STORE.classgrad-lease.json  the driver's lease (plain JSON: run_id, host, pid, started,
+                      heartbeat, ttl_s, info), taken before the store is created or deleted:
+                      created only if absent, replaced only if unchanged (local: exclusive
+                      create plus an fcntl lock on STORE.classgrad-lease.lock, which stays;
+                      S3: If-None-Match / If-Match conditional PUTs)
+    STORE.classgrad-deleting    present while an overwrite deletes the store; a rerun finishes
+                      the deletion (only the keys a classgrad store holds) before creating
+  Stores written before keep ``lease.json`` inside (``LEGACY_LEASE_KEY``); deletion removes it.
 
 Dimension names: ``grads`` (class, param), the per-row arrays (class,), ``shard_done`` (shard),
 ``similarity`` (class, other_class), the top-k arrays (class, neighbour).
@@ -50,7 +68,12 @@ array exists, then "ready"); ``num_classes``, ``dim``, ``shard_rows``, ``num_sha
 ``checksum``; ``sharded``; ``class_ids`` (null means row i is class i) and ``class_names``
 (or null); ``layout`` (list of {name, shape, offset, size}; empty when projected);
 ``projection`` (or null); ``loss_kind``; ``config`` (the job config, redacted by the caller);
-``fingerprint``; ``versions``; ``runs`` (run history, appended by the driver). Storage options
+``fingerprint``; ``identity`` (what the rows were computed from: digests of the model's
+parameters and of the probe set, and the model's outputs on a few probe samples; JSON made and
+compared by ``classgrad.workers.runtime.identity``, null in stores made before it); ``versions``;
+``runs`` (run history, appended by the driver); (format 2) ``metadata_digest`` ({keys, sha256}:
+sha256 of the canonical JSON of those keys' values, set at creation, checked by
+``classgrad verify``). Storage options
 (credentials, endpoints) are never written anywhere in the store.
 
 Low precision: each row is stored as g / row_scale with a power-of-two row_scale chosen so
@@ -76,6 +99,7 @@ Reading without classgrad (``path`` is the store directory)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -89,10 +113,15 @@ from classgrad.service.errors import StoreError, StoreMismatchError
 from classgrad.service.store.encoding import TOP_EXP
 from classgrad.service.store.params import ParamSlot
 
-FORMAT_VERSION = 1
+# 2: per-shard records (shard_records/) and the metadata digest; 1 is still read (see DESIGN.md).
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 ATTR_KEY = "classgrad"
-LEASE_KEY = "lease.json"
+LEASE_SUFFIX = ".classgrad-lease.json"
+LEASE_LOCK_SUFFIX = ".classgrad-lease.lock"
+DELETING_SUFFIX = ".classgrad-deleting"
+LEGACY_LEASE_KEY = "lease.json"  # where stores written before kept the lease (inside the store)
 ARRAYS = ("grads", "row_scale", "loss", "count", "shard_done")
 ARRAY_DIMS = {
     "grads": ("class", "param"),
@@ -118,6 +147,9 @@ STRUCTURE_KEYS = (
     "projection",
 )
 OVERWRITE_HINT = "--set store.overwrite=true"
+# What ``metadata_digest`` covers (format 2): the layout, the rows' classes, shapes, chunks and
+# dtypes; not the run history, the config text or analysis results, which change legitimately.
+DIGESTED_KEYS = STRUCTURE_KEYS + ("num_shards", "storage_dtype", "class_names", "loss_kind")
 
 # The downstream results written by ``classgrad similarity``.
 SIMILARITY_METRICS = ("cosine", "dot")
@@ -146,6 +178,7 @@ class StoreSpec:
     projection: dict | None = None
     config: dict = field(default_factory=dict)
     fingerprint: str = ""
+    identity: dict | None = None  # what the rows are computed from (workers/runtime/identity.py)
     versions: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -186,7 +219,7 @@ class StoreSpec:
             if len(names) != self.num_classes:
                 raise bad("class_names", f"has {len(names)} entries, expected num_classes ({self.num_classes})")
             put("class_names", names)
-        for name in ("config", "versions", "projection"):
+        for name in ("config", "versions", "projection", "identity"):
             try:
                 json.dumps(getattr(self, name))
             except (TypeError, ValueError) as exc:
@@ -239,11 +272,32 @@ def spec_to_meta(spec: StoreSpec) -> dict:
         "loss_kind": spec.loss_kind,
         "config": spec.config,
         "fingerprint": spec.fingerprint,
+        "identity": spec.identity,
         "versions": {"numpy": np.__version__, "zarr": zarr.__version__, **spec.versions},
         "runs": [],
     }
+    meta["metadata_digest"] = metadata_digest(json.loads(json.dumps(meta)), DIGESTED_KEYS)
     # Normalise through JSON (tuples -> lists) so comparisons with stored attributes are exact.
     return json.loads(json.dumps(meta))
+
+
+def metadata_digest(meta: dict, keys: tuple | list) -> dict:
+    """``{"keys": [...], "sha256": hex}``: the digest of ``meta``'s values at ``keys``."""
+    text = json.dumps({str(k): meta.get(str(k)) for k in keys}, sort_keys=True, separators=(",", ":"))
+    return {"keys": list(keys), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def check_metadata_digest(meta: dict) -> list[str]:
+    """Problems of a format-2 store's recorded ``metadata_digest`` against its metadata."""
+    recorded = meta.get("metadata_digest")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("keys"), list):
+        return ["metadata_digest is missing or malformed (format 2 records it at creation)"]
+    if metadata_digest(meta, recorded["keys"])["sha256"] != recorded.get("sha256"):
+        return [
+            f"metadata_digest does not match the metadata ({', '.join(map(str, recorded['keys']))}): "
+            f"the layout, class ids or array structure changed after the store was created"
+        ]
+    return []
 
 
 def spec_from_meta(meta: dict) -> StoreSpec:
@@ -264,6 +318,7 @@ def spec_from_meta(meta: dict) -> StoreSpec:
         projection=meta["projection"],
         config=meta["config"],
         fingerprint=meta["fingerprint"],
+        identity=meta.get("identity"),  # absent in stores made before it was recorded
         versions=meta["versions"],
     )
 

@@ -2,9 +2,11 @@
 
 Holds ``GradStore``: opened by ``create_store`` or ``open_store``, it checks the store's format
 version and state, and offers the metadata (``spec``, sizes, ``layout``, ``class_ids``...),
-the row writer (``write_rows``, ``mark_shard_done``), completeness (``shard_done``,
-``missing_ranges``), the reader (``rows``, ``param``, ``iter_blocks``, ``block``,
-``rows_band``, the per-row vectors, ``to_dask``), the run history (``append_run``), the chunk
+the row writer (``write_rows``, ``mark_shard_done``, ``durable``), completeness (``shard_done``,
+``missing_ranges``; the shard records: ``shard_record``, ``damaged_done_shards``,
+``unmark_damaged_shards``), the reader (``rows``, ``param``, ``iter_blocks``, ``block``,
+``rows_band``, the per-row vectors, ``to_dask``), the run history (``append_run``), the recorded
+identity (``record_identity``), the chunk
 scan (``scan_chunks``, ``verify_chunks``) and the similarity reader (``similarity``...). The
 work is done by the objects it holds: ``StoreArrays`` (arrays, reads with a diagnosis),
 ``RowWriter``, ``RowReader``, and, public, ``lease`` (``StoreLease``) and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -24,15 +27,19 @@ import zarr
 
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
-from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, StoreSpec, spec_from_meta
+from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
 from classgrad.service.store.indexing import col_range, row_ids
 from classgrad.service.store.lease import StoreLease
 from classgrad.service.store.location import Location
 from classgrad.service.store.params import ParamSlot
 from classgrad.service.store.reader import RowReader
+from classgrad.service.store.records import ShardRecord, list_sizes, record_key, record_problems
+from classgrad.service.store.retry import io_error, retry_transient
 from classgrad.service.store.scan import ChunkProblem, scan_chunks
 from classgrad.service.store.similarity_arrays import SimilarityArrays
 from classgrad.service.store.writer import RowWriter
+
+log = logging.getLogger(__name__)
 
 
 class GradStore:
@@ -54,9 +61,10 @@ class GradStore:
         if not isinstance(meta, dict):
             raise StoreError(f"{url} is a Zarr group but not a classgrad store (no '{ATTR_KEY}' attributes)")
         version = meta.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise StoreError(
-                f"store at {url} has format version {version}; this classgrad reads version {FORMAT_VERSION}"
+                f"store at {url} has format version {version}; this classgrad reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))} (it writes {FORMAT_VERSION})"
             )
         if meta.get("state") != "ready":
             raise StoreError(f"store at {url} was not fully created (interrupted); rerun the job to recreate it")
@@ -74,7 +82,7 @@ class GradStore:
         )
         self._class_ids.flags.writeable = False
         self._reader = RowReader(self._arrays, self._spec)
-        self._writer = RowWriter(self._arrays, self._spec, self._class_ids)
+        self._writer = RowWriter(self._arrays, self._spec, self._class_ids, records=self.format_version >= 2)
         self.lease = StoreLease(loc, writable=mode != "r")
         self.similarity_arrays = SimilarityArrays(self._arrays, self._spec)
 
@@ -91,6 +99,12 @@ class GradStore:
     def local_path(self) -> str | None:
         """The store's directory (absolute, ``~`` expanded) when it is local, else None."""
         return self._loc.path if self._loc.local else None
+
+    @property
+    def format_version(self) -> int:
+        """The store's format version: 2 for stores made by this classgrad, 1 for older ones
+        (no shard records, no metadata digest: their done shards are trusted as marked)."""
+        return int(self._meta["format_version"])
 
     @property
     def spec(self) -> StoreSpec:
@@ -167,8 +181,18 @@ class GradStore:
         return self._writer.write_rows(start, rows, loss=loss, count=count)
 
     def mark_shard_done(self, shard: int) -> None:
-        """Mark a shard complete; call only once all its rows have been written."""
+        """Mark a shard complete; call only once all its rows have been written. Writes the
+        shard's record first, and on local disks makes its chunks durable (fsync) before the mark."""
         self._writer.set_done(shard, 1)
+
+    @property
+    def durable(self) -> bool:
+        """Whether ``mark_shard_done`` fsyncs local chunk files first (default; benchmarks turn it off)."""
+        return self._writer.durable
+
+    @durable.setter
+    def durable(self, value: bool) -> None:
+        self._writer.durable = bool(value)
 
     def clear_shard_done(self, shard: int) -> None:
         self._writer.set_done(shard, 0)
@@ -177,15 +201,37 @@ class GradStore:
         """Append one run record (any JSON-serialisable dict) to attributes["runs"]."""
         self._arrays.require_writable()
         entry = json.loads(json.dumps(entry, default=str))
+
+        def append() -> dict:
+            group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
+            meta = group.attrs[ATTR_KEY]
+            assert isinstance(meta, dict)  # checked when the store was opened
+            runs = meta.setdefault("runs", [])
+            if not runs or runs[-1] != entry:  # a try whose answer was lost may have appended it
+                runs.append(entry)
+            group.update_attributes({ATTR_KEY: meta})
+            return meta
+
+        try:
+            self._meta = retry_transient(append, f"recording the run in {self.url}")
+        except Exception as exc:
+            raise io_error(f"cannot record the run in {self.url}", exc) from None
+
+    def record_identity(self, identity: dict) -> None:
+        """Replace the recorded identity (``spec.identity``); the driver does it only while no
+        shard is done, so no row was computed from the identity it replaces."""
+        self._arrays.require_writable()
+        identity = json.loads(json.dumps(identity))
         try:
             group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
             meta = group.attrs[ATTR_KEY]
             assert isinstance(meta, dict)  # checked when the store was opened
-            meta.setdefault("runs", []).append(entry)
+            meta["identity"] = identity
             group.update_attributes({ATTR_KEY: meta})
         except Exception as exc:
-            raise StoreError(f"cannot record the run in {self.url}: {first_line(exc, with_type=True)}") from None
+            raise StoreError(f"cannot record the identity in {self.url}: {first_line(exc, with_type=True)}") from None
         self._meta = meta
+        self._spec = spec_from_meta(meta)
 
     # ----------------------------------------------------------------- completeness
 
@@ -196,6 +242,50 @@ class GradStore:
     @property
     def is_complete(self) -> bool:
         return bool(self.shard_done.all())
+
+    def shard_record(self, shard: int) -> ShardRecord | None:
+        """The record written when ``shard`` was marked done (None: none, or unreadable)."""
+        data = self._loc.read_bytes(record_key(shard))
+        return None if data is None else ShardRecord.parse(data)
+
+    def damaged_done_shards(self, done: np.ndarray | None = None) -> dict[int, list[str]]:
+        """Done shards whose recorded chunks are missing or have another size, from one listing
+        of the store (no chunk is read): shard -> problems. Done shards without a record count
+        as damaged in a format-2 store and are trusted in a format-1 one (it has none)."""
+        done = self.shard_done if done is None else done
+        if not done.any():
+            return {}
+        try:
+            sizes = list_sizes(self._loc)
+        except OSError as exc:
+            raise StoreError(f"cannot list the store {self.url}: {first_line(exc, with_type=True)}") from None
+        damaged = {}
+        for shard in np.flatnonzero(done).tolist():
+            present = record_key(shard) in sizes
+            if not present and self.format_version < 2:
+                continue
+            problems = record_problems(self.shard_record(shard) if present else None, sizes)
+            if problems:
+                damaged[shard] = problems
+        return damaged
+
+    def unmark_damaged_shards(self) -> np.ndarray:
+        """``shard_done`` after unmarking (with a warning naming each) every done shard whose
+        recorded chunks are missing or resized: what a resume runs before trusting done shards."""
+        done = self.shard_done
+        for shard, problems in self.damaged_done_shards(done).items():
+            start, stop = self.shard_range(shard)
+            log.warning(
+                "store %s: shard %d (rows %d-%d) is marked done but %s; unmarking it so that it is recomputed",
+                self.url,
+                shard,
+                start,
+                stop - 1,
+                "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""),
+            )
+            self.clear_shard_done(shard)
+            done[shard] = False
+        return done
 
     def missing_ranges(self, done: np.ndarray | None = None) -> list[tuple[int, int]]:
         """Merged [start, stop) row ranges of shards not marked done. Pass ``done`` when the
@@ -261,7 +351,7 @@ class GradStore:
     def scan_chunks(self) -> list[ChunkProblem]:
         """Read every chunk of every array once, results included; one ``ChunkProblem`` per
         problem, with its kind (see ``classgrad.service.store.scan.scan_chunks``)."""
-        return scan_chunks(self._arrays, self._spec, self.similarity_arrays)
+        return scan_chunks(self._arrays, self._spec, self.similarity_arrays, records=self.format_version >= 2)
 
     def verify_chunks(self) -> list[str]:
         """Read every chunk of every array; return one line per problem (empty when sound):

@@ -1,8 +1,9 @@
 """Where a store lives: a local directory or an fsspec URL, and what is found there.
 
 Holds ``local_path`` (the path part of a local store URL), ``Location`` (the Zarr store object
-of a URL plus an fsspec view of it, for the lease file and for chunk objects) and ``probe``
-(what is at a location: nothing, something else, a half-created store or a ready one).
+of a URL plus an fsspec view of it, for the lease and for chunk objects; ``sibling`` names the
+keys kept next to the store) and ``probe`` (what is at a location: nothing, something else, a
+half-created store or a ready one; ``create`` tells a store's leftovers from something else).
 
 Locations: a plain path or ``file://`` (Zarr ``LocalStore``), ``s3://bucket/path`` through
 fsspec/s3fs with ``storage_options`` (``endpoint_url`` or ``client_kwargs``; credentials from
@@ -12,7 +13,6 @@ the environment or the options, never stored), ``memory://`` for tests.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 
 import fsspec
@@ -33,7 +33,7 @@ def local_path(url: str) -> str | None:
 
 
 class Location:
-    """Where a store lives: the Zarr store object plus an fsspec view for the lease file."""
+    """Where a store lives: the Zarr store object plus an fsspec view for the lease and chunk keys."""
 
     def __init__(self, url: str, storage_options: dict | None) -> None:
         if not isinstance(url, str) or not url:
@@ -61,6 +61,31 @@ class Location:
     def key(self, name: str) -> str:
         return f"{self.path}/{name}"
 
+    def sibling(self, suffix: str) -> str:
+        """The path of a key next to the store (its lease, its deletion marker), outside what
+        deleting the store removes; a store at a bucket's root keeps them under the root."""
+        if self.local or "/" in self.path.strip("/"):
+            return f"{self.path.rstrip('/')}{suffix}"
+        return f"{self.path}/{suffix}"
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The object ``name`` (relative to the store), or None when there is none."""
+        try:
+            return self.fs.cat_file(self.key(name))
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write the object ``name`` whole: one PUT on object storage; locally, a temporary file
+        renamed over it, so that a reader never sees half a file."""
+        if self.local:
+            tmp = f"{self.key(name)}.{uuid.uuid4().hex}.partial"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self.key(name))
+        else:
+            self.fs.pipe_file(self.key(name), data)
+
     def is_empty(self) -> bool:
         if self.local:
             return not os.path.exists(self.path) or (os.path.isdir(self.path) and not os.listdir(self.path))
@@ -80,35 +105,6 @@ class Location:
             except OSError:
                 pass
         return "no Zarr group there"
-
-    def remove_all(self) -> None:
-        if self.local:
-            shutil.rmtree(self.path, ignore_errors=False)
-        else:
-            self.fs.rm(self.path, recursive=True)
-            self.fs.invalidate_cache()
-
-    def read_bytes(self, name: str) -> bytes | None:
-        try:
-            return self.fs.cat_file(self.key(name))
-        except FileNotFoundError:
-            return None
-
-    def write_bytes(self, name: str, data: bytes) -> None:
-        if self.local:
-            # Write then rename, so a reader never sees half a file.
-            tmp = self.key(f".{name}.{uuid.uuid4().hex}.tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, self.key(name))
-        else:
-            self.fs.pipe_file(self.key(name), data)  # one PUT: atomic on object storage
-
-    def delete(self, name: str) -> None:
-        try:
-            self.fs.rm_file(self.key(name))
-        except FileNotFoundError:
-            pass
 
 
 def probe(loc: Location) -> tuple[str, dict | None]:

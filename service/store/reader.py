@@ -1,6 +1,7 @@
 """The row reader of an open store: true float32 values, with completeness checked.
 
-Holds ``RowReader``: ``shard_done`` and ``missing_ranges`` (completeness), ``gather`` (true
+Holds ``RowReader``: ``shard_done`` (a corrupt mark reads as "not done") and ``missing_ranges``
+(completeness), ``gather`` (true
 values of any rows in a column range: only rows of shards marked done, decoded with their
 row_scale, a hole in a done shard reported as corruption), ``param`` (one parameter's columns),
 ``iter_blocks``, ``vector`` (the per-row arrays) and ``to_dask``. ``GradStore`` exposes them.
@@ -8,16 +9,19 @@ row_scale, a hole in a done shard reported as corruption), ``param`` (one parame
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from classgrad.service.errors import CorruptChunkError, StoreError, StoreIncompleteError
-from classgrad.service.store.arrays import StoreArrays
+from classgrad.service.errors import CorruptChunkError, StoreError, StoreIncompleteError, first_line
+from classgrad.service.store.arrays import StoreArrays, is_corruption
 from classgrad.service.store.encoding import bf16_bits_to_f32, decode_rows
 from classgrad.service.store.format import StoreSpec
 from classgrad.service.store.indexing import fmt_ranges, row_ids, row_ranges
+
+log = logging.getLogger(__name__)
 
 
 class RowReader:
@@ -28,8 +32,34 @@ class RowReader:
         self._spec = spec
         self._layout = {e.name: e for e in spec.layout}
 
-    def shard_done(self) -> np.ndarray:
-        return self._arrays.read_all("shard_done").astype(bool)
+    def shard_done(self, shards: np.ndarray | None = None) -> np.ndarray:
+        """Done flags of ``shards`` (default all). An unreadable ``shard_done`` chunk (a flipped
+        bit fails its crc32c) reads as "not done", with a warning, so a run recomputes the shard."""
+        if shards is None:
+            shards = np.arange(self._spec.num_shards, dtype=np.int64)
+        try:
+            return self._arrays.read("shard_done", shards).astype(bool)
+        except CorruptChunkError:
+            pass
+        arr = self._arrays["shard_done"]
+        done = np.zeros(shards.size, dtype=bool)
+        for i, shard in enumerate(shards.tolist()):
+            try:
+                done[i] = bool(arr[shard])
+            except Exception as exc:
+                if not is_corruption(exc):
+                    raise StoreError(
+                        f"cannot read shard_done from {self._arrays.url}: {first_line(exc, with_type=True)}"
+                    ) from None
+                log.warning(
+                    "store %s: the shard_done chunk of shard %d is corrupt (%s); treating shard %d as not done, "
+                    "so the next run recomputes it",
+                    self._arrays.url,
+                    shard,
+                    "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc),
+                    shard,
+                )
+        return done
 
     def missing_ranges(self, done: np.ndarray | None = None) -> list[tuple[int, int]]:
         done = self.shard_done() if done is None else np.asarray(done, dtype=bool)
@@ -40,7 +70,7 @@ class RowReader:
         """Which of the sorted unique rows belong to done shards; raises unless allow_missing."""
         shards = uniq // self._spec.shard_rows
         done_shards = np.unique(shards)
-        done = self._arrays.read("shard_done", done_shards).astype(bool)
+        done = self.shard_done(done_shards)
         present = done[np.searchsorted(done_shards, shards)]
         if not allow_missing and not present.all():
             raise StoreIncompleteError(

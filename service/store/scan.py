@@ -1,6 +1,7 @@
 """Chunk scanning: every chunk of every array read once, each problem reported with its kind.
 
-Holds ``ChunkProblem`` (array, kind, one-line message) and ``scan_chunks`` (behind
+Holds ``ChunkProblem`` (array, kind, one-line message, damaged shards), ``scan_chunks`` and
+``scan_records`` (the done shards' recorded chunks against their sizes and digests) (behind
 ``GradStore.scan_chunks``, ``GradStore.verify_chunks`` and ``classgrad verify``).
 """
 
@@ -17,6 +18,7 @@ from classgrad.service.errors import CorruptChunkError, first_line
 from classgrad.service.store.arrays import StoreArrays, is_corruption
 from classgrad.service.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
 from classgrad.service.store.indexing import fmt_ranges, row_ranges
+from classgrad.service.store.records import ShardRecord, chunk_digest, record_key
 from classgrad.service.store.similarity_arrays import SimilarityArrays
 
 # scan_chunks reads this many elements per request at most (64 MiB of float32).
@@ -26,14 +28,19 @@ _SCAN_ELEMS = 1 << 24
 @dataclass(frozen=True)
 class ChunkProblem:
     """One problem found by ``scan_chunks``: the array, a kind (corrupt, unreadable, missing,
-    nonfinite, bad_value) and a one-line message naming the chunk."""
+    nonfinite, bad_value), a one-line message naming the chunk, and the work shards whose rows
+    it damages (what ``classgrad verify --repair`` unmarks; empty for results and I/O errors)."""
 
     array: str
     kind: str
     message: str
+    shards: tuple[int, ...] = ()
+    key: str = ""  # the chunk object's key, when the problem is about one
 
 
-def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArrays) -> list[ChunkProblem]:
+def scan_chunks(
+    arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArrays, *, records: bool = True
+) -> list[ChunkProblem]:
     """Read every chunk of every array once (results included) and report each problem
     with its kind, for ``classgrad verify``:
 
@@ -49,13 +56,26 @@ def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArra
 
     A NaN value and a missing chunk are told apart by asking whether the chunk object
     exists (for sharded arrays: the shard object, so a lost inner chunk of a written shard
-    is reported as ``nonfinite``).
+    is reported as ``nonfinite``). A corrupt ``shard_done`` chunk counts as "not done".
+
+    Then every done shard's record is checked (``scan_records``): each recorded object must
+    exist with its recorded size and digest, so a valid chunk copied over another fails here.
+    ``records``: a done shard without a record is a problem (format 2; format 1 has none).
     """
     problems: list[ChunkProblem] = []
+    done_readable = True
     try:
         done = arrays.read_all("shard_done").astype(bool)
-    except CorruptChunkError as exc:
-        return [ChunkProblem("shard_done", "corrupt", str(exc))]
+    except CorruptChunkError:
+        done_readable = False
+        done = np.zeros(spec.num_shards, dtype=bool)
+        corrupt = dict(arrays.corrupt_chunks("shard_done", [(i,) for i in range(spec.num_shards)]))
+        for i in range(spec.num_shards):
+            if (i,) in corrupt:
+                message = arrays.describe_chunk("shard_done", (i,), corrupt[(i,)]) + " (read as not done)"
+                problems.append(ChunkProblem("shard_done", "corrupt", message, (i,)))
+            else:
+                done[i] = bool(arrays["shard_done"][i])
     done_rows = np.repeat(done, spec.shard_rows)[: spec.num_classes]
     names: list[tuple[str, np.ndarray | None]] = [(n, None if n == "shard_done" else done_rows) for n in ARRAYS]
     info = similarity.info()
@@ -63,10 +83,21 @@ def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArra
         ready = np.full(spec.num_classes, info.get("state") == "ready")
         names += [(n, ready) for n in RESULT_ARRAYS if arrays.result(n) is not None]
     for name, checked in names:
+        if name == "shard_done" and not done_readable:
+            continue  # its corrupt chunks are reported above
         for sel, indices, block, error in _scan_blocks(arrays[name]):
             if error is not None:
                 bad = arrays.corrupt_chunks(name, indices) if is_corruption(error) else []
-                problems += [ChunkProblem(name, "corrupt", arrays.describe_chunk(name, i, why)) for i, why in bad]
+                problems += [
+                    ChunkProblem(
+                        name,
+                        "corrupt",
+                        arrays.describe_chunk(name, i, why),
+                        _shards(arrays, spec, name, i),
+                        _key(arrays, name, i),
+                    )
+                    for i, why in bad
+                ]
                 if not bad:
                     problems.append(
                         ChunkProblem(
@@ -77,7 +108,65 @@ def scan_chunks(arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArra
                     )
                 continue
             problems += _scan_values(arrays, spec, name, block, sel, checked)
-    return problems
+    return problems + scan_records(arrays, done, require=records, skip={p.key for p in problems})
+
+
+def scan_records(arrays: StoreArrays, done: np.ndarray, *, require: bool, skip: set[str]) -> list[ChunkProblem]:
+    """Each done shard's recorded chunk objects read whole and checked against the record's
+    size and digest (``require``: a done shard without a record is a problem too; keys in
+    ``skip`` were reported already)."""
+    loc = arrays.loc
+    out = []
+    for shard in np.flatnonzero(done).tolist():
+        try:
+            data = loc.read_bytes(record_key(shard))
+        except OSError as exc:
+            out.append(ChunkProblem("shard_records", "unreadable", f"shard {shard}'s record: {first_line(exc)}"))
+            continue
+        record = None if data is None else ShardRecord.parse(data)
+        if record is None:
+            if data is not None or require:
+                why = "is unreadable" if data is not None else "is missing"
+                message = f"shard {shard} is marked done but its record ({record_key(shard)}) {why}"
+                out.append(ChunkProblem("shard_records", "missing", message, (shard,)))
+            continue
+        for key, (size, digest) in sorted(record.chunks.items()):
+            if key in skip:
+                continue
+            try:
+                found = loc.fs.cat_file(loc.key(key))
+            except FileNotFoundError:
+                found = None
+            except OSError as exc:
+                out.append(ChunkProblem(key.split("/")[0], "unreadable", f"{key} (shard {shard}): {first_line(exc)}"))
+                continue
+            if found is None:
+                why, kind = "is missing", "missing"
+            elif len(found) != size:
+                why, kind = f"has {len(found)} bytes, its shard record says {size} (truncated or replaced)", "corrupt"
+            elif chunk_digest(key, (found,)) != digest:
+                why, kind = (
+                    "does not match its shard record's digest (damaged, or another chunk copied over it)",
+                    "corrupt",
+                )
+            else:
+                continue
+            out.append(ChunkProblem(key.split("/")[0], kind, f"chunk {key} of shard {shard} {why}", (shard,), key))
+    return out
+
+
+def _key(arrays: StoreArrays, name: str, index: tuple[int, ...]) -> str:
+    return arrays.chunk_key(name, index).split(" ", 1)[0]  # sharded: the shard object
+
+
+def _shards(arrays: StoreArrays, spec: StoreSpec, name: str, index: tuple[int, ...]) -> tuple[int, ...]:
+    """The work shards whose rows chunk ``index`` of array ``name`` holds (none for results)."""
+    if name not in ARRAYS:
+        return ()
+    rows = arrays.chunk_slices(name, index)[0]
+    if name == "shard_done":
+        return tuple(range(rows.start, rows.stop))
+    return tuple(range(rows.start // spec.shard_rows, (rows.stop - 1) // spec.shard_rows + 1))
 
 
 def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any, Any]]:
@@ -169,5 +258,6 @@ def _scan_values(
                 kind, why = "bad_value", f"{where}: invalid values ({name})"
             else:
                 kind, why = "nonfinite", f"{where}: {int(part.sum())} NaN/Inf values"
-            out.append(ChunkProblem(name, kind, arrays.describe_chunk(name, index, why)))
+            message = arrays.describe_chunk(name, index, why)
+            out.append(ChunkProblem(name, kind, message, _shards(arrays, spec, name, index), _key(arrays, name, index)))
     return out

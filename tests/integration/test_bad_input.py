@@ -377,20 +377,27 @@ def s3_missing_credentials(t: Ctx):
     return _s3_job(t, {"client_kwargs": options["client_kwargs"]}, t.fixture("s3_bucket"), look_with=options)
 
 
-@case("cannot read store location s3://auth-bucket/jobs/bad.zarr: PermissionError: Forbidden")
+# The lease, next to the store, is read first: a GET, whose error body says what is wrong.
+@case(
+    "cannot read store location s3://auth-bucket/jobs/bad.zarr: PermissionError: The request signature we "
+    "calculated does not match"
+)
 def s3_wrong_secret(t: Ctx):
     auth = t.fixture("s3_auth")
     return _s3_job(t, {**auth["good"], "secret": "not-the-secret"}, auth["bucket"], look_with=auth["good"])
 
 
-@case("cannot read store location s3://auth-bucket/jobs/bad.zarr: PermissionError: Forbidden")
+@case(
+    "cannot read store location s3://auth-bucket/jobs/bad.zarr: PermissionError: The AWS Access Key Id you "
+    "provided does not exist"
+)
 def s3_unknown_access_key(t: Ctx):
     auth = t.fixture("s3_auth")
     return _s3_job(t, {**auth["good"], "key": "AKIANOSUCHKEY0000000"}, auth["bucket"], look_with=auth["good"])
 
 
 @case(
-    "cannot create store at s3://no-such-bucket/jobs/bad.zarr: FileNotFoundError: The specified bucket does not exist"
+    "cannot take the lease of s3://no-such-bucket/jobs/bad.zarr: FileNotFoundError: The specified bucket does not exist"
 )
 def s3_missing_bucket(t: Ctx):
     return _s3_job(t, t.fixture("s3_storage_options"), "no-such-bucket")

@@ -44,17 +44,10 @@ def test_s3_round_trip_without_credentials_in_the_store(s3_bucket, s3_storage_op
     assert reader.param("w", [3]).shape == (1, 4, 4)
     assert np.array_equal(reader.to_dask().compute(), out)  # the same decoding, exactly
 
-    # Same fingerprint reopens; another is refused.
-    assert create_store(
-        url, spec(sharded=sharded, dtype="float16", codec="zstd"), storage_options=s3_storage_options
-    ).is_complete
-    with pytest.raises(StoreMismatchError):
-        create_store(url, spec(fingerprint="other"), storage_options=s3_storage_options)
-
     # Storage options (credentials, endpoint) are never written into the store.
     fs = s3fs.S3FileSystem(**s3_storage_options)
-    keys = fs.find(f"{s3_bucket}/jobs/demo.zarr")
-    assert any(k.endswith("lease.json") for k in keys)
+    keys = fs.find(f"{s3_bucket}/jobs/")
+    assert f"{s3_bucket}/jobs/demo.zarr.classgrad-lease.json" in keys  # next to the store, not in it
     for key in keys:
         if key.endswith(".json"):
             text = fs.cat_file(key).decode()
@@ -62,7 +55,15 @@ def test_s3_round_trip_without_credentials_in_the_store(s3_bucket, s3_storage_op
             assert s3_storage_options["secret"] not in text
             assert s3_storage_options["client_kwargs"]["endpoint_url"] not in text
     store.lease.release("run-1")
-    assert not fs.exists(f"{s3_bucket}/jobs/demo.zarr/lease.json")
+    fs.invalidate_cache()
+    assert not fs.exists(f"{s3_bucket}/jobs/demo.zarr.classgrad-lease.json")
+
+    # Same fingerprint reopens; another is refused.
+    assert create_store(
+        url, spec(sharded=sharded, dtype="float16", codec="zstd"), storage_options=s3_storage_options
+    ).is_complete
+    with pytest.raises(StoreMismatchError):
+        create_store(url, spec(fingerprint="other"), storage_options=s3_storage_options)
 
 
 def test_s3_overwrite(s3_bucket, s3_storage_options):

@@ -31,6 +31,9 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
   ``other_model_checkpoint`` (weights that do not fit the job's model) and
   ``resized_checkpoint`` (the job's model's keys, other shapes), for bad-input tests;
   ``authenticated_probe`` (a probe set whose factory takes a credential), for redaction tests.
+- ``unseeded_mlp`` (initialised from its process's random state), ``noisy_dataset`` (a random
+  transform on every read) and ``scaled_mlp`` (``zoo.mlp``'s weights, another forward), for the
+  run-identity tests.
 - ``write_plan`` and ``faults_raised`` for the tests.
 """
 
@@ -205,3 +208,41 @@ def authenticated_probe(source: dict, **probe_kwargs) -> tuple[torch.Tensor, tor
     downloads its data would (``source: {url: ..., api_token: ...}``); the credential is unused."""
     assert isinstance(source.get("api_token"), str)
     return zoo.synthetic_probe(**probe_kwargs)
+
+
+def unseeded_mlp(num_classes: int = 10, in_features: int = 8, hidden: int = 16) -> nn.Module:
+    """An MLP initialised from whatever random state its process has: not deterministic."""
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+
+
+class _NoisyDataset(Dataset):
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[i] + 0.01 * torch.randn_like(self.inputs[i]), self.targets[i]
+
+
+def noisy_dataset(**probe_kwargs) -> Dataset:
+    """``synthetic_probe(**probe_kwargs)`` served with a random transform (unseeded noise per read)."""
+    return _NoisyDataset(*zoo.synthetic_probe(**probe_kwargs))
+
+
+def scaled_mlp(scale: float = 1.0, **mlp_kwargs) -> nn.Module:
+    """``zoo.mlp`` whose forward multiplies the outputs by ``scale``: the same weights as
+    ``zoo.mlp``, another forward (factory code changed without changing a weight)."""
+    model = zoo.mlp(**mlp_kwargs)
+    model.append(_Scale(scale))  # no parameters: the parameters' names and values stay zoo.mlp's
+    return model
+
+
+class _Scale(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale

@@ -174,7 +174,7 @@ _SECTION_KEYS = {
     "params": "exclude, include",
     "engine": "block_rows, device, group_rows, kind",
     "sharding": "max_attempts, shard_rows",
-    "store": "codec, col_chunk, dtype, overwrite, row_chunk, sharded, storage_options, url",
+    "store": "codec, col_chunk, dtype, overwrite, recompute, row_chunk, sharded, storage_options, url",
     "cluster": "address, inflight_per_worker, num_cpus_per_worker, num_gpus_per_worker, num_workers, runtime_env",
     "projection": "dim, kind, per_param, seed",
     "run": "actor_start_timeout_s, lease_ttl_s, log_every_s, progress",

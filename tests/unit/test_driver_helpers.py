@@ -1,10 +1,19 @@
-"""How the driver reads Ray's failure texts: the one line it reports, and whether an actor died
-of a user error (fail at once) or of something a replacement can fix."""
+"""How the driver reads Ray's failure texts: the one line it reports, whether an actor died
+of a user error (fail at once) or of something a replacement can fix, and whether a shard's
+error is retried."""
 
 from __future__ import annotations
 
-from classgrad.service.errors import InputError
-from classgrad.service.runtime.driver import _cause_line, _creation_error
+import collections
+import re
+
+import pytest
+
+from classgrad.service.config import JobConfig
+from classgrad.service.errors import InputError, LeaseHeldError, StoreError, StoreUnavailableError
+from classgrad.service.runtime.driver import JobDriver, _cause_line, _creation_error
+from classgrad.service.runtime.plan import Shard
+from tests.support.jobs import small_job
 
 # The text of a real ActorDiedError for a constructor that raised (Ray 2.60), ANSI codes included.
 CREATION_FAILED = (
@@ -39,3 +48,29 @@ def test_other_deaths_are_for_a_replacement():
     crash = CREATION_FAILED.replace("classgrad.service.errors.InputError", "RuntimeError")
     assert _creation_error(_Err(crash)) is None  # a bug or a lost GPU may not happen again
     assert _cause_line(_Err(crash)).startswith("RuntimeError: model.factory")
+
+
+def _raised_in_shard(cause: BaseException) -> _Err:
+    err = _Err("ray task error")
+    err.cause = cause  # what RayTaskError carries: the exception the shard raised
+    return err
+
+
+def test_a_store_still_unreachable_is_retried_as_a_shard_failure_and_other_store_errors_fail_at_once(tmp_path):
+    config = JobConfig.model_validate(small_job(str(tmp_path / "s.zarr"), sharding={"max_attempts": 2}))
+    driver = JobDriver(config)
+    driver._failed = []
+    shard = Shard(index=3, start=12, stop=16, work=4.0)
+    queue: collections.deque = collections.deque()
+    attempts: collections.Counter = collections.Counter()
+    down = StoreUnavailableError("cannot write rows [12, 14) to s3://b/x.zarr: still failing after 5 tries in 3.1 s: X")
+
+    driver._shard_raised(shard, _raised_in_shard(down), queue, attempts)
+    assert list(queue) == [shard] and driver.summary.retries == 1 and driver._failed == []
+    queue.clear()
+    driver._shard_raised(shard, _raised_in_shard(down), queue, attempts)  # the last attempt
+    assert not queue and driver._failed == [(shard, 2, f"StoreUnavailableError: {down}")]
+
+    for user_error in (StoreError("write_rows: row 3 (class 3) has non-finite values"), LeaseHeldError("lost")):
+        with pytest.raises(type(user_error), match=re.escape(str(user_error))):
+            driver._shard_raised(shard, _raised_in_shard(user_error), queue, attempts)

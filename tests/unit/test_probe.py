@@ -1,6 +1,6 @@
 """The probe set (``classgrad.workers.probe``): micro-batches in one order for every engine,
-samples grouped by class, batches from tensors or datasets (channels-last on request), and the
-checks that name a bad probe set."""
+samples grouped by class, batches from tensors or datasets (channels-last on request), the
+digest of the probe set as built, and the checks that name a bad probe set."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from classgrad.service.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.probe import ProbeSet, tree_map_tensors
 from tests.support.engine_cases import NUM_CLASSES
+from tests.support.faulty import noisy_dataset
 
 
 def test_micro_batches_cover_the_probe_set_in_order_with_a_short_last_one():
@@ -92,3 +93,25 @@ def test_probe_batches_gathered_channels_last_hold_the_same_values(held):
         assert torch.equal(got[1], extra[pick]) and got[1].is_contiguous()
     plain, _ = probe.batch(pick, torch.device("cpu"), torch.float32)
     assert plain.is_contiguous() if held != "tuple" else plain[0].is_contiguous()
+
+
+@pytest.mark.parametrize("as_dataset", [False, True], ids=["tensors", "dataset"])
+def test_the_digest_covers_every_input_and_label(as_dataset):
+    def probe_of(inputs: torch.Tensor, labels: torch.Tensor) -> ProbeSet:
+        return ProbeSet(TensorDataset(inputs, labels) if as_dataset else (inputs, labels), batch_size=4)
+
+    inputs, labels = zoo.synthetic_probe(NUM_CLASSES, samples_per_class=2, kind="vector", input_shape=[5], seed=1)
+    digest = probe_of(inputs, labels).digest
+    assert probe_of(inputs.clone(), labels.clone()).digest == digest  # the same data: the same digest
+    other_input, other_label = inputs.clone(), labels.clone()
+    other_input[-1, -1] += 1e-6  # one value of the last sample
+    other_label[-1] = (other_label[-1] + 1) % NUM_CLASSES
+    assert probe_of(other_input, labels).digest != digest
+    assert probe_of(inputs, other_label).digest != digest
+
+
+def test_a_dataset_whose_reads_differ_does_not_read_repeatably():
+    kwargs = {"num_classes": NUM_CLASSES, "samples_per_class": 2, "kind": "vector", "input_shape": [5]}
+    assert not ProbeSet(noisy_dataset(**kwargs)).reads_repeat()
+    assert ProbeSet(TensorDataset(*zoo.synthetic_probe(**kwargs))).reads_repeat()
+    assert ProbeSet(zoo.synthetic_probe(**kwargs)).reads_repeat()  # tensors: indexed, never re-read

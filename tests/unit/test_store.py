@@ -8,6 +8,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def test_direct_chunk_files_are_byte_identical_to_zarrs(tmp_path, dtype):
         os.path.relpath(os.path.join(r, f), tmp_path / "s")
         for r, _, fs in os.walk(tmp_path / "s")
         for f in fs
-        if f != "zarr.json"
+        if f != "zarr.json" and not r.endswith("shard_records")
     }
     # grads: 7 x 5 chunks; row_scale, loss, count: 7 each; shard_done: 4
     assert local_chunks == mem_chunks and len(local_chunks) == 7 * 5 + 3 * 7 + 4
@@ -248,10 +249,10 @@ def test_bad_rows_refused(tmp_path):
     rows[2, 5] = np.inf
     with pytest.raises(StoreError, match=r"row 2 \(class 2\) has non-finite values"):
         store.write_rows(0, rows, loss=np.zeros(8), count=np.zeros(8))
-    huge = np.full((8, 30), 3e38, dtype=np.float32)  # finite, though each row sums to inf
-    store.write_rows(0, huge, loss=np.zeros(8), count=np.zeros(8))
+    huge = np.full((16, 30), 3e38, dtype=np.float32)  # finite, though each row sums to inf
+    store.write_rows(0, huge, loss=np.zeros(16), count=np.zeros(16))
     store.mark_shard_done(0)
-    assert np.array_equal(store.rows(range(8)), huge)
+    assert np.array_equal(store.rows(range(16)), huge)
     low = create_store(str(tmp_path / "f16"), make_spec(dtype="float16"))
     with pytest.raises(StoreError, match=r"row 2 \(class 2\) has non-finite values"):
         low.write_rows(0, rows, loss=np.zeros(8), count=np.zeros(8))
@@ -460,7 +461,8 @@ def test_unwritable_location_is_one_clear_line(tmp_path):
     url = str(tmp_path / "file" / "store")
     with pytest.raises(StoreError) as info:
         create_store(url, make_spec())
-    assert "cannot create store at" in str(info.value) and url in str(info.value)
+    # The lease, next to the store, is the first thing read there.
+    assert re.match(rf"cannot (create store at|read store location) {re.escape(url)}: ", str(info.value))
     assert "\n" not in str(info.value)
 
 
@@ -538,7 +540,7 @@ def test_lease(tmp_path, caplog):
     store.lease.acquire("run-a", info={"config": "demo.yaml"})
     store.lease.acquire("run-a")  # the holder may re-acquire
     store.lease.renew("run-a")
-    with pytest.raises(LeaseHeldError, match="cannot overwrite: .* run 'run-a'"):
+    with pytest.raises(LeaseHeldError, match="in use by run 'run-a'"):
         create_store(url, make_spec(fingerprint="fp-2"), overwrite=True)
     other = open_store(url, mode="r+")
     with pytest.raises(LeaseHeldError) as info:
@@ -557,7 +559,7 @@ def test_lease(tmp_path, caplog):
     with pytest.raises(LeaseHeldError):
         store.lease.acquire("run-a")
     other.lease.release("run-b")
-    assert not (tmp_path / "s" / "lease.json").exists()
+    assert not (tmp_path / "s.classgrad-lease.json").exists()
     store.lease.acquire("run-a")
     with pytest.raises(StoreError, match="read-only"):
         open_store(url).lease.acquire("run-c")
@@ -578,7 +580,7 @@ def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, cap
         "ttl_s": 60.0,
         "info": {},
     }
-    (tmp_path / "s" / "lease.json").write_text(json.dumps(lease))
+    (tmp_path / "s.classgrad-lease.json").write_text(json.dumps(lease))
     store = open_store(url, mode="r+")
     assert store.lease.info()["run_id"] == "run-dead"
     with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
@@ -587,7 +589,7 @@ def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, cap
     assert store.lease.info()["run_id"] == "run-new"
     # The same lease held by a live process (this one) is respected.
     lease.update(run_id="run-live", pid=os.getpid())
-    (tmp_path / "s" / "lease.json").write_text(json.dumps(lease))
+    (tmp_path / "s.classgrad-lease.json").write_text(json.dumps(lease))
     with pytest.raises(LeaseHeldError, match="run-live"):
         store.lease.acquire("run-new2", ttl_s=60.0)
 

@@ -2,8 +2,9 @@
 
 Holds ``GradientWorker``, a plain class (no Ray import) that the driver turns into a Ray actor
 with ``ray.remote``; tests and benchmarks can use it directly. It builds its model, probe set,
-engine and (optional) projector once, then for each shard: computes the rows block by block,
-hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
+engine and (optional) projector once, and refuses to start when its build differs from the
+driver's (the run's identity, ``identity``); then for each shard: computes the rows block by
+block, hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
 row is stored, and returns a small report. Rows never travel back to the driver.
 
 Also holds what the driver and ``classgrad estimate`` share with it: ``build_projector``,
@@ -28,6 +29,7 @@ from classgrad.service.store import open_store
 from classgrad.workers.engines import GradientEngine, RowBlock
 from classgrad.workers.projection import Projector
 from classgrad.workers.runtime.factory import build_job_engine, preflight
+from classgrad.workers.runtime.identity import check_same_build, engine_identity
 from classgrad.workers.runtime.writer import ShardWriter
 
 log = logging.getLogger(__name__)
@@ -96,12 +98,21 @@ def _projected(projector: Projector, blocks: list[RowBlock]) -> tuple[RowBlock, 
 class GradientWorker:
     """Computes shards of one job's per-class gradient matrix and writes them to its store."""
 
-    def __init__(self, config: dict, *, num_threads: int | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        config: dict,
+        *,
+        num_threads: int | None = None,
+        run_id: str | None = None,
+        identity: dict | None = None,
+    ):
         self.config = JobConfig.model_validate(config)
         self.run_id = run_id  # the driver's run; shards are marked done only while it holds the lease
         if num_threads:
             torch.set_num_threads(num_threads)
         self.engine = build_job_engine(self.config)
+        if identity is not None:  # the driver's: this build must compute the same rows, or write none
+            check_same_build(identity, engine_identity(self.engine))
         self.projector = build_projector(self.config, self.engine.layout.slots, self.engine.layout.dim)
         self.project_rows = project_rows_for(self.engine.layout.dim)
         store_cfg = self.config.store

@@ -1,14 +1,16 @@
 """Build a job's model, probe set, loss and engine from its config, the same way everywhere.
 
 Holds ``build_model`` (factory by import path, checkpoint loaded without pickle, mode),
-``build_probe``, and ``build_job_engine``, which the Ray actor, the driver's preflight check,
-``classgrad estimate`` and the benchmarks all use, so they can never disagree on what a config
-means.
+``build_probe`` (each factory runs from a fresh random seed, so that one that is not seeded
+builds differently in every process, which the run's identity check refuses), and
+``build_job_engine``, which the Ray actor, the driver's preflight check, ``classgrad estimate``
+and the benchmarks all use, so they can never disagree on what a config means.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,6 +88,15 @@ def _check_shapes(model: nn.Module, state: dict, path: str) -> None:
 
 def _call_factory(path: str, kwargs: dict, what: str) -> Any:
     factory = import_object(path, what=what)
+    # A factory must not depend on its process's random state (the same in every fresh process, so
+    # an unseeded factory would agree with itself until some process drew a number first): it
+    # starts from a fresh seed, and the caller's random state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        return _called(factory, path, kwargs, what)
+
+
+def _called(factory: Any, path: str, kwargs: dict, what: str) -> Any:
     try:
         return factory(**kwargs)
     except Exception as exc:  # noqa: BLE001 - the user's factory failed: report it in one line

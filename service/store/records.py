@@ -1,0 +1,151 @@
+"""Per-shard records and the metadata digest (store format 2): what a done shard vouches for.
+
+Holds the record keys (``record_key``), ``chunk_digest`` (a digest of a chunk object's bytes,
+bound to its key), ``shard_chunk_keys`` (the objects that hold a work shard's rows),
+``ShardRecord`` (one shard's chunks: key -> size and digest; ``to_bytes`` / ``parse``),
+``list_sizes`` (every key of a store with its size, from one listing), ``record_problems``
+(a done shard's recorded chunks checked against that listing: the cheap check of a resume)
+and ``sync_paths`` / ``sync_dir`` (fsync of local files and directories, the durability step
+before ``shard_done``). The metadata digest is in ``format``.
+
+A record is written (``shard_records/<shard>.json``, plain JSON, readers of the arrays ignore
+it) just before its shard's ``shard_done`` mark, so a done shard of a format-2 store always has
+one. Digests are blake2b-128 over the key, a NUL byte and the object's bytes: a CRC would not
+do, because every valid chunk ends with the crc32c of its own bytes and a CRC over such an
+object is the same for every valid chunk of one size (copying a valid chunk over another would
+pass).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from classgrad.service.store.location import Location
+
+RECORDS_DIR = "shard_records"
+DIGEST = "blake2b-128 of key, NUL, object bytes"
+# The per-row arrays whose chunks a shard record covers (``shard_done`` itself is the mark).
+RECORDED_ARRAYS = ("grads", "row_scale", "loss", "count")
+
+
+def record_key(shard: int) -> str:
+    return f"{RECORDS_DIR}/{int(shard)}.json"
+
+
+def chunk_digest(key: str, data: Iterable[Any]) -> str:
+    """The digest of a chunk object made of the byte strings ``data`` (in order), stored at ``key``."""
+    h = hashlib.blake2b(key.encode() + b"\0", digest_size=16)
+    for part in data:
+        h.update(part)
+    return h.hexdigest()
+
+
+def shard_chunk_keys(name: str, rows: tuple[int, int], object_shape: tuple[int, ...], shape: tuple[int, ...]) -> list:
+    """Keys of the objects of array ``name`` (of ``shape``, one object per ``object_shape``:
+    the chunk, or the Zarr shard when sharded) that hold rows [start, stop)."""
+    start, stop = rows
+    r = object_shape[0]
+    row_idx = range(start // r, -(-stop // r))
+    if len(shape) == 1:
+        return [f"{name}/c/{i}" for i in row_idx]
+    cols = -(-shape[1] // object_shape[1])
+    return [f"{name}/c/{i}/{j}" for i in row_idx for j in range(cols)]
+
+
+@dataclass
+class ShardRecord:
+    """One done shard's chunk objects: key -> (size in bytes, digest)."""
+
+    shard: int
+    rows: tuple[int, int]
+    chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "shard": self.shard,
+            "rows": list(self.rows),
+            "digest": DIGEST,
+            "chunks": {k: [size, digest] for k, (size, digest) in sorted(self.chunks.items())},
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def parse(cls, data: bytes) -> ShardRecord | None:
+        """The record in ``data``, or None when it is not a readable record."""
+        try:
+            body = json.loads(data)
+            chunks = {str(k): (int(v[0]), str(v[1])) for k, v in body["chunks"].items()}
+            return cls(int(body["shard"]), (int(body["rows"][0]), int(body["rows"][1])), chunks)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return None
+
+
+def list_sizes(loc: Location) -> dict[str, int]:
+    """Every object of the store (key relative to its root) with its size: one listing."""
+    sizes: dict[str, int] = {}
+    if loc.local:
+        stack = [loc.path]
+        while stack:
+            top = stack.pop()
+            try:
+                entries = list(os.scandir(top))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    sizes[os.path.relpath(entry.path, loc.path).replace(os.sep, "/")] = entry.stat().st_size
+        return sizes
+    loc.fs.invalidate_cache()  # s3fs caches listings; a stale one could hide a deletion
+    prefix = loc.path.rstrip("/") + "/"
+    for path, info in loc.fs.find(loc.path, detail=True).items():
+        if path.startswith(prefix):
+            sizes[path[len(prefix) :]] = int(info.get("size") or 0)
+    return sizes
+
+
+def record_problems(record: ShardRecord | None, sizes: dict[str, int]) -> list[str]:
+    """What is wrong with a done shard's recorded chunks in a listing (empty when sound)."""
+    if record is None:
+        return ["its shard record is missing or unreadable"]
+    out = []
+    for key, (size, _) in sorted(record.chunks.items()):
+        found = sizes.get(key)
+        if found is None:
+            out.append(f"chunk {key} is missing")
+        elif found != size:
+            out.append(f"chunk {key} has {found} bytes, its record says {size}")
+    return out
+
+
+def sync_paths(files: Iterable[str], root: str) -> None:
+    """fsync each local file, then each directory from the ones holding them up to ``root``
+    (a chunk's directory may be new, so its name in its parent must be durable too)."""
+    dirs: dict[str, None] = {}
+    root = os.path.abspath(root)
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        directory = os.path.dirname(os.path.abspath(path))
+        while directory not in dirs and (directory == root or directory.startswith(root + os.sep)):
+            dirs[directory] = None
+            directory = os.path.dirname(directory)
+    for directory in dirs:
+        sync_dir(directory)
+
+
+def sync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,184 @@
+"""Store format 2 (issue 15, items 3, 6 and 7): per-shard records, the metadata digest, verify's
+digest check and ``--repair``, a corrupt ``shard_done`` chunk read as "not done", the fsync order
+before ``shard_done``, and format-1 stores still read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from classgrad.service.analysis.inspect import format_report, inspect_store
+from classgrad.service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, verify_store
+from classgrad.service.store import FORMAT_VERSION, open_store
+from tests.support.stores import synthetic_store
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stores"
+
+
+def _store(tmp_path: Path, **kw):
+    # 200 rows in 4 shards of 64 (the last short), chunks 16 x 40 of 96 columns: 3 column chunks.
+    return synthetic_store(tmp_path / "s", num_classes=200, **kw)
+
+
+def _flip(path: Path, offset: int = 5) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_format_version_is_2_and_records_cover_every_chunk_of_a_done_shard(tmp_path):
+    store, _ = _store(tmp_path)
+    assert FORMAT_VERSION == 2 and store.format_version == 2
+    record = store.shard_record(1)
+    assert record is not None and record.rows == (64, 128)
+    # rows 64-127 = row chunks 4-7: grads 4 x 3 column chunks, 4 chunks each of row_scale, loss, count
+    assert len(record.chunks) == 4 * 3 + 3 * 4
+    for key, (size, _) in record.chunks.items():
+        assert (tmp_path / "s" / key).stat().st_size == size
+    assert store.damaged_done_shards() == {}
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_resume_check_finds_a_lost_or_truncated_chunk_from_one_listing(tmp_path, damage):
+    store, _ = _store(tmp_path)
+    chunk = tmp_path / "s" / "grads" / "c" / "5" / "1"  # rows 80-95: shard 1
+    if damage == "delete":
+        chunk.unlink()
+    else:
+        chunk.write_bytes(chunk.read_bytes()[:-10])
+    damaged = store.damaged_done_shards()
+    assert list(damaged) == [1] and "grads/c/5/1" in damaged[1][0]
+    done = store.unmark_damaged_shards()
+    assert done.tolist() == [True, False, True, True]
+    assert open_store(str(tmp_path / "s")).shard_done.tolist() == [True, False, True, True]
+
+
+def test_a_valid_chunk_copied_over_another_fails_verify_naming_it(tmp_path):
+    store, _ = _store(tmp_path)
+    src, dst = tmp_path / "s" / "grads" / "c" / "0" / "0", tmp_path / "s" / "grads" / "c" / "9" / "0"
+    shutil.copyfile(src, dst)  # same size, valid crc32c: only the record's digest can tell
+    report = verify_store(str(tmp_path / "s"))
+    assert report.code == CORRUPT
+    assert any("grads/c/9/0" in p and "digest" in p for p in report.problems["corrupt"])
+    assert store.damaged_done_shards() == {}  # sizes match: the resume check cannot see it, verify does
+
+
+def test_verify_repair_unmarks_exactly_the_damaged_shards(tmp_path):
+    _store(tmp_path)
+    root = tmp_path / "s"
+    _flip(root / "grads" / "c" / "2" / "0")  # shard 0
+    shutil.copyfile(root / "loss" / "c" / "0", root / "loss" / "c" / "9")  # shard 2
+    report = verify_store(str(root), repair=True)
+    assert report.code == CORRUPT and report.repaired == [0, 2]
+    assert open_store(str(root)).shard_done.tolist() == [False, True, False, True]
+    after = verify_store(str(root), repair=True)
+    # Nothing damaged is marked done any more (the flipped chunk is still reported until a rerun
+    # rewrites it), so there is nothing left to unmark.
+    assert after.code & INCOMPLETE and after.repaired == []
+
+
+def test_corrupt_shard_done_chunk_reads_as_not_done(tmp_path, caplog):
+    store, _ = _store(tmp_path)
+    _flip(tmp_path / "s" / "shard_done" / "c" / "2", 0)  # its one byte: the crc32c fails
+    reopened = open_store(str(tmp_path / "s"))
+    with caplog.at_level("WARNING"):
+        assert reopened.shard_done.tolist() == [True, True, False, True]
+    assert "shard 2" in caplog.text
+    inspect_store(reopened)  # inspect (and status, run) read the same flags: no failure
+    assert reopened.missing_ranges() == [(128, 192)]
+    report = verify_store(str(tmp_path / "s"), repair=True)
+    assert report.code & CORRUPT and report.repaired == [2]
+    assert open_store(str(tmp_path / "s")).shard_done.tolist() == [True, True, False, True]
+
+
+def test_metadata_digest_catches_a_changed_class_id(tmp_path):
+    _store(tmp_path, class_ids=tuple(range(1000, 1200)))
+    root = tmp_path / "s"
+    assert verify_store(str(root)).code == 0
+    meta = json.loads((root / "zarr.json").read_text())
+    ids = meta["attributes"]["classgrad"]["class_ids"]
+    ids[3], ids[4] = ids[4], ids[3]  # still distinct integers: only the digest can tell
+    (root / "zarr.json").write_text(json.dumps(meta))
+    report = verify_store(str(root))
+    assert report.code == METADATA and "metadata_digest does not match" in report.problems["metadata"][0]
+
+
+def test_run_history_does_not_change_the_metadata_digest(tmp_path):
+    store, _ = _store(tmp_path)
+    store.append_run({"run_id": "x", "status": "complete"})
+    assert verify_store(str(tmp_path / "s")).code == 0
+
+
+def test_marking_done_syncs_chunks_dirs_and_record_before_writing_shard_done(tmp_path, monkeypatch):
+    store, _ = _store(tmp_path, shards=[])  # created, nothing written
+    root = os.path.realpath(tmp_path / "s")
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), root)))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append(("replace", os.path.relpath(os.path.realpath(dst), root)))
+        real_replace(src, dst)
+
+    a, b = store.shard_range(1)
+    store.write_rows(a, np.ones((b - a, store.dim), np.float32), loss=np.ones(b - a), count=np.ones(b - a))
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store.mark_shard_done(1)
+    done_at = calls.index(("replace", "shard_done/c/1"))
+    before = {path for kind, path in calls[:done_at] if kind == "fsync"}
+    chunks = set(store.shard_record(1).chunks)
+    assert chunks <= before  # every chunk file of the shard
+    assert {"grads/c/4", "grads/c", "grads", "loss/c", "."} <= before  # their directories, up to the root
+    record_at = calls.index(("replace", "shard_records/1.json"))
+    assert ("fsync", "shard_records/1.json") not in calls  # synced under its temporary name, then renamed:
+    assert calls[record_at - 1][0] == "fsync" and calls[record_at + 1] == ("fsync", "shard_records")
+    assert record_at < done_at
+    assert calls[done_at - 1][0] == "fsync" and calls[done_at + 1] == ("fsync", "shard_done/c")  # mark synced
+
+
+def test_not_durable_skips_the_fsyncs(tmp_path, monkeypatch):
+    store, _ = _store(tmp_path, shards=[])
+    store.durable = False
+    count = []
+    monkeypatch.setattr(os, "fsync", lambda fd: count.append(fd))
+    a, b = store.shard_range(0)
+    store.write_rows(a, np.ones((b - a, store.dim), np.float32), loss=np.ones(b - a), count=np.ones(b - a))
+    store.mark_shard_done(0)
+    assert count == [] and store.shard_done[0]
+
+
+@pytest.mark.parametrize("codec", ["zstd"])
+def test_zarr_path_records_read_back_objects(tmp_path, codec):
+    store, _ = _store(tmp_path, codec=codec)
+    assert store.damaged_done_shards() == {}
+    assert verify_store(str(tmp_path / "s")).code == 0
+    src, dst = tmp_path / "s" / "grads" / "c" / "0" / "0", tmp_path / "s" / "grads" / "c" / "1" / "0"
+    shutil.copyfile(src, dst)
+    assert verify_store(str(tmp_path / "s")).code == CORRUPT
+
+
+def test_format_1_store_opens_reads_verifies_and_inspect_names_its_version(tmp_path):
+    copy = tmp_path / "v1.zarr"
+    shutil.copytree(FIXTURES / "v1_resume.zarr", copy)
+    store = open_store(str(copy))
+    assert store.format_version == 1 and store.is_complete
+    assert np.isfinite(store.rows(np.arange(store.num_classes))).all()
+    assert store.damaged_done_shards() == {}  # no records: trusted as before
+    assert verify_store(str(copy)).code == 0
+    info = inspect_store(store)
+    assert info["format_version"] == 1 and "format      version 1" in format_report(info)
+    # Marking a shard done again (a resume) keeps the format: no records appear in a format-1 store.
+    writable = open_store(str(copy), mode="r+")
+    zarr.open_array(str(copy / "shard_done"), mode="r+")[0] = 0
+    writable.mark_shard_done(0)
+    assert not (copy / "shard_records").exists() and verify_store(str(copy)).code == 0
