@@ -112,7 +112,7 @@ def worker_split(reps: int, classes: int) -> dict[str, Any]:
     import end_to_end
 
     from classgrad.service.config import JobConfig
-    from classgrad.service.runtime.driver import prepare_store
+    from classgrad.service.runtime.preparation import prepare_store
     from classgrad.workers.runtime.actor import GradientWorker
 
     torch.set_num_threads(1)

@@ -200,7 +200,7 @@ def rss_child(args) -> None:
 
 def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
     from classgrad.service.config import JobConfig
-    from classgrad.service.runtime.driver import prepare_store
+    from classgrad.service.runtime.preparation import prepare_store
 
     url = str(workdir / f"rss_{classes}.zarr")
     cfg = job_config(classes, args.spc, args.hidden, url, 1, args.shard_rows)

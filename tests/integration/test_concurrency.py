@@ -26,7 +26,8 @@ import pytest
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
-from classgrad.service.runtime.driver import JobDriver, prepare_store
+from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.runtime.preparation import prepare_store
 from classgrad.service.store import open_store
 from tests.support.harness import (
     assert_identical,

@@ -218,7 +218,7 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
 
 def uninterrupted(config: JobConfig) -> dict[str, np.ndarray]:
     """Run every shard of ``config`` once, in order, in this process (no Ray, no faults)."""
-    from classgrad.service.runtime.driver import prepare_store
+    from classgrad.service.runtime.preparation import prepare_store
     from classgrad.workers.runtime.actor import GradientWorker
 
     threads = torch.get_num_threads()

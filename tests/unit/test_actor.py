@@ -10,7 +10,7 @@ import torch
 
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
-from classgrad.service.runtime.driver import prepare_store
+from classgrad.service.runtime.preparation import prepare_store
 from classgrad.service.store import open_store
 from classgrad.workers.engines import RowBlock, per_class_gradients
 from classgrad.workers.projection import Projector

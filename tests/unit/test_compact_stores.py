@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from classgrad.service.config import JobConfig
-from classgrad.service.runtime.driver import prepare_store
 from classgrad.service.runtime.estimate import estimate_job
+from classgrad.service.runtime.preparation import prepare_store
 from classgrad.service.store import open_store
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.projection import Projector

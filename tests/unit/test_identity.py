@@ -13,7 +13,7 @@ import torch
 
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import InputError, StoreMismatchError
-from classgrad.service.runtime.driver import check_identity, prepare_store
+from classgrad.service.runtime.preparation import check_identity, prepare_store
 from classgrad.service.store import open_store
 from classgrad.workers import zoo
 from classgrad.workers.runtime.actor import GradientWorker

@@ -1,0 +1,157 @@
+"""What the driver does before any actor starts: check the job, prepare its store, trust its shards.
+
+Holds:
+- ``check_job``: builds the job's engine once on the driver (on the CPU) to check the config
+  against the real model and data before anything is written, and takes the run's identity
+  from that build (what the rows are computed from: ``classgrad.workers.runtime.identity``);
+  returns a ``CheckedJob`` (the store spec and the planned shards).
+- ``prepare_store``: creates or reopens the store (same fingerprint required; a store of the same
+  job under an older fingerprint scheme, ``resumable_fingerprint``) with all of its metadata,
+  under the lease that ``JobDriver.run`` takes first; returns a ``PreparedJob``.
+- ``check_identity``: before any done shard is trusted, the store's recorded identity must be
+  this run's (a checkpoint, data or factory code changed at the same path is refused).
+- ``library_versions``: what the store records of the software that wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from classgrad.service.config import JobConfig
+from classgrad.service.errors import StoreError, StoreMismatchError
+from classgrad.service.runtime.plan import Shard, plan_shards
+from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store
+from classgrad.service.store.format import OVERWRITE_HINT
+
+log = logging.getLogger(__name__)
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    versions = {}
+    for name in ("classgrad", "torch", "ray", "zarr", "numpy"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+@dataclass
+class CheckedJob:
+    """The job checked against its real model and data: the store it needs and its shards."""
+
+    spec: StoreSpec
+    shards: list[Shard]
+    engine_kind: str
+    dim: int
+    identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
+
+
+@dataclass
+class PreparedJob:
+    store: GradStore
+    shards: list[Shard]
+    engine_kind: str
+    dim: int
+    identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
+
+
+def resumable_fingerprint(config: JobConfig) -> str:
+    """The config's fingerprint, or the one recorded in its existing store when that store was made
+    by the same job under an older fingerprint scheme (so it is resumed rather than refused)."""
+    fingerprint = config.fingerprint()
+    if config.store.recompute:  # the store is replaced anyway; the new one records today's fingerprint
+        return fingerprint
+    try:
+        attrs = open_store(config.store.url, storage_options=config.store.storage_options).attrs
+    except StoreError:  # no usable store there: create_store creates it or says what is wrong
+        return fingerprint
+    recorded = attrs.get("fingerprint")
+    if isinstance(recorded, str) and recorded != fingerprint and config.same_job(attrs.get("config")):
+        log.info("store %s: same job under an older fingerprint scheme (%s); resuming it", config.store.url, recorded)
+        return recorded
+    return fingerprint
+
+
+def check_job(config: JobConfig) -> CheckedJob:
+    """Check the job against its real model and data, and say what store it needs.
+
+    Every user error (bad factory, wrong output width, labels out of range, patterns that
+    select nothing) is raised here, before the store's lease is taken or a store exists.
+    """
+    from classgrad.workers.runtime.actor import checked_engine
+    from classgrad.workers.runtime.identity import engine_identity
+
+    engine, projector, dim = checked_engine(config, device="cpu")
+    identity = engine_identity(engine).to_dict()
+    layout = engine.layout
+    spec = StoreSpec(
+        num_classes=config.loss.num_classes,
+        dim=dim,
+        shard_rows=config.sharding.shard_rows,
+        row_chunk=config.store.row_chunk,
+        col_chunk=min(config.store.col_chunk, dim),
+        dtype=config.store.dtype,
+        codec=config.store.codec,
+        sharded=config.store.sharded,
+        layout=() if projector else layout.slots,
+        loss_kind=engine.loss.name,
+        projection=projector.describe() if projector else None,
+        config=config.redacted(),
+        fingerprint=resumable_fingerprint(config),
+        identity=identity,
+        versions=library_versions(),
+    )
+    # Partitioned work grows with a class's samples; dense rows all cost the same.
+    work = engine.counts.double().clamp(min=1).numpy() if engine.name == "partitioned" else None
+    shards = plan_shards(spec.num_classes, spec.shard_rows, spec.row_chunk, work_per_row=work)
+    return CheckedJob(spec=spec, shards=shards, engine_kind=engine.name, dim=dim, identity=identity)
+
+
+def prepare_store(
+    config: JobConfig, *, lease: HeldLease | None = None, checked: CheckedJob | None = None
+) -> PreparedJob:
+    """Check the job (``check_job``, unless ``checked`` is given), then create (or reopen) its store
+    under ``lease``, the caller's lease on it (without one, a lease is held for the creation alone).
+
+    A store made by another config is refused here, before anything is written.
+    """
+    job = checked or check_job(config)
+    store = create_store(
+        config.store.url,
+        job.spec,
+        storage_options=config.store.storage_options,
+        overwrite=config.store.overwrite,
+        recompute=config.store.recompute,
+        lease=lease,
+    )
+    return PreparedJob(store=store, shards=job.shards, engine_kind=job.engine_kind, dim=job.dim, identity=job.identity)
+
+
+def check_identity(store: GradStore, identity: dict) -> None:
+    """Refuse (``StoreMismatchError``, one line saying what changed) a store whose done shards were
+    computed from other inputs than ``identity`` (this run's). A store with no shard done takes
+    this run's identity; one made before identities were recorded is resumed as before."""
+    from classgrad.workers.runtime.identity import RunIdentity, identity_changes, listed
+
+    recorded = store.spec.identity
+    current = RunIdentity.from_dict(identity)
+    if recorded is None or current is None:
+        log.info("store %s records no identity of its inputs (made before they were recorded)", store.url)
+        return
+    changed = identity_changes(recorded, current)
+    if not changed:
+        return
+    done = int(store.shard_done.sum())
+    if not done:
+        log.warning("store %s: no shard is done yet; it now records this run's inputs (%s)", store.url, listed(changed))
+        store.record_identity(identity)
+        return
+    raise StoreMismatchError(
+        f"store at {store.url} holds {done} done shards computed from other inputs: {listed(changed)} differ from "
+        f"this run's (model.checkpoint, data or factory code changed at the same path?); restore the inputs it was "
+        f"made with, or use another store.url, or replace it with {OVERWRITE_HINT}"
+    )
