@@ -241,13 +241,15 @@ class JobDriver:
             )
         if self._starts_local_ray():  # the actors will run on this machine: check its device now
             self._check_device_here()
-        checked = check_job(self.config)
         store_cfg = self.config.store
+        lease_of_store = store_lease(store_cfg.url, storage_options=store_cfg.storage_options)
+        lease_of_store.check_free(self.run_id)  # a store in use is refused before the model is built
+        checked = check_job(self.config)
         # The lease is taken before the store is created, reopened or deleted, so that two drivers
         # never both touch it. It is released on the way out of the ``with`` (also when the record
         # failed: a stale lease would refuse the rerun), after the record and before the actors stop.
         try:
-            with store_lease(store_cfg.url, storage_options=store_cfg.storage_options).hold(
+            with lease_of_store.hold(
                 self.run_id,
                 ttl_s=self.config.run.lease_ttl_s,
                 info={"host": socket.gethostname(), "pid": os.getpid(), "started": self.summary.started},

@@ -1,8 +1,9 @@
 """The running driver's lease on a store: one run at a time, taken before the store is touched.
 
 Holds ``StoreLease`` (``GradStore.lease``, or ``store_lease(url)`` before a store exists:
-``info``, ``acquire``, ``renew``, ``release`` and ``hold``, the one context manager a driver
-takes the store with), ``HeldLease`` (what ``hold`` yields: ``keep_alive`` renews the heartbeat
+``info``, ``check_free`` (a read: refused while another run's lease is live), ``acquire``,
+``renew``, ``release`` and ``hold``, the one context manager a driver takes the store with),
+``HeldLease`` (what ``hold`` yields: ``keep_alive`` renews the heartbeat
 when it is due, ``confirm`` renews at once and so proves the lease is still held) and the
 helpers ``read_lease``, ``lease_age``, ``lease_state`` (live, expired, or its holder's process
 gone) and ``held_message``.
@@ -168,6 +169,15 @@ class StoreLease:
     def info(self) -> dict | None:
         """The current lease (run_id, host, pid, started, heartbeat, ttl_s, info), or None."""
         return _read(self._loc, self._file)[0]
+
+    def check_free(self, run_id: str) -> None:
+        """``LeaseHeldError`` now if another run's lease is live (a read only: ``acquire`` is what
+        takes it). A driver calls this before its slow checks, so a second driver is refused at
+        once rather than after building the model."""
+        current = self.info()
+        now = time.time()
+        if current and current.get("run_id") != run_id and lease_state(current, now)[0] == "live":
+            raise LeaseHeldError(held_message(self._loc.url, current, now))
 
     def acquire(self, run_id: str, *, ttl_s: float = 60.0, info: dict | None = None) -> None:
         """Take the store for run ``run_id``: refused while another run's lease is fresh

@@ -194,3 +194,19 @@ def test_the_driver_takes_the_lease_before_it_creates_the_store(tmp_path):
         JobDriver(config).run()  # refused at the lease: before Ray, before any store exists
     assert not os.path.exists(url)
     assert store_lease(url).info()["run_id"] == "run-other"
+
+
+def test_check_free_refuses_only_another_runs_live_lease(tmp_path):
+    """The driver's early check (before it builds the model) is a read that judges the lease as
+    ``acquire`` would: another run's live lease is refused, a stale one or its own is not."""
+    url = str(tmp_path / "s.zarr")
+    lease = store_lease(url)
+    lease.check_free("run-b")  # no lease at all
+    lease.acquire("run-a", ttl_s=60.0)
+    lease.check_free("run-a")  # its own
+    with pytest.raises(LeaseHeldError, match="is in use by run 'run-a'"):
+        lease.check_free("run-b")
+    lease.release("run-a")
+    lease.acquire("run-a", ttl_s=0.0)  # stale at once: acquire would take it over
+    lease.check_free("run-b")
+    assert lease.info()["run_id"] == "run-a"  # a read only: nothing was taken
