@@ -11,7 +11,7 @@ slow one (here: one every 2-6 s). The job must:
 - finish within ``DEADLINE_S`` (a liveness bound: a lost shard or a stuck queue would hang it,
   not a performance goal; benchmarks measure speed);
 - complete every shard exactly once as far as the driver is concerned (``driver.completions``:
-  each of the 40 shards once), with every row readable (the reader refuses rows of shards not
+  each of the 80 shards once), with every row readable (the reader refuses rows of shards not
   marked done, and done rows that were never written);
 - match an uninterrupted run bit for bit (``harness.uninterrupted``: the same worker code in
   this process, one torch thread like an actor): rows, losses and counts;
@@ -41,10 +41,12 @@ from tests.support.jobs import small_job
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 C = 20_000
-SHARD_ROWS = 500  # 40 shards of ~0.2 s each on one core
-KILL_EVERY_SHARDS = 4  # kills once 2, 6, ... 30 shards are done: spread over the whole job,
-FIRST_KILL_AT = 2  # with 10 shards left after the last for it to land and be noticed
-MIN_GAP_S = 1.0
+SHARD_ROWS = 250  # 80 shards of ~0.1 s each on one core
+KILL_EVERY_SHARDS = 8  # kills once 2, 10, ... 58 shards are done: spread over the whole job,
+FIRST_KILL_AT = 2  # with 22 shards left after the last for it to land and be noticed
+# Kills of one slot are at least two gaps apart; a replacement actor starts within one here. At
+# 1 s, a job whose replacements start quickly could end before the eighth kill (seen in CI).
+MIN_GAP_S = 0.5
 MAX_KILLS = 8
 # Liveness bound for the whole job: about 15 s of work on 2 cores, plus 8 replacements of a few
 # seconds each, with room for a loaded CI machine; a hang (a lost shard) would never finish.

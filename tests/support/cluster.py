@@ -68,11 +68,21 @@ NODE_STOP_GRACE_S = 12.0
 SHUTDOWN_GRACE_S = 2.0  # tearing the whole cluster down needs no drain
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free on 127.0.0.1 right now (the OS picks it), never one this process
+    was given before: the OS may hand a just-released port out again, and two components of one
+    Ray node given the same port refuse to start ("is trying to use a port number ... that is used
+    by other components", seen in CI)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _ray_executable() -> str:
