@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -164,3 +166,39 @@ def test_per_class_gradients_api():
     start = layout.slot("head.2.weight").offset
     # Same rows by another engine and a column subset: float32 summation order only.
     torch.testing.assert_close(some, full[[4, 1], start:], rtol=1e-5, atol=1e-7)
+
+
+def _dropout_bn_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(16, NUM_CLASSES),
+    )
+
+
+def test_per_class_gradients_runs_in_eval_mode_by_default_and_restores_each_modules_mode():
+    """A model fresh from a factory is in train mode; the API computes in eval mode, as a job does,
+    and leaves every module's own mode as it found it (here one submodule was already in eval)."""
+    model = _dropout_bn_mlp()  # train mode: BatchNorm batch statistics and dropout would change the rows
+    model[1].eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), seed=4)
+    got = per_class_gradients(model, data, num_classes=NUM_CLASSES)
+    assert model.training and not model[1].training and model[3].training
+    reference = copy.deepcopy(model).eval().double()
+    want = per_class_gradients(reference, data, num_classes=NUM_CLASSES, engine="reference")
+    # fp32 against the float64 reference of the same eval-mode model: a few roundoffs (see above).
+    assert max_relative_error(got, want) <= 2e-6
+
+
+def test_per_class_gradients_in_train_mode_says_dropout_makes_rows_depend_on_the_seed(caplog):
+    model = _dropout_bn_mlp().eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), seed=4)
+    with caplog.at_level("WARNING", logger="classgrad.workers.engines"):
+        per_class_gradients(model, data, num_classes=NUM_CLASSES, mode="train", engine="dense")
+    assert any("dropout is active" in r.getMessage() for r in caplog.records)
+    assert not any(m.training for m in model.modules())  # put back in eval
+    with pytest.raises(InputError, match="mode 'bogus' is unknown"):
+        per_class_gradients(model, data, num_classes=NUM_CLASSES, mode="bogus")

@@ -10,7 +10,9 @@ Holds:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +28,8 @@ from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.probe import ProbeSet
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ENGINES",
@@ -115,25 +119,45 @@ def per_class_gradients(
     engine: str = "auto",
     batch_size: int = 256,
     device: str | torch.device = "cpu",
+    mode: str = "eval",
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
 
     ``data`` is a Dataset of ``(input, target)`` or a pair of tensors; ``params`` are name
     patterns (default: every parameter with ``requires_grad``), flattened and concatenated in
-    ``model.named_parameters()`` order.
+    ``model.named_parameters()`` order. ``mode`` is the module mode the rows are computed in,
+    ``"eval"`` as in a job's config (a model fresh from a factory is often in train mode, where
+    dropout and batch statistics change the rows); every module's own mode is put back afterwards.
     """
-    eng = build_engine(
-        model,
-        data,
-        num_classes=num_classes,
-        loss=loss,
-        precision=precision,
-        params=params,
-        engine=engine,
-        batch_size=batch_size,
-        device=device,
-    )
-    wanted = list(range(num_classes)) if classes is None else list(classes)
-    if not wanted:
-        return torch.zeros(0, eng.layout.dim)
-    return torch.cat([b.rows.float().cpu() for b in eng.iter_blocks(wanted)])
+    with _in_mode(model, mode):
+        eng = build_engine(
+            model,
+            data,
+            num_classes=num_classes,
+            loss=loss,
+            precision=precision,
+            params=params,
+            engine=engine,
+            batch_size=batch_size,
+            device=device,
+        )
+        wanted = list(range(num_classes)) if classes is None else list(classes)
+        if not wanted:
+            return torch.zeros(0, eng.layout.dim)
+        return torch.cat([b.rows.float().cpu() for b in eng.iter_blocks(wanted)])
+
+
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, mode: str) -> Iterator[None]:
+    """``model`` in ``mode`` ("eval" or "train") for the block; each module's flag restored after."""
+    if mode not in ("eval", "train"):
+        raise InputError(f"mode {mode!r} is unknown (choices: eval, train)")
+    before = [(m, m.training) for m in model.modules()]
+    model.train(mode == "train")
+    if mode == "train" and any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        log.warning("train mode: the model's dropout is active, so rows depend on the random seed")
+    try:
+        yield
+    finally:
+        for module, training in before:
+            module.training = training
