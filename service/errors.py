@@ -46,6 +46,10 @@ class StoreMismatchError(StoreError):
     """An existing store was made by another config (different fingerprint)."""
 
 
+class ConfigMismatchError(StoreMismatchError):
+    """The existing store's fingerprint is another config's (the driver names the keys that differ)."""
+
+
 class StoreIncompleteError(StoreError):
     """Rows that were asked for belong to shards that are not marked done."""
 

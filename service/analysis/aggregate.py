@@ -131,13 +131,31 @@ def _state_dict(store, vector: np.ndarray) -> dict[str, np.ndarray]:
     return {e.name: np.ascontiguousarray(vector[e.offset : e.offset + e.size].reshape(e.shape)) for e in store.layout}
 
 
-def _save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
-    from safetensors.numpy import save_file
+# What ``--out``'s suffix says the file is: safetensors (with the summary as its metadata), or a
+# torch state dict of tensors that ``torch.load(weights_only=True)`` reads.
+OUT_SUFFIXES = (".safetensors", ".pt", ".pth")
 
+
+def _check_out(path: Path) -> None:
+    if path.suffix not in OUT_SUFFIXES:
+        raise ConfigError(
+            f"--out {path}: the suffix says the format; use {', '.join(OUT_SUFFIXES)} "
+            f"(safetensors, or a torch state dict)"
+        )
+
+
+def _save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        if path.suffix == ".safetensors":
+            from safetensors.numpy import save_file
+
+            save_file(tensors, str(tmp), metadata=metadata)
+        else:
+            import torch
+
+            torch.save({name: torch.from_numpy(array) for name, array in tensors.items()}, tmp)
         os.replace(tmp, path)  # never a half-written file at the target
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc}") from None
@@ -148,11 +166,13 @@ def _save(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) 
 
 def aggregate(url: str, out: str, *, storage_options: dict | None = None, **options: Any) -> dict:
     """``classgrad aggregate``: combine the rows of the store at ``url`` with the weights in
-    ``options`` (``AggregateConfig`` fields) and write ``out`` (safetensors). Returns a
+    ``options`` (``AggregateConfig`` fields) and write ``out`` (safetensors, or a torch state
+    dict for ``.pt``/``.pth``: what the suffix says). Returns a
     summary (norm before and after clipping, tensors written, ...)."""
     from classgrad.service.store import open_store
 
     config: AggregateConfig = validated(AggregateConfig, "aggregate", **options)
+    _check_out(Path(out))  # before any row is read
     store = open_store(url, storage_options=storage_options)
     if not store.layout:
         proj = store.attrs.get("projection")
@@ -188,7 +208,7 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None, **opti
     }
     path = Path(out)
     _save(tensors, path, metadata)
-    log.info(
+    log.debug(  # the command prints its own summary line
         "wrote %s: %d tensors, norm %.6g%s",
         path,
         len(tensors),

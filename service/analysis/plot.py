@@ -205,11 +205,6 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
         import matplotlib  # noqa: F401
     except ImportError:
         raise ConfigError("classgrad plot needs matplotlib: pip install 'classgrad[plot]'") from None
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {exc}") from None
     store = open_store(url, storage_options=storage_options)
     norms = grad_norms(store, block_rows=config.block_rows, block_mb=config.block_mb)
     finite = np.isfinite(norms.row)
@@ -217,6 +212,11 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
         from classgrad.service.errors import StoreIncompleteError
 
         raise StoreIncompleteError(f"store {url} has no rows written yet; nothing to plot")
+    out = Path(out_dir)  # made only once the store has been read: a failed plot leaves nothing behind
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {exc}") from None
     written: dict[str, str] = {}
     top = np.sort(norms.top(config.top_n))
     result: dict = {"files": written, "top_rows": top.tolist()}

@@ -10,7 +10,7 @@ from classgrad.service.commands import add_store_arguments, given_options, stora
 
 HELP = (
     "combine rows (mean, or per-class weights from a file) into one gradient shaped like the "
-    "model's parameters, saved with safetensors"
+    "model's parameters, saved as safetensors or a torch state dict (by the suffix of --out)"
 )
 
 
@@ -19,7 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights", metavar="mean|FILE", help="'mean' (default), or a .npy / .txt / .csv file of one weight per row"
     )
-    parser.add_argument("--out", required=True, metavar="FILE", help="output .safetensors file")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="output file: .safetensors (with the summary as metadata), or .pt/.pth (a torch state dict)",
+    )
     parser.add_argument(
         "--clip-norm", type=float, metavar="X", help="scale the result down to L2 norm X if it is larger"
     )

@@ -3,7 +3,8 @@
 Holds the command registry (name -> module with ``add_arguments``/``main``) and ``main``. Errors
 a user can cause (``ClassgradError``) print one line and exit with their code (2); Ctrl-C exits
 130 after the driver has saved what it finished; anything else is a bug: one line, exit 1, and
-the traceback only with ``--debug``. Error lines and log lines pass through ``redact_text``.
+the traceback only with ``--debug``; a reader that closes the pipe early (``| head``) ends it
+quietly with 141, as for any Unix tool. Error lines and log lines pass through ``redact_text``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -77,7 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args)
     try:
-        return int(args._main(args) or 0)
+        code = int(args._main(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that stopped reading is seen below
+        return code
+    except BrokenPipeError:
+        # `classgrad inspect STORE | head -1`: the reader is gone, as for any Unix tool. Point
+        # stdout at /dev/null so the interpreter's last flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
     except ClassgradError as exc:
         print(f"classgrad: error: {redact_text(str(exc))}", file=sys.stderr)
         return exc.exit_code

@@ -6,7 +6,9 @@ Holds:
 - ``fingerprint``: sha256 of the canonical JSON of the hashed fields of the given sections;
 - ``recorded_fingerprint``: today's fingerprint of a config recorded in a store by any earlier
   classgrad (so a store whose recorded fingerprint came from an older scheme can still be
-  recognised as the same job).
+  recognised as the same job);
+- ``differing_keys``: the hashed keys (``model.kwargs.seed``) on which a recorded config and
+  given sections differ, to name them when a store is refused.
 
 Version 2 hashes only the fields that differ from their defaults, with import paths in their
 canonical spelling: adding a key with a default, or renaming a module that keeps an alias, leaves
@@ -28,7 +30,7 @@ from classgrad.service.config.fields import Section, canonical_import_path
 from classgrad.service.config.inputs import DataConfig, LossConfig, ModelConfig
 from classgrad.service.config.placement import ShardingConfig, StoreConfig
 
-__all__ = ["FINGERPRINT_FIELDS", "FINGERPRINT_VERSION", "fingerprint", "recorded_fingerprint"]
+__all__ = ["FINGERPRINT_FIELDS", "FINGERPRINT_VERSION", "differing_keys", "fingerprint", "recorded_fingerprint"]
 
 # 1: every hashed field, module names as written. 2: only non-default fields, canonical import paths.
 FINGERPRINT_VERSION = 2
@@ -74,7 +76,14 @@ def fingerprint(sections: Mapping[str, Section]) -> str:
 
     ``sections`` maps each name in ``FINGERPRINT_FIELDS`` to its validated section.
     """
-    selected: dict[str, Any] = {"fingerprint_version": FINGERPRINT_VERSION}
+    selected: dict[str, Any] = {"fingerprint_version": FINGERPRINT_VERSION, **_selected(sections)}
+    canonical = json.dumps(selected, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _selected(sections: Mapping[str, Section]) -> dict[str, Any]:
+    """section -> its non-default hashed fields (canonical import paths); sections at defaults left out."""
+    selected: dict[str, Any] = {}
     for name, fields in FINGERPRINT_FIELDS.items():
         section = sections[name]
         values = section.model_dump(mode="json")
@@ -85,8 +94,7 @@ def fingerprint(sections: Mapping[str, Section]) -> str:
         changed = {k: values[k] for k in keys if not _is_default(type(section), k, values[k])}
         if changed:  # a section left at its defaults adds nothing, like a key left at its default
             selected[name] = changed
-    canonical = json.dumps(selected, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    return selected
 
 
 def recorded_fingerprint(recorded: Any) -> str | None:
@@ -96,6 +104,34 @@ def recorded_fingerprint(recorded: Any) -> str | None:
     Only the hashed fields are read: sections and keys that do not change the stored bytes (and
     the redacted secrets among them) are ignored, and keys added since take their defaults.
     """
+    sections = _recorded_sections(recorded)
+    return None if sections is None else fingerprint(sections)
+
+
+def differing_keys(sections: Mapping[str, Section], recorded: Any) -> list[str] | None:
+    """The hashed keys, as dotted paths into mappings (``model.kwargs.seed``), whose values differ
+    between ``sections`` and the config ``recorded`` in a store; None when the recorded config is
+    not one today's schema reads (then no key can be named)."""
+    old = _recorded_sections(recorded)
+    if old is None:
+        return None
+    return sorted(_paths_that_differ(_selected(sections), _selected(old)))
+
+
+def _paths_that_differ(a: Any, b: Any, prefix: str = "") -> set[str]:
+    # A section or mapping left at its defaults is absent: compare it as empty, key by key.
+    a = {} if a is None and isinstance(b, Mapping) else a
+    b = {} if b is None and isinstance(a, Mapping) else b
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out: set[str] = set()
+        for key in set(a) | set(b):
+            out |= _paths_that_differ(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return set() if a == b else {prefix.rstrip(".")}
+
+
+def _recorded_sections(recorded: Any) -> dict[str, Section] | None:
+    """The hashed sections of a recorded config under today's schema, or None."""
     if not isinstance(recorded, Mapping):
         return None
     sections: dict[str, Section] = {}
@@ -109,4 +145,4 @@ def recorded_fingerprint(recorded: Any) -> str | None:
             sections[name] = _SECTION_MODELS[name].model_validate(raw)
         except ValidationError:
             return None
-    return fingerprint(sections)
+    return sections

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from classgrad.service.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
-from classgrad.service.config.fingerprint import FINGERPRINT_FIELDS, fingerprint, recorded_fingerprint
+from classgrad.service.config.fingerprint import FINGERPRINT_FIELDS, differing_keys, fingerprint, recorded_fingerprint
 from classgrad.service.config.inputs import DENSE_LOSS_KINDS, DataConfig, LossConfig, ModelConfig
 from classgrad.service.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
 from classgrad.service.config.redaction import redact
@@ -100,6 +100,11 @@ class JobConfig(BaseModel):
         hashed and import paths are hashed in their canonical spelling (see ``fingerprint``).
         """
         return fingerprint({name: getattr(self, name) for name in FINGERPRINT_FIELDS})
+
+    def differing_keys(self, recorded: Mapping[str, Any] | None) -> list[str] | None:
+        """The hashed keys (``model.kwargs.seed``) on which this config and one recorded in a store
+        differ; None when the recorded one cannot be read under today's schema."""
+        return differing_keys({name: getattr(self, name) for name in FINGERPRINT_FIELDS}, recorded)
 
     def same_job(self, recorded: Mapping[str, Any] | None) -> bool:
         """Whether a config recorded in a store (``attrs["config"]``, possibly written by an

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from classgrad.service.config import JobConfig
-from classgrad.service.errors import StoreError, StoreMismatchError
+from classgrad.service.errors import ConfigMismatchError, StoreError, StoreMismatchError
 from classgrad.service.runtime.plan import Shard, plan_shards
 from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store
 from classgrad.service.store.format import OVERWRITE_HINT
@@ -117,18 +117,39 @@ def prepare_store(
     """Check the job (``check_job``, unless ``checked`` is given), then create (or reopen) its store
     under ``lease``, the caller's lease on it (without one, a lease is held for the creation alone).
 
-    A store made by another config is refused here, before anything is written.
+    A store made by another config is refused here, before anything is written, naming the keys
+    that differ.
     """
     job = checked or check_job(config)
-    store = create_store(
-        config.store.url,
-        job.spec,
-        storage_options=config.store.storage_options,
-        overwrite=config.store.overwrite,
-        recompute=config.store.recompute,
-        lease=lease,
-    )
+    try:
+        store = create_store(
+            config.store.url,
+            job.spec,
+            storage_options=config.store.storage_options,
+            overwrite=config.store.overwrite,
+            recompute=config.store.recompute,
+            lease=lease,
+        )
+    except ConfigMismatchError as exc:
+        raise _naming_the_keys(exc, config) from None
     return PreparedJob(store=store, shards=job.shards, engine_kind=job.engine_kind, dim=job.dim, identity=job.identity)
+
+
+def _naming_the_keys(exc: ConfigMismatchError, config: JobConfig) -> ConfigMismatchError:
+    """``exc`` with the keys on which this config and the store's recorded one differ (the first
+    few; values are not shown, since the recorded config has its secrets hidden)."""
+    try:
+        recorded = open_store(config.store.url, storage_options=config.store.storage_options).attrs.get("config")
+    except StoreError:
+        return exc
+    keys = config.differing_keys(recorded)
+    if not keys:
+        return exc
+    shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return ConfigMismatchError(
+        f"store at {config.store.url} was made by another config: {shown} differ; use another store.url, "
+        f"or replace it with {OVERWRITE_HINT}"
+    )
 
 
 def check_identity(store: GradStore, identity: dict) -> None:

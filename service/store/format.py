@@ -109,7 +109,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
-from classgrad.service.errors import StoreError, StoreMismatchError
+from classgrad.service.errors import ConfigMismatchError, StoreError, StoreMismatchError
 from classgrad.service.store.encoding import TOP_EXP
 from classgrad.service.store.params import ParamSlot
 
@@ -390,7 +390,7 @@ def check_same(meta: dict, spec: StoreSpec, url: str) -> None:
     """Refuse to reopen a store made by another config (fingerprint) or of another structure."""
     old_fp = meta.get("fingerprint")
     if old_fp != spec.fingerprint:
-        raise StoreMismatchError(
+        raise ConfigMismatchError(
             f"store at {url} was made by another config (its fingerprint {old_fp!r}, this "
             f"config's {spec.fingerprint!r}); use another store.url, or replace it with "
             f"{OVERWRITE_HINT}"

@@ -175,3 +175,24 @@ def test_cli(real, tmp_path, capsys):
     assert cli_main(["aggregate", str(tmp_path / "p"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "projected rows" in err
+
+
+def test_the_out_suffix_says_the_format_and_the_summary_is_printed_once(real, tmp_path, capsys, caplog):
+    """`--out g.pt` once got safetensors bytes that torch.load could not read, and the summary
+    was printed twice (the CLI's line and the library's log line)."""
+    url, store, model, rows = real
+    with caplog.at_level("INFO"):
+        assert cli_main(["aggregate", url, "--out", str(tmp_path / "g.pt")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("wrote ") == 1 and not any("wrote " in r.getMessage() for r in caplog.records)
+    state = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert list(state) == [e.name for e in store.layout]
+    from_safetensors = aggregate(url, str(tmp_path / "g.safetensors"))
+    assert from_safetensors["tensors"] == len(state)
+    same = load_file(str(tmp_path / "g.safetensors"))
+    for name, tensor in state.items():
+        assert np.array_equal(tensor.numpy(), same[name])  # the same vector, written two ways
+    assert cli_main(["aggregate", url, "--out", str(tmp_path / "g.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "use .safetensors, .pt, .pth" in err
+    assert not (tmp_path / "g.npz").exists()

@@ -83,3 +83,10 @@ def test_bad_options(tmp_path):
     synthetic_store(tmp_path / "s", num_classes=20)
     with pytest.raises(ConfigError, match=r"top_n \(--top-n\)"):
         plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=1)
+
+
+def test_a_failed_plot_leaves_no_output_directory(tmp_path, capsys):
+    """`classgrad plot missing.zarr --out p2` once failed but created p2/."""
+    assert cli_main(["plot", str(tmp_path / "missing.zarr"), "--out", str(tmp_path / "p2")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "p2").exists()

@@ -5,6 +5,7 @@ in an old store is recognised as the same job, and a different job is still refu
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,21 @@ def test_legacy_store_is_reopened_with_its_recorded_fingerprint(legacy_copy: Pat
 def test_legacy_store_refuses_another_job(legacy_copy: Path, override: str) -> None:
     config = _legacy_config(legacy_copy, override)
     assert resumable_fingerprint(config) == config.fingerprint()
-    with pytest.raises(StoreMismatchError, match="was made by another config"):
+    key = override.split("=")[0]  # the refusal names the key that differs (values are not shown)
+    with pytest.raises(StoreMismatchError, match=rf"was made by another config: {re.escape(key)} differ; "):
         prepare_store(config)
 
 
 def test_missing_store_gets_todays_fingerprint(tmp_path: Path) -> None:
     config = _legacy_config(tmp_path / "new.zarr")
     assert resumable_fingerprint(config) == config.fingerprint()
+
+
+def test_the_keys_that_differ_are_named_down_to_the_mapping_entry() -> None:
+    base = load_config(overrides=["model.kwargs={num_classes: 10, seed: 0}", "loss.num_classes=10"])
+    other = load_config(
+        overrides=["model.kwargs={num_classes: 10, seed: 1}", "loss.num_classes=10", "store.dtype=bfloat16"]
+    )
+    assert base.differing_keys(other.redacted()) == ["model.kwargs.seed", "store.dtype"]
+    assert base.differing_keys(base.redacted()) == []
+    assert base.differing_keys({"model": "not a section"}) is None

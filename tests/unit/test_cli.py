@@ -1,0 +1,25 @@
+"""``classgrad.service.commands.cli``: the command line's own behaviour, apart from any command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support.stores import synthetic_store
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    """`classgrad inspect STORE --top 2000 | head -1` once ended in a BrokenPipeError traceback."""
+    synthetic_store(tmp_path / "s", num_classes=2000, dim=8)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "classgrad", "inspect", str(tmp_path / "s"), "--top", "2000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()  # what `head -1` reads, then it goes away
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    code = proc.wait(timeout=120)
+    assert first, err
+    assert code == 141 and "Traceback" not in err and "BrokenPipe" not in err, (code, err)
