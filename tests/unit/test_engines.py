@@ -202,3 +202,23 @@ def test_per_class_gradients_in_train_mode_says_dropout_makes_rows_depend_on_the
     assert not any(m.training for m in model.modules())  # put back in eval
     with pytest.raises(InputError, match="mode 'bogus' is unknown"):
         per_class_gradients(model, data, num_classes=NUM_CLASSES, mode="bogus")
+
+
+def test_per_class_gradients_progress_bar_counts_rows_and_leaves_them_unchanged(capsys):
+    """progress=True draws a tqdm bar on stderr that ends at the number of rows; progress=False and
+    the default (stderr is not a terminal under pytest) draw nothing; the rows are the same.
+    An MLP, because its rows are bit-reproducible call to call on CPU (the CNN's conv backward is not)."""
+    model = zoo.mlp(NUM_CLASSES, in_features=8).eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), seed=4)
+    classes = [5, 0, 3, 1]
+    n = len(classes)
+    capsys.readouterr()
+    with_bar = per_class_gradients(model, data, num_classes=NUM_CLASSES, classes=classes, progress=True)
+    err = capsys.readouterr().err
+    assert f"{n}/{n}" in err and "rows" in err, err
+    without = per_class_gradients(model, data, num_classes=NUM_CLASSES, classes=classes, progress=False)
+    assert capsys.readouterr().err == ""
+    default = per_class_gradients(model, data, num_classes=NUM_CLASSES, classes=classes)
+    assert capsys.readouterr().err == ""
+    # The bar only observes the blocks: same engine, same inputs, bit-identical rows (no tolerance).
+    assert torch.equal(with_bar, without) and torch.equal(with_bar, default)

@@ -5,7 +5,8 @@ Holds:
   every engine has the constructor of ``GradientEngine`` and one method, ``iter_blocks``.
 - ``resolve_engine_kind``: ``auto`` means partitioned when the loss is class-partitioned and
   the model treats samples independently, dense otherwise.
-- ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md.
+- ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md, with an optional
+  ``tqdm.auto`` progress bar (terminal or notebook) counting rows as blocks finish.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def per_class_gradients(
     batch_size: int = 256,
     device: str | torch.device = "cpu",
     mode: str = "eval",
+    progress: bool | None = None,
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
 
@@ -128,6 +130,9 @@ def per_class_gradients(
     ``model.named_parameters()`` order. ``mode`` is the module mode the rows are computed in,
     ``"eval"`` as in a job's config (a model fresh from a factory is often in train mode, where
     dropout and batch statistics change the rows); every module's own mode is put back afterwards.
+    ``progress`` shows a bar counting rows (``tqdm.auto``: a notebook widget or a terminal bar):
+    ``None`` only when the call lasts over ``PROGRESS_DELAY_S`` and stderr is a terminal (or in a
+    notebook), ``True`` always, ``False`` never.
     """
     with _in_mode(model, mode):
         eng = build_engine(
@@ -144,7 +149,39 @@ def per_class_gradients(
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:
             return torch.zeros(0, eng.layout.dim)
-        return torch.cat([b.rows.float().cpu() for b in eng.iter_blocks(wanted)])
+        with _row_bar(len(wanted), progress) as advance:
+            blocks = []
+            for b in eng.iter_blocks(wanted):
+                blocks.append(b.rows.float().cpu())
+                advance(len(b))  # once per block, not per row: the bar costs nothing on the hot path
+        return torch.cat(blocks)
+
+
+PROGRESS_DELAY_S = 2.0  # progress=None: a call shorter than this never shows a bar
+
+
+@contextlib.contextmanager
+def _row_bar(total: int, progress: bool | None) -> Iterator[Callable[[int], object]]:
+    """``advance(rows)`` for the block: a ``tqdm.auto`` bar of ``total`` rows, or a no-op when off."""
+    if progress is False:
+        yield lambda rows: None
+        return
+    # Imported here: tqdm.auto pulls in asyncio (~0.1 s), which ``import classgrad`` does not need.
+    from tqdm.auto import tqdm
+
+    # disable=None is tqdm's own "off unless stderr is a terminal" (the notebook bar treats it as on).
+    bar = tqdm(
+        total=total,
+        unit="rows",
+        desc="per_class_gradients",
+        disable=None if progress is None else False,
+        delay=PROGRESS_DELAY_S if progress is None else 0.0,
+        dynamic_ncols=True,
+    )
+    try:
+        yield bar.update
+    finally:
+        bar.close()
 
 
 @contextlib.contextmanager
