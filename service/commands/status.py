@@ -13,6 +13,7 @@ import time
 from classgrad.service.commands import add_store_arguments, storage_options
 
 HELP = "show a store's progress: shards done, missing rows, last runs"
+SHOWN_NOTES = 3  # engine notes in the text; --json has every one the run recorded
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,10 +63,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"missing   rows {shown}{more}")
     run = info["last_run"]
     if run:
-        print(
-            f"last run  {run.get('run_id')}: {run.get('status')}, {run.get('rows', 0)} rows in "
-            f"{run.get('seconds', 0):.1f} s, {run.get('retries', 0)} retries (of {info['runs']} runs)"
-        )
+        retries = f"{run.get('retries', 0)} retries (of {info['runs']} runs)"
+        print(f"last run  {run.get('run_id')}: {run.get('status')}, {_timing(run)}, {retries}")
+        notes = run.get("engine_notes") or []
+        for note in notes[:SHOWN_NOTES]:
+            print(f"          engine: {note}")
+        if len(notes) > SHOWN_NOTES:
+            print(f"          engine: +{len(notes) - SHOWN_NOTES} more notes (--json)")
         if run.get("error"):
             print(f"          error: {run['error']}")
     if info["lease"]:
@@ -75,3 +79,15 @@ def main(args: argparse.Namespace) -> int:
         rerun = "" if info["lease_state"] == "live" else "; a rerun takes it over"
         print(f"          {state}: {info['lease_state_detail']}{rerun}")
     return 0
+
+
+def _timing(run: dict) -> str:
+    """The run's rows and times: compute and start-up apart (runs recorded before the split give
+    their total alone)."""
+    rows = run.get("rows", 0)
+    if "compute_s" not in run:
+        return f"{rows} rows in {run.get('seconds', 0):.1f} s"
+    return (
+        f"{rows} rows in {run['compute_s']:.1f} s of compute ({run.get('rows_per_s', 0):.1f} rows/s), "
+        f"start-up {run.get('startup_s', 0):.1f} s"
+    )

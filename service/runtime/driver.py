@@ -48,6 +48,9 @@ from classgrad.service.store import GradStore, HeldLease, store_lease
 
 log = logging.getLogger(__name__)
 
+MAX_ENGINE_NOTES = 5  # a summary line each; the engine's log has them all
+ENGINE_NOTE_CHARS = 200
+
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -66,14 +69,32 @@ class RunSummary:
     shards_skipped: int = 0  # already done when the run started (resume)
     shards_done: int = 0  # done by this run
     rows: int = 0  # rows computed by this run
-    seconds: float = 0.0
-    rows_per_s: float = 0.0
+    seconds: float = 0.0  # the whole run: startup_s + compute_s
+    startup_s: float = 0.0  # from the run's start until every actor is ready (Ray, store, actor builds)
+    compute_s: float = 0.0  # from then to the end
+    rows_per_s: float = 0.0  # over compute_s only: start-up is reported apart
     bytes: int = 0
     recomputed_rows: int = 0
     retries: int = 0  # shard attempts beyond the first (actor deaths and errors)
     actors_replaced: int = 0
     nodes: list[str] = field(default_factory=list)
+    engine_notes: list[str] = field(default_factory=list)  # the path the engine took, and why (deduped, short)
     error: str | None = None
+
+    def add_engine_notes(self, notes: list[str]) -> None:
+        """Add ``notes`` not already held, each cut to one short line, up to ``MAX_ENGINE_NOTES``."""
+        for note in notes:
+            line = note.splitlines()[0][:ENGINE_NOTE_CHARS] if note else ""
+            if line and line not in self.engine_notes and len(self.engine_notes) < MAX_ENGINE_NOTES:
+                self.engine_notes.append(line)
+
+    def finish(self, seconds: float, ready_after_s: float | None) -> None:
+        """Set the run's times: ``ready_after_s`` is when every actor was ready (None: never, so the
+        whole run was start-up), and the rate is over compute alone."""
+        self.seconds = seconds
+        self.startup_s = seconds if ready_after_s is None else min(ready_after_s, seconds)
+        self.compute_s = seconds - self.startup_s
+        self.rows_per_s = self.rows / self.compute_s if self.compute_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,9 +103,11 @@ class RunSummary:
         return [
             f"run {self.run_id}: {self.status}",
             f"  shards      {self.shards_done} computed, {self.shards_skipped} already done, {self.shards_total} total",
-            f"  rows        {self.rows} in {self.seconds:.1f} s ({self.rows_per_s:.1f} rows/s), "
+            f"  rows        {self.rows} in {self.compute_s:.1f} s of compute ({self.rows_per_s:.1f} rows/s), "
             f"{self.bytes / 2**20:.1f} MiB written",
+            f"  start-up    {self.startup_s:.1f} s (Ray, store, actors); {self.seconds:.1f} s in all",
             f"  engine      {self.engine}; recomputed rows (fp16 overflow): {self.recomputed_rows}",
+            *(f"              {note}" for note in self.engine_notes),
             f"  faults      {self.retries} shard retries, {self.actors_replaced} actors replaced",
         ] + ([f"  error       {self.error}"] if self.error else [])
 
@@ -108,6 +131,7 @@ class JobDriver:
         self.summary = RunSummary(run_id=self.run_id)
         self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
         self._ray = contextlib.ExitStack()  # the Ray session this driver opened, closed in _shutdown
+        self._ready_after_s: float | None = None  # seconds from the run's start until every actor was ready
 
     # --- Ray ------------------------------------------------------------------------------
 
@@ -245,6 +269,7 @@ class JobDriver:
         lease_of_store = store_lease(store_cfg.url, storage_options=store_cfg.storage_options)
         lease_of_store.check_free(self.run_id)  # a store in use is refused before the model is built
         checked = check_job(self.config)
+        self.summary.add_engine_notes(checked.engine_notes)
         # The lease is taken before the store is created, reopened or deleted, so that two drivers
         # never both touch it. It is released on the way out of the ``with`` (also when the record
         # failed: a stale lease would refuse the rerun), after the record and before the actors stop.
@@ -285,8 +310,7 @@ class JobDriver:
                     raise
                 finally:
                     self.summary.ended = _now()
-                    self.summary.seconds = time.perf_counter() - t_start
-                    self.summary.rows_per_s = self.summary.rows / self.summary.seconds if self.summary.seconds else 0.0
+                    self.summary.finish(time.perf_counter() - t_start, self._ready_after_s)
                     self._record(store)
         finally:
             self._shutdown()
@@ -319,6 +343,7 @@ class JobDriver:
         for slot in self._slots:
             self._start_actor(slot)
         self._wait_ready(self._slots)
+        self._ready_after_s = time.perf_counter() - t_start
 
         queue = collections.deque(todo)
         attempts: collections.Counter = collections.Counter()
@@ -354,6 +379,7 @@ class JobDriver:
                     self.summary.rows += report["rows"]
                     self.summary.bytes += report["bytes"]
                     self.summary.recomputed_rows += report["recomputed_rows"]
+                    self.summary.add_engine_notes(report.get("engine_notes", []))
                     if report["node"] not in self.summary.nodes:
                         self.summary.nodes.append(report["node"])
                     progress.update(report["rows"])

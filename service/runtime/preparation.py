@@ -16,7 +16,7 @@ Holds:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import ConfigMismatchError, StoreError, StoreMismatchError
@@ -48,6 +48,7 @@ class CheckedJob:
     engine_kind: str
     dim: int
     identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
+    engine_notes: list[str] = field(default_factory=list)  # the driver's build: the path it took, and why
 
 
 @dataclass
@@ -108,7 +109,14 @@ def check_job(config: JobConfig) -> CheckedJob:
     # Partitioned work grows with a class's samples; dense rows all cost the same.
     work = engine.counts.double().clamp(min=1).numpy() if engine.name == "partitioned" else None
     shards = plan_shards(spec.num_classes, spec.shard_rows, spec.row_chunk, work_per_row=work)
-    return CheckedJob(spec=spec, shards=shards, engine_kind=engine.name, dim=dim, identity=identity)
+    return CheckedJob(
+        spec=spec,
+        shards=shards,
+        engine_kind=engine.name,
+        dim=dim,
+        identity=identity,
+        engine_notes=list(engine.stats.notes),
+    )
 
 
 def prepare_store(

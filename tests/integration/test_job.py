@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -14,6 +15,7 @@ from classgrad.service.store import open_store
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.engine_cases import max_relative_error
+from tests.support.harness import classgrad_cli
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -88,3 +90,21 @@ def test_killed_actor_is_replaced_and_rows_match_an_uninterrupted_run(job_config
     assert JobDriver(clean).run().retries == 0
     # Same shards, same engine, same CPU arithmetic: the recomputed rows are bit-identical.
     np.testing.assert_array_equal(store.rows(np.arange(48)), open_store(clean_url).rows(np.arange(48)))
+
+
+def test_status_json_has_the_startup_compute_split_and_engine_notes(job_config):
+    config = job_config(loss={"kind": "logit"}, engine={"kind": "dense"})
+    summary = JobDriver(config).run()
+    assert summary.status == "complete"
+    proc = classgrad_cli("status", config.store.url, "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout)["last_run"]
+    assert last["startup_s"] > 0 and last["compute_s"] > 0
+    # The two parts make up the whole run (JSON floats: equal to within rounding).
+    assert last["startup_s"] + last["compute_s"] == pytest.approx(last["seconds"], abs=1e-6)
+    # The rate is over compute alone.
+    assert last["rows_per_s"] == pytest.approx(last["rows"] / last["compute_s"], rel=1e-6)
+    # The dense engine notes the block size it chose (and any fallback it took).
+    assert last["engine_notes"] and any("dense" in note for note in last["engine_notes"])
+    text = classgrad_cli("status", config.store.url, timeout=120).stdout
+    assert "of compute" in text and "start-up" in text and "engine: " in text

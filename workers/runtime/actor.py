@@ -154,6 +154,7 @@ class GradientWorker:
             "write_seconds": written.seconds,
             "bytes": written.bytes,
             "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before,
+            "engine_notes": list(self.engine.stats.notes),  # the path it took, and why; the driver dedupes
             **self.identity,
         }
 
