@@ -1,4 +1,4 @@
-"""``classgrad estimate CONFIG``: store size, memory per actor and rows/s, before running a job."""
+"""``classgrad estimate CONFIG``: store size, memory per actor, rows/s and wall time with start-up, before a job."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from classgrad.service.commands.run import add_config_arguments
 
-HELP = "estimate a job's store size, memory per actor and rows/s from a short measured run"
+HELP = "estimate a job's store size, memory per actor, rows/s (with actors sharing cores) and wall time with start-up"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

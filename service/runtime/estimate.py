@@ -4,12 +4,21 @@ Holds ``Estimate`` and ``estimate_job``: the store's size (from the shapes alone
 rows/s and peak memory of one actor, measured by running the job's own engine (and projection,
 batched as a worker batches it: ``classgrad.workers.runtime.actor.stored_blocks``) on a sample of classes spread
 over the whole range, after a short warm-up that absorbs one-off
-costs (tracing, block-size measurement). The job's rate assumes actors scale linearly, which
-``benchmarks/end_to_end.py`` checks.
+costs (tracing, block-size measurement), with the actor's torch thread count
+(``cluster.num_cpus_per_worker``).
+
+Start-up is estimated apart and added to the job's wall time: building the engine here (model,
+probe set, engine: what each actor does when it starts) is timed, plus ``RAY_STARTUP_ALLOWANCE_S``
+for starting Ray and the actor processes.
+
+Actors share cores: the job's rate is per-actor rows/s x min(num_workers, cores /
+num_cpus_per_worker), where cores is ``os.cpu_count()`` for a job that starts a local Ray; on a
+cluster each actor is assumed to get the CPUs it reserves (cores unknown here: no sharing).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -22,6 +31,11 @@ from classgrad.service.config import JobConfig
 _ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # row_scale + loss (float32) + count (int64) per row.
 _PER_ROW_BYTES = 4 + 4 + 8
+# Starting a local Ray and one actor process until it answers a call (its imports included, the
+# engine build excluded: that is timed per job). Measured once, 2026-12-01, on the shared 2-core
+# dev machine (other test runs going) with `.venv/bin/python -m benchmarks.ray_startup --repeats 2`:
+# 8.5 s the first time (cold caches, as a fresh job meets them), 3.7 s the second; the cold one is used.
+RAY_STARTUP_ALLOWANCE_S = 8.5
 
 
 @dataclass
@@ -38,8 +52,15 @@ class Estimate:
     peak_memory_bytes: int
     memory_kind: str  # "peak RSS" on CPU, "peak CUDA memory" on a GPU
     num_workers: int
+    num_cpus_per_worker: int
+    cores: int | None  # cores the actors share (os.cpu_count() for a local Ray); None: a cluster's, unknown
+    actors_in_parallel: float  # min(num_workers, cores / num_cpus_per_worker): actors' worth of cores
     rows_per_s_job: float
-    job_seconds: float
+    job_seconds: float  # compute alone
+    engine_build_seconds: float  # measured: model, probe set and engine, as each actor builds them
+    ray_startup_seconds: float  # RAY_STARTUP_ALLOWANCE_S: Ray and actor processes
+    startup_seconds: float  # engine_build_seconds + ray_startup_seconds
+    wall_seconds: float  # startup_seconds + job_seconds
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,9 +73,42 @@ class Estimate:
             f"{self.sample_seconds:.2f} s (after a warm-up)",
             f"per actor  {self.rows_per_s_per_actor:,.1f} rows/s, "
             f"{self.memory_kind} {self.peak_memory_bytes * mb:,.0f} MB",
-            f"job        {self.num_workers} actors: ~{self.rows_per_s_job:,.1f} rows/s, "
-            f"~{self.job_seconds:,.0f} s for {self.num_classes} rows (plus start-up)",
+            f"cores      {sharing_line(self.num_workers, self.num_cpus_per_worker, self.cores)}",
+            f"job        {self.num_workers} actors: ~{self.rows_per_s_job:,.1f} rows/s "
+            f"(per actor x {self.actors_in_parallel:g}), ~{self.job_seconds:,.0f} s for {self.num_classes} rows",
+            f"start-up   ~{self.startup_seconds:,.1f} s: engine build {self.engine_build_seconds:.1f} s (measured) "
+            f"+ Ray and actor processes {self.ray_startup_seconds:.1f} s (allowance)",
+            f"wall time  ~{self.wall_seconds:,.0f} s (start-up + compute)",
         ]
+
+
+def actors_in_parallel(num_workers: int, num_cpus_per_worker: int, cores: int | None) -> float:
+    """Actors' worth of cores the job gets: min(num_workers, cores / num_cpus_per_worker); all
+    actors when cores is unknown (a cluster, where each actor holds the CPUs it reserves)."""
+    if cores is None:
+        return float(num_workers)
+    return min(float(num_workers), cores / num_cpus_per_worker)
+
+
+def sharing_line(num_workers: int, num_cpus_per_worker: int, cores: int | None) -> str:
+    """The core-sharing rule as applied, in words."""
+    if cores is None:
+        return f"{num_workers} x {num_cpus_per_worker} CPU on a cluster: each actor on its own reserved CPUs"
+    need = num_workers * num_cpus_per_worker
+    rule = "rate = per actor x min(num_workers, cores / num_cpus_per_worker)"
+    if need > cores:
+        return f"{num_workers} x {num_cpus_per_worker} CPU on {cores} cores: actors share cores; {rule}"
+    return f"{num_workers} x {num_cpus_per_worker} CPU on {cores} cores: no sharing; {rule}"
+
+
+def local_cores(config: JobConfig) -> int | None:
+    """Cores of the machine a job's actors share: this one's when the job starts a local Ray,
+    None (unknown here) when it joins a cluster."""
+    from classgrad.service.runtime.ray_session import resolve_ray_address
+
+    if resolve_ray_address(config.cluster.address)[0] is not None:
+        return None
+    return os.cpu_count() or 1
 
 
 def _peak_rss_bytes() -> int:
@@ -65,9 +119,23 @@ def _peak_rss_bytes() -> int:
 def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str | None = None) -> Estimate:
     import torch
 
+    # Measure as an actor runs: with its thread count (GradientWorker sets it before building).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.cluster.num_cpus_per_worker)
+    try:
+        return _measure(config, sample_rows, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(config: JobConfig, sample_rows: int | None, device: str | None) -> Estimate:
+    import torch
+
     from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
+    t_build = time.perf_counter()
     engine, projector, dim = checked_engine(config, device=device)
+    build_seconds = time.perf_counter() - t_build
     project_rows = project_rows_for(engine.layout.dim)
     C = config.loss.num_classes
     n = min(C, sample_rows or max(2 * config.store.row_chunk, 64))
@@ -94,7 +162,11 @@ def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str 
     else:
         peak, kind = _peak_rss_bytes(), "peak RSS"
     rate = len(sample) / seconds if seconds > 0 else float("inf")
-    workers = config.cluster.num_workers
+    cluster = config.cluster
+    cores = local_cores(config)
+    parallel = actors_in_parallel(cluster.num_workers, cluster.num_cpus_per_worker, cores)
+    job_seconds = C / (rate * parallel)
+    startup = build_seconds + RAY_STARTUP_ALLOWANCE_S
     return Estimate(
         num_classes=C,
         dim=dim,
@@ -107,7 +179,14 @@ def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str 
         rows_per_s_per_actor=rate,
         peak_memory_bytes=int(peak),
         memory_kind=kind,
-        num_workers=workers,
-        rows_per_s_job=rate * workers,
-        job_seconds=C / (rate * workers),
+        num_workers=cluster.num_workers,
+        num_cpus_per_worker=cluster.num_cpus_per_worker,
+        cores=cores,
+        actors_in_parallel=parallel,
+        rows_per_s_job=rate * parallel,
+        job_seconds=job_seconds,
+        engine_build_seconds=build_seconds,
+        ray_startup_seconds=RAY_STARTUP_ALLOWANCE_S,
+        startup_seconds=startup,
+        wall_seconds=startup + job_seconds,
     )

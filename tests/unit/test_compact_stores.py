@@ -3,12 +3,14 @@ real worker into a real store, against rows computed directly; and ``classgrad e
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from classgrad.service.config import JobConfig
-from classgrad.service.runtime.estimate import estimate_job
+from classgrad.service.runtime.estimate import RAY_STARTUP_ALLOWANCE_S, estimate_job
 from classgrad.service.runtime.preparation import prepare_store
 from classgrad.service.store import open_store
 from classgrad.workers.engines import per_class_gradients
@@ -82,7 +84,9 @@ def test_low_precision_store_keeps_rows_within_its_resolution(tmp_path, dtype, r
     assert np.all(np.abs(got - full) <= resolution * row_max)
 
 
-def test_estimate_reports_store_size_memory_and_rate(tmp_path):
+def test_estimate_reports_store_size_memory_and_rate(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # room for both actors: no core sharing
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local job, whose cores are os.cpu_count()
     config = config_for(tmp_path, store={"dtype": "float16"})
     result = estimate_job(config, sample_rows=8)
     dim = sum(p.numel() for p in build_model(config.model.factory, config.model.kwargs).parameters())
@@ -93,3 +97,32 @@ def test_estimate_reports_store_size_memory_and_rate(tmp_path):
     text = "\n".join(result.lines())
     assert "float16" in text and "rows/s" in text and "peak RSS" in text
     assert not (tmp_path / "s.zarr").exists(), "estimate must not create the store"
+
+
+def test_estimate_includes_start_up_in_the_wall_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    result = estimate_job(config_for(tmp_path), sample_rows=8)
+    assert result.engine_build_seconds > 0 and result.ray_startup_seconds == RAY_STARTUP_ALLOWANCE_S
+    assert result.startup_seconds == result.engine_build_seconds + RAY_STARTUP_ALLOWANCE_S  # same sum: exact
+    assert result.wall_seconds == result.startup_seconds + result.job_seconds  # same sum: exact
+    text = "\n".join(result.lines())
+    assert "start-up" in text and "wall time" in text and "(start-up + compute)" in text
+    assert result.to_dict()["wall_seconds"] == result.wall_seconds
+
+
+def test_estimate_divides_cores_between_actors(tmp_path, monkeypatch):
+    # 2 actors x 1 CPU on a machine reported as 1 core: they share it, so the job runs at one actor's rate.
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    result = estimate_job(config_for(tmp_path, cluster={"num_workers": 2, "num_cpus_per_worker": 1}), sample_rows=8)
+    assert result.cores == 1 and result.actors_in_parallel == 1.0
+    assert result.rows_per_s_job == result.rows_per_s_per_actor  # rate x 1.0: exact
+    assert result.job_seconds == C / result.rows_per_s_per_actor  # C / (rate x 1.0): exact
+    assert "actors share cores" in "\n".join(result.lines())
+
+
+def test_estimate_assumes_a_clusters_actors_get_their_cpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # the driver's machine is not where a cluster's actors run
+    config = config_for(tmp_path, cluster={"address": "10.0.0.1:6379", "num_workers": 3})
+    result = estimate_job(config, sample_rows=8)
+    assert result.cores is None and result.rows_per_s_job == 3 * result.rows_per_s_per_actor  # rate x 3.0: exact
