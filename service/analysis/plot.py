@@ -1,17 +1,25 @@
 """Pictures of a store, for people who would rather look than read: ``classgrad plot``.
 
-Holds ``PlotConfig`` (options, defaults), ``average_linkage_order`` (the clustered order of the
-heatmap), ``class_similarity`` (the similarity of a few classes: read from the stored matrix
-when there is a finished one, else computed from their rows, band by band), and ``plot_store``
+Holds ``PlotConfig`` (options, defaults), ``average_linkage`` (the clustered order of the
+heatmap and its merge tree; ``average_linkage_order`` the order alone, ``dendrogram_segments`` the
+tree's lines), ``param_rms`` (per-element gradient size of each parameter), ``class_similarity``
+(the similarity of a few classes: read from the stored matrix when there is a finished one,
+else computed from their rows, band by band), and ``plot_store``
 which writes three PNGs (matplotlib figures drawn by the Agg canvas directly, never through
 pyplot, so no display is needed and the caller's backend is left alone; fixed pixel sizes
 ``figsize * dpi``):
 
-- ``similarity_heatmap.png``: the top-N classes by gradient norm, in clustered order;
+- ``similarity_heatmap.png``: the top-N classes by gradient norm, in clustered order, with the
+  dendrogram above; class names (or ids) as tick labels up to ``MAX_LABELS`` classes, else none
+  and the count in the axis label;
 - ``class_norms.png``: a histogram of per-class gradient norms (log-spaced bins when they span
   more than two decades);
-- ``param_norms.png``: each parameter's gradient norm over all classes (the largest 30), absent
-  for projected stores, which have no parameters.
+- ``param_norms.png``: each parameter's gradient size per element over all classes,
+  |g_p| / sqrt(size_p) (so big tensors do not win by size alone), the largest ``MAX_BARS`` as
+  horizontal bars with a "+N more" note; absent for projected stores, which have no parameters.
+
+Text is at least ``TICK_FONT`` points and axes are placed in inches, so every figure reads at its
+default size whatever the dpi.
 
 Why average linkage: the heatmap should show groups of classes with similar gradients as
 blocks on the diagonal. Agglomerative clustering with average linkage (UPGMA) on the distance
@@ -40,8 +48,12 @@ log = logging.getLogger(__name__)
 HEATMAP_SIZE = (9.0, 8.0)  # inches; pixels = inches * dpi
 HIST_SIZE = (8.0, 5.0)
 BARS_SIZE = (9.0, 6.0)
-MAX_BARS = 30
-MAX_LABELS = 60  # tick labels on the heatmap up to this many classes
+MAX_BARS = 25  # parameters in the bar chart; the rest are counted in a "+N more" note
+MAX_LABELS = 40  # tick labels on the heatmap up to this many classes (>= 8 pt each at 5.2 in)
+FONT = 10  # points: axis labels, titles
+TICK_FONT = 8  # points: tick labels, the smallest text in the figures
+LABEL_CHARS = 24  # class names longer than this are cut (the margin holds about this many)
+NAME_CHARS = 40  # parameter names longer than this keep their end
 
 
 class PlotConfig(BaseModel):
@@ -59,32 +71,58 @@ class PlotConfig(BaseModel):
     block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB of one read")
 
 
-def average_linkage_order(dist: np.ndarray) -> np.ndarray:
-    """Leaf order of average-linkage (UPGMA) clustering of a symmetric distance matrix; at each
-    merge the subtrees are oriented so that their closest ends meet. Deterministic."""
+def average_linkage(dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Average-linkage (UPGMA) clustering of a symmetric distance matrix: (leaf order, merges).
+    ``merges`` [n-1, 3] is the merge tree in scipy's convention: row k joins nodes ``merges[k, 0]``
+    and ``merges[k, 1]`` (ids < n are leaves, id n + j is the cluster made by row j) at distance
+    ``merges[k, 2]``. At each merge the subtrees are oriented so that their closest ends meet,
+    so every cluster is a contiguous run of the order. Deterministic."""
     n = dist.shape[0]
-    if n <= 2:
-        return np.arange(n)
     base = np.asarray(dist, dtype=np.float64)
     d = base.copy()
     np.fill_diagonal(d, np.inf)
     size = np.ones(n)
     members: dict[int, list[int]] = {i: [i] for i in range(n)}
-    for _ in range(n - 1):
+    node = list(range(n))  # tree node id of the cluster held in each slot
+    merges = np.zeros((max(n - 1, 0), 3))
+    for k in range(n - 1):
         a, b = divmod(int(np.argmin(d)), n)
         a, b = min(a, b), max(a, b)
+        merges[k] = (node[a], node[b], d[a, b])
         left, right = members.pop(a), members.pop(b)
         # The orientation whose junction (last of one, first of the other) is closest.
         options = [(left, right), (left, right[::-1]), (left[::-1], right), (left[::-1], right[::-1])]
         best = min(options, key=lambda o: base[o[0][-1], o[1][0]])
         members[a] = best[0] + best[1]
+        node[a] = n + k
         merged = (size[a] * d[a] + size[b] * d[b]) / (size[a] + size[b])
         d[a], d[:, a] = merged, merged
         d[a, a] = np.inf
         d[b], d[:, b] = np.inf, np.inf
         size[a] += size[b]
-    (order,) = members.values()
-    return np.array(order, dtype=np.int64)
+    order = np.array(next(iter(members.values())) if members else [], dtype=np.int64)
+    return order, merges
+
+
+def average_linkage_order(dist: np.ndarray) -> np.ndarray:
+    """Leaf order of ``average_linkage``."""
+    return average_linkage(dist)[0]
+
+
+def dendrogram_segments(order: np.ndarray, merges: np.ndarray) -> list[tuple[list[float], list[float]]]:
+    """The lines of a dendrogram drawn over leaves at x = 0 .. n-1 in ``order``: one (xs, ys)
+    U-shape per merge, from each child's (x, height) up to the merge height."""
+    n = len(order)
+    x = np.zeros(n + len(merges))
+    x[order] = np.arange(n)
+    height = np.zeros(n + len(merges))
+    lines = []
+    for k, (a, b, h) in enumerate(merges):
+        a, b = int(a), int(b)
+        lines.append(([x[a], x[a], x[b], x[b]], [height[a], h, h, height[b]]))
+        x[n + k] = (x[a] + x[b]) / 2
+        height[n + k] = h
+    return lines
 
 
 def class_similarity(
@@ -113,10 +151,18 @@ def class_similarity(
     return sim, metric, "computed"
 
 
+def _short(text: str, limit: int, *, keep: str = "start") -> str:
+    """``text`` cut to ``limit`` characters with an ellipsis (keeping its end for dotted
+    parameter names, whose last parts say the most)."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - 1] + "…" if keep == "start" else "…" + text[-(limit - 1) :]
+
+
 def _labels(store, rows: np.ndarray) -> list[str]:
     names = store.class_names
     ids = store.class_ids
-    return [names[r] if names is not None else str(int(ids[r])) for r in rows]
+    return [_short(names[r], LABEL_CHARS) if names is not None else str(int(ids[r])) for r in rows]
 
 
 def _figure(size: tuple[float, float], dpi: int):
@@ -132,31 +178,79 @@ def _save(fig, path: Path, dpi: int) -> None:
     fig.savefig(path, dpi=dpi, format="png")  # no bbox_inches="tight": the size stays fixed
 
 
-def _heatmap(store, sim: np.ndarray, rows: np.ndarray, metric: str, source: str, path: Path, dpi: int) -> None:
+def _inches(fig, left: float, bottom: float, width: float, height: float):
+    """Axes placed in inches, so that cells stay square and margins fit the labels at any dpi."""
+    w, h = fig.get_size_inches()
+    return fig.add_axes((left / w, bottom / h, width / w, height / h))
+
+
+def _heatmap(
+    store,
+    sim: np.ndarray,
+    rows: np.ndarray,
+    tree: tuple[np.ndarray, np.ndarray] | None,
+    metric: str,
+    source: str,
+    path: Path,
+    dpi: int,
+) -> dict:
+    """Draw the heatmap (and above it the dendrogram of ``tree`` = (leaf order, merges) when it is
+    clustered; ``sim`` and ``rows`` are already in leaf order); return what was
+    drawn: tick labels per axis, whether the dendrogram is there, the number of axes."""
     fig = _figure(HEATMAP_SIZE, dpi)
-    ax = fig.add_axes((0.12, 0.1, 0.72, 0.8))
-    cax = fig.add_axes((0.87, 0.1, 0.03, 0.8))
+    side, left, bottom = 5.0, 1.9, 1.95  # inches: square heatmap, room for labels left and below
+    ax = _inches(fig, left, bottom, side, side)
+    cax = _inches(fig, left + side + 0.3, bottom, 0.2, side)
     if metric == "cosine":
         vmax = 1.0
     else:
         off = sim[~np.eye(len(sim), dtype=bool)]
         vmax = float(np.abs(off).max()) if off.size and np.abs(off).max() > 0 else 1.0
-    image = ax.imshow(sim, cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest")
-    fig.colorbar(image, cax=cax, label=f"{metric} similarity")
+    image = ax.imshow(sim, cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest", aspect="auto")
+    bar = fig.colorbar(image, cax=cax)
+    bar.set_label("cosine similarity" if metric == "cosine" else "dot product of gradients", fontsize=FONT)
+    bar.ax.tick_params(labelsize=FONT)
     n = len(rows)
+    named = store.class_names is not None
+    what = "class name" if named else "class id"
     if n <= MAX_LABELS:
         labels = _labels(store, rows)
-        size = 7 if n <= 30 else 5
-        ax.set_xticks(range(n), labels, rotation=90, fontsize=size)
-        ax.set_yticks(range(n), labels, fontsize=size)
+        ax.set_xticks(range(n), labels, rotation=90, fontsize=TICK_FONT)
+        ax.set_yticks(range(n), labels, fontsize=TICK_FONT)
+        ax.set_xlabel(what, fontsize=FONT)
+        ax.set_ylabel(what, fontsize=FONT)
     else:
         ax.set_xticks([])
         ax.set_yticks([])
-    ax.set_title(
-        f"{metric} similarity of the {n} classes with the largest gradient norms\n(average-linkage order; {source})",
-        fontsize=10,
+        ax.set_xlabel(f"{n} classes ({what}s not shown: too many to read)", fontsize=FONT)
+        ax.set_ylabel(f"{n} classes", fontsize=FONT)
+    ax.tick_params(length=2)
+    drawn = {"tick_labels": len(ax.get_xticklabels()) if n <= MAX_LABELS else 0, "dendrogram": tree is not None}
+    order = "average-linkage order, dendrogram above" if tree is not None else "stored order"
+    top = bottom + side
+    if tree is not None:
+        dax = _inches(fig, left, top + 0.05, side, 0.6)
+        for xs, ys in dendrogram_segments(*tree):
+            dax.plot(xs, ys, color="0.25", linewidth=0.8)
+        dax.set_xlim(-0.5, n - 0.5)
+        dax.set_ylim(0, max(float(tree[1][:, 2].max()), 1e-12) * 1.05)
+        dax.set_xticks([])
+        dax.tick_params(labelsize=TICK_FONT, length=2)
+        dax.set_ylabel("1 − cos", fontsize=TICK_FONT)
+        for spine in ("top", "right", "bottom"):
+            dax.spines[spine].set_visible(False)
+        top += 0.65
+    fig.text(
+        (left + side / 2) / HEATMAP_SIZE[0],
+        (top + 0.06) / HEATMAP_SIZE[1],
+        f"{metric} similarity of the {n} classes with the largest gradient norms\n({order}; {source})",
+        ha="center",
+        va="bottom",
+        fontsize=FONT,
     )
+    drawn["axes"] = len(fig.axes)
     _save(fig, path, dpi)
+    return drawn
 
 
 def _histogram(norms: np.ndarray, path: Path, dpi: int) -> None:
@@ -173,25 +267,47 @@ def _histogram(norms: np.ndarray, path: Path, dpi: int) -> None:
         bins = 50
     if positive.size:
         ax.hist(positive, bins=bins, color="tab:blue")
-    ax.set_xlabel("per-class gradient norm |dL_c/dθ|")
-    ax.set_ylabel("classes")
-    ax.set_title(f"per-class gradient norms ({finite.size} classes{note})", fontsize=10)
-    fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.12)
+    ax.set_xlabel("per-class gradient norm |dL_c/dθ|", fontsize=FONT)
+    ax.set_ylabel("number of classes", fontsize=FONT)
+    ax.yaxis.get_major_locator().set_params(integer=True)  # counts: no 2.5 classes
+    ax.tick_params(labelsize=FONT)
+    ax.set_title(f"per-class gradient norms ({finite.size} classes{note})", fontsize=FONT + 1)
+    fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.13)
     _save(fig, path, dpi)
 
 
-def _bars(names: list[str], totals: np.ndarray, path: Path, dpi: int) -> None:
+def param_rms(norms, sizes: np.ndarray) -> np.ndarray:
+    """Per-element gradient size of each parameter over all classes: |g_p| / sqrt(size_p), the
+    root mean square of the per-element norms sqrt(sum_c g_c,j^2), so that large tensors do not
+    win by their size alone."""
+    return norms.param_total / np.sqrt(np.asarray(sizes, dtype=np.float64))
+
+
+def _bars(names: list[str], values: np.ndarray, path: Path, dpi: int) -> dict:
+    """Horizontal bars of the largest ``MAX_BARS`` values, largest on top; return what was drawn."""
     fig = _figure(BARS_SIZE, dpi)
-    ax = fig.add_subplot()
-    order = np.argsort(-totals, kind="stable")[:MAX_BARS]
-    shown = [names[i] for i in order][::-1]
-    ax.barh(range(len(order)), totals[order][::-1], color="tab:orange")
-    ax.set_yticks(range(len(order)), shown, fontsize=7 if len(order) <= 20 else 5)
-    ax.set_xlabel("gradient norm over all classes, sqrt(sum_c |dL_c/dθ_p|^2)")
-    more = f", the largest {MAX_BARS} of {len(names)}" if len(names) > MAX_BARS else ""
-    ax.set_title(f"per-parameter gradient norms{more}", fontsize=10)
-    fig.subplots_adjust(left=0.3, right=0.97, top=0.92, bottom=0.1)
+    ax = fig.add_axes((2.7 / BARS_SIZE[0], 0.75 / BARS_SIZE[1], 5.9 / BARS_SIZE[0], 4.65 / BARS_SIZE[1]))
+    order = np.argsort(-values, kind="stable")[:MAX_BARS]
+    more = len(names) - len(order)
+    shown = [names[i] for i in order]
+    ax.barh(range(len(order)), values[order], color="tab:orange")
+    labels = [_short(m, NAME_CHARS, keep="end") for m in shown]
+    if more:  # one more row without a bar, its label saying how many are left out
+        labels.append(f"+{more} more (smaller)")
+    ax.set_yticks(range(len(labels)), labels, fontsize=TICK_FONT)
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # largest on top
+    positive = values[order][values[order] > 0]
+    if positive.size and positive.max() / positive.min() > 100:
+        ax.set_xscale("log")
+    ax.tick_params(axis="x", labelsize=FONT)
+    ax.set_xlabel("RMS gradient per element over all classes, |g_p| / sqrt(size_p)", fontsize=FONT)
+    ax.set_ylabel("parameter", fontsize=FONT)
+    which = (
+        f"the {len(order)} largest of {len(names)} parameters" if more else f"{len(names)} parameters, largest first"
+    )
+    ax.set_title(f"per-parameter gradient size ({which})", fontsize=FONT + 1)
     _save(fig, path, dpi)
+    return {"names": shown, "rms": values[order].tolist(), "more": more}
 
 
 def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, **options) -> dict:
@@ -223,18 +339,19 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
     if len(top) >= 2:
         sim, metric, source = class_similarity(store, top, config.metric, block_mb=config.block_mb)
         cos = sim if metric == "cosine" else cosine_from_gram(sim.astype(np.float64))
-        order = average_linkage_order(np.clip(1.0 - cos.astype(np.float64), 0.0, None))
+        order, merges = average_linkage(np.clip(1.0 - cos.astype(np.float64), 0.0, None))
         rows = top[order]
         path = out / "similarity_heatmap.png"
-        _heatmap(store, sim[np.ix_(order, order)], rows, metric, source, path, config.dpi)
+        drawn = _heatmap(store, sim[np.ix_(order, order)], rows, (order, merges), metric, source, path, config.dpi)
         written["similarity_heatmap"] = str(path)
-        result.update(heatmap_rows=rows.tolist(), metric=metric, similarity_source=source)
+        result.update(heatmap_rows=rows.tolist(), metric=metric, similarity_source=source, heatmap=drawn)
     path = out / "class_norms.png"
     _histogram(norms.row, path, config.dpi)
     written["class_norms"] = str(path)
     if norms.names:
         path = out / "param_norms.png"
-        _bars(norms.names, norms.param_total, path, config.dpi)
+        rms = param_rms(norms, np.array([e.size for e in store.layout]))
+        result["param_norms"] = _bars(norms.names, rms, path, config.dpi)
         written["param_norms"] = str(path)
     else:
         result["note"] = "projected store: no per-parameter norms"

@@ -52,10 +52,13 @@ def synthetic_store(
     col_chunk: int = 40,
     shards=None,
     seed: int = 0,
+    layout: tuple[ParamSlot, ...] | None = None,
     **spec,
 ):
-    """(open r+ store, true float32 rows as the reader returns them)."""
-    layout = () if projected or dim != DIM else LAYOUT
+    """(open r+ store, true float32 rows as the reader returns them); ``layout`` replaces the
+    default parameter layout (which needs ``dim == DIM``)."""
+    if layout is None:
+        layout = () if projected or dim != DIM else LAYOUT
     projection = {"kind": "rademacher", "dim": dim, "seed": 0, "out_dim": dim} if projected else None
     store = create_store(
         str(path),

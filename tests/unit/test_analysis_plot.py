@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from classgrad.service.analysis.plot import average_linkage_order, class_similarity, plot_store
+from classgrad.service.analysis.plot import (
+    average_linkage,
+    average_linkage_order,
+    class_similarity,
+    dendrogram_segments,
+    plot_store,
+)
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
 from tests.support.stores import dense_similarity, synthetic_store
@@ -90,3 +96,68 @@ def test_a_failed_plot_leaves_no_output_directory(tmp_path, capsys):
     assert cli_main(["plot", str(tmp_path / "missing.zarr"), "--out", str(tmp_path / "p2")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert not (tmp_path / "p2").exists()
+
+
+def many_params_store(path, num_params: int, num_classes: int = 60):
+    """A store with ``num_params`` parameters of very different sizes (1 .. 64 elements)."""
+    from classgrad.service.store import ParamSlot
+
+    slots, offset = [], 0
+    for i in range(num_params):
+        size = 1 + (i * 37) % 64
+        slots.append(ParamSlot(f"blocks.{i}.proj.weight", (size,), offset, size))
+        offset += size
+    names = tuple(f"class-{i}" for i in range(num_classes))
+    store, rows = synthetic_store(path, num_classes=num_classes, dim=offset, layout=tuple(slots), class_names=names)
+    return store, rows, slots
+
+
+def test_param_chart_shows_per_element_norms_capped_with_a_count(tmp_path):
+    store, rows, slots = many_params_store(tmp_path / "s", num_params=70)
+    result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=10, dpi=40)
+    drawn = result["param_norms"]
+    x = rows.astype(np.float64)
+    rms = {e.name: np.sqrt(np.square(x[:, e.offset : e.offset + e.size]).sum() / e.size) for e in slots}
+    expected = sorted(rms, key=lambda name: -rms[name])[:25]
+    assert drawn["names"] == expected and drawn["more"] == 70 - 25
+    # grad_norms squares in float32 (each square off by <= 2^-24 relative), sums in float64;
+    # the square root halves that: 1e-7 relative is ample and far below any ranking difference.
+    np.testing.assert_allclose(drawn["rms"], [rms[name] for name in expected], rtol=1e-7)
+    assert drawn["rms"] == sorted(drawn["rms"], reverse=True)
+    check_png(result["files"]["param_norms"], tuple(result["sizes"]["param_norms"]))
+
+
+def test_param_chart_without_cap_has_no_more_note(tmp_path):
+    synthetic_store(tmp_path / "s", num_classes=30)
+    drawn = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=5, dpi=40)["param_norms"]
+    assert sorted(drawn["names"]) == ["head.weight", "layer.bias", "layer.weight"] and drawn["more"] == 0
+
+
+def test_heatmap_labels_and_dendrogram(tmp_path):
+    many_params_store(tmp_path / "s", num_params=3)
+    few = plot_store(str(tmp_path / "s"), str(tmp_path / "a"), top_n=12, dpi=40)
+    # Heatmap, colorbar and the dendrogram above: three axes.
+    assert few["heatmap"] == {"tick_labels": 12, "dendrogram": True, "axes": 3}
+    many = plot_store(str(tmp_path / "s"), str(tmp_path / "b"), top_n=50, dpi=40)
+    assert many["heatmap"]["tick_labels"] == 0 and many["heatmap"]["dendrogram"]
+
+
+def test_heatmap_tick_text_is_legible():
+    """Every tick label of the heatmap is at least 8 pt, whatever the number of classes."""
+    from classgrad.service.analysis import plot
+
+    assert plot.TICK_FONT >= 8 and plot.MAX_LABELS <= 40
+
+
+def test_average_linkage_tree_matches_the_order():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((9, 6))
+    cos = dense_similarity(x.astype(np.float32), "cosine")
+    order, merges = average_linkage(1.0 - cos)
+    assert np.array_equal(order, average_linkage_order(1.0 - cos)) and merges.shape == (8, 3)
+    assert np.all(np.diff(merges[:, 2]) >= -1e-12)  # UPGMA heights never decrease (float64 averages)
+    lines = dendrogram_segments(order, merges)
+    assert len(lines) == 8
+    # The last merge joins everything: its bar spans the middle of the leaves.
+    xs, ys = lines[-1]
+    assert 0 <= min(xs) <= max(xs) <= 8 and ys[1] == ys[2] == merges[-1, 2]
