@@ -129,13 +129,18 @@ def test_an_endpoint_that_stays_down_fails_the_job_after_the_shard_attempts_and_
     )
     assert match, message
     shard, saved = int(match[1]), int(match[4])
-    assert saved >= seen["done_at_outage"] and saved < NUM_SHARDS
+    assert 0 <= shard < NUM_SHARDS and seen["done_at_outage"] <= saved < NUM_SHARDS
 
     proxy.up()
     url, options = config.store.url, config.store.storage_options
     store = open_store(url, storage_options=options, mode="r+")
     done = store.shard_done
-    assert int(done.sum()) == saved and not done[shard]  # every shard reported done is kept, only those
+    # Every shard reported done is kept. A few more may be marked done too (at most one per actor):
+    # a mark whose PUT reached the store as the endpoint went down, its answer lost, so that its
+    # actor reported a failure (seen in CI). Its rows were written before its mark, so it is whole:
+    # the rerun below skips it and the final store still equals an uninterrupted run.
+    kept = int(done.sum())
+    assert saved <= kept <= saved + config.cluster.num_workers, (saved, done)
     # The driver could not release its lease while the endpoint was down (it logged that); a rerun
     # in another process takes over a lease whose holder is gone, but its holder here is this
     # process, which lives on: release it as that takeover would.
@@ -143,6 +148,6 @@ def test_an_endpoint_that_stays_down_fails_the_job_after_the_shard_attempts_and_
     store.lease.release(driver.run_id)
     rerun = JobDriver(config)
     summary = rerun.run()
-    assert summary.status == "complete" and summary.shards_skipped == saved
+    assert summary.status == "complete" and summary.shards_skipped == kept
     assert set(rerun.completions) == set(np.flatnonzero(~done.astype(bool)).tolist())  # only the rest
     assert_identical(store_arrays(url, storage_options=options), clean)

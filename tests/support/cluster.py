@@ -189,6 +189,9 @@ class LocalRayCluster:
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        # A node's raylet must register with the GCS within this many seconds (Ray's default, 30 s,
+        # was missed once on a loaded 2-core CI machine: "The current node timed out during startup").
+        env.setdefault("RAY_raylet_start_wait_time_s", "90")
         return env
 
     def node_env(self) -> dict[str, str]:
