@@ -84,7 +84,7 @@ class RunSummary:
     def add_engine_notes(self, notes: list[str]) -> None:
         """Add ``notes`` not already held, each cut to one short line, up to ``MAX_ENGINE_NOTES``."""
         for note in notes:
-            line = note.splitlines()[0][:ENGINE_NOTE_CHARS] if note else ""
+            line = first_line(note, limit=ENGINE_NOTE_CHARS)
             if line and line not in self.engine_notes and len(self.engine_notes) < MAX_ENGINE_NOTES:
                 self.engine_notes.append(line)
 

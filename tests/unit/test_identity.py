@@ -29,6 +29,7 @@ from classgrad.workers.runtime.identity import (
     identity_changes,
     model_digest,
 )
+from tests.support.stores import write_all
 
 C = 12
 MLP = {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 6, "hidden": 8}}
@@ -225,9 +226,6 @@ def test_a_store_recorded_without_identity_is_resumed_as_before(tmp_path):
     store.record_identity(None)  # type: ignore[arg-type]
     store = open_store(store.url, mode="r+")
     assert store.spec.identity is None
-    start, stop = store.shard_range(0)  # a shard is marked done only once its rows are written
-    n = stop - start
-    store.write_rows(start, np.zeros((n, store.dim), np.float32), loss=np.zeros(n, np.float32), count=np.ones(n))
-    store.mark_shard_done(0)
+    write_all(store, np.zeros((store.num_classes, store.dim), np.float32), shards=[0])  # rows, then the mark
     check_identity(store, prepared.identity)  # no record: nothing to compare, resumed as before
     assert np.asarray(store.shard_done)[0] == 1

@@ -29,6 +29,7 @@ from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.store import StoreSpec, create_store, store_lease
 from classgrad.service.store.lease_files import LocalLeaseFile
 from tests.support.jobs import small_job
+from tests.support.stores import write_all
 
 
 def spec(fingerprint: str = "fp-1") -> StoreSpec:
@@ -99,10 +100,7 @@ def test_the_lease_is_next_to_the_store_and_survives_its_overwrite(tmp_path):
     with store_lease(url).hold("run-a") as held:
         assert os.path.exists(str(tmp_path / "s.zarr.classgrad-lease.json"))
         store = create_store(url, spec("fp-1"), lease=held)
-        start, stop = store.shard_range(0)  # a shard is marked done only once its rows are written
-        n = stop - start
-        store.write_rows(start, np.ones((n, store.dim), np.float32), loss=np.zeros(n, np.float32), count=np.ones(n))
-        store.mark_shard_done(0)
+        write_all(store, np.ones((store.num_classes, store.dim), np.float32), shards=[0])  # rows, then the mark
         new = create_store(url, spec("fp-2"), overwrite=True, lease=held)
         assert new.fingerprint == "fp-2" and not new.shard_done.any()
         assert new.lease.info()["run_id"] == "run-a"  # the deletion of the store left it alone
