@@ -63,13 +63,15 @@ class Tokens(nn.Module):
         return x.reshape(x.shape[0], *self.shape)
 
 
-def _conv_head(*body: nn.Module, channels: int) -> nn.Sequential:
-    return nn.Sequential(*body, nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * channels, NUM_CLASSES))
+def _conv_head(*body: nn.Module, channels: int, dims: int = 2) -> nn.Sequential:
+    pool = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}[dims](2)
+    return nn.Sequential(*body, nn.ReLU(), pool, nn.Flatten(), nn.Linear(2**dims * channels, NUM_CLASSES))
 
 
 def _build(case: str) -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     image, vector = dict(kind="image", input_shape=(3, 9, 9)), dict(kind="vector", input_shape=(8,))
+    signal, volume = dict(kind="image", input_shape=(3, 11)), dict(kind="image", input_shape=(2, 5, 6, 7))
     models = {
         "linear": (lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)), vector),
         "linear_no_bias": (
@@ -95,6 +97,25 @@ def _build(case: str) -> tuple[nn.Module, dict]:
             ),
             image,
         ),
+        "conv1d": (
+            lambda: _conv_head(
+                nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=2),
+                nn.Conv1d(4, 4, 3, groups=2, bias=False),
+                channels=4,
+                dims=1,
+            ),
+            signal,
+        ),
+        "conv3d": (
+            lambda: _conv_head(
+                nn.Conv3d(2, 4, (2, 3, 3), stride=(1, 2, 1), padding=(1, 0, 2), dilation=(1, 1, 2)),
+                nn.Conv3d(4, 4, 1, groups=4),
+                channels=4,
+                dims=3,
+            ),
+            volume,
+        ),
+        "batchnorm3d": (lambda: _conv_head(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4), channels=4, dims=3), volume),
         "batchnorm1d": (
             lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)),
             vector,
@@ -141,6 +162,9 @@ RULE_CASES = {  # case -> the layer types whose rule must be used
     "conv_no_bias": {nn.Conv2d, nn.Linear},
     "conv_strided": {nn.Conv2d, nn.Linear},
     "conv_grouped": {nn.Conv2d, nn.Linear},
+    "conv1d": {nn.Conv1d, nn.Linear},
+    "conv3d": {nn.Conv3d, nn.Linear},
+    "batchnorm3d": {nn.BatchNorm3d, nn.Conv3d, nn.Linear},
     "batchnorm1d": {nn.BatchNorm1d, nn.Linear},
     "batchnorm1d_positions": {nn.BatchNorm1d, nn.Linear},
     "batchnorm2d": {nn.BatchNorm2d, nn.Conv2d, nn.Linear},
@@ -178,14 +202,26 @@ def test_rules_compute_only_the_selected_parameters(case, params):
     assert max_relative_error(got, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("groups,stride,dilation,padding", [(1, 1, 1, 0), (2, 2, 1, 1), (3, 1, 2, (2, 0))])
-def test_conv_token_factors_give_the_grouped_kernels_sums(groups, stride, dilation, padding):
-    """The Conv2d rule's outer-product factors (what a projection inside the backward will use)
-    and its fast kernel (one grouped convolution backward) give the same per-class sums."""
+@pytest.mark.parametrize(
+    "dims,groups,stride,dilation,padding",
+    [
+        (2, 1, 1, 1, 0),
+        (2, 2, 2, 1, 1),
+        (2, 3, 1, 2, (2, 0)),
+        (1, 1, 2, 2, 1),
+        (1, 3, 1, 1, 0),
+        (3, 1, (1, 2, 1), (2, 1, 1), (1, 0, 2)),
+        (3, 2, 1, 1, 0),
+    ],
+)
+def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, dilation, padding):
+    """The convolution rule's outer-product factors (what a projection inside the backward will
+    use) and its fast kernel (one grouped convolution backward) give the same per-class sums."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
+    conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    conv = conv_type(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
+    x = torch.randn(6, 6, *(7, 8, 9)[:dims], dtype=torch.float64)
     counts = torch.tensor([3, 1, 2])
-    x = torch.randn(int(counts.sum()), 6, 7, 8, dtype=torch.float64)
     g = torch.randn_like(conv(x))
     k, width = len(counts), int(counts.max())
     local = torch.repeat_interleave(torch.arange(k), counts)

@@ -68,7 +68,7 @@ def sample_classes(seen: LayerCapture) -> torch.Tensor:
 
 
 def _write_table(
-    module: nn.Embedding | nn.EmbeddingBag, seen: LayerCapture, out: LayerRows, fill: Callable[[torch.Tensor], None]
+    module: nn.Embedding | nn.EmbeddingBag, seen: LayerCapture, out: LayerRows, fill: Callable[[torch.Tensor], object]
 ) -> None:
     """``fill`` adds into a zeroed ``[k, V, H]`` view of the class's rows (a temporary when this
     layer's rows were already written in this run: a module called twice); padding row zeroed."""
