@@ -7,6 +7,7 @@ path (the rule is what is under test) and give the reference engine's rows on a 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,9 @@ from classgrad.workers.engines.layer_rules import (
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
+from tests.support.rule_cases import assert_hook_path
+
+LAYERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "layers.md"
 
 BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone
 
@@ -321,6 +325,45 @@ def test_a_wrong_user_rule_is_caught_by_the_spot_check(scale_rule):
     assert any("differ from the plain gradient" in note for note in eng.stats.notes), eng.stats.notes
     # The vmap rows: a few float32 roundoffs, as above.
     assert max_relative_error(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "conv", [nn.Conv1d(3, 4, 3, padding="same"), nn.Conv3d(3, 4, 3, padding=1, padding_mode="reflect")]
+)
+def test_a_refused_convolution_says_why_and_stays_exact(conv):
+    assert "padding" in (rule_for(conv).applies(conv) or "")
+    dims = conv.weight.dim() - 2
+    model = _randomised(_conv_head(conv, channels=4, dims=dims))
+    data = _data(dict(kind="image", input_shape=(3, 7, 6, 5)[: dims + 1]))
+    eng, got, ref = _rows(model, data)
+    assert eng._hooked is None  # another path computed the rows
+    # Same contract as the rules: a few float32 roundoffs.
+    assert max_relative_error(got, ref) <= 1e-6
+
+
+def test_the_docs_example_rule_runs_as_written_and_is_exact():
+    """docs/layers.md's ``register_rule`` example, executed as written, on a model with the
+    example layer at several positions per sample."""
+    blocks = [b.split("```", 1)[0] for b in LAYERS_DOC.read_text().split("```python\n")[1:]]
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "docs/layers.md", "exec"), namespace)  # noqa: S102 - the doc's own example
+    layer_type = namespace["FeatureScale"]
+    try:
+        assert rule_for(layer_type(3)).sums is namespace["feature_scale_sums"]
+        torch.manual_seed(0)
+        scale = layer_type(4)
+        nn.init.uniform_(scale.weight, 0.5, 1.5)
+        nn.init.uniform_(scale.bias, -0.5, 0.5)
+        model = nn.Sequential(
+            nn.Linear(8, 12), Tokens(3, 4), scale, nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)
+        )
+        eng, got, ref = _rows(model.eval(), _data(dict(kind="vector", input_shape=(8,))))
+        assert_hook_path(eng, {layer_type, nn.Linear})
+        # A few float32 roundoffs, as for the built-in rules.
+        assert max_relative_error(got, ref) <= 1e-6
+    finally:
+        RULES.pop(layer_type, None)
 
 
 def test_the_registry_refuses_a_second_rule_and_matches_exact_types():
