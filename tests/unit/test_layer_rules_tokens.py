@@ -250,3 +250,26 @@ class GPT2MLPClassifier(nn.Module):
 
 def test_gpt2_mlp_takes_the_hook_path():
     _check_exact(GPT2MLPClassifier(), _vector_probe(24), {Conv1D, nn.Linear})
+
+
+# As test_engines' LOW_PRECISION_TOLERANCE (about 20-25 unit roundoffs of the half type): inputs,
+# activations and their gradients are rounded once per layer in these few-layer models.
+LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
+LOW_PRECISION_CASES = {
+    "embedding_padding_idx": (
+        lambda: EmbedClassifier(_embedding(padding_idx=PAD)),
+        lambda: token_probe(VOCAB, SEQ, pad=PAD),
+    ),
+    "bag_max": (lambda: EmbedClassifier(_bag(mode="max")), lambda: token_probe(VOCAB, SEQ)),
+    "hf_conv1d": (lambda: Conv1DClassifier(twice=True), lambda: _vector_probe(12)),
+}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", sorted(LOW_PRECISION_CASES))
+def test_token_rules_under_autocast(case, precision):
+    build, data = LOW_PRECISION_CASES[case]
+    eng, got, ref = rows_and_reference(build().eval(), data(), precision=precision)
+    assert eng._hooked is not None and eng._hooked.checked and not eng.stats.notes, eng.stats.notes
+    assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
+    assert max_relative_error(got, ref) <= LOW_PRECISION_TOLERANCE[precision]
