@@ -6,7 +6,6 @@ path (the rule is what is under test) and give the reference engine's rows on a 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import (
     RULES,
     ClassGrid,
@@ -28,11 +27,9 @@ from classgrad.workers.engines.layer_rules import (
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
-from tests.support.rule_cases import assert_hook_path
+from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
 
 LAYERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "layers.md"
-
-BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone
 
 
 @pytest.fixture(autouse=True)
@@ -54,17 +51,6 @@ def _randomised(model: nn.Module) -> nn.Module:
             nn.init.uniform_(m.weight, 0.5, 1.5)
             nn.init.uniform_(m.bias, -0.5, 0.5)
     return model.eval()
-
-
-class Tokens(nn.Module):
-    """``[N, F]`` -> ``[N, shape...]``: gives the next layer several positions per sample."""
-
-    def __init__(self, *shape: int):
-        super().__init__()
-        self.shape = shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], *self.shape)
 
 
 def _conv_head(*body: nn.Module, channels: int, dims: int = 2) -> nn.Sequential:
@@ -141,21 +127,7 @@ def _data(data_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(model: nn.Module, data, params=None):
     """(engine, its rows, the float64 reference engine's rows)."""
-    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=BATCH_SIZE, params=params)
-    got = eng.compute(range(NUM_CLASSES)).rows
-    ref = (
-        build_engine(
-            copy.deepcopy(model).double(),
-            data,
-            num_classes=NUM_CLASSES,
-            engine="reference",
-            batch_size=BATCH_SIZE,
-            params=params,
-        )
-        .compute(range(NUM_CLASSES))
-        .rows
-    )
-    return eng, got, ref
+    return rows_and_reference(model, data, params=params)
 
 
 RULE_CASES = {  # case -> the layer types whose rule must be used
