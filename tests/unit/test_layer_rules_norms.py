@@ -14,6 +14,8 @@ from torch import nn
 
 from classgrad.workers import zoo
 from classgrad.workers.engines import choices
+from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for
+from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
 
@@ -158,3 +160,50 @@ def test_frozen_norm_parameters_are_left_out():
     assert_hook_path(eng, {nn.LayerNorm, nn.Linear})  # the bias still is
     assert got.shape[1] == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert max_relative_error(got, ref) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "norm,scale",
+    [
+        (lambda: nn.LayerNorm((3, 4), eps=1e-5), 1e-3),  # variance 1e-6: eps is a tenth of it
+        (lambda: nn.GroupNorm(2, 4, eps=1e-4), 1e-2),  # the same, per group
+        (lambda: nn.RMSNorm((3, 4)), 3e-4),  # eps=None: float32's machine epsilon 1.2e-7 is most of mean(x^2)
+    ],
+    ids=["layernorm", "groupnorm", "rmsnorm_default_eps"],
+)
+def test_norm_rules_recompute_x_hat_with_torchs_eps_and_dims(norm, scale, dtype):
+    """The rule's per-class sums against autograd on the same layer, with inputs so small that a
+    wrong eps (or the wrong dimensions) would show far above the roundoff."""
+    torch.manual_seed(0)
+    layer = _randomised(norm()).to(dtype)
+    counts = torch.tensor([3, 1, 2])
+    x = scale * torch.randn(int(counts.sum()), 4, 3, 4, dtype=dtype)
+    g = torch.randn_like(layer(x))
+    k, width = len(counts), int(counts.max())
+    local = torch.repeat_interleave(torch.arange(k), counts)
+    within = torch.arange(len(local)) - (torch.cumsum(counts, 0) - counts)[local]
+    seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, dtype))
+    params = dict(layer.named_parameters())
+    slots, offset = {}, 0
+    for name, p in params.items():
+        slots[name] = ParamSlot(name, tuple(p.shape), offset, p.numel())
+        offset += p.numel()
+    run = ClassRows(torch.full((k, offset), float("nan"), dtype=dtype))
+    rule_for(layer).sums(layer, seen, LayerRows(run, slots))
+    assert run.certainly_finite()
+    want = torch.stack(
+        [
+            torch.cat(
+                [
+                    t.flatten()
+                    for t in torch.autograd.grad((layer(x[local == i]) * g[local == i]).sum(), list(params.values()))
+                ]
+            )
+            for i in range(k)
+        ]
+    )
+    # Sums of at most 48 products per entry, in another order than torch's kernel: a few roundoffs
+    # of the dtype (a wrong eps would be off by about 10%).
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(run.rows, want, rtol=tol, atol=tol * float(want.abs().max()))
