@@ -6,14 +6,14 @@ path (the rule is what is under test) and give the reference engine's rows on a 
 
 from __future__ import annotations
 
-import copy
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import (
     RULES,
     ClassGrid,
@@ -27,8 +27,9 @@ from classgrad.workers.engines.layer_rules import (
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
+from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
 
-BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone
+LAYERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "layers.md"
 
 
 @pytest.fixture(autouse=True)
@@ -52,24 +53,15 @@ def _randomised(model: nn.Module) -> nn.Module:
     return model.eval()
 
 
-class Tokens(nn.Module):
-    """``[N, F]`` -> ``[N, shape...]``: gives the next layer several positions per sample."""
-
-    def __init__(self, *shape: int):
-        super().__init__()
-        self.shape = shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], *self.shape)
-
-
-def _conv_head(*body: nn.Module, channels: int) -> nn.Sequential:
-    return nn.Sequential(*body, nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(4 * channels, NUM_CLASSES))
+def _conv_head(*body: nn.Module, channels: int, dims: int = 2) -> nn.Sequential:
+    pool = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}[dims](2)
+    return nn.Sequential(*body, nn.ReLU(), pool, nn.Flatten(), nn.Linear(2**dims * channels, NUM_CLASSES))
 
 
 def _build(case: str) -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
     image, vector = dict(kind="image", input_shape=(3, 9, 9)), dict(kind="vector", input_shape=(8,))
+    signal, volume = dict(kind="image", input_shape=(3, 11)), dict(kind="image", input_shape=(2, 5, 6, 7))
     models = {
         "linear": (lambda: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)), vector),
         "linear_no_bias": (
@@ -95,6 +87,25 @@ def _build(case: str) -> tuple[nn.Module, dict]:
             ),
             image,
         ),
+        "conv1d": (
+            lambda: _conv_head(
+                nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=2),
+                nn.Conv1d(4, 4, 3, groups=2, bias=False),
+                channels=4,
+                dims=1,
+            ),
+            signal,
+        ),
+        "conv3d": (
+            lambda: _conv_head(
+                nn.Conv3d(2, 4, (2, 3, 3), stride=(1, 2, 1), padding=(1, 0, 2), dilation=(1, 1, 2)),
+                nn.Conv3d(4, 4, 1, groups=4),
+                channels=4,
+                dims=3,
+            ),
+            volume,
+        ),
+        "batchnorm3d": (lambda: _conv_head(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4), channels=4, dims=3), volume),
         "batchnorm1d": (
             lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)),
             vector,
@@ -116,21 +127,7 @@ def _data(data_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _rows(model: nn.Module, data, params=None):
     """(engine, its rows, the float64 reference engine's rows)."""
-    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=BATCH_SIZE, params=params)
-    got = eng.compute(range(NUM_CLASSES)).rows
-    ref = (
-        build_engine(
-            copy.deepcopy(model).double(),
-            data,
-            num_classes=NUM_CLASSES,
-            engine="reference",
-            batch_size=BATCH_SIZE,
-            params=params,
-        )
-        .compute(range(NUM_CLASSES))
-        .rows
-    )
-    return eng, got, ref
+    return rows_and_reference(model, data, params=params)
 
 
 RULE_CASES = {  # case -> the layer types whose rule must be used
@@ -141,6 +138,9 @@ RULE_CASES = {  # case -> the layer types whose rule must be used
     "conv_no_bias": {nn.Conv2d, nn.Linear},
     "conv_strided": {nn.Conv2d, nn.Linear},
     "conv_grouped": {nn.Conv2d, nn.Linear},
+    "conv1d": {nn.Conv1d, nn.Linear},
+    "conv3d": {nn.Conv3d, nn.Linear},
+    "batchnorm3d": {nn.BatchNorm3d, nn.Conv3d, nn.Linear},
     "batchnorm1d": {nn.BatchNorm1d, nn.Linear},
     "batchnorm1d_positions": {nn.BatchNorm1d, nn.Linear},
     "batchnorm2d": {nn.BatchNorm2d, nn.Conv2d, nn.Linear},
@@ -178,14 +178,26 @@ def test_rules_compute_only_the_selected_parameters(case, params):
     assert max_relative_error(got, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("groups,stride,dilation,padding", [(1, 1, 1, 0), (2, 2, 1, 1), (3, 1, 2, (2, 0))])
-def test_conv_token_factors_give_the_grouped_kernels_sums(groups, stride, dilation, padding):
-    """The Conv2d rule's outer-product factors (what a projection inside the backward will use)
-    and its fast kernel (one grouped convolution backward) give the same per-class sums."""
+@pytest.mark.parametrize(
+    "dims,groups,stride,dilation,padding",
+    [
+        (2, 1, 1, 1, 0),
+        (2, 2, 2, 1, 1),
+        (2, 3, 1, 2, (2, 0)),
+        (1, 1, 2, 2, 1),
+        (1, 3, 1, 1, 0),
+        (3, 1, (1, 2, 1), (2, 1, 1), (1, 0, 2)),
+        (3, 2, 1, 1, 0),
+    ],
+)
+def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, dilation, padding):
+    """The convolution rule's outer-product factors (what a projection inside the backward will
+    use) and its fast kernel (one grouped convolution backward) give the same per-class sums."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
+    conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+    conv = conv_type(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
+    x = torch.randn(6, 6, *(7, 8, 9)[:dims], dtype=torch.float64)
     counts = torch.tensor([3, 1, 2])
-    x = torch.randn(int(counts.sum()), 6, 7, 8, dtype=torch.float64)
     g = torch.randn_like(conv(x))
     k, width = len(counts), int(counts.max())
     local = torch.repeat_interleave(torch.arange(k), counts)
@@ -285,6 +297,45 @@ def test_a_wrong_user_rule_is_caught_by_the_spot_check(scale_rule):
     assert any("differ from the plain gradient" in note for note in eng.stats.notes), eng.stats.notes
     # The vmap rows: a few float32 roundoffs, as above.
     assert max_relative_error(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "conv", [nn.Conv1d(3, 4, 3, padding="same"), nn.Conv3d(3, 4, 3, padding=1, padding_mode="reflect")]
+)
+def test_a_refused_convolution_says_why_and_stays_exact(conv):
+    assert "padding" in (rule_for(conv).applies(conv) or "")
+    dims = conv.weight.dim() - 2
+    model = _randomised(_conv_head(conv, channels=4, dims=dims))
+    data = _data(dict(kind="image", input_shape=(3, 7, 6, 5)[: dims + 1]))
+    eng, got, ref = _rows(model, data)
+    assert eng._hooked is None  # another path computed the rows
+    # Same contract as the rules: a few float32 roundoffs.
+    assert max_relative_error(got, ref) <= 1e-6
+
+
+def test_the_docs_example_rule_runs_as_written_and_is_exact():
+    """docs/layers.md's ``register_rule`` example, executed as written, on a model with the
+    example layer at several positions per sample."""
+    blocks = [b.split("```", 1)[0] for b in LAYERS_DOC.read_text().split("```python\n")[1:]]
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "docs/layers.md", "exec"), namespace)  # noqa: S102 - the doc's own example
+    layer_type = namespace["FeatureScale"]
+    try:
+        assert rule_for(layer_type(3)).sums is namespace["feature_scale_sums"]
+        torch.manual_seed(0)
+        scale = layer_type(4)
+        nn.init.uniform_(scale.weight, 0.5, 1.5)
+        nn.init.uniform_(scale.bias, -0.5, 0.5)
+        model = nn.Sequential(
+            nn.Linear(8, 12), Tokens(3, 4), scale, nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)
+        )
+        eng, got, ref = _rows(model.eval(), _data(dict(kind="vector", input_shape=(8,))))
+        assert_hook_path(eng, {layer_type, nn.Linear})
+        # A few float32 roundoffs, as for the built-in rules.
+        assert max_relative_error(got, ref) <= 1e-6
+    finally:
+        RULES.pop(layer_type, None)
 
 
 def test_the_registry_refuses_a_second_rule_and_matches_exact_types():

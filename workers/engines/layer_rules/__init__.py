@@ -3,15 +3,21 @@ gradient (the partitioned engine's hook path). See ``registry`` for the interfac
 
 Holds the public names (``register_rule``, ``rule_for``, ``RULES``, ``LayerRule``, the types a
 rule reads and writes, ``OuterFactors``/``class_outer_sums``) and registers the built-in rules:
-``linear`` (nn.Linear), ``conv`` (nn.Conv2d), ``batchnorm`` (eval-mode nn.BatchNorm1d/2d).
+``linear`` (nn.Linear), ``conv`` (nn.Conv1d/2d/3d), ``batchnorm`` (eval-mode nn.BatchNorm1d/2d/3d),
+``embedding`` (nn.Embedding, nn.EmbeddingBag), ``norms`` (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+and ``hf_conv1d`` (transformers' Conv1D, when transformers imports). docs/layers.md lists what
+each supports and refuses.
 """
 
 from __future__ import annotations
 
-from classgrad.workers.engines.layer_rules import batchnorm, conv, linear  # noqa: F401 - registers the rules
+from classgrad.workers.engines.layer_rules import batchnorm, conv, embedding, linear, norms  # noqa: F401 - registers the rules
+from classgrad.workers.engines.layer_rules.hf_conv1d import register_hf_conv1d
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import RULES, LayerRule, register_rule, rule_for
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, ClassRows, LayerCapture, LayerRows
+
+register_hf_conv1d()
 
 __all__ = [
     "RULES",

@@ -1,6 +1,6 @@
-"""The layer rule for eval-mode ``nn.BatchNorm1d/2d``: per-class sums of ``g`` and ``g * x_hat``.
+"""The layer rule for eval-mode ``nn.BatchNorm1d/2d/3d``: per-class sums of ``g`` and ``g * x_hat``.
 
-Holds ``batchnorm_sums``, registered for both types, and ``running_statistics`` (when it
+Holds ``batchnorm_sums``, registered for the three types, and ``running_statistics`` (when it
 applies). In eval mode the output is ``weight * x_hat + bias`` with ``x_hat`` normalised by the
 running statistics, so a class's bias gradient is the sum of ``g`` over its samples and
 positions, and its weight gradient the same sum of ``g * x_hat``. (In train mode batch
@@ -22,6 +22,7 @@ def running_statistics(module: nn.modules.batchnorm._BatchNorm) -> str | None:
     return None
 
 
+@register_rule(nn.BatchNorm3d, applies=running_statistics)
 @register_rule(nn.BatchNorm1d, applies=running_statistics)
 @register_rule(nn.BatchNorm2d, applies=running_statistics)
 def batchnorm_sums(module: nn.modules.batchnorm._BatchNorm, seen: LayerCapture, out: LayerRows) -> None:

@@ -1,10 +1,11 @@
-"""The layer rule for ``nn.Conv2d``: per-class weight and bias gradients from one grouped
+"""The layer rule for ``nn.Conv1d/2d/3d``: per-class weight and bias gradients from one grouped
 convolution backward, with the run's classes as groups.
 
-Holds ``ConvFactors`` (the layer's outer-product factors: one token per output pixel, the input
-patch as its input factor; ``direct_sums`` is the fast kernel), ``conv2d_sums`` (registered for
-``nn.Conv2d``) and ``zero_padding`` (when it applies: zero padding given as numbers; grouped,
-strided and dilated convolutions are fine).
+Holds ``ConvFactors`` (the layer's outer-product factors: one token per output position, the
+input patch as its input factor; ``direct_sums`` is the fast kernel), ``conv_sums`` (registered
+for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``), ``zero_padding`` (when it applies: zero
+padding given as numbers; grouped, strided and dilated convolutions are fine) and ``patches``
+(every output position's input patch, any number of spatial dimensions).
 
 The memory layout of the grouped backward matters on a CPU (channels-last can be twice as fast,
 or slower once its copy is paid): the first call for each layer shape times both and keeps the
@@ -23,26 +24,48 @@ from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_oute
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 
+ConvNd = nn.Conv1d | nn.Conv2d | nn.Conv3d
 
-def zero_padding(module: nn.Conv2d) -> str | None:
+
+def zero_padding(module: ConvNd) -> str | None:
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return f"padding {module.padding!r} in mode {module.padding_mode!r}"
     return None
 
 
 def grouped_channels_last(t: torch.Tensor) -> torch.Tensor:
-    """``[k, m, c, h, w]`` -> ``[m, k*c, h, w]`` (class k's channels as group k) in channels-last
-    memory, in one copy: the grouped convolution backward is about twice as fast on a CPU in
-    that layout as in NCHW, and faster than the plain one."""
-    k, m, c, h, w = t.shape
-    return t.permute(1, 3, 4, 0, 2).contiguous().view(m, h, w, k * c).permute(0, 3, 1, 2)
+    """``[k, m, c, *spatial]`` -> ``[m, k*c, *spatial]`` (class k's channels as group k) with the
+    channels innermost in memory, in one copy: the grouped convolution backward is about twice
+    as fast on a CPU in that layout (channels-last) as in NCHW, and faster than the plain one."""
+    k, m, c = t.shape[:3]
+    spatial = t.shape[3:]
+    n = len(spatial)
+    inner = t.permute(1, *range(3, 3 + n), 0, 2).contiguous().view(m, *spatial, k * c)
+    return inner.permute(0, n + 1, *range(1, n + 1))
+
+
+def patches(x: torch.Tensor, module: ConvNd) -> torch.Tensor:
+    """``[b, cin, *spatial]`` -> ``[b, cin * prod(kernel), positions]``: the input patch of every
+    output position, channel-major then kernel offsets (``F.unfold``'s order, any dimension)."""
+    assert not isinstance(module.padding, str)  # zero_padding: the rule takes numeric padding only
+    if x.dim() == 4:
+        return F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+    n = x.dim() - 2
+    pad = [p for d in reversed(range(n)) for p in (module.padding[d], module.padding[d])]
+    t = F.pad(x, pad)
+    for d in range(n):  # windows along each spatial dimension, dilated by keeping every d-th entry
+        size, dil = module.kernel_size[d], module.dilation[d]
+        t = t.unfold(2 + d, (size - 1) * dil + 1, module.stride[d])[..., ::dil]
+    # [b, cin, *out, *kernel] -> [b, cin, *kernel, *out]
+    t = t.permute(0, 1, *range(2 + n, 2 + 2 * n), *range(2, 2 + n))
+    return t.reshape(x.shape[0], -1, t.shape[2 + n :].numel())
 
 
 class ConvFactors(OuterFactors):
-    """A Conv2d's per-class gradients from ``G`` ``[k, m, cout, ho, wo]`` (gradient at its output)
-    and ``A`` ``[k, m, cin, h, w]`` (its input); ``blocks`` are the layer's groups."""
+    """A convolution's per-class gradients from ``G`` ``[k, m, cout, *out]`` (gradient at its
+    output) and ``A`` ``[k, m, cin, *in]`` (its input); ``blocks`` are the layer's groups."""
 
-    def __init__(self, module: nn.Conv2d, seen: LayerCapture):
+    def __init__(self, module: ConvNd, seen: LayerCapture):
         self.module = module
         self.G = seen.grads_by_class()
         self.A = seen.inputs_by_class()
@@ -71,7 +94,7 @@ class ConvFactors(OuterFactors):
                 module.padding,
                 module.dilation,
                 False,
-                [0, 0],
+                [0] * len(module.stride),
                 k * module.groups,
                 [False, want_weight, want_bias],
             )
@@ -90,7 +113,7 @@ class ConvFactors(OuterFactors):
             tuple(A.shape),
             G.dtype,
             str(G.device),
-            G[0].is_contiguous(memory_format=torch.channels_last),
+            G[0].is_contiguous(memory_format=torch.channels_last) if G.dim() == 5 else False,
         )
         layout = choices.CONV_LAYOUT.get(key)
         if layout is None:
@@ -107,24 +130,23 @@ class ConvFactors(OuterFactors):
         return run(layout)
 
     def grad_tokens(self) -> torch.Tensor:
-        """``[k * groups, m * ho * wo, cout / groups]``."""
+        """``[k * groups, m * positions, cout / groups]``."""
         G, groups = self.G, self.module.groups
         k, m, cout = G.shape[:3]
         tokens = G.reshape(k, m, groups, cout // groups, -1).permute(0, 2, 1, 4, 3)
         return tokens.reshape(k * groups, -1, cout // groups)
 
     def input_tokens(self) -> torch.Tensor:
-        """``[k * groups, m * ho * wo, cin / groups * kh * kw]``: the patch of every output pixel."""
-        module, A, groups = self.module, self.A, self.module.groups
-        assert not isinstance(module.padding, str)  # zero_padding: the rule takes numeric padding only
+        """``[k * groups, m * positions, cin / groups * prod(kernel)]``: every output position's patch."""
+        A, groups = self.A, self.module.groups
         k, m = A.shape[:2]
-        patches = F.unfold(
-            A.reshape(k * m, *A.shape[2:]), module.kernel_size, module.dilation, module.padding, module.stride
-        )  # [k * m, cin * kh * kw, ho * wo], channel-major
-        tokens = patches.reshape(k, m, groups, patches.shape[1] // groups, -1).permute(0, 2, 1, 4, 3)
-        return tokens.reshape(k * groups, -1, patches.shape[1] // groups)
+        found = patches(A.reshape(k * m, *A.shape[2:]), self.module)  # [k * m, cin * prod(kernel), positions]
+        tokens = found.reshape(k, m, groups, found.shape[1] // groups, -1).permute(0, 2, 1, 4, 3)
+        return tokens.reshape(k * groups, -1, found.shape[1] // groups)
 
 
+@register_rule(nn.Conv1d, applies=zero_padding)
 @register_rule(nn.Conv2d, applies=zero_padding)
-def conv2d_sums(module: nn.Conv2d, seen: LayerCapture, out: LayerRows) -> None:
+@register_rule(nn.Conv3d, applies=zero_padding)
+def conv_sums(module: ConvNd, seen: LayerCapture, out: LayerRows) -> None:
     class_outer_sums(ConvFactors(module, seen), out)
