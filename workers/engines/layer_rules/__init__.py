@@ -4,12 +4,15 @@ gradient (the partitioned engine's hook path). See ``registry`` for the interfac
 Holds the public names (``register_rule``, ``rule_for``, ``RULES``, ``LayerRule``, the types a
 rule reads and writes, ``OuterFactors``/``class_outer_sums``) and registers the built-in rules:
 ``linear`` (nn.Linear), ``conv`` (nn.Conv2d), ``batchnorm`` (eval-mode nn.BatchNorm1d/2d).
+Also ``recurrent_class_grads``/``recurrent_refusal`` (nn.LSTM/GRU/RNN, called from the hook path
+with the layer's whole call rather than through the registry).
 """
 
 from __future__ import annotations
 
 from classgrad.workers.engines.layer_rules import batchnorm, conv, linear  # noqa: F401 - registers the rules
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
+from classgrad.workers.engines.layer_rules.recurrent import recurrent_class_grads, recurrent_refusal
 from classgrad.workers.engines.layer_rules.registry import RULES, LayerRule, register_rule, rule_for
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, ClassRows, LayerCapture, LayerRows
 
@@ -22,6 +25,8 @@ __all__ = [
     "LayerRule",
     "OuterFactors",
     "class_outer_sums",
+    "recurrent_class_grads",
+    "recurrent_refusal",
     "register_rule",
     "rule_for",
 ]
