@@ -9,9 +9,10 @@ gradients stops at each layer's input gate pre-activations ``gi = W_ih x + b_ih`
 a per-sample, per-step quantity; see ``recurrent_scan``). Every parameter gradient is a sum over
 a class's samples and steps of outer products of ``dgi`` (or the hidden-gate gradient derived
 from it) with the layer input, the previous state, or, for ``weight_hr``, the unprojected state;
-those sums are batched matrix products over the ``[k, width]`` class grid. Cost: one forward and
-one backward of the layer over the run's samples (torch's own kernel, fed ``gi`` through an
-identity input weight), plus one product per parameter; no per-class work in Python.
+those sums are batched matrix products, one per group of classes of equal size. Cost: one
+forward and one backward of the layer over the run's samples (step by step on the CPU; torch's
+own kernel elsewhere, fed ``gi`` through an identity input weight), plus one product per weight
+of the same flops as the layer's own weight gradient; no per-class work in Python.
 
 Why not per-class weight copies (Opacus' DPLSTM style, ``[k, ...]`` leaves, one bmm per class per
 step): that forward needs a Python step loop (Opacus' cells) and its backward adds the per-class
@@ -160,7 +161,7 @@ def _run_layers(
         h0 = call.h0[layer * D : (layer + 1) * D]
         c0 = call.c0[layer * D : (layer + 1) * D] if call.c0 is not None else None
         graph = layer >= first_graph_layer
-        unrolled = method == "unrolled" or module.proj_size > 0
+        unrolled = module.proj_size > 0 or method == "unrolled" or (method == "auto" and x.device.type == "cpu")
         with torch.set_grad_enabled(graph):
             run = unrolled_layer if unrolled else native_layer
             lp = run(shape, x, ws, h0, c0, graph)
@@ -170,13 +171,46 @@ def _run_layers(
     return inputs, passes
 
 
-def _class_sums(grid: ClassGrid, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """Per class, over its samples and steps: ``sum a_t b_t^T`` (``[k, p, q]``) or ``sum a_t``
-    (``[k, p]``); ``a``, ``b``: ``[N, T, ...]``."""
-    A = grid.padded(a).flatten(1, 2)
-    if b is None:
-        return A.sum(dim=1)
-    return torch.bmm(A.transpose(1, 2), grid.padded(b).flatten(1, 2))
+class _ClassSums:
+    """Per-class sums over a class's samples and steps. Classes of equal size are done in one batched
+    product (no padding rows multiplied: a grid of classes of 1 to 4 samples is a third padding)."""
+
+    def __init__(self, grid: ClassGrid, device: torch.device):
+        self.k = grid.k
+        if grid.spots is None:
+            self.owner = torch.arange(grid.k, device=device).repeat_interleave(grid.width)
+            self.groups: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self.owner[:: grid.width], None)]
+            self.complete = True
+            return
+        self.owner = torch.div(grid.spots, grid.width, rounding_mode="floor").to(device)
+        sizes = torch.bincount(self.owner, minlength=grid.k)
+        starts = torch.cumsum(sizes, 0) - sizes  # the run's samples are class after class
+        self.groups = []
+        for size in sizes.unique().tolist():
+            if size > 0:
+                classes = (sizes == size).nonzero().squeeze(1)
+                rows = (starts[classes, None] + torch.arange(size, device=device)).reshape(-1)
+                self.groups.append((classes, rows))
+        self.complete = bool((sizes > 0).all())
+
+    def outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``sum_{samples, steps} a_t b_t^T`` per class: ``[N, T, p]``, ``[N, T, q]`` -> ``[k, p, q]``."""
+        p, q = a.shape[2], b.shape[2]
+        out: torch.Tensor | None = None
+        for classes, rows in self.groups:
+            A, B = (t if rows is None else t.index_select(0, rows) for t in (a, b))
+            part = torch.bmm(A.reshape(len(classes), -1, p).transpose(1, 2), B.reshape(len(classes), -1, q))
+            if rows is None:
+                return part
+            if out is None:
+                out = a.new_empty(self.k, p, q) if self.complete else a.new_zeros(self.k, p, q)
+            out.index_copy_(0, classes, part)
+        assert out is not None
+        return out
+
+    def total(self, a: torch.Tensor) -> torch.Tensor:
+        """``sum_{samples, steps} a_t`` per class: ``[N, T, p]`` -> ``[k, p]``."""
+        return a.new_zeros(self.k, a.shape[2]).index_add_(0, self.owner, a.sum(dim=1))
 
 
 def recurrent_class_grads(
@@ -187,7 +221,7 @@ def recurrent_class_grads(
     grid: ClassGrid,
     kinds: Sequence[str],
     *,
-    method: str = "native",
+    method: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """Per-class gradients ``{name: [k, *param.shape]}`` of the recurrent layer's parameters
     ``kinds`` (``weight_ih_l0``, ``bias_hh_l1_reverse``, ``weight_hr_l0``, ...), in ``grid.dtype``.
@@ -196,8 +230,10 @@ def recurrent_class_grads(
     places the call's samples, class after class). ``args``/``kwargs``: the module's call (input
     tensor or ``PackedSequence``, optional ``hx``); ``grad_outputs``: gradients with the
     structure of its output (``(output, h_n)`` or ``(output, (h_n, c_n))``, None where none; the
-    output's may be a ``PackedSequence``'s data). ``method="unrolled"`` runs the cells step by
-    step in Python instead of torch's kernel (always so with ``proj_size``)."""
+    output's may be a ``PackedSequence``'s data). ``method``: ``"native"`` runs the layer again by
+    torch's kernel (cuDNN on a GPU), ``"unrolled"`` step by step in Python (always so with
+    ``proj_size``), ``"auto"`` the unrolled cells on the CPU (ATen's CPU loop is no faster, and
+    its input product is ``G`` wide instead of ``in``) and the kernel elsewhere."""
     why = recurrent_refusal(module)
     if why is not None:
         raise ValueError(f"recurrent_class_grads: {why}")
@@ -256,6 +292,7 @@ def _fill(
     for layer, d in proj:
         targets += passes[layer].proj_h[d]
     found = torch.autograd.grad(outs, targets, grads, allow_unused=True)
+    sums = _ClassSums(grid, call.x.device)
     dgis = dict(zip(keys, found[: len(keys)]))
     at = len(keys)
     for (layer, d), names in wanted.items():
@@ -274,16 +311,27 @@ def _fill(
             b = ws.b_hh[:H] if ws.b_hh is not None else None
             r = torch.sigmoid(gi[..., :H] + torch.nn.functional.linear(h_prev, ws.w_hh[:H], b))
             dgh = torch.cat([dgi[..., : 2 * H], dgi[..., 2 * H :] * r], dim=2)
-        for name in names:
-            kind = name.split("_l")[0]
-            if kind == "weight_ih":
-                result[name] = _class_sums(grid, dgi, x)
-            elif kind == "bias_ih":
-                result[name] = _class_sums(grid, dgi)
-            elif kind == "weight_hh":
-                result[name] = _class_sums(grid, dgh, h_prev)
-            elif kind == "bias_hh":
-                result[name] = _class_sums(grid, dgh)
+        by_kind = {name.split("_l")[0]: name for name in names}
+        # weight_ih (and weight_hh where its gate gradient is dgi's) in one product
+        right = [
+            (k, f)
+            for k, f in (("weight_ih", x), ("weight_hh", h_prev))
+            if k in by_kind and (k == "weight_ih" or dgh is dgi)
+        ]
+        if right:
+            both = sums.outer(dgi, torch.cat([f for _, f in right], dim=2) if len(right) > 1 else right[0][1])
+            for (k, _), part in zip(right, both.split([f.shape[2] for _, f in right], dim=2)):
+                result[by_kind[k]] = part
+        if "weight_hh" in by_kind and dgh is not dgi:
+            result[by_kind["weight_hh"]] = sums.outer(dgh, h_prev)
+        if "bias_ih" in by_kind:
+            result[by_kind["bias_ih"]] = sums.total(dgi)
+        if "bias_hh" in by_kind:
+            result[by_kind["bias_hh"]] = (
+                sums.total(dgi)
+                if dgh is dgi and "bias_ih" not in by_kind
+                else (result[by_kind["bias_ih"]] if dgh is dgi else sums.total(dgh))
+            )
     for layer, d in proj:
         T = call.x.shape[1]
         dh = found[at : at + T]
@@ -293,11 +341,11 @@ def _fill(
         ref = passes[layer].proj_pre[d]
         zero = ref.new_zeros(ref.shape[0], shape.out)
         dh_full = torch.stack([g if g is not None else zero for g in dh], dim=1)
-        result[f"weight_hr_l{layer}" + ("_reverse" if d else "")] = _class_sums(grid, dh_full, ref)
+        result[f"weight_hr_l{layer}" + ("_reverse" if d else "")] = sums.outer(dh_full, ref)
 
 
 def rerun(
-    module: nn.RNNBase, args: tuple, kwargs: dict, *, method: str = "native"
+    module: nn.RNNBase, args: tuple, kwargs: dict, *, method: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The layer's call run again as the rule runs it: ``(output, h_n, c_n)``, output batch-first
     and padded with zeros past each sample's length (a check that the rule's forward is torch's)."""
