@@ -25,12 +25,12 @@ T, IN, HID = 5, 4, 6
 TOL = 1e-5
 
 
-def grid_for(sizes: list[int]) -> ClassGrid:
+def grid_for(sizes: list[int], dtype: torch.dtype = torch.float32) -> ClassGrid:
     width = max(sizes)
     if all(s == width for s in sizes):
-        return ClassGrid(len(sizes), width, None, torch.float32)
+        return ClassGrid(len(sizes), width, None, dtype)
     spots = torch.cat([torch.arange(s) + i * width for i, s in enumerate(sizes)])
-    return ClassGrid(len(sizes), width, spots, torch.float32)
+    return ClassGrid(len(sizes), width, spots, dtype)
 
 
 def build(mode: str, **options) -> nn.RNNBase:
@@ -259,3 +259,44 @@ def test_refusals():
     assert "exactly" in (recurrent_refusal(MyLSTM(IN, HID)) or "")
     with pytest.raises(KeyError, match="weight_hr_l0"):
         recurrent_class_grads(build("GRU"), (torch.randn(T, 1, IN),), {}, (None, None), grid_for([1]), ["weight_hr_l0"])
+
+
+def test_call_and_gradient_spellings():
+    """Keyword arguments, a ``PackedSequence`` as the output's gradient, and LSTM's gradients flat
+    (``(output, h_n, c_n)``) give the same rows as the canonical spelling."""
+    module = build("LSTM", num_layers=2, bidirectional=True)
+    args, kwargs, _ = make_call(module, sum(SIZES), "unsorted", True)
+    out, hidden = module(*args, **kwargs)
+    g_out, (g_h, g_c) = output_grads(out, hidden, torch.Generator().manual_seed(5))
+    kinds = [n for n, _ in module.named_parameters()]
+    want = recurrent_class_grads(module, args, kwargs, (g_out, (g_h, g_c)), grid_for(SIZES), kinds)
+    packed_g = PackedSequence(g_out, out.batch_sizes, out.sorted_indices, out.unsorted_indices)
+    spellings = [
+        ((), {"input": args[0], **kwargs}, (g_out, (g_h, g_c))),
+        ((args[0], kwargs["hx"]), {}, (packed_g, (g_h, g_c))),
+        (args, kwargs, (g_out, g_h, g_c)),
+    ]
+    for a, kw, g in spellings:
+        got = recurrent_class_grads(module, a, kw, g, grid_for(SIZES), kinds)
+        for name in kinds:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes(dtype):
+    """A float64 layer is run in float64 (float64 rows); a half-precision one in float32 (float32 rows)."""
+    module = build("GRU", num_layers=2).to(dtype)
+    args, kwargs, ids = make_call(module, sum(SIZES), None, False)
+    args = (args[0].to(dtype),)
+    out, hidden = module(*args, **kwargs)
+    grads = tuple(g.to(dtype) for g in output_grads(out, hidden, torch.Generator().manual_seed(6)))
+    kinds = [n for n, _ in module.named_parameters()]
+    rows = torch.float64 if dtype == torch.float64 else torch.float32
+    got = recurrent_class_grads(module, args, kwargs, grads, grid_for(SIZES, rows), kinds)
+    ref = reference(module, args, kwargs, ids, grads, SIZES)
+    # float64 throughout: float64 roundoff only; bf16 layer: its weights, inputs and gradients are
+    # the same bf16 values in both, and the rule runs them in float32 against the float64 reference
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for name in kinds:
+        assert got[name].dtype == rows
+        assert max_relative_error(got[name].reshape(len(SIZES), -1), ref[name].reshape(len(SIZES), -1)) <= tol
