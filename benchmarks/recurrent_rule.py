@@ -1,10 +1,11 @@
 """Speed of the recurrent-layer rule against the per-class autograd loop on the layer alone (not a test).
 
 Holds ``main``: for each of LSTM, GRU and RNN (``C`` classes of 1 to 4 sequences, ``T`` steps,
-``H`` hidden units, ``L`` layers), times ``recurrent_class_grads`` (torch's kernel fed ``gi``, and
-the unrolled cells), the per-class loop (one forward and ``torch.autograd.grad`` of the layer per
-class), and the floor (one forward and backward of the layer over all samples at once), round
-robin, and prints the times, the ratios, and the rule's largest relative error against the loop.
+``H`` hidden units, ``L`` layers), times ``recurrent_class_grads`` (as the engine calls it,
+``method="auto"``, and with each method forced: torch's kernel fed ``gi``, the unrolled cells),
+the per-class loop (one forward and ``torch.autograd.grad`` of the layer per class), and the floor
+(one forward and backward of the layer over all samples at once), round robin, and prints the
+times, the ratios, and the rule's largest relative error against the loop.
 
     python -m benchmarks.recurrent_rule [--classes 200] [--steps 32] [--hidden 64] [--layers 2]
         [--packed] [--bidirectional] [--device cpu] [--reps 3]
@@ -106,18 +107,27 @@ def _measure(mode: str, args: argparse.Namespace, sizes: list[int], grid: ClassG
         torch.autograd.grad([out, *states], params, [g_out, *g_states])
 
     times = interleaved(
-        {"rule": rule("native"), "rule_unrolled": rule("unrolled"), "loop": loop, "floor": floor},
+        {
+            "rule": rule("auto"),
+            "rule_native": rule("native"),
+            "rule_unrolled": rule("unrolled"),
+            "loop": loop,
+            "floor": floor,
+        },
         args.reps,
         args.device,
     )
     ref = held["loop"].double()
-    err = {m: float(((held[m].double() - ref).norm(dim=1) / ref.norm(dim=1)).max()) for m in ("native", "unrolled")}
+    err = {
+        m: float(((held[m].double() - ref).norm(dim=1) / ref.norm(dim=1)).max()) for m in ("auto", "native", "unrolled")
+    }
     best = {name: t.best for name, t in times.items()}
     return {
         "mode": mode,
         "seconds_best": {k: round(v, 4) for k, v in best.items()},
         "loop_over_rule": round(best["loop"] / best["rule"], 2),
         "rule_over_floor": round(best["rule"] / best["floor"], 2),
+        "loop_over_rule_native": round(best["loop"] / best["rule_native"], 2),
         "loop_over_rule_unrolled": round(best["loop"] / best["rule_unrolled"], 2),
         "max_rel_err_vs_loop": err,
     }
