@@ -87,10 +87,11 @@ class LayerPass:
     proj_pre: list[torch.Tensor]
 
 
-def _input_gates(x: torch.Tensor, ws: DirWeights, graph: bool) -> torch.Tensor:
-    """``gi = x W_ih^T + b_ih`` for every step at once; a leaf that requires grad when the graph
-    starts here."""
-    gi = F.linear(x, ws.w_ih, ws.b_ih)
+def _input_gates(x: torch.Tensor, ws: DirWeights, graph: bool, with_b_hh: bool = False) -> torch.Tensor:
+    """``gi = x W_ih^T + b_ih`` for every step at once (``+ b_hh`` too if asked: the same gradient
+    where the hidden part is added to it); a leaf that requires grad when the graph starts here."""
+    b = ws.b_ih + ws.b_hh if with_b_hh and ws.b_ih is not None and ws.b_hh is not None else ws.b_ih
+    gi = F.linear(x, ws.w_ih, b)
     if graph and not gi.requires_grad:
         gi.requires_grad_()
     return gi
@@ -150,11 +151,11 @@ def native_layer(
 def _cell(
     mode: str, g_in: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None, ws: DirWeights
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One step of the cell as ATen writes it: (new state, new cell state, unprojected state)."""
-    gh = F.linear(h, ws.w_hh, ws.b_hh)
+    """One step of the cell as ATen writes it: (new state, new cell state, unprojected state).
+    ``g_in`` holds ``b_hh`` too, except for GRU."""
     if mode == "LSTM":
         assert c is not None
-        i, f, g, o = (g_in + gh).chunk(4, 1)
+        i, f, g, o = torch.addmm(g_in, h, ws.w_hh.t()).chunk(4, 1)
         c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         pre = torch.sigmoid(o) * torch.tanh(c_new)
         if ws.w_hr is None:
@@ -162,13 +163,13 @@ def _cell(
         return F.linear(pre, ws.w_hr), c_new, pre
     if mode == "GRU":
         i_r, i_z, i_n = g_in.chunk(3, 1)
-        h_r, h_z, h_n = gh.chunk(3, 1)
+        h_r, h_z, h_n = F.linear(h, ws.w_hh, ws.b_hh).chunk(3, 1)
         r = torch.sigmoid(i_r + h_r)
         z = torch.sigmoid(i_z + h_z)
         n = torch.tanh(i_n + r * h_n)  # b_hh's new-gate part is inside the reset gate
         return (h - n) * z + n, None, None
     act = torch.tanh if mode == "RNN_TANH" else torch.relu
-    return act(g_in + gh), None, None
+    return act(torch.addmm(g_in, h, ws.w_hh.t())), None, None
 
 
 def unrolled_layer(
@@ -179,7 +180,7 @@ def unrolled_layer(
     T = x.shape[1]
     outs, h_last, c_last, gis, proj_h, proj_pre = [], [], [], [], [], []
     for d, ws in enumerate(weights):
-        gi = _input_gates(x, ws, graph)
+        gi = _input_gates(x, ws, graph, with_b_hh=shape.mode != "GRU")
         steps = gi.unbind(1)
         h, c = h0[d], (c0[d] if c0 is not None else None)
         out: list[torch.Tensor] = [h] * T
