@@ -257,6 +257,8 @@ def test_refusals():
         pass
 
     assert "exactly" in (recurrent_refusal(MyLSTM(IN, HID)) or "")
+    with pytest.raises(ValueError, match="3 samples, the grid places 6"):
+        recurrent_class_grads(build("GRU"), (torch.randn(T, 3, IN),), {}, (None, None), grid_for([1, 2, 3]), [])
     with pytest.raises(KeyError, match="weight_hr_l0"):
         recurrent_class_grads(build("GRU"), (torch.randn(T, 1, IN),), {}, (None, None), grid_for([1]), ["weight_hr_l0"])
 

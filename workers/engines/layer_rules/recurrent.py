@@ -243,6 +243,9 @@ def recurrent_class_grads(
         raise KeyError(f"{type(module).__name__} has no parameters {unknown}")
     dtype = _compute_dtype(module)
     call = _read_call(module, args, kwargs, grad_outputs, dtype)
+    placed = grid.k * grid.width if grid.spots is None else grid.spots.numel()
+    if call.x.shape[0] != placed:
+        raise ValueError(f"recurrent_class_grads: the call has {call.x.shape[0]} samples, the grid places {placed}")
     wanted: dict[tuple[int, int], list[str]] = {}
     for name in kinds:
         layer = int(name.split("_l")[1].split("_")[0])
@@ -293,45 +296,11 @@ def _fill(
         targets += passes[layer].proj_h[d]
     found = torch.autograd.grad(outs, targets, grads, allow_unused=True)
     sums = _ClassSums(grid, call.x.device)
-    dgis = dict(zip(keys, found[: len(keys)]))
+    for (layer, d), dgi in zip(keys, found[: len(keys)]):
+        if dgi is not None:  # else no path from this direction to the given gradients: zero
+            names = {name.split("_l")[0]: name for name in wanted[(layer, d)]}
+            _direction_sums(module, call, inputs[layer], passes[layer], layer, d, dgi, sums, names, result)
     at = len(keys)
-    for (layer, d), names in wanted.items():
-        lp, ws = passes[layer], _weights(module, layer, d, call.x.dtype)
-        dgi = dgis[(layer, d)]
-        if dgi is None:
-            continue  # no path from this direction to the given gradients: zero
-        x = inputs[layer].detach()
-        P, H = shape.out, shape.hidden
-        out_d = lp.out.detach()[..., d * P : (d + 1) * P]
-        h0 = call.h0[layer * D + d]
-        h_prev = previous_states(out_d, h0, shape.lengths, reverse=d == 1)
-        dgh = dgi
-        if shape.mode == "GRU":  # the new gate's hidden part is scaled by the reset gate
-            gi = lp.gi[d].detach()
-            b = ws.b_hh[:H] if ws.b_hh is not None else None
-            r = torch.sigmoid(gi[..., :H] + torch.nn.functional.linear(h_prev, ws.w_hh[:H], b))
-            dgh = torch.cat([dgi[..., : 2 * H], dgi[..., 2 * H :] * r], dim=2)
-        by_kind = {name.split("_l")[0]: name for name in names}
-        # weight_ih (and weight_hh where its gate gradient is dgi's) in one product
-        right = [
-            (k, f)
-            for k, f in (("weight_ih", x), ("weight_hh", h_prev))
-            if k in by_kind and (k == "weight_ih" or dgh is dgi)
-        ]
-        if right:
-            both = sums.outer(dgi, torch.cat([f for _, f in right], dim=2) if len(right) > 1 else right[0][1])
-            for (k, _), part in zip(right, both.split([f.shape[2] for _, f in right], dim=2)):
-                result[by_kind[k]] = part
-        if "weight_hh" in by_kind and dgh is not dgi:
-            result[by_kind["weight_hh"]] = sums.outer(dgh, h_prev)
-        if "bias_ih" in by_kind:
-            result[by_kind["bias_ih"]] = sums.total(dgi)
-        if "bias_hh" in by_kind:
-            result[by_kind["bias_hh"]] = (
-                sums.total(dgi)
-                if dgh is dgi and "bias_ih" not in by_kind
-                else (result[by_kind["bias_ih"]] if dgh is dgi else sums.total(dgh))
-            )
     for layer, d in proj:
         T = call.x.shape[1]
         dh = found[at : at + T]
@@ -342,6 +311,44 @@ def _fill(
         zero = ref.new_zeros(ref.shape[0], shape.out)
         dh_full = torch.stack([g if g is not None else zero for g in dh], dim=1)
         result[f"weight_hr_l{layer}" + ("_reverse" if d else "")] = sums.outer(dh_full, ref)
+
+
+def _direction_sums(
+    module: nn.RNNBase,
+    call: _Call,
+    x: torch.Tensor,
+    lp: LayerPass,
+    layer: int,
+    d: int,
+    dgi: torch.Tensor,
+    sums: _ClassSums,
+    names: dict[str, str],
+    result: dict[str, torch.Tensor | None],
+) -> None:
+    """The class sums of one layer and direction's ``weight_ih``/``weight_hh``/biases (``names``:
+    kind -> parameter name) from the gradient ``dgi`` at its input gates."""
+    shape, ws = call.shape, _weights(module, layer, d, call.x.dtype)
+    P, H = shape.out, shape.hidden
+    out_d = lp.out.detach()[..., d * P : (d + 1) * P]
+    h_prev = previous_states(out_d, call.h0[layer * shape.dirs + d], shape.lengths, reverse=d == 1)
+    dgh = dgi  # LSTM and RNN add the hidden part to the input part: the same gradient
+    if shape.mode == "GRU":  # the new gate's hidden part is scaled by the reset gate
+        b = ws.b_hh[:H] if ws.b_hh is not None else None
+        r = torch.sigmoid(lp.gi[d].detach()[..., :H] + torch.nn.functional.linear(h_prev, ws.w_hh[:H], b))
+        dgh = torch.cat([dgi[..., : 2 * H], dgi[..., 2 * H :] * r], dim=2)
+    # weight_ih, and weight_hh where its gate gradient is dgi, in one product
+    right = [(k, f) for k, f in (("weight_ih", x.detach()), ("weight_hh", h_prev)) if k in names]
+    if "weight_hh" in names and dgh is not dgi:
+        result[names["weight_hh"]] = sums.outer(dgh, h_prev)
+        right = right[:1] if right[0][0] == "weight_ih" else []
+    if right:
+        both = sums.outer(dgi, torch.cat([f for _, f in right], dim=2) if len(right) > 1 else right[0][1])
+        for (k, _), part in zip(right, both.split([f.shape[2] for _, f in right], dim=2)):
+            result[names[k]] = part
+    if "bias_ih" in names:
+        result[names["bias_ih"]] = sums.total(dgi)
+    if "bias_hh" in names:
+        result[names["bias_hh"]] = sums.total(dgh)
 
 
 def rerun(
