@@ -158,7 +158,7 @@ CONFIGS = {
     "2layers-bidir-batchfirst-h0": ({"num_layers": 2, "bidirectional": True, "batch_first": True}, None, True),
     "2layers-nobias": ({"num_layers": 2, "bias": False}, None, False),
     "packed-unsorted-bidir-h0": ({"bidirectional": True}, "unsorted", True),
-    "packed-sorted-2layers-batchfirst": ({"num_layers": 2, "batch_first": True}, "sorted", False),
+    "packed-sorted-2layers-batchfirst-h0": ({"num_layers": 2, "batch_first": True}, "sorted", True),
 }
 
 
@@ -264,8 +264,9 @@ def test_refusals():
 
 
 def test_call_and_gradient_spellings():
-    """Keyword arguments, a ``PackedSequence`` as the output's gradient, and LSTM's gradients flat
-    (``(output, h_n, c_n)``) give the same rows as the canonical spelling."""
+    """Keyword arguments, a ``PackedSequence`` as the output's gradient, LSTM's gradients flat
+    (``(output, h_n, c_n)``), and a call under ``no_grad`` give the same rows as the canonical
+    spelling."""
     module = build("LSTM", num_layers=2, bidirectional=True)
     args, kwargs, _ = make_call(module, sum(SIZES), "unsorted", True)
     out, hidden = module(*args, **kwargs)
@@ -280,6 +281,10 @@ def test_call_and_gradient_spellings():
     ]
     for a, kw, g in spellings:
         got = recurrent_class_grads(module, a, kw, g, grid_for(SIZES), kinds)
+        for name in kinds:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    with torch.no_grad():  # as a hook may call it
+        got = recurrent_class_grads(module, args, kwargs, (g_out, (g_h, g_c)), grid_for(SIZES), kinds)
         for name in kinds:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 

@@ -14,14 +14,16 @@ x_t^T``; for LSTM and the plain RNN the hidden part ``gh_t = W_hh h_{t-1} + b_hh
 ``gi`` (``[N, T, G]`` per layer and direction, a per-sample quantity) gives every class's sums as
 batched products over its samples' steps; no per-class copy of the weights is needed.
 
-``native_layer`` gets ``dgi`` from torch's own kernel (ATen's loop on CPU, cuDNN on a GPU): it
-feeds the precomputed ``gi`` to the layer as its input with an identity input weight and a zero
-input bias (exact: ``1 * v + 0 * w`` sums are exact), so the gradient at that input is ``dgi``.
-``unrolled_layer`` runs the cell recurrence step by step in Python (used for LSTM ``proj_size``,
-whose ``weight_hr`` gradient needs the gradient at each projected state, which the kernel keeps
-to itself; and as a check of the native path in the tests). Packed sequences are run by length:
-the native path packs ``gi`` with the call's lengths; the unrolled one keeps the state of a
-sample past its length unchanged and its output zero, as ATen does.
+``native_layer`` gets ``dgi`` from torch's own kernel (cuDNN on a GPU, ATen's loop on the CPU):
+it feeds the precomputed ``gi`` to the layer as its input with an identity input weight and a
+zero input bias (exact: ``1 * v + 0 * w`` sums are exact), so the gradient at that input is
+``dgi``; the price is an input product ``G`` wide instead of ``in`` (free on a GPU, not on a CPU).
+``unrolled_layer`` runs the cell recurrence step by step in Python, with autograd: the CPU default
+(as fast as ATen's own CPU loop, without the wide input), and always for LSTM ``proj_size``, whose
+``weight_hr`` gradient needs the gradient at each projected state, which the kernel keeps to
+itself. Packed sequences are run by length: the native path packs ``gi`` with the call's lengths;
+the unrolled one keeps the state of a sample past its length unchanged and its output zero, as
+ATen does (``torch.where``, so those steps give exactly zero gate gradients).
 """
 
 from __future__ import annotations
