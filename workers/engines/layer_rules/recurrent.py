@@ -15,9 +15,11 @@ own kernel elsewhere, fed ``gi`` through an identity input weight), plus one pro
 of the same flops as the layer's own weight gradient; no per-class work in Python.
 
 Why not per-class weight copies (Opacus' DPLSTM style, ``[k, ...]`` leaves, one bmm per class per
-step): that forward needs a Python step loop (Opacus' cells) and its backward adds the per-class
-weight gradient ``[k, G, H]`` once per step (``T`` passes over ``k`` weight copies), where this
-rule forms each sum once, in one product of the same flops, after the kernel's own loop.
+step): that forward needs a Python step loop too, and its backward adds the per-class weight
+gradient ``[k, G, H]`` once per step (``T`` passes over ``k`` weight copies), where this rule
+forms each sum once, in one product of the same flops. Measured on this 2-core CPU (one thread,
+LSTM, 2 layers, T=32, H=64, 200 classes on a width-4 grid): 0.52 s for the copies' forward and
+backward alone, 0.12 to 0.19 s for this whole rule.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def _compute_dtype(module: nn.RNNBase) -> torch.dtype:
 
 
 def _read_call(module: nn.RNNBase, args: tuple, kwargs: dict, grad_outputs: tuple, dtype: torch.dtype) -> _Call:
+    """The call and its output gradients, batch-first, padded, in ``dtype`` (see ``_Call``)."""
     params: dict[str, Any] = dict(zip(("input", "hx"), args))
     params.update(kwargs)
     inp, hx = params["input"], params.get("hx")
@@ -130,6 +133,7 @@ def _read_call(module: nn.RNNBase, args: tuple, kwargs: dict, grad_outputs: tupl
 
 
 def _weights(module: nn.RNNBase, layer: int, d: int, dtype: torch.dtype) -> DirWeights:
+    """Layer ``layer``'s weights in direction ``d`` (1: reverse), detached, in ``dtype``."""
     sfx = f"_l{layer}" + ("_reverse" if d else "")
 
     def get(name: str) -> torch.Tensor | None:
