@@ -6,7 +6,8 @@ rule reads and writes, ``OuterFactors``/``class_outer_sums``) and registers the 
 ``linear`` (nn.Linear), ``conv`` (nn.Conv1d/2d/3d), ``batchnorm`` (eval-mode nn.BatchNorm1d/2d/3d),
 ``embedding`` (nn.Embedding, nn.EmbeddingBag), ``norms`` (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 and ``hf_conv1d`` (transformers' Conv1D, when transformers imports). docs/layers.md lists what
-each supports and refuses.
+each supports and refuses. Also ``recurrent_class_grads``/``recurrent_refusal`` (nn.LSTM/GRU/RNN,
+called from the hook path with the layer's whole call rather than through the registry).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from classgrad.workers.engines.layer_rules import batchnorm, conv, embedding, linear, norms  # noqa: F401 - registers the rules
 from classgrad.workers.engines.layer_rules.hf_conv1d import register_hf_conv1d
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
+from classgrad.workers.engines.layer_rules.recurrent import recurrent_class_grads, recurrent_refusal
 from classgrad.workers.engines.layer_rules.registry import RULES, LayerRule, register_rule, rule_for
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, ClassRows, LayerCapture, LayerRows
 
@@ -28,6 +30,8 @@ __all__ = [
     "LayerRule",
     "OuterFactors",
     "class_outer_sums",
+    "recurrent_class_grads",
+    "recurrent_refusal",
     "register_rule",
     "rule_for",
 ]
