@@ -16,10 +16,11 @@ from classgrad.workers.engines.layer_rules import batchnorm, conv, embedding, li
 from classgrad.workers.engines.layer_rules.hf_conv1d import register_hf_conv1d
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.recurrent import recurrent_class_grads, recurrent_refusal
-from classgrad.workers.engines.layer_rules.registry import RULES, LayerRule, register_rule, rule_for
+from classgrad.workers.engines.layer_rules.registry import RULES, LayerRule, register_lazy_rule, register_rule, rule_for
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, ClassRows, LayerCapture, LayerRows
 
-register_hf_conv1d()
+# Registered when the first Conv1D is met (transformers is then imported already).
+register_lazy_rule("transformers.pytorch_utils", "Conv1D", register_hf_conv1d)
 
 __all__ = [
     "RULES",

@@ -79,6 +79,10 @@ class LayerRule(Generic[M]):
 
 
 RULES: dict[type[nn.Module], LayerRule[Any]] = {}
+# Rules for types of optional libraries, registered on first sight of such a module: importing
+# the library up front (transformers: ~1 s) would slow every import of the engines.
+# (defining module, class name) -> a function that registers the rule.
+LAZY_RULES: dict[tuple[str, str], Callable[[], object]] = {}
 
 
 def register_rule(
@@ -108,6 +112,16 @@ def register_rule(
     return decorate
 
 
+def register_lazy_rule(module_path: str, class_name: str, register: Callable[[], object]) -> None:
+    """Call ``register()`` the first time ``rule_for`` meets ``module_path.class_name``."""
+    LAZY_RULES[(module_path, class_name)] = register
+
+
 def rule_for(module: nn.Module) -> LayerRule[Any] | None:
     """The rule registered for exactly this module's type, or None."""
-    return RULES.get(type(module))
+    kind = type(module)
+    if kind not in RULES:
+        register = LAZY_RULES.pop((kind.__module__, kind.__qualname__), None)
+        if register is not None:
+            register()
+    return RULES.get(kind)
