@@ -44,6 +44,7 @@ from classgrad.service.runtime.preparation import check_identity, check_job, pre
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.service.runtime.shipping import actor_config, actor_runtime_env
 from classgrad.service.store import GradStore, HeldLease, store_lease
 
 log = logging.getLogger(__name__)
@@ -155,9 +156,20 @@ class JobDriver:
             "max_task_retries": 0,
             "scheduling_strategy": "SPREAD",
         }
-        if cluster.runtime_env:
-            options["runtime_env"] = dict(cluster.runtime_env)
+        env = actor_runtime_env(cluster.runtime_env, self._job_runtime_env())
+        if env:
+            options["runtime_env"] = env
         return options
+
+    @staticmethod
+    def _job_runtime_env() -> dict[str, Any]:
+        """The runtime environment of the Ray job this driver runs in (a submitted job's working dir)."""
+        import ray
+
+        try:
+            return dict(ray.get_runtime_context().runtime_env or {})
+        except Exception:  # noqa: BLE001 - an older Ray without it: nothing known
+            return {}
 
     def _warn_about_secrets(self) -> None:
         # Ray writes runtime_env values into its own logs (runtime_env_agent.log).
@@ -204,8 +216,9 @@ class JobDriver:
         slot.generation += 1
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
-        slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            self.config.model_dump(mode="json"),
+        options = self._actor_options()
+        slot.actor = self._actor_cls.options(**options, name=name).remote(
+            actor_config(self.config.model_dump(mode="json"), "working_dir" in options.get("runtime_env", {})),
             num_threads=self.config.cluster.num_cpus_per_worker,
             run_id=self.run_id,
             identity=self._identity,

@@ -167,8 +167,8 @@ def test_config_error_is_a_classgrad_error() -> None:
 # --------------------------------------------------------------------------- errors
 
 _SECTION_KEYS = {
-    "model": "checkpoint, factory, kwargs, mode",
-    "data": "batch_size, factory, kwargs",
+    "model": "checkpoint, factory, kwargs, mode, output",
+    "data": "batch_size, collate, factory, kwargs, label_key, pad_values",
     "loss": "kind, num_classes",
     "precision": "dtype, init_scale, min_scale",
     "params": "exclude, include",
