@@ -44,7 +44,7 @@ from classgrad.service.runtime.preparation import check_identity, check_job, pre
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
-from classgrad.service.runtime.shipping import actor_config, actor_runtime_env
+from classgrad.service.runtime.shipping import actor_config, working_dir_env
 from classgrad.service.store import GradStore, HeldLease, store_lease
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ class JobDriver:
         self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
         self._ray = contextlib.ExitStack()  # the Ray session this driver opened, closed in _shutdown
         self._ready_after_s: float | None = None  # seconds from the run's start until every actor was ready
+        self._shipped = False  # the working directory went to the actors (they start in a copy of it)
 
     # --- Ray ------------------------------------------------------------------------------
 
@@ -145,7 +146,15 @@ class JobDriver:
         starts_local = self._starts_local_ray()
         if starts_local and needed > cpus:
             log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores", needed, cpus)
-        self._ray.enter_context(ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed)))
+        import ray
+
+        # The user's own modules beside the job file go to every actor (Ray ships a local directory
+        # only with the session: a session this process already has keeps what it was given).
+        ship = None if ray.is_initialized() else working_dir_env()
+        self._shipped = ship is not None
+        self._ray.enter_context(
+            ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed), runtime_env=ship)
+        )
 
     def _actor_options(self) -> dict[str, Any]:
         cluster = self.config.cluster
@@ -156,20 +165,9 @@ class JobDriver:
             "max_task_retries": 0,
             "scheduling_strategy": "SPREAD",
         }
-        env = actor_runtime_env(cluster.runtime_env, self._job_runtime_env())
-        if env:
-            options["runtime_env"] = env
+        if cluster.runtime_env:
+            options["runtime_env"] = dict(cluster.runtime_env)
         return options
-
-    @staticmethod
-    def _job_runtime_env() -> dict[str, Any]:
-        """The runtime environment of the Ray job this driver runs in (a submitted job's working dir)."""
-        import ray
-
-        try:
-            return dict(ray.get_runtime_context().runtime_env or {})
-        except Exception:  # noqa: BLE001 - an older Ray without it: nothing known
-            return {}
 
     def _warn_about_secrets(self) -> None:
         # Ray writes runtime_env values into its own logs (runtime_env_agent.log).
@@ -216,9 +214,8 @@ class JobDriver:
         slot.generation += 1
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
-        options = self._actor_options()
-        slot.actor = self._actor_cls.options(**options, name=name).remote(
-            actor_config(self.config.model_dump(mode="json"), "working_dir" in options.get("runtime_env", {})),
+        slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
+            actor_config(self.config.model_dump(mode="json"), self._shipped),
             num_threads=self.config.cluster.num_cpus_per_worker,
             run_id=self.run_id,
             identity=self._identity,

@@ -7,7 +7,8 @@ and ``job_output_mlp``: plain modules returning a tuple or a ``ModelOutput``), d
 ``attention_mask``, a label and raw text; ``job_text_loader``: the same behind a ``DataLoader``
 with its own collate function; ``job_hf_rows``: ``RowsLikeHFDataset``, a stand-in for
 ``datasets.Dataset.with_format("torch")``, which is not installed; ``job_vector_rows``: dict
-samples of fixed-size vectors), and ``pad_collate``, the collate function the loader uses.
+samples of fixed-size vectors), ``pad_collate``, the collate function the loader uses, and
+bad inputs (``job_no_tensor_output``, ``job_off_device``, ``job_rows_missing_label``).
 
 Every factory is seeded, so that the driver and each actor build the same job.
 """
@@ -180,3 +181,39 @@ class VectorRows(Dataset):
 
 def job_vector_rows(num_classes: int = 6, per_class: int = 3, in_features: int = 5, seed: int = 1) -> Dataset:
     return VectorRows(num_classes, per_class, in_features, seed)
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+
+
+class _NoTensorOut(_TupleMLP):
+    def forward(self, features: torch.Tensor, scale: torch.Tensor | None = None):  # type: ignore[override]
+        return {"loss": None, "note": "no logits here"}
+
+
+def job_no_tensor_output(num_classes: int = 6, in_features: int = 5, seed: int = 0) -> nn.Module:
+    """A model whose output (a dict) holds no tensor to take as the logits."""
+    torch.manual_seed(seed)
+    return _NoTensorOut(num_classes, in_features)
+
+
+class _OffDevice(_TupleMLP):
+    def __init__(self, num_classes: int, in_features: int):
+        super().__init__(num_classes, in_features)
+        self.scale = torch.ones(in_features, device="meta")  # not a buffer: model.to leaves it there
+
+    def forward(self, features: torch.Tensor, scale: torch.Tensor | None = None):  # type: ignore[override]
+        return super().forward(features, self.scale)[1]
+
+
+def job_off_device(num_classes: int = 6, in_features: int = 5, seed: int = 0) -> nn.Module:
+    """A model that uses a tensor on another device than the engine's (``meta``, on any machine)."""
+    torch.manual_seed(seed)
+    return _OffDevice(num_classes, in_features)
+
+
+def job_rows_missing_label(num_classes: int = 6, per_class: int = 3, in_features: int = 5, seed: int = 1) -> list:
+    """Dict samples of which one lacks its label."""
+    rows = [VectorRows(num_classes, per_class, in_features, seed)[i] for i in range(num_classes * per_class)]
+    del rows[4]["labels"]
+    return rows
