@@ -3,8 +3,9 @@
 Holds:
 - ``ModelIO``: a model with its way of being called. A batch that is a dict (a tokenizer's
   output, a Hugging Face dataset's row) is passed as keyword arguments, only the keys the
-  model's ``forward`` accepts (all of them when it takes ``**kwargs``); other keys (raw text,
-  ids) are dropped with one note per process. Anything else is passed as the one positional
+  model's ``forward`` names, and when it also takes ``**kwargs`` (as Hugging Face models do)
+  every other key holding a tensor; other keys (raw text, ids) are dropped with one note per
+  process. Anything else is passed as the one positional
   argument, as before. The output becomes the logits tensor: a tensor as it is; a
   ``ModelOutput``, dict or tuple gives ``.logits`` / ``["logits"]`` when present, else its
   first tensor; ``output`` (a key, or an index into a tuple) chooses another. ``functional``
@@ -133,11 +134,13 @@ class ModelIO:
             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         )
 
-    def arguments(self, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """(args, kwargs) the model is called with for the batch ``x``."""
+    def select(self, x: Any) -> Any:
+        """The batch ``x`` with only what the model takes: a dict without the keys its ``forward``
+        has no argument for (noted once); anything else as it is. (The vmap path batches only
+        what it passes: raw text cannot be vmapped.)"""
         if not isinstance(x, Mapping):
-            return (x,), {}
-        kwargs = dict(x) if self.takes_any else {k: v for k, v in x.items() if k in self.names}
+            return x
+        kwargs = {k: v for k, v in x.items() if k in self.names or (self.takes_any and isinstance(v, torch.Tensor))}
         dropped = tuple(sorted(str(k) for k in x if k not in kwargs))
         if dropped:
             key = (type(self.model).__qualname__, dropped)
@@ -153,7 +156,13 @@ class ModelIO:
                 f"data: none of the input keys {sorted(str(k) for k in x)} is an argument of "
                 f"{type(self.model).__name__}.forward"
             )
-        return (), kwargs
+        return kwargs
+
+    def arguments(self, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """(args, kwargs) the model is called with for the batch ``x``."""
+        if not isinstance(x, Mapping):
+            return (x,), {}
+        return (), self.select(x)
 
     def __call__(self, x: Any) -> torch.Tensor:
         """The model's logits on the batch ``x`` (with the graph, under the caller's context)."""

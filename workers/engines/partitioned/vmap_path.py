@@ -69,6 +69,7 @@ class VmapPath:
         weights = torch.where(j.unsqueeze(0) < counts.unsqueeze(1), 1.0 / counts.unsqueeze(1).double(), 0.0)
         weights = weights.to(eng.device, eng.compute_dtype)
         x, y = eng.probe.batch(padded.reshape(-1), eng.device, eng.compute_dtype)
+        x = eng.io.select(x)  # only what the model takes (raw text cannot be vmapped)
         x, y = tree_map_tensors(lambda t: t.reshape(k, width, *t.shape[1:]), (x, y))
         params = {s.name: p.detach() for s, p in zip(eng.layout.slots, eng.params)}
         with parameters_kept(eng.model):
