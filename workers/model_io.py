@@ -5,11 +5,11 @@ Holds:
   output, a Hugging Face dataset's row) is passed as keyword arguments, only the keys the
   model's ``forward`` names, and when it also takes ``**kwargs`` (as Hugging Face models do)
   every other key holding a tensor; other keys (raw text, ids) are dropped with one note per
-  process. Anything else is passed as the one positional
-  argument, as before. The output becomes the logits tensor: a tensor as it is; a
-  ``ModelOutput``, dict or tuple gives ``.logits`` / ``["logits"]`` when present, else its
-  first tensor; ``output`` (a key, or an index into a tuple) chooses another. ``functional``
-  does the same through ``torch.func.functional_call``.
+  process. Anything else, and a dict none of whose keys ``forward`` names (a model that takes
+  the dict itself), is passed as the one positional argument, as before. The output becomes
+  the logits tensor: a tensor as it is; a ``ModelOutput``, dict or tuple gives ``.logits`` /
+  ``["logits"]`` when present, else its first tensor; ``output`` (a key, or an index into a
+  tuple) chooses another. ``functional`` does the same through ``torch.func.functional_call``.
 - ``logits_of``: that choice of tensor, for any output.
 - ``class_names_of``: the class names a model's config holds (``config.id2label``, a Hugging
   Face model's), unless they are the ``LABEL_i`` placeholders filled in by default.
@@ -134,11 +134,16 @@ class ModelIO:
             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         )
 
+    def positional(self, x: Any) -> bool:
+        """Whether the batch ``x`` goes in as the one positional argument: anything but a dict, and
+        a dict none of whose keys its ``forward`` names (a model that takes the dict itself)."""
+        return not isinstance(x, Mapping) or (not self.takes_any and not any(k in self.names for k in x))
+
     def select(self, x: Any) -> Any:
-        """The batch ``x`` with only what the model takes: a dict without the keys its ``forward``
-        has no argument for (noted once); anything else as it is. (The vmap path batches only
-        what it passes: raw text cannot be vmapped.)"""
-        if not isinstance(x, Mapping):
+        """The batch ``x`` with only what the model takes: a dict of keyword arguments without the
+        keys its ``forward`` has no argument for (noted once); anything else as it is. (The vmap
+        path batches only what it passes: raw text cannot be vmapped.)"""
+        if self.positional(x):
             return x
         kwargs = {k: v for k, v in x.items() if k in self.names or (self.takes_any and isinstance(v, torch.Tensor))}
         dropped = tuple(sorted(str(k) for k in x if k not in kwargs))
@@ -151,16 +156,11 @@ class ModelIO:
                     ", ".join(dropped),
                     type(self.model).__name__,
                 )
-        if not kwargs:
-            raise InputError(
-                f"data: none of the input keys {sorted(str(k) for k in x)} is an argument of "
-                f"{type(self.model).__name__}.forward"
-            )
         return kwargs
 
     def arguments(self, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """(args, kwargs) the model is called with for the batch ``x``."""
-        if not isinstance(x, Mapping):
+        if self.positional(x):
             return (x,), {}
         return (), self.select(x)
 
