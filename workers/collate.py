@@ -2,7 +2,7 @@
 
 Holds:
 - ``Samples``: what the probe set needs to know about its samples: where the label is (the
-  second element of a tuple, or the key ``label_key`` of a dict: by default the first of
+  second element of a tuple, or the key ``label_field`` of a dict: by default the first of
   ``labels``, ``label`` that the first sample has), ``label_of`` / ``inputs_of`` for one sample,
   ``collate`` (a list of samples -> a batch) and ``inputs_of_batch`` (a collated batch -> the
   model's inputs, the label key taken out).
@@ -100,38 +100,38 @@ def resolve_collate(collate: str | Collate | None, pad_values: Mapping[str, floa
 class Samples:
     """Where a probe set's samples keep their label, and how they are batched."""
 
-    def __init__(self, first: Any, label_key: str | None, collate: Collate):
+    def __init__(self, first: Any, label_field: str | None, collate: Collate):
         self.collate_fn = collate
-        self.label_key: str | None = None
+        self.label_field: str | None = None
         if isinstance(first, Mapping):
-            if label_key is None:
-                label_key = next((k for k in DEFAULT_LABEL_KEYS if k in first), None)
-                if label_key is None:
+            if label_field is None:
+                label_field = next((k for k in DEFAULT_LABEL_KEYS if k in first), None)
+                if label_field is None:
                     raise InputError(
                         f"data: dict samples without a label key ({' or '.join(DEFAULT_LABEL_KEYS)}; "
-                        f"keys: {', '.join(map(str, first))}): set data.label_key"
+                        f"keys: {', '.join(map(str, first))}): set data.label_field"
                     )
-            self.label_key = label_key
+            self.label_field = label_field
         elif not (isinstance(first, (tuple, list)) and len(first) == 2):
             raise InputError(
                 f"data: a sample is a {type(first).__name__}; "
                 "expected (input, target) or a dict of inputs with a label key"
             )
-        elif label_key is not None:
-            raise InputError(f"data.label_key {label_key!r}: the samples are (input, target) pairs, not dicts")
+        elif label_field is not None:
+            raise InputError(f"data.label_field {label_field!r}: the samples are (input, target) pairs, not dicts")
 
     def label_of(self, item: Any, index: int) -> Any:
-        if self.label_key is None:
+        if self.label_field is None:
             return item[1]
-        if not isinstance(item, Mapping) or self.label_key not in item:
+        if not isinstance(item, Mapping) or self.label_field not in item:
             keys = ", ".join(map(str, item)) if isinstance(item, Mapping) else type(item).__name__
-            raise InputError(f"data: item {index} has no label key {self.label_key!r} (it has: {keys})")
-        return item[self.label_key]
+            raise InputError(f"data: item {index} has no label key {self.label_field!r} (it has: {keys})")
+        return item[self.label_field]
 
     def inputs_of(self, item: Any) -> Any:
-        if self.label_key is None:
+        if self.label_field is None:
             return item[0]
-        return {k: v for k, v in item.items() if k != self.label_key}
+        return {k: v for k, v in item.items() if k != self.label_field}
 
     def collate(self, items: list[Any]) -> Any:
         try:
@@ -144,7 +144,7 @@ class Samples:
     def inputs_of_batch(self, batch: Any) -> Any:
         """The model's inputs in a collated batch (the label key or the target taken out)."""
         if isinstance(batch, Mapping):
-            return {k: v for k, v in batch.items() if k != self.label_key}
+            return {k: v for k, v in batch.items() if k != self.label_field}
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             return batch[0]
         raise InputError(

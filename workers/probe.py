@@ -113,7 +113,7 @@ class ProbeSet:
         data: Dataset | tuple[Any, torch.Tensor] | list | Mapping | DataLoader,
         batch_size: int = 256,
         *,
-        label_key: str | None = None,
+        label_field: str | None = None,
         collate: str | Callable[[list[Any]], Any] | None = None,
         pad_values: Mapping[str, float] | None = None,
     ):
@@ -125,7 +125,7 @@ class ProbeSet:
         if isinstance(data, DataLoader):
             data, collate_fn = _from_loader(data, collate, collate_fn)
         if isinstance(data, Mapping) and all(isinstance(v, torch.Tensor) for v in data.values()):
-            data = _split_columns(data, label_key)  # a batch of named columns (a tokenizer's output + labels)
+            data = _split_columns(data, label_field)  # a batch of named columns (a tokenizer's output + labels)
         if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[1], torch.Tensor):
             inputs, targets = data
             if isinstance(inputs, torch.Tensor) and len(inputs) != len(targets):
@@ -149,7 +149,7 @@ class ProbeSet:
             for i in range(n):
                 item = _item(data, i)
                 if samples is None:
-                    samples = self._samples = Samples(item, label_key, collate_fn)
+                    samples = self._samples = Samples(item, label_field, collate_fn)
                 inputs = samples.inputs_of(item)
                 digest_into(h, inputs)
                 if i < HEAD_SAMPLES:
@@ -266,13 +266,13 @@ def _from_loader(loader: DataLoader, setting: Any, collate_fn: Any) -> tuple[Any
     return loader.dataset, collate_fn if default else own
 
 
-def _split_columns(columns: Mapping[str, torch.Tensor], label_key: str | None) -> tuple[dict, torch.Tensor]:
+def _split_columns(columns: Mapping[str, torch.Tensor], label_field: str | None) -> tuple[dict, torch.Tensor]:
     """A dict of batched columns holding the labels -> (inputs dict, labels)."""
-    key = label_key or next((k for k in DEFAULT_LABEL_KEYS if k in columns), None)
+    key = label_field or next((k for k in DEFAULT_LABEL_KEYS if k in columns), None)
     if key is None or key not in columns:
         raise InputError(
             f"data: a dict of tensors without the label key {key or ' or '.join(DEFAULT_LABEL_KEYS)!r} "
-            f"(keys: {', '.join(map(str, columns))}): set data.label_key"
+            f"(keys: {', '.join(map(str, columns))}): set data.label_field"
         )
     return {k: v for k, v in columns.items() if k != key}, columns[key]
 

@@ -93,7 +93,8 @@ class DataConfig(Section):
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
     batch_size: StrictPositiveInt = Field(256, description="Probe samples per forward pass (micro-batch).")
-    label_key: str | None = Field(
+    # Not `label_key`: config keys with the word "key" are redacted as secrets in the stored config.
+    label_field: str | None = Field(
         None,
         description="The key of the label in dict samples; null takes the first of `labels`, "
         "`label` that the samples have. The label is never passed to the model; the other keys "

@@ -49,7 +49,9 @@ CASES = {
 def reference_rows(config) -> torch.Tensor:
     model = build_model(config.model.factory, config.model.kwargs).double()
     d = config.data
-    probe = build_probe(d.factory, d.kwargs, 4096, label_key=d.label_key, collate=d.collate, pad_values=d.pad_values)
+    probe = build_probe(
+        d.factory, d.kwargs, 4096, label_field=d.label_field, collate=d.collate, pad_values=d.pad_values
+    )
     return per_class_gradients(model, probe, num_classes=C, engine="reference", output=config.model.output)
 
 

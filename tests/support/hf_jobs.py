@@ -106,9 +106,9 @@ def _texts(num_classes: int, per_class: int, seed: int, min_len: int, max_len: i
 class TextRows(Dataset):
     """Dict samples: ``input_ids`` and ``attention_mask`` of 3 to 9 tokens, ``labels``, ``text``."""
 
-    def __init__(self, num_classes: int, per_class: int, seed: int, label_key: str = "labels"):
+    def __init__(self, num_classes: int, per_class: int, seed: int, label_field: str = "labels"):
         self.rows = [
-            {**{k: v for k, v in r.items() if k != "label"}, label_key: r["label"]}
+            {**{k: v for k, v in r.items() if k != "label"}, label_field: r["label"]}
             for r in _texts(num_classes, per_class, seed, 3, 9)
         ]
 
@@ -119,8 +119,8 @@ class TextRows(Dataset):
         return self.rows[i]
 
 
-def job_text_rows(num_classes: int = 6, per_class: int = 2, seed: int = 1, label_key: str = "labels") -> Dataset:
-    return TextRows(num_classes, per_class, seed, label_key)
+def job_text_rows(num_classes: int = 6, per_class: int = 2, seed: int = 1, label_field: str = "labels") -> Dataset:
+    return TextRows(num_classes, per_class, seed, label_field)
 
 
 def pad_collate(items: list[dict]) -> dict:

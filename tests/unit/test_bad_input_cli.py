@@ -209,9 +209,9 @@ def dict_sample_without_its_label(t: Ctx):
 
 
 @case("data: item 0 has no label key 'target'")
-def label_key_not_in_the_samples(t: Ctx):
+def label_field_not_in_the_samples(t: Ctx):
     model = {"factory": f"{HF}:job_tuple_mlp", "kwargs": {"num_classes": C}}
-    return [t.job(model=model, data=_VECTORS), "--set", "data.label_key=target"]
+    return [t.job(model=model, data=_VECTORS), "--set", "data.label_field=target"]
 
 
 @case("model: its forward uses tensors on another device than engine.device 'cpu'")

@@ -29,16 +29,16 @@ def test_pad_stack_pads_each_key_at_the_end_with_its_value_and_keeps_text():
         stack(items)
 
 
-def test_dict_samples_take_the_label_key_out_of_the_inputs():
+def test_dict_samples_take_the_label_field_out_of_the_inputs():
     probe = ProbeSet(hf_jobs.job_text_rows(3, per_class=2, seed=0), batch_size=4, collate="pad")
     assert probe.targets.tolist() == [0, 0, 1, 1, 2, 2]
     x, y = probe.batch(torch.tensor([4, 0]), CPU)
     assert sorted(x) == ["attention_mask", "input_ids", "text"] and y.tolist() == [2, 0]
     lengths = x["attention_mask"].sum(dim=1).tolist()
     assert x["input_ids"].shape[1] == max(lengths)  # padded to the longest of this batch only
-    # "label" when there is no "labels"; data.label_key names any other key.
+    # "label" when there is no "labels"; data.label_field names any other key.
     assert ProbeSet(hf_jobs.job_hf_rows(3, 1, seed=0), collate="pad").targets.tolist() == [0, 1, 2]
-    named = ProbeSet(hf_jobs.job_text_rows(3, 1, seed=0, label_key="topic"), collate="pad", label_key="topic")
+    named = ProbeSet(hf_jobs.job_text_rows(3, 1, seed=0, label_field="topic"), collate="pad", label_field="topic")
     assert named.targets.tolist() == [0, 1, 2]
 
 
@@ -91,8 +91,8 @@ class Rows:
             r"data: item 1 has no label key 'labels' \(it has: x\)",
         ),
         ([{"x": torch.zeros(2), "y": 0}], {}, r"dict samples without a label key \(labels or label; keys: x, y\)"),
-        ([{"x": torch.zeros(2), "y": 0}], {"label_key": "target"}, "item 0 has no label key 'target'"),
-        ([(torch.zeros(2), 0)], {"label_key": "y"}, "data.label_key 'y': the samples are .input, target. pairs"),
+        ([{"x": torch.zeros(2), "y": 0}], {"label_field": "target"}, "item 0 has no label key 'target'"),
+        ([(torch.zeros(2), 0)], {"label_field": "y"}, "data.label_field 'y': the samples are .input, target. pairs"),
         ([torch.zeros(2)], {}, "a sample is a Tensor; expected .input, target. or a dict"),
     ],
 )

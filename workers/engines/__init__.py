@@ -89,7 +89,7 @@ def build_engine(
     block_rows: int | None = None,
     group_rows: int = 256,
     output: str | int | None = None,
-    label_key: str | None = None,
+    label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
 ) -> GradientEngine:
@@ -101,7 +101,7 @@ def build_engine(
     probe = (
         data
         if isinstance(data, ProbeSet)
-        else ProbeSet(data, batch_size=batch_size, label_key=label_key, collate=collate, pad_values=pad_values)
+        else ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
     )
     return create_engine(
         engine,
@@ -132,14 +132,14 @@ def per_class_gradients(
     mode: str = "eval",
     progress: bool | None = None,
     output: str | int | None = None,
-    label_key: str | None = None,
+    label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
 
     ``data`` is a Dataset of ``(input, target)`` or of dicts (inputs and the label, under
-    ``label_key``: default the first of ``labels``, ``label``), a Hugging Face ``datasets.Dataset``,
+    ``label_field``: default the first of ``labels``, ``label``), a Hugging Face ``datasets.Dataset``,
     a ``DataLoader`` (its dataset and collate_fn; not its sampler or shuffling), or a pair of
     tensors; ``collate`` is ``"stack"`` (default), ``"pad"`` (variable-length fields padded per
     batch with ``pad_values``, default 0) or a function of a list of samples. A dict batch goes to
@@ -166,7 +166,7 @@ def per_class_gradients(
             batch_size=batch_size,
             device=device,
             output=output,
-            label_key=label_key,
+            label_field=label_field,
             collate=collate,
             pad_values=pad_values,
         )

@@ -119,12 +119,12 @@ def build_probe(
     kwargs: dict | None = None,
     batch_size: int = 256,
     *,
-    label_key: str | None = None,
+    label_field: str | None = None,
     collate: str = "stack",
     pad_values: dict[str, float] | None = None,
 ) -> ProbeSet:
     data = _call_factory(factory, dict(kwargs or {}), "data.factory")
-    return ProbeSet(data, batch_size=batch_size, label_key=label_key, collate=collate, pad_values=pad_values)
+    return ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
 
 
 def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEngine:
@@ -137,7 +137,7 @@ def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEn
         data.factory,
         data.kwargs,
         data.batch_size,
-        label_key=data.label_key,
+        label_field=data.label_field,
         collate=data.collate,
         pad_values=data.pad_values,
     )
