@@ -178,3 +178,30 @@ def test_parameter_names_are_the_models_own():
 
     eng = build_engine(hf_jobs.job_bert(3), hf_jobs.job_text_rows(3, 1, seed=0), num_classes=3, collate="pad")
     assert "classifier.weight" in eng.layout.names and "bert.embeddings.word_embeddings.weight" in eng.layout.names
+
+
+def test_bad_dict_inputs_through_per_class_gradients_are_one_line():
+    C = 3
+    with pytest.raises(InputError, match="model output: a dict with no tensor to take as the logits"):
+        per_class_gradients(hf_jobs.job_no_tensor_output(C), hf_jobs.job_vector_rows(C), num_classes=C)
+    with pytest.raises(InputError, match=r"data: item 4 has no label key 'labels' \(it has: features, note\)"):
+        per_class_gradients(hf_jobs.job_tuple_mlp(C), hf_jobs.job_rows_missing_label(C), num_classes=C)
+
+
+@pytest.mark.parametrize("names", [True, False])
+def test_the_job_check_records_id2label_as_the_stores_class_names(tmp_path, names):
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.preparation import check_job
+
+    C = 3
+    config = JobConfig.model_validate(
+        {
+            "model": {"factory": "tests.support.hf_jobs:job_bert", "kwargs": {"num_classes": C, "names": names}},
+            "data": {"factory": "tests.support.hf_jobs:job_text_rows", "kwargs": {"num_classes": C}, "collate": "pad"},
+            "loss": {"num_classes": C},
+            "store": {"url": str(tmp_path / "s.zarr")},
+        }
+    )
+    spec = check_job(config).spec
+    assert spec.class_names == (("class-0", "class-1", "class-2") if names else None)
+    assert "classifier.weight" in [slot.name for slot in spec.layout]
