@@ -46,6 +46,7 @@ from classgrad.service.runtime.ray_session import ray_session, resolve_ray_addre
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.runtime.shipping import actor_config, working_dir_env
 from classgrad.service.store import GradStore, HeldLease, store_lease
+from classgrad.workers.imports import from_working_dir
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,12 @@ class JobDriver:
         # only with the session: a session this process already has keeps what it was given).
         ship = None if ray.is_initialized() else working_dir_env()
         self._shipped = ship is not None
+        if ray.is_initialized() and from_working_dir():
+            log.warning(
+                "module(s) %s come from the working directory, which this process's Ray session was not "
+                "started with: actors on other machines will not find them (run with a session of its own)",
+                ", ".join(sorted(from_working_dir())),
+            )
         self._ray.enter_context(
             ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed), runtime_env=ship)
         )

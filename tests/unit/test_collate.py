@@ -108,3 +108,14 @@ def test_a_collate_function_that_fails_is_one_line():
     probe = ProbeSet(hf_jobs.job_text_rows(2, 1, seed=0), collate=broken)
     with pytest.raises(InputError, match="data: collating a batch raised KeyError: 'input_ids'"):
         probe.batch(torch.tensor([0, 1]), CPU)
+
+
+def test_a_dataloader_over_an_iterable_dataset_is_one_line():
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield {"x": torch.zeros(2), "labels": 0}
+
+    with pytest.raises(InputError, match="a DataLoader over an IterableDataset: the probe set needs a map-style"):
+        ProbeSet(DataLoader(Stream()))
