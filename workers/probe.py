@@ -1,7 +1,9 @@
 """The probe set: the samples whose losses define the per-class gradient rows.
 
-Holds ``ProbeSet``: the probe data as given (a ``Dataset`` of ``(input, target)`` or a pair of
-tensors), its targets gathered once on the CPU, the micro-batches every engine walks in the
+Holds ``ProbeSet``: the probe data as given (a ``Dataset`` of ``(input, target)`` or of dicts of
+inputs with a label key, a Hugging Face ``datasets.Dataset`` (duck-typed: ``len`` and ``[i]``), a
+``DataLoader`` (its dataset and collate_fn), a dict of batched tensors with a label key, or a pair
+of tensors), its targets gathered once on the CPU, the micro-batches every engine walks in the
 same order, the per-class sample index that the partitioned engine uses, and the digest of the
 probe set as built (``digest``; a Dataset's is taken while its targets are gathered, the one pass
 over it) with the check that its first samples read the same twice (``reads_repeat``); and
@@ -9,37 +11,30 @@ over it) with the check that its first samples read the same twice (``reads_repe
 tuples, lists and dicts), and ``digest_into``, which hashes such a nest.
 
 Inputs stay where the user put them and are fetched per batch; only targets (small) are held
-whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and a stack.
+whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and the
+collate setting (``classgrad.workers.collate``: stacked, padded per batch, or the user's function).
 Image batches can be asked for channels-last (the partitioned engine's measured choice).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert
 
 from classgrad.service.errors import InputError, first_line
+from classgrad.workers.collate import DEFAULT_LABEL_KEYS, Samples, resolve_collate, stack
+
+log = logging.getLogger(__name__)
 
 # Samples of a Dataset whose digests are kept from the first read, to check that a second read
 # gives the same inputs (``reads_repeat``: random transforms make a probe set differ per read).
 HEAD_SAMPLES = 4
-
-
-def _stack(items: Sequence[Any]) -> Any:
-    """Stack a list of samples (tensors, numbers, or tuples/dicts of them) into a batch."""
-    first = items[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(list(items))
-    if isinstance(first, (tuple, list)):
-        return type(first)(_stack([it[i] for it in items]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _stack([it[k] for it in items]) for k in first}
-    return torch.as_tensor(items)
 
 
 def tree_map_tensors(fn: Any, tree: Any) -> Any:
@@ -113,10 +108,24 @@ class MicroBatch:
 class ProbeSet:
     """The probe samples, their targets, and the order engines visit them in."""
 
-    def __init__(self, data: Dataset | tuple[Any, torch.Tensor] | list, batch_size: int = 256):
+    def __init__(
+        self,
+        data: Dataset | tuple[Any, torch.Tensor] | list | Mapping | DataLoader,
+        batch_size: int = 256,
+        *,
+        label_field: str | None = None,
+        collate: str | Callable[[list[Any]], Any] | None = None,
+        pad_values: Mapping[str, float] | None = None,
+    ):
         if batch_size <= 0:
             raise InputError(f"data.batch_size must be > 0, got {batch_size}")
         self.batch_size = int(batch_size)
+        collate_fn = resolve_collate(collate, pad_values)
+        self._samples: Samples | None = None
+        if isinstance(data, DataLoader):
+            data, collate_fn = _from_loader(data, collate, collate_fn)
+        if isinstance(data, Mapping) and all(isinstance(v, torch.Tensor) for v in data.values()):
+            data = _split_columns(data, label_field)  # a batch of named columns (a tokenizer's output + labels)
         if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[1], torch.Tensor):
             inputs, targets = data
             if isinstance(inputs, torch.Tensor) and len(inputs) != len(targets):
@@ -128,7 +137,7 @@ class ProbeSet:
             self._head: list[str] = []
         elif isinstance(data, Dataset) or hasattr(data, "__getitem__"):
             self._inputs = None
-            self._dataset = data
+            self._dataset = data  # type: ignore[assignment] # anything with len and [i]
             n = len(data)  # type: ignore[arg-type]
             if n == 0:
                 raise InputError("data: the probe set is empty")
@@ -136,17 +145,22 @@ class ProbeSet:
             h = hashlib.sha256()
             gathered: list[torch.Tensor] = []
             self._head = []
+            samples = None
             for i in range(n):
                 item = _item(data, i)
-                digest_into(h, item[0])
+                if samples is None:
+                    samples = self._samples = Samples(item, label_field, collate_fn)
+                inputs = samples.inputs_of(item)
+                digest_into(h, inputs)
                 if i < HEAD_SAMPLES:
-                    self._head.append(_sample_digest(item[0]))
-                gathered.append(torch.as_tensor(item[1]))
-            self.targets = _stack(gathered)
+                    self._head.append(_sample_digest(inputs))
+                gathered.append(torch.as_tensor(samples.label_of(item, i)))
+            self.targets = stack(gathered)
             self._inputs_digest = h.hexdigest()
         else:
             raise InputError(
-                f"data: expected a Dataset of (input, target) or a pair (inputs, targets), got {type(data).__name__}"
+                f"data: expected a Dataset of (input, target) or of dicts, a DataLoader, or a pair (inputs, targets), "
+                f"got {type(data).__name__}"
             )
         if len(self.targets) == 0:
             raise InputError("data: the probe set is empty")
@@ -160,7 +174,9 @@ class ProbeSet:
         pass where the inputs are held as tensors."""
         if self._dataset is None:
             return _index(self._inputs, indices, memory_format)
-        batch = _stack([_item(self._dataset, int(i))[0] for i in indices])
+        assert self._samples is not None  # set while the targets were gathered
+        samples = self._samples
+        batch = samples.inputs_of_batch(samples.collate([_item(self._dataset, int(i)) for i in indices]))
         return batch if memory_format is None else _in_format(batch, memory_format)
 
     def batch(
@@ -213,7 +229,10 @@ class ProbeSet:
         transforms do not); always true for inputs held as tensors."""
         if self._dataset is None:
             return True
-        return all(_sample_digest(self._dataset[i][0]) == d for i, d in enumerate(self._head))
+        assert self._samples is not None
+        return all(
+            _sample_digest(self._samples.inputs_of(_item(self._dataset, i))) == d for i, d in enumerate(self._head)
+        )
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """The probe set in order, ``batch_size`` samples at a time (the same for every engine)."""
@@ -230,6 +249,32 @@ class ProbeSet:
         order = torch.argsort(labels, stable=True)
         counts = torch.bincount(labels, minlength=num_classes)
         return list(torch.split(order, counts.tolist()))
+
+
+def _from_loader(loader: DataLoader, setting: Any, collate_fn: Any) -> tuple[Any, Any]:
+    """A DataLoader's dataset, and its collate_fn unless it is torch's default (then the configured
+    one); its sampler, shuffling and batch size are not used (the probe set has its own order)."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise InputError(
+            "data: a DataLoader over an IterableDataset: the probe set needs a map-style dataset (len, [i])"
+        )
+    own = loader.collate_fn
+    default = own in (default_collate, default_convert)
+    if not default and setting not in (None, "stack"):
+        raise InputError(f"data.collate {setting!r}: the DataLoader has its own collate_fn; give one or the other")
+    log.info("data: a DataLoader: its dataset and collate_fn are used, its sampler, shuffling and batch size are not")
+    return loader.dataset, collate_fn if default else own
+
+
+def _split_columns(columns: Mapping[str, torch.Tensor], label_field: str | None) -> tuple[dict, torch.Tensor]:
+    """A dict of batched columns holding the labels -> (inputs dict, labels)."""
+    key = label_field or next((k for k in DEFAULT_LABEL_KEYS if k in columns), None)
+    if key is None or key not in columns:
+        raise InputError(
+            f"data: a dict of tensors without the label key {key or ' or '.join(DEFAULT_LABEL_KEYS)!r} "
+            f"(keys: {', '.join(map(str, columns))}): set data.label_field"
+        )
+    return {k: v for k, v in columns.items() if k != key}, columns[key]
 
 
 def _is_image(t: Any) -> bool:

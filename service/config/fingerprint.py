@@ -59,8 +59,8 @@ _SECTION_MODELS: dict[str, type[Section]] = {
     "store": StoreConfig,
     "projection": ProjectionConfig,
 }
-# Fields holding `module:function` paths (loss.kind only when it has a colon).
-_IMPORT_PATH_FIELDS = (("model", "factory"), ("data", "factory"), ("loss", "kind"))
+# Fields holding `module:function` paths (loss.kind and data.collate only when they have a colon).
+_IMPORT_PATH_FIELDS = (("model", "factory"), ("data", "factory"), ("data", "collate"), ("loss", "kind"))
 
 
 def _is_default(model: type[Section], key: str, value: Any) -> bool:

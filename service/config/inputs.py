@@ -56,6 +56,12 @@ class ModelConfig(Section):
         description="Module mode during the gradient pass; `train` makes BatchNorm use batch "
         "statistics, which couples samples and forces the dense engine.",
     )
+    output: str | Annotated[int, Strict()] | None = Field(
+        None,
+        description="Which entry of the model's output holds the logits when it returns a "
+        "`ModelOutput`, dict or tuple: a key/attribute name, or an index. Null takes `logits` "
+        "when present, else the first tensor; a tensor output is used as it is.",
+    )
 
     @field_validator("factory")
     @classmethod
@@ -80,10 +86,42 @@ class DataConfig(Section):
     factory: str = Field(
         "classgrad.workers.zoo:synthetic_probe",
         description="Import path `module:function` of a function returning a `Dataset` of "
-        "`(input, target)` or a pair of tensors `(inputs, targets)`.",
+        "`(input, target)` or of dicts (input keys and a label key, as a Hugging Face "
+        "`datasets.Dataset.with_format('torch')` gives), a `DataLoader` (its dataset and "
+        "`collate_fn` are used, its sampler, shuffling and batch size are not), or a pair of "
+        "tensors `(inputs, targets)`.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the factory.")
     batch_size: StrictPositiveInt = Field(256, description="Probe samples per forward pass (micro-batch).")
+    # Not `label_key`: config keys with the word "key" are redacted as secrets in the stored config.
+    label_field: str | None = Field(
+        None,
+        description="The key of the label in dict samples; null takes the first of `labels`, "
+        "`label` that the samples have. The label is never passed to the model; the other keys "
+        "are passed as keyword arguments when the model's `forward` takes them.",
+    )
+    collate: str = Field(
+        "stack",
+        description="How samples become a batch: `stack` (every sample's tensors of one shape), "
+        "`pad` (variable-length tensors padded at the end to the longest of each batch, with "
+        "`pad_values`), or an import path `module:function` of a function taking a list of samples.",
+    )
+    pad_values: dict[str, float] = Field(
+        default_factory=dict,
+        description="With `collate: pad`, the pad value per dict key (default 0, which "
+        "`attention_mask` reads as hidden).",
+    )
+
+    @field_validator("collate")
+    @classmethod
+    def _collate_kind(cls, value: str) -> str:
+        if ":" in value:
+            return check_import_path(value)
+        if value not in ("stack", "pad"):
+            raise PydanticCustomError(
+                "collate", "must be stack, pad or an import path 'module:function', got {value}", {"value": repr(value)}
+            )
+        return value
 
     @field_validator("factory")
     @classmethod

@@ -44,7 +44,9 @@ from classgrad.service.runtime.preparation import check_identity, check_job, pre
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.service.runtime.shipping import actor_config, working_dir_env
 from classgrad.service.store import GradStore, HeldLease, store_lease
+from classgrad.workers.imports import from_working_dir
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ class JobDriver:
         self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
         self._ray = contextlib.ExitStack()  # the Ray session this driver opened, closed in _shutdown
         self._ready_after_s: float | None = None  # seconds from the run's start until every actor was ready
+        self._shipped = False  # the working directory went to the actors (they start in a copy of it)
 
     # --- Ray ------------------------------------------------------------------------------
 
@@ -144,7 +147,21 @@ class JobDriver:
         starts_local = self._starts_local_ray()
         if starts_local and needed > cpus:
             log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores", needed, cpus)
-        self._ray.enter_context(ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed)))
+        import ray
+
+        # The user's own modules beside the job file go to every actor (Ray ships a local directory
+        # only with the session: a session this process already has keeps what it was given).
+        ship = None if ray.is_initialized() else working_dir_env()
+        self._shipped = ship is not None
+        if ray.is_initialized() and from_working_dir():
+            log.warning(
+                "module(s) %s come from the working directory, which this process's Ray session was not "
+                "started with: actors on other machines will not find them (run with a session of its own)",
+                ", ".join(sorted(from_working_dir())),
+            )
+        self._ray.enter_context(
+            ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed), runtime_env=ship)
+        )
 
     def _actor_options(self) -> dict[str, Any]:
         cluster = self.config.cluster
@@ -205,7 +222,7 @@ class JobDriver:
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
         slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            self.config.model_dump(mode="json"),
+            actor_config(self.config.model_dump(mode="json"), self._shipped),
             num_threads=self.config.cluster.num_cpus_per_worker,
             run_id=self.run_id,
             identity=self._identity,

@@ -83,6 +83,7 @@ def check_job(config: JobConfig) -> CheckedJob:
     Every user error (bad factory, wrong output width, labels out of range, patterns that
     select nothing) is raised here, before the store's lease is taken or a store exists.
     """
+    from classgrad.workers.model_io import class_names_of
     from classgrad.workers.runtime.actor import checked_engine
     from classgrad.workers.runtime.identity import engine_identity
 
@@ -100,6 +101,7 @@ def check_job(config: JobConfig) -> CheckedJob:
         sharded=config.store.sharded,
         layout=() if projector else layout.slots,
         loss_kind=engine.loss.name,
+        class_names=class_names_of(engine.model, config.loss.num_classes),
         projection=projector.describe() if projector else None,
         config=config.redacted(),
         fingerprint=resumable_fingerprint(config),

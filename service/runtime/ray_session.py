@@ -22,6 +22,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 
 from classgrad.service.errors import ClassgradError, first_line
 
@@ -58,12 +59,18 @@ def check_reachable(address: str, source: str, timeout_s: float = 10.0) -> None:
 
 @contextmanager
 def ray_session(
-    address: str | None = None, *, option: str = "address", num_cpus: int | None = None, num_gpus: int | None = None
+    address: str | None = None,
+    *,
+    option: str = "address",
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    runtime_env: dict[str, Any] | None = None,
 ) -> Iterator[ModuleType]:
     """The ``ray`` module with a session open: the one this process already has, or one joined
     at ``address`` (see ``resolve_ray_address``), or a new local Ray with ``num_cpus`` CPUs
-    (default: this machine's) and ``num_gpus`` GPUs (default: Ray's detection). A session opened
-    here is shut down on exit (for a joined cluster that only disconnects this process)."""
+    (default: this machine's) and ``num_gpus`` GPUs (default: Ray's detection); ``runtime_env``
+    is the session's (the job's) when it opens one. A session opened here is shut down on exit
+    (for a joined cluster that only disconnects this process)."""
     import ray
 
     if ray.is_initialized():
@@ -72,11 +79,17 @@ def ray_session(
     target, source = resolve_ray_address(address, option)
     if target is None:
         cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, num_gpus=num_gpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(
+            num_cpus=cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            runtime_env=runtime_env,
+        )
     else:
         check_reachable(target, source)
         log.debug("joining the Ray cluster at %s (%s)", target, source)
-        ray.init(address=target, logging_level=logging.WARNING)
+        ray.init(address=target, logging_level=logging.WARNING, runtime_env=runtime_env)
     try:
         yield ray
     finally:

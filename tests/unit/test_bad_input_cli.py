@@ -189,3 +189,37 @@ def test_an_empty_section_in_a_file_still_means_its_defaults(tmp_path):
     path.write_text("model:\nloss: {num_classes: 4}\n")
     assert load_config(path).model.factory == "classgrad.workers.zoo:small_cnn"
     assert load_config(path, ["model={}"]).model.factory == "classgrad.workers.zoo:small_cnn"
+
+
+# --- Hugging Face-style inputs (issue 16): refused by the driver's check, before any store ------
+
+HF = "tests.support.hf_jobs"
+_VECTORS = {"factory": f"{HF}:job_vector_rows", "kwargs": {"num_classes": C}}
+
+
+@case("model output: a dict with no tensor to take as the logits")
+def output_without_a_tensor(t: Ctx):
+    return [t.job(model={"factory": f"{HF}:job_no_tensor_output", "kwargs": {"num_classes": C}}, data=_VECTORS)]
+
+
+@case("data: item 4 has no label key 'labels' (it has: features, note)")
+def dict_sample_without_its_label(t: Ctx):
+    model = {"factory": f"{HF}:job_tuple_mlp", "kwargs": {"num_classes": C}}
+    return [t.job(model=model, data={"factory": f"{HF}:job_rows_missing_label", "kwargs": {"num_classes": C}})]
+
+
+@case("data: item 0 has no label key 'target'")
+def label_field_not_in_the_samples(t: Ctx):
+    model = {"factory": f"{HF}:job_tuple_mlp", "kwargs": {"num_classes": C}}
+    return [t.job(model=model, data=_VECTORS), "--set", "data.label_field=target"]
+
+
+@case("model: its forward uses tensors on another device than engine.device 'cpu'")
+def model_on_another_device(t: Ctx):
+    return [t.job(model={"factory": f"{HF}:job_off_device", "kwargs": {"num_classes": C}}, data=_VECTORS)]
+
+
+@case("model: config.pad_token_id is not set, so it cannot find the last token of each of several samples")
+def gpt2_without_a_pad_token(t: Ctx):
+    text = {"factory": f"{HF}:job_text_rows", "kwargs": {"num_classes": C, "per_class": 1}, "collate": "pad"}
+    return [t.job(model={"factory": f"{HF}:job_gpt2", "kwargs": {"num_classes": C}}, data=text)]

@@ -167,8 +167,8 @@ def test_config_error_is_a_classgrad_error() -> None:
 # --------------------------------------------------------------------------- errors
 
 _SECTION_KEYS = {
-    "model": "checkpoint, factory, kwargs, mode",
-    "data": "batch_size, factory, kwargs",
+    "model": "checkpoint, factory, kwargs, mode, output",
+    "data": "batch_size, collate, factory, kwargs, label_field, pad_values",
     "loss": "kind, num_classes",
     "precision": "dtype, init_scale, min_scale",
     "params": "exclude, include",
@@ -486,3 +486,11 @@ def test_config_reference_mentions_every_field() -> None:
     assert "| `num_classes` | int > 0, ≤ 2147483647 | required |" in text
     assert "| `dtype` | `fp32` \\| `fp16` \\| `bf16` | `fp32` |" in text
     assert "| `block_rows` | int > 0 or null | `null` |" in text
+
+
+def test_the_data_keys_of_dict_samples_are_kept_in_the_stored_config() -> None:
+    # The stored config is the redacted one: the label's field must not read as a secret there.
+    config = load_config(overrides=["loss.num_classes=3", "data.label_field=topic", "data.collate=pad"])
+    assert config.redacted()["data"]["label_field"] == "topic"
+    assert config.redacted()["data"]["collate"] == "pad"
+    assert config.differing_keys(config.redacted()) == []

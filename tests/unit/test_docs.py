@@ -47,3 +47,18 @@ def test_every_command_is_in_the_readme_and_has_help():
     for name in COMMANDS:
         assert f"`classgrad {name}" in readme, f"README does not mention classgrad {name}"
     assert parser.format_help()
+
+
+def test_the_hugging_face_page_runs():
+    """Every Python snippet of docs/huggingface.md, in order, in one namespace."""
+    import torch
+
+    text = (REPO / "docs" / "huggingface.md").read_text()
+    blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+    assert blocks, "docs/huggingface.md has no Python snippet"
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/huggingface.md", "exec"), namespace)  # noqa: S102 - our own docs
+    C = namespace["C"]
+    assert namespace["G"].shape == namespace["G16"].shape and namespace["G"].shape[0] == C
+    assert bool(torch.isfinite(namespace["G16"]).all())

@@ -68,7 +68,7 @@ def test_check_finite_names_the_first_bad_sample_in_any_input():
         ((torch.zeros(3, 2), torch.zeros(4)), 2, "data: 3 inputs but 4 targets"),
         ((torch.zeros(0, 2), torch.zeros(0)), 2, "the probe set is empty"),
         (TensorDataset(torch.zeros(0, 2), torch.zeros(0)), 2, "the probe set is empty"),
-        (42, 2, "expected a Dataset of \\(input, target\\) or a pair"),
+        (42, 2, "expected a Dataset of \\(input, target\\) or of dicts, a DataLoader, or a pair"),
     ],
 )
 def test_bad_probe_sets_are_refused_in_one_line(data, batch_size, message):

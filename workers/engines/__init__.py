@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -88,13 +88,21 @@ def build_engine(
     device: str | torch.device = "cpu",
     block_rows: int | None = None,
     group_rows: int = 256,
+    output: str | int | None = None,
+    label_field: str | None = None,
+    collate: str | Callable[[list[Any]], Any] | None = None,
+    pad_values: Mapping[str, float] | None = None,
 ) -> GradientEngine:
     """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again."""
     check_device(device)  # before the probe set is read: a missing GPU is named in one line
     loss_kind = create_loss(loss, num_classes)
     policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
     layout = ParamLayout.from_model(model, include=list(params or ()), exclude=list(exclude))
-    probe = data if isinstance(data, ProbeSet) else ProbeSet(data, batch_size=batch_size)
+    probe = (
+        data
+        if isinstance(data, ProbeSet)
+        else ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
+    )
     return create_engine(
         engine,
         model,
@@ -105,6 +113,7 @@ def build_engine(
         device=device,
         block_rows=block_rows,
         group_rows=group_rows,
+        output=output,
     )
 
 
@@ -122,10 +131,21 @@ def per_class_gradients(
     device: str | torch.device = "cpu",
     mode: str = "eval",
     progress: bool | None = None,
+    output: str | int | None = None,
+    label_field: str | None = None,
+    collate: str | Callable[[list[Any]], Any] | None = None,
+    pad_values: Mapping[str, float] | None = None,
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
 
-    ``data`` is a Dataset of ``(input, target)`` or a pair of tensors; ``params`` are name
+    ``data`` is a Dataset of ``(input, target)`` or of dicts (inputs and the label, under
+    ``label_field``: default the first of ``labels``, ``label``), a Hugging Face ``datasets.Dataset``,
+    a ``DataLoader`` (its dataset and collate_fn; not its sampler or shuffling), or a pair of
+    tensors; ``collate`` is ``"stack"`` (default), ``"pad"`` (variable-length fields padded per
+    batch with ``pad_values``, default 0) or a function of a list of samples. A dict batch goes to
+    the model as keyword arguments (the keys its ``forward`` takes; never the label); of a
+    ``ModelOutput``, dict or tuple output the logits are ``.logits`` or the first tensor, unless
+    ``output`` (a key or an index) says otherwise. ``params`` are name
     patterns (default: every parameter with ``requires_grad``), flattened and concatenated in
     ``model.named_parameters()`` order. ``mode`` is the module mode the rows are computed in,
     ``"eval"`` as in a job's config (a model fresh from a factory is often in train mode, where
@@ -145,6 +165,10 @@ def per_class_gradients(
             engine=engine,
             batch_size=batch_size,
             device=device,
+            output=output,
+            label_field=label_field,
+            collate=collate,
+            pad_values=pad_values,
         )
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:

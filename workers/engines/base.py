@@ -12,6 +12,7 @@ Holds:
 - ``choice_clock``: the clock engines time their own choices (block sizes, layouts) with.
 - ``NormInFloat32``: batch norm on half inputs computed in float32, so vmap can batch it.
 - ``parameters_kept``: a model's own parameters back in place after ``functional_call``.
+- ``on_device``: the model moved to the engine's device, or one line saying why it cannot be.
 - ``reaches_any``: whether an autograd graph uses given tensors (a walk, no computation).
 
 Engines never keep a graph beyond the rows they are computing, and never hold more than one
@@ -33,10 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from classgrad.service.errors import InputError
+from classgrad.service.errors import InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
+from classgrad.workers.model_io import ModelIO
 from classgrad.workers.probe import MicroBatch, ProbeSet
 
 # Layers whose train-mode output for one sample depends on the other samples in the batch, or
@@ -134,9 +136,13 @@ class GradientEngine(ABC):
         device: torch.device | str = "cpu",
         block_rows: int | None = None,
         group_rows: int = 256,
+        output: str | int | None = None,
     ):
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        self.model = on_device(model, self.device)
+        # Every call of the model goes through this: dict batches as keyword arguments, the logits
+        # taken out of a ModelOutput, dict or tuple (``output`` chooses another entry).
+        self.io = ModelIO(self.model, output, self.device)
         self.probe = probe
         self.loss = loss
         self.layout = layout
@@ -218,7 +224,7 @@ class GradientEngine(ABC):
         """Model outputs of a micro-batch and its contribution to L (``[C]``), with the graph."""
         x, y = self.probe.batch(mb.indices, self.device, self.compute_dtype)
         with self.forward_context(mb.index):
-            outputs = self.model(x)
+            outputs = self.io(x)
         self.stats.forwards += 1
         self.loss.check_outputs(outputs)
         contrib = self.loss.batch_losses(outputs, y, self.norm)
@@ -235,6 +241,22 @@ class GradientEngine(ABC):
 
     def grads_to_rows(self, grads: Sequence[torch.Tensor | None], batch_dims: int) -> torch.Tensor:
         return self.layout.flatten(grads, batch_dims=batch_dims)
+
+
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with its parameters and buffers moved to ``device``; one ``InputError`` line when
+    some cannot be (tensors on the ``meta`` device hold no values)."""
+    try:
+        moved = model.to(device)
+    except (NotImplementedError, RuntimeError) as exc:
+        raise InputError(f"model: cannot be moved to engine.device {str(device)!r} ({first_line(exc)})") from None
+    elsewhere = sorted({str(t.device) for t in (*moved.parameters(), *moved.buffers()) if t.device.type != device.type})
+    if elsewhere:
+        raise InputError(
+            f"model: has tensors on {', '.join(elsewhere)} after moving it to engine.device {str(device)!r} "
+            "(a model split over devices is not supported: build it on one device)"
+        )
+    return moved
 
 
 def reaches_any(fn, leaf_ids: set[int]) -> bool:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError, first_line
+from classgrad.service.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines import GradientEngine, create_engine
@@ -114,9 +114,17 @@ def build_model(
     return model.train(mode == "train")
 
 
-def build_probe(factory: str, kwargs: dict | None = None, batch_size: int = 256) -> ProbeSet:
+def build_probe(
+    factory: str,
+    kwargs: dict | None = None,
+    batch_size: int = 256,
+    *,
+    label_field: str | None = None,
+    collate: str = "stack",
+    pad_values: dict[str, float] | None = None,
+) -> ProbeSet:
     data = _call_factory(factory, dict(kwargs or {}), "data.factory")
-    return ProbeSet(data, batch_size=batch_size)
+    return ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
 
 
 def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEngine:
@@ -124,7 +132,15 @@ def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEn
     device = device or config.resolved_device()
     check_device(device)
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
-    probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
+    data = config.data
+    probe = build_probe(
+        data.factory,
+        data.kwargs,
+        data.batch_size,
+        label_field=data.label_field,
+        collate=data.collate,
+        pad_values=data.pad_values,
+    )
     loss = create_loss(config.loss.kind, config.loss.num_classes)
     layout = ParamLayout.from_model(model, include=config.params.include, exclude=config.params.exclude)
     policy = PrecisionPolicy(config.precision.dtype, config.precision.init_scale, config.precision.min_scale)
@@ -138,6 +154,7 @@ def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEn
         device=device,
         block_rows=config.engine.block_rows,
         group_rows=config.engine.group_rows,
+        output=config.model.output,
     )
 
 
@@ -150,7 +167,9 @@ def preflight(engine: GradientEngine) -> None:
         x, y = engine.probe.batch(idx, engine.device, engine.compute_dtype)
         try:
             with engine.precision.autocast(engine.device):
-                out = engine.model(x)
+                out = engine.io(x)
+        except ClassgradError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the user's model cannot take the user's data
             raise InputError(f"the model's forward failed on the probe data: {type(exc).__name__}: {exc}") from exc
         engine.loss.check_outputs(out)

@@ -32,6 +32,7 @@ from torch import nn
 
 from classgrad.service.errors import InputError
 from classgrad.workers.engines import GradientEngine
+from classgrad.workers.model_io import ModelIO
 from classgrad.workers.probe import digest_into
 
 __all__ = [
@@ -110,29 +111,19 @@ def model_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _outputs(model: nn.Module, inputs: Any, samples: int) -> torch.Tensor:
-    """The model's outputs on ``inputs``, one float64 row per sample on the CPU, computed in eval
-    mode (no dropout, no batch statistics, no running-statistics updates) and without autocast;
-    every module's mode is restored after."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
+def _outputs(io: ModelIO, inputs: Any, samples: int) -> torch.Tensor:
+    """The model's outputs (its logits, as the engine takes them) on ``inputs``, one float64 row per
+    sample on the CPU, computed in eval mode (no dropout, no batch statistics, no running-statistics
+    updates) and without autocast; every module's mode is restored after."""
+    modes = [(m, m.training) for m in io.model.modules()]
+    io.model.eval()
     try:
         with torch.no_grad():
-            out = model(inputs)
+            out = io(inputs)
     finally:
         for m, training in modes:
             m.training = training
-    tensors: list[torch.Tensor] = []
-    pending = [out]
-    while pending:  # the tensors of a nest of outputs, in order
-        item = pending.pop(0)
-        if isinstance(item, torch.Tensor):
-            tensors.append(item)
-        elif isinstance(item, (tuple, list)):
-            pending[:0] = list(item)
-        elif isinstance(item, Mapping):
-            pending[:0] = list(item.values())
-    rows = torch.cat([t.detach().reshape(samples, -1).to("cpu", torch.float64) for t in tensors], dim=1)
+    rows = out.detach().reshape(samples, -1).to("cpu", torch.float64)
     return torch.nan_to_num(rows)  # JSON holds no NaN; a non-finite output is refused elsewhere
 
 
@@ -171,7 +162,7 @@ def engine_identity(engine: GradientEngine) -> RunIdentity:
     inputs, _ = probe.batch(torch.arange(samples), engine.device, engine.compute_dtype)
     dtype = str(next((p.dtype for p in engine.model.parameters() if p.is_floating_point()), torch.float32))
     dtype = dtype.removeprefix("torch.")
-    first, second = (_outputs(engine.model, inputs, samples) for _ in range(2))
+    first, second = (_outputs(engine.io, inputs, samples) for _ in range(2))
     if not _outputs_close(first, second, _rtol(dtype)):
         raise InputError(
             f"model: the forward gives other outputs each time on the same probe samples (random layers?): {SEED_HINT}"

@@ -44,6 +44,7 @@ def forward_capturing(
     x: object,
     context: Callable[[], AbstractContextManager],
     clone: bool,
+    call: Callable[[object], torch.Tensor],  # the engine's ModelIO: model(x) as the model takes it
 ) -> tuple[torch.Tensor, list[Captured]] | None:
     """The model's output on ``x`` and every call of a layer in ``layers`` (module -> names of its
     selected parameters), in call order. None when an in-place change of a layer output that
@@ -69,7 +70,7 @@ def forward_capturing(
     try:
         # parameters_kept: the real parameters are back even when the forward raised inside a layer.
         with parameters_kept(model), context():
-            out = model(x)
+            out = call(x)
     except RuntimeError:
         if clone:
             raise

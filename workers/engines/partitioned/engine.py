@@ -127,7 +127,7 @@ class PartitionedEngine(GradientEngine):
         for chunk in idx.split(self.probe.batch_size):
             x, y = self.probe.batch(chunk, self.device, self.compute_dtype)
             with self.forward_context(0):
-                out = self.model(x)
+                out = self.io(x)
             self.stats.forwards += 1
             self.loss.check_outputs(out)
             part = self.loss.sample_losses(out, self.loss.labels(y)).sum() / n

@@ -117,7 +117,7 @@ class HookPath:
         t_start = clock()
 
         kinds = {m: tuple(slots) for m, slots in self.plan.layers.items()}
-        seen = forward_capturing(eng.model, kinds, x, lambda: eng.forward_context(0), self.clone)
+        seen = forward_capturing(eng.model, kinds, x, lambda: eng.forward_context(0), self.clone, eng.io)
         if seen is None:  # an in-place change of a layer output: run again with copies, once
             self.clone = True
             return self.rows(classes, scales, dest, where)

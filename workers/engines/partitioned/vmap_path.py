@@ -32,10 +32,10 @@ class VmapPath:
         self._vmapped: Callable | None = None
 
     def _build(self) -> Callable:
-        from torch.func import functional_call, grad, vmap
+        from torch.func import grad, vmap
 
         eng = self.engine
-        model, loss, precision, device = eng.model, eng.loss, eng.precision, eng.device
+        io, loss, precision, device = eng.io, eng.loss, eng.precision, eng.device
         assert isinstance(loss, PartitionedLoss)  # the partitioned engine takes no other loss
         low_precision = precision.dtype != "fp32"
 
@@ -43,7 +43,7 @@ class VmapPath:
             params: dict, x: object, y: torch.Tensor, w: torch.Tensor, s: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             with precision.autocast(device), NormInFloat32() if low_precision else contextlib.nullcontext():
-                out = functional_call(model, params, (x,))
+                out = io.functional(params, x)
             loss.check_outputs(out)
             value = (loss.sample_losses(out, loss.labels(y)) * w).sum()
             return value * s, value
@@ -69,6 +69,7 @@ class VmapPath:
         weights = torch.where(j.unsqueeze(0) < counts.unsqueeze(1), 1.0 / counts.unsqueeze(1).double(), 0.0)
         weights = weights.to(eng.device, eng.compute_dtype)
         x, y = eng.probe.batch(padded.reshape(-1), eng.device, eng.compute_dtype)
+        x = eng.io.select(x)  # only what the model takes (raw text cannot be vmapped)
         x, y = tree_map_tensors(lambda t: t.reshape(k, width, *t.shape[1:]), (x, y))
         params = {s.name: p.detach() for s, p in zip(eng.layout.slots, eng.params)}
         with parameters_kept(eng.model):

@@ -1,0 +1,199 @@
+"""The one place that calls the user's model: how a batch goes in, how the logits come out.
+
+Holds:
+- ``ModelIO``: a model with its way of being called. A batch that is a dict (a tokenizer's
+  output, a Hugging Face dataset's row) is passed as keyword arguments, only the keys the
+  model's ``forward`` names, and when it also takes ``**kwargs`` (as Hugging Face models do)
+  every other key holding a tensor; other keys (raw text, ids) are dropped with one note per
+  process. Anything else, and a dict none of whose keys ``forward`` names (a model that takes
+  the dict itself), is passed as the one positional argument, as before. The output becomes
+  the logits tensor: a tensor as it is; a ``ModelOutput``, dict or tuple gives ``.logits`` /
+  ``["logits"]`` when present, else its first tensor; ``output`` (a key, or an index into a
+  tuple) chooses another. ``functional`` does the same through ``torch.func.functional_call``.
+- ``logits_of``: that choice of tensor, for any output.
+- ``class_names_of``: the class names a model's config holds (``config.id2label``, a Hugging
+  Face model's), unless they are the ``LABEL_i`` placeholders filled in by default.
+- ``call_errors``: the model's own failures that are user input problems (tensors on another
+  device than the engine's, a GPT-2-style model without a pad token given several samples),
+  turned into one-line ``InputError``s.
+
+The label key of a dict dataset never reaches the model: the probe set takes it out of the
+inputs (Hugging Face models compute their own loss when given ``labels``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from classgrad.service.errors import InputError, first_line
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModelIO", "call_errors", "class_names_of", "logits_of"]
+
+# Fragments of PyTorch's messages for tensors of one operation on different devices.
+_DEVICE_ERRORS = ("same device", "expected device", "meta tensor", "Expected object of device type")
+# Hugging Face fills id2label with these when a config names no labels.
+_PLACEHOLDER = re.compile(r"LABEL_\d+")
+
+# (model class, dropped keys) already noted in this process: the note is said once, not per batch.
+_NOTED: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _tensors(seq: Any) -> Iterator[tuple[Any, torch.Tensor]]:
+    items = seq.items() if isinstance(seq, Mapping) else enumerate(seq)
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            yield key, value
+
+
+def logits_of(out: Any, output: str | int | None = None) -> torch.Tensor:
+    """The logits tensor of a model's output ``out`` (see the module docstring); ``InputError``
+    when there is no tensor to take."""
+    if isinstance(out, torch.Tensor):
+        return out
+    kind = type(out).__name__
+    if output is not None:
+        try:
+            if isinstance(output, int) and isinstance(out, Mapping):
+                picked = list(out.values())[output]
+            elif isinstance(output, int):
+                picked = out[output]
+            elif isinstance(out, Mapping):
+                picked = out[output]
+            else:
+                picked = getattr(out, output)
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise InputError(f"model.output {output!r}: the model's output ({kind}) has no such entry") from None
+        if not isinstance(picked, torch.Tensor):
+            raise InputError(
+                f"model.output {output!r}: that entry of the model's output is {type(picked).__name__}, not a tensor"
+            )
+        return picked
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (Mapping, tuple, list)):
+        for _, t in _tensors(out):
+            return t
+    raise InputError(
+        f"model output: a {kind} with no tensor to take as the logits "
+        "(return a tensor, a ModelOutput/dict with 'logits', or a tuple whose first tensor is the logits; "
+        "model.output names another entry)"
+    )
+
+
+@contextlib.contextmanager
+def call_errors(device: torch.device | str | None = None) -> Iterator[None]:
+    """Turn the model's failures that are the user's inputs into one-line ``InputError``s."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if any(s in text for s in _DEVICE_ERRORS):
+            where = f" than engine.device {str(device)!r}" if device is not None else ""
+            raise InputError(
+                f"model: its forward uses tensors on another device{where} ({first_line(exc)}): keep every "
+                "tensor it uses as a parameter or buffer (model.to moves those), or build it on that device"
+            ) from None
+        raise
+    except ValueError as exc:
+        if "no padding token" in str(exc):
+            raise InputError(
+                "model: config.pad_token_id is not set, so it cannot find the last token of each of several "
+                "samples (a GPT-2-style model): set model.config.pad_token_id in the factory "
+                "(for example to the tokenizer's eos id), or use data.batch_size=1"
+            ) from None
+        raise
+
+
+class ModelIO:
+    """Calls ``model`` on a batch the way it takes it, and gives back the logits."""
+
+    def __init__(self, model: nn.Module, output: str | int | None = None, device: torch.device | str | None = None):
+        self.model = model
+        self.output = output
+        self.device = device
+        try:
+            sig = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # a forward without a signature (a C extension): pass everything
+            sig = None
+        params = [] if sig is None else list(sig.parameters.values())
+        self.takes_any = sig is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        self.names = frozenset(
+            p.name
+            for p in params
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        )
+
+    def positional(self, x: Any) -> bool:
+        """Whether the batch ``x`` goes in as the one positional argument: anything but a dict, and
+        a dict none of whose keys its ``forward`` names (a model that takes the dict itself)."""
+        return not isinstance(x, Mapping) or (not self.takes_any and not any(k in self.names for k in x))
+
+    def select(self, x: Any) -> Any:
+        """The batch ``x`` with only what the model takes: a dict of keyword arguments without the
+        keys its ``forward`` has no argument for (noted once); anything else as it is. (The vmap
+        path batches only what it passes: raw text cannot be vmapped.)"""
+        if self.positional(x):
+            return x
+        kwargs = {k: v for k, v in x.items() if k in self.names or (self.takes_any and isinstance(v, torch.Tensor))}
+        dropped = tuple(sorted(str(k) for k in x if k not in kwargs))
+        if dropped:
+            key = (type(self.model).__qualname__, dropped)
+            if key not in _NOTED:
+                _NOTED.add(key)
+                log.info(
+                    "data: input keys %s are not arguments of %s.forward and are not passed to it",
+                    ", ".join(dropped),
+                    type(self.model).__name__,
+                )
+        return kwargs
+
+    def arguments(self, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """(args, kwargs) the model is called with for the batch ``x``."""
+        if self.positional(x):
+            return (x,), {}
+        return (), self.select(x)
+
+    def __call__(self, x: Any) -> torch.Tensor:
+        """The model's logits on the batch ``x`` (with the graph, under the caller's context)."""
+        args, kwargs = self.arguments(x)
+        with call_errors(self.device):
+            out = self.model(*args, **kwargs)
+        return logits_of(out, self.output)
+
+    def functional(self, params: Mapping[str, torch.Tensor], x: Any) -> torch.Tensor:
+        """The logits with ``params`` in place of the model's own (``torch.func.functional_call``)."""
+        from torch.func import functional_call
+
+        args, kwargs = self.arguments(x)
+        with call_errors(self.device):
+            out = functional_call(self.model, dict(params), args, kwargs)
+        return logits_of(out, self.output)
+
+
+def class_names_of(model: nn.Module, num_classes: int) -> tuple[str, ...] | None:
+    """``model.config.id2label`` as names of classes 0..C-1, when it names every class and is not
+    made of ``LABEL_i`` placeholders; None otherwise."""
+    id2label = getattr(getattr(model, "config", None), "id2label", None)
+    if not isinstance(id2label, Mapping) or len(id2label) != num_classes:
+        return None
+    try:
+        by_id = {int(k): str(v) for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        return None
+    if sorted(by_id) != list(range(num_classes)):
+        return None
+    names = tuple(by_id[i] for i in range(num_classes))
+    if all(_PLACEHOLDER.fullmatch(n) for n in names):
+        return None
+    return names
