@@ -524,7 +524,10 @@ def compute_similarity(
             )
         finally:
             progress.close()
-            store.lease.release(run_id)
+            try:
+                store.consolidate()  # format 3: the arrays added or replaced, for xarray.open_zarr
+            finally:
+                store.lease.release(run_id)
     summary["run_id"] = run_id
     return summary
 

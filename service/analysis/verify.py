@@ -151,6 +151,7 @@ def _repair(url: str, storage_options: dict | None, shards: list[int], report: V
     with store.lease.hold(run_id, info={"host": socket.gethostname(), "pid": os.getpid(), "command": "verify"}):
         for shard in shards:
             store.clear_shard_done(shard)
+        store.consolidate()  # format 3: the metadata xarray reads is rewritten after a repair
     report.repaired = shards
     report.notes.append(
         f"repair: unmarked {len(shards)} damaged shard(s) {shards}; rerun `classgrad run` to recompute them"

@@ -1,6 +1,7 @@
 """The arrays of an open store, read with a diagnosis: a failed read names the chunk at fault.
 
-Holds ``StoreArrays`` (the open Zarr group, its arrays by name, ``read`` of rows x columns, the
+Holds ``StoreArrays`` (the open Zarr group, its arrays by name, their dimension names in the
+store's format, ``read`` of rows x columns, the
 result arrays opened fresh, and the chunk helpers: object key, rows, which chunks fail to
 decode, a chunk's one-line description, whether its object exists) and ``is_corruption`` (is a
 read error a checksum or decoding failure, as opposed to an I/O problem).
@@ -14,7 +15,7 @@ import numpy as np
 import zarr
 
 from classgrad.service.errors import ClassgradError, CorruptChunkError, StoreError, first_line
-from classgrad.service.store.format import ARRAYS
+from classgrad.service.store.format import ARRAYS, FORMAT_VERSION, array_dims
 from classgrad.service.store.location import Location
 
 
@@ -28,10 +29,11 @@ class StoreArrays:
     """The Zarr group of an open store and its arrays (``ARRAYS``, plus result arrays once
     opened with ``result``), for the reader, the writer, the similarity arrays and the scan."""
 
-    def __init__(self, loc: Location, group: zarr.Group, mode: str) -> None:
+    def __init__(self, loc: Location, group: zarr.Group, mode: str, *, version: int = FORMAT_VERSION) -> None:
         self.loc = loc
         self.group = group
         self.mode = mode
+        self.dims = array_dims(version)  # name -> dimension names in this store's format
         self._arrays: dict[str, zarr.Array] = {}
         for name in ARRAYS:
             try:

@@ -104,7 +104,7 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
     )
     out = []
     try:
-        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3, use_consolidated=False)
     except Exception as exc:
         return [f"cannot open the group: {first_line(exc, with_type=True)}"]
     for name, (shape, chunks, dtype) in expected.items():

@@ -84,10 +84,11 @@ class SimilarityArrays:
                 default=str,
             )
         )
+        dim_names = self._arrays.dims  # the store's format's names (format 3: class_id, other_class_id...)
         arrays = [  # name, shape, chunks, dtype, fill, dimension names
-            (SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1, ("class", "neighbour")),
-            (SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan, ("class", "neighbour")),
-            (SIM, (C, C), (chunk_rows, C), "float32", np.nan, ("class", "other_class")),
+            (SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1, dim_names[SIM_INDEX]),
+            (SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan, dim_names[SIM_VALUE]),
+            (SIM, (C, C), (chunk_rows, C), "float32", np.nan, dim_names[SIM]),
         ]
         group = self._arrays.group
         try:
