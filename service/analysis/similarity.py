@@ -524,10 +524,7 @@ def compute_similarity(
             )
         finally:
             progress.close()
-            try:
-                store.consolidate()  # format 3: the arrays added or replaced, for xarray.open_zarr
-            finally:
-                store.lease.release(run_id)
+            store.lease.release(run_id)
     summary["run_id"] = run_id
     return summary
 

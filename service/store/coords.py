@@ -5,7 +5,8 @@ Holds ``array_attributes`` (name -> the attributes a format-3 array carries: ``l
 the values of each coordinate array of a spec), ``write_coordinates`` (creates them, at store
 creation), ``coordinates_attr`` (the group attribute naming the auxiliary coordinates),
 ``consolidated_root`` and ``consolidate`` (the group's metadata with every node's copied in,
-and its rewriting). The layout itself is described in ``format``.
+and its rewriting), and the checks of ``classgrad verify`` on them: ``coordinate_problems``,
+``consolidated_problems``. The layout itself is described in ``format``.
 """
 
 from __future__ import annotations
@@ -144,6 +145,51 @@ def write_coordinates(group: zarr.Group, spec: StoreSpec) -> list[str]:
         )
         arr[...] = data
     return list(values)
+
+
+def coordinate_problems(group: zarr.Group, spec: StoreSpec) -> list[str]:
+    """Problems of a format-3 store's coordinate arrays against its metadata (``classgrad
+    verify``): each expected one present, with the dimension names and values it should have."""
+    out = []
+    for name, expected in coordinate_values(spec).items():
+        node = group.get(name)
+        if not isinstance(node, zarr.Array):
+            out.append(f"coordinate {name!r} is missing (format 3 writes it at creation)")
+            continue
+        dims = tuple(getattr(node.metadata, "dimension_names", None) or ())
+        try:
+            stored = np.asarray(node[...])
+        except Exception as exc:
+            out.append(f"coordinate {name!r} cannot be read: {type(exc).__name__}: {exc}")
+            continue
+        same = stored.shape == expected.shape and bool(np.all(stored.astype(expected.dtype) == expected))
+        if not same or dims != ARRAY_DIMS[name]:
+            out.append(f"coordinate {name!r} differs from the store's metadata (values or dimensions {list(dims)})")
+    return out
+
+
+def consolidated_problems(loc: Location) -> list[str]:
+    """Problems of a format-3 store's consolidated metadata: missing, or not what its nodes
+    hold now (``classgrad verify --repair`` rewrites it)."""
+    fresh = consolidated_root(loc)
+    root = loc.read_bytes(ZARR_JSON)
+    if fresh is None or root is None:
+        return []
+    held = json.loads(root).get("consolidated_metadata")
+    if not isinstance(held, dict):
+        return [
+            "consolidated metadata is missing (xarray.open_zarr warns and lists the store); "
+            "`classgrad verify --repair` writes it"
+        ]
+    now = json.loads(fresh)["consolidated_metadata"]["metadata"]
+    old: dict = held["metadata"] if isinstance(held.get("metadata"), dict) else {}
+    stale = sorted(n for n in set(now) | set(old) if now.get(n) != old.get(n))
+    if stale:
+        return [
+            f"consolidated metadata is stale for {', '.join(stale)} (readers of it see other arrays than "
+            f"the store holds); `classgrad verify --repair` rewrites it"
+        ]
+    return []
 
 
 def consolidated_root(loc: Location) -> bytes | None:

@@ -28,7 +28,7 @@ import zarr
 
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
-from classgrad.service.store.coords import consolidate
+from classgrad.service.store.coords import consolidated_problems
 from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
 from classgrad.service.store.indexing import col_range, row_ids
 from classgrad.service.store.lease import StoreLease
@@ -251,13 +251,7 @@ class GradStore:
         metadata (arrays added or removed, attributes). Rows and done marks are chunk data and
         need none. Stores of formats 1 and 2 are left as they are (an older classgrad would
         trust a stale copy), so this does nothing there."""
-        self._arrays.require_writable()
-        if self.format_version < 3:
-            return
-        try:
-            retry_transient(lambda: consolidate(self._loc), f"consolidating the metadata of {self.url}")
-        except Exception as exc:
-            raise io_error(f"cannot write the consolidated metadata of {self.url}", exc) from None
+        self._arrays.consolidate()
 
     # ----------------------------------------------------------------- completeness
 
@@ -371,6 +365,11 @@ class GradStore:
         """Lazy dask array [C, D] of true float32 values. Rows of shards not done (at the time
         of this call) are NaN; a corrupt chunk raises zarr's checksum ValueError on compute."""
         return self._reader.to_dask()
+
+    def consolidation_problems(self) -> list[str]:
+        """Why the consolidated metadata of a format-3 store is not current (missing, or stale
+        for some arrays); empty when it is, and for formats 1 and 2 (they have none)."""
+        return consolidated_problems(self._loc) if self.format_version >= 3 else []
 
     def to_xarray(self):  # -> xarray.Dataset (xarray is optional)
         """Lazy xarray Dataset of true float32 values whatever the stored dtype, with the

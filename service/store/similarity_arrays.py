@@ -116,6 +116,7 @@ class SimilarityArrays:
             raise StoreError(
                 f"cannot create the similarity arrays in {self._url}: {first_line(exc, with_type=True)}"
             ) from None
+        self._arrays.consolidate()  # format 3: the arrays replaced, for xarray.open_zarr
 
     def _run(self, run_id: str) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
@@ -202,6 +203,7 @@ class SimilarityArrays:
             raise StoreError(
                 f"cannot finish the similarity of {self._url}: {first_line(exc, with_type=True)}"
             ) from None
+        self._arrays.consolidate()  # format 3: the attributes changed, for xarray.open_zarr
 
     def _ready(self) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
