@@ -26,26 +26,9 @@ from classgrad.service.store.format import spec_from_meta
 from classgrad.service.store.location import Location
 from classgrad.service.store.store_keys import list_keys
 from tests.support.stores import model_store, synthetic_store
+from tests.support.xarray_checks import assert_consolidated_fresh, open_zarr_strict
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stores"
-
-
-def open_zarr_strict(url) -> xr.Dataset:
-    """``xr.open_zarr(url)`` exactly as a user types it, any warning an error."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return xr.open_zarr(str(url))
-
-
-def consolidated_is_fresh(url) -> None:
-    """The group's consolidated metadata holds exactly the nodes on disk, each as it is."""
-    root = json.loads((Path(url) / "zarr.json").read_text())
-    held = root["consolidated_metadata"]["metadata"]
-    on_disk = {p.parent.name: json.loads(p.read_text()) for p in Path(url).glob("*/zarr.json")}
-    assert set(held) == set(on_disk)
-    for name, node in on_disk.items():
-        node.pop("consolidated_metadata", None)
-        assert {k: v for k, v in held[name].items() if k != "consolidated_metadata"} == node, name
 
 
 def test_open_zarr_on_a_finished_store_selects_by_class_id_and_parameter_name(tmp_path):
@@ -67,7 +50,7 @@ def test_open_zarr_on_a_finished_store_selects_by_class_id_and_parameter_name(tm
         mask = (ds["param_id"] == i).values
         np.testing.assert_array_equal(ds["grads"].isel(column=mask).sel(class_id=[0, 9]).values, cols)
     assert ds["param_id"].dtype == np.int16 and ds["param_id"].chunks == ds["grads"].chunks[1:]
-    consolidated_is_fresh(tmp_path / "m")
+    assert_consolidated_fresh(tmp_path / "m")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -110,7 +93,7 @@ def test_row_writers_leave_the_metadata_alone_and_the_driver_rewrites_it(tmp_pat
     driver.append_run({"status": "interrupted"})
     after = json.loads((tmp_path / "s" / "zarr.json").read_text())
     assert after["attributes"]["classgrad"]["runs"] == [{"status": "interrupted"}]
-    consolidated_is_fresh(url)
+    assert_consolidated_fresh(url)
     assert open_zarr_strict(url)["shard_done"].values.tolist() == [1, 0]
 
 
@@ -118,19 +101,19 @@ def test_consolidated_metadata_follows_similarity_and_a_repair(tmp_path):
     url = str(tmp_path / "s")
     synthetic_store(url, num_classes=128)
     compute_similarity(url, executor="local", top_k=4, block_rows=64)
-    consolidated_is_fresh(url)
+    assert_consolidated_fresh(url)
     ds = open_zarr_strict(url)
     assert ds["similarity"].dims == ("class_id", "other_class_id")
     assert ds["similarity"].attrs["state"] == "ready" and ds["similarity_topk_index"].shape == (128, 4)
     compute_similarity(url, executor="local", top_k=0, block_rows=64)  # a rerun removes the top-k arrays
-    consolidated_is_fresh(url)
+    assert_consolidated_fresh(url)
     ds = open_zarr_strict(url)
     assert "similarity_topk_index" not in ds and ds["similarity"].attrs["top_k"] == 0
     assert "other_class_id" in classgrad.open_dataset(url).coords  # finished: labelled both ways
     os.remove(tmp_path / "s" / "grads" / "c" / "5" / "1")  # a lost chunk in shard 1 (rows 64-127)
     report = verify_store(url, repair=True)
     assert report.repaired == [1]
-    consolidated_is_fresh(url)
+    assert_consolidated_fresh(url)
     assert open_zarr_strict(url)["shard_done"].values.tolist() == [1, 0]
 
 
@@ -209,7 +192,7 @@ def test_verify_finds_stale_consolidated_metadata_and_wrong_coordinates_and_repa
     assert report.code == METADATA and "consolidated metadata is missing" in report.problems["metadata"][0]
     report = verify_store(url, repair=True)
     assert "repair: rewrote the consolidated metadata" in report.notes and report.repaired == []
-    consolidated_is_fresh(url)
+    assert_consolidated_fresh(url)
     assert verify_store(url).code == 0 and open_zarr_strict(url).attrs["note"] == "edited"
     # A coordinate that disagrees with the metadata (the class of row 3 changed by hand).
     zarr.open_array(f"{url}/class_id", mode="r+")[3] = 99
