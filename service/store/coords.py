@@ -12,6 +12,7 @@ and its rewriting), and the checks of ``classgrad verify`` on them: ``coordinate
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import zarr
@@ -19,21 +20,17 @@ import zarr
 from classgrad.service.errors import StoreError
 from classgrad.service.store.format import (
     ARRAY_DIMS,
-    ARRAYS,
     CLASS_ID,
     CLASS_NAME,
-    COORD_ARRAYS,
     PARAM,
     PARAM_ID,
     PARAM_OFFSET,
     PARAM_SHAPE,
     PARAM_SIZE,
-    RESULT_ARRAYS,
     StoreSpec,
     codecs,
 )
 from classgrad.service.store.location import Location
-from classgrad.service.store.records import RECORDS_DIR
 
 ZARR_JSON = "zarr.json"
 
@@ -194,24 +191,34 @@ def consolidated_problems(loc: Location) -> list[str]:
 
 def consolidated_root(loc: Location) -> bytes | None:
     """The group's ``zarr.json`` with ``consolidated_metadata`` holding every node of the store
-    (each array's ``zarr.json`` as it is, groups with an empty consolidated block): what
-    ``zarr.consolidate_metadata`` writes, made from the nodes a store has instead of a listing,
-    which would read every shard record and warn about each. None when there is no group."""
+    (each child's ``zarr.json`` as it is, groups with an empty consolidated block): what
+    ``zarr.consolidate_metadata`` writes, made from one listing of the store's top level rather
+    than a walk of the hierarchy, which would try every shard record as a node and warn about
+    each. None when there is no group."""
     root = loc.read_bytes(ZARR_JSON)
     if root is None:
         return None
     meta = json.loads(root)
     nodes = {}
-    for name in sorted((*ARRAYS, *COORD_ARRAYS, *RESULT_ARRAYS, RECORDS_DIR)):
+    for name in _children(loc):
         data = loc.read_bytes(f"{name}/{ZARR_JSON}")
         if data is None:
-            continue
+            continue  # a file, or a directory that is no Zarr node
         node = json.loads(data)
         if node.get("node_type") == "group":
-            node.setdefault("consolidated_metadata", _inline({}))
+            node.setdefault("consolidated_metadata", _inline({}))  # its records are not nodes
         nodes[name] = node
     meta["consolidated_metadata"] = _inline(nodes)
     return json.dumps(meta, indent=2).encode()
+
+
+def _children(loc: Location) -> list[str]:
+    """Names at the top level of the store that may be nodes (locally: its directories), sorted."""
+    if loc.local:
+        return sorted(n for n in os.listdir(loc.path) if os.path.isdir(os.path.join(loc.path, n)))
+    loc.fs.invalidate_cache(loc.path)  # s3fs caches listings; a stale one would miss an array
+    found = loc.fs.ls(loc.path, detail=False)
+    return sorted({str(p).rstrip("/").rsplit("/", 1)[-1] for p in found} - {ZARR_JSON})
 
 
 def _inline(nodes: dict) -> dict:

@@ -64,8 +64,8 @@ Dimension names (format 3): ``grads`` (class_id, column), the per-row arrays and
 (column,), ``similarity`` (class_id, other_class_id), the top-k arrays (class_id, neighbour).
 Formats 1 and 2 name them class (a Python keyword), param, other_class, and have no coordinates
 nor consolidated metadata; they are read as they are and keep their names when resumed
-(``array_dims``). Every format-3 array has attributes ``long_name`` and ``description``; grads
-also ``true_values`` (how to get them: ``classgrad.open_dataset(url)``, or the formulas below)
+(``array_dims``). Every array made at creation (format 3) has attributes ``long_name`` and
+``description``; grads also ``true_values`` (how to get them: ``classgrad.open_dataset(url)``, or the formulas below)
 and ``columns``. Consolidated metadata (format 3) is rewritten by the driver whenever metadata
 changes (creation, the recorded identity, the end of every run), by ``classgrad similarity``
 after it writes its arrays and by a repair (``GradStore.consolidate``); rows and done marks are
