@@ -65,11 +65,12 @@ Dimension names (format 3): ``grads`` (class_id, column), the per-row arrays and
 Formats 1 and 2 name them class (a Python keyword), param, other_class, and have no coordinates
 nor consolidated metadata; they are read as they are and keep their names when resumed
 (``array_dims``). Every array made at creation (format 3) has attributes ``long_name`` and
-``description``; grads also ``true_values`` (how to get them: ``classgrad.open_dataset(url)``, or the formulas below)
-and ``columns``. Consolidated metadata (format 3) is rewritten by the driver whenever metadata
-changes (creation, the recorded identity, the end of every run), by ``classgrad similarity``
-after it writes its arrays and by a repair (``GradStore.consolidate``); rows and done marks are
-chunk data, so the actors never touch it. Row i holds class ``class_ids[i]``.
+``description``; grads also ``true_values`` (how to get them: ``classgrad.open_dataset(url)``,
+or the formulas below) and ``columns``. Consolidated metadata (format 3) is rewritten whenever
+metadata changes: by the driver (creation, the recorded identity, the end of every run), by
+``SimilarityArrays.begin`` and ``finish``, and by ``classgrad verify --repair`` when it is
+missing or stale (``GradStore.consolidate``); rows and done marks are chunk data, so the
+actors never touch it. Row i holds class ``class_ids[i]``.
 
 Fill values mark what was never written: NaN for
 ``grads`` (bfloat16: the NaN bit pattern 0x7FC0), ``row_scale`` and ``loss``; -1 for
