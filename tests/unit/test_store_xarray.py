@@ -24,7 +24,7 @@ from classgrad.service.store import StoreSpec, create_store, open_store
 from classgrad.service.store.coords import consolidated_root
 from classgrad.service.store.format import spec_from_meta
 from classgrad.service.store.location import Location
-from classgrad.service.store.store_keys import list_keys
+from classgrad.service.store.store_keys import is_store_key, list_keys
 from tests.support.stores import model_store, synthetic_store
 from tests.support.xarray_checks import assert_consolidated_fresh, open_zarr_strict
 
@@ -139,6 +139,9 @@ def test_an_overwrite_deletes_every_key_of_a_format_3_store(tmp_path):
     keys = list_keys(Location(url, None))
     assert keys.others == [] and not (tmp_path / "s" / "class_name").exists()
     assert store.num_classes == 32 and open_zarr_strict(url).sizes["class_id"] == 32
+    # The temporary file of an interrupted rewrite of the group's metadata is the store's too.
+    assert is_store_key(f"zarr.json.{'0' * 32}.partial") and is_store_key("param_id/c/3")
+    assert not is_store_key("zarr.json.bak")
 
 
 @pytest.mark.parametrize("name, version", [("v1_resume.zarr", 1), ("v2_bf16.zarr", 2)])
