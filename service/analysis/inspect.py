@@ -23,6 +23,13 @@ from classgrad.service.analysis import (
     plan_blocks,
 )
 
+# What an older store lacks, beside its format version in the report.
+_FORMAT_NOTES = {
+    1: " (older: no shard records nor metadata digest; dimensions class/param, no coordinates)",
+    2: " (older: dimensions class/param, no coordinates nor consolidated metadata: "
+    "xr.open_zarr needs consolidated=False; classgrad.open_dataset reads it)",
+}
+
 
 @dataclass
 class GradNorms:
@@ -161,8 +168,7 @@ def format_report(info: dict) -> str:
     comp = info["completion"]
     lines = [
         f"store       {info['store']}",
-        f"format      version {info['format_version']}"
-        f"{'' if info['format_version'] >= 2 else ' (older: no shard records nor metadata digest)'}",
+        f"format      version {info['format_version']}{_FORMAT_NOTES.get(info['format_version'], '')}",
         f"rows        {C} classes x {D} {info['dtype']} ({fmt_bytes(info['stored_bytes'])} "
         f"stored, chunks {info['chunks'][0]} x {info['chunks'][1]}, codec {info['codec']}"
         f"{', sharded' if info['sharded'] else ''})",

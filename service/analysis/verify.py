@@ -1,7 +1,8 @@
 """Is a store sound? ``classgrad verify``: what it checks and the exit code that says what failed.
 
 Holds the exit-code bit flags, ``VerifyReport`` and ``verify_store`` (with ``repair``: unmark the
-damaged shards so that the next run recomputes them).
+damaged shards so that the next run recomputes them, and rewrite a format-3 store's consolidated
+metadata when missing or stale).
 
 Exit codes (bit flags, OR-ed together; 0 means every check passed)::
 
@@ -137,21 +138,30 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
 
 
 def _repair(url: str, storage_options: dict | None, shards: list[int], report: VerifyReport) -> None:
-    """Unmark ``shards`` under the store's lease (a running job would race with it)."""
+    """Unmark ``shards`` and rewrite the consolidated metadata of a format-3 store when missing
+    or stale, under the store's lease (a running job would race with it)."""
     import os
     import socket
 
     from classgrad.service.store import open_store
 
-    if not shards:
+    store = open_store(url, storage_options=storage_options, mode="r+")
+    stale = store.consolidation_problems()  # format 3: what xarray.open_zarr reads
+    if not shards and not stale:
         report.notes.append("repair: no damaged shard to unmark")
         return
-    store = open_store(url, storage_options=storage_options, mode="r+")
     run_id = f"verify-repair-{os.getpid()}"
     with store.lease.hold(run_id, info={"host": socket.gethostname(), "pid": os.getpid(), "command": "verify"}):
         for shard in shards:
             store.clear_shard_done(shard)
-    report.repaired = shards
-    report.notes.append(
-        f"repair: unmarked {len(shards)} damaged shard(s) {shards}; rerun `classgrad run` to recompute them"
-    )
+        if stale:
+            store.consolidate()
+    if stale:
+        report.notes.append("repair: rewrote the consolidated metadata")
+    if shards:
+        report.repaired = shards
+        report.notes.append(
+            f"repair: unmarked {len(shards)} damaged shard(s) {shards}; rerun `classgrad run` to recompute them"
+        )
+    else:
+        report.notes.append("repair: no damaged shard to unmark")

@@ -3,18 +3,20 @@
 Re-exports the public names. The package: ``format`` (constants, ``StoreSpec``, metadata, the
 layout described in full), ``params`` (``ParamSlot``), ``encoding`` (row scale, bfloat16 bits),
 ``indexing`` (row ids and ranges), ``location`` (local or fsspec location, ``local_path``),
-``create`` (``create_store``, ``open_store``), ``grad_store`` (``GradStore``), ``arrays``
+``create`` (``create_store``, ``open_store``), ``grad_store`` (``GradStore``), ``coords``
+(format 3's coordinates, attributes and consolidated metadata), ``dataset`` (``open_dataset``:
+a lazy xarray Dataset of true values), ``arrays``
 (array reads with a diagnosis), ``reader`` and ``writer`` (rows), ``direct_write`` (the chunk
 writer for local uncompressed stores), ``lease`` (the driver's lease, ``store_lease``),
 ``lease_files`` (its atomic files), ``store_keys`` (the keys a store holds, their deletion),
 ``retry`` (transient I/O errors sent again with backoff), ``records`` (per-shard records),
 ``similarity_arrays`` (the similarity results), ``scan`` (chunk scanning, ``ChunkProblem``) and ``checks``
 (``check_metadata``). It needs numpy, zarr and fsspec only (s3fs for ``s3://``; dask for
-``to_dask``), never torch or Ray.
+``to_dask``, xarray too for ``open_dataset``), never torch or Ray.
 """
 
 from classgrad.service.store.checks import check_metadata
-from classgrad.service.store.create import create_store, open_store
+from classgrad.service.store.create import create_store, open_dataset, open_store
 from classgrad.service.store.format import FORMAT_VERSION, SIMILARITY_METRICS, StoreSpec
 from classgrad.service.store.grad_store import GradStore
 from classgrad.service.store.indexing import fmt_ranges
@@ -39,6 +41,7 @@ __all__ = [
     "fmt_ranges",
     "lease_state",
     "local_path",
+    "open_dataset",
     "open_store",
     "store_lease",
 ]

@@ -1,6 +1,7 @@
 """The arrays of an open store, read with a diagnosis: a failed read names the chunk at fault.
 
-Holds ``StoreArrays`` (the open Zarr group, its arrays by name, ``read`` of rows x columns, the
+Holds ``StoreArrays`` (the open Zarr group, its arrays by name, their dimension names in the
+store's format, ``consolidate`` (format 3's consolidated metadata), ``read`` of rows x columns, the
 result arrays opened fresh, and the chunk helpers: object key, rows, which chunks fail to
 decode, a chunk's one-line description, whether its object exists) and ``is_corruption`` (is a
 read error a checksum or decoding failure, as opposed to an I/O problem).
@@ -14,8 +15,10 @@ import numpy as np
 import zarr
 
 from classgrad.service.errors import ClassgradError, CorruptChunkError, StoreError, first_line
-from classgrad.service.store.format import ARRAYS
+from classgrad.service.store.coords import consolidate
+from classgrad.service.store.format import ARRAYS, FORMAT_VERSION, array_dims
 from classgrad.service.store.location import Location
+from classgrad.service.store.retry import io_error, retry_transient
 
 
 def is_corruption(exc: BaseException) -> bool:
@@ -28,10 +31,12 @@ class StoreArrays:
     """The Zarr group of an open store and its arrays (``ARRAYS``, plus result arrays once
     opened with ``result``), for the reader, the writer, the similarity arrays and the scan."""
 
-    def __init__(self, loc: Location, group: zarr.Group, mode: str) -> None:
+    def __init__(self, loc: Location, group: zarr.Group, mode: str, *, version: int = FORMAT_VERSION) -> None:
         self.loc = loc
         self.group = group
         self.mode = mode
+        self.version = version
+        self.dims = array_dims(version)  # name -> dimension names in this store's format
         self._arrays: dict[str, zarr.Array] = {}
         for name in ARRAYS:
             try:
@@ -51,6 +56,18 @@ class StoreArrays:
     def require_writable(self) -> None:
         if self.mode == "r":
             raise StoreError(f"store {self.url} is open read-only; open it with mode='r+'")
+
+    def consolidate(self) -> None:
+        """Rewrite the consolidated metadata of a format-3 store (``coords.consolidate``), with
+        retries; formats 1 and 2 have none and are left as they are (an older classgrad would
+        trust a stale copy)."""
+        self.require_writable()
+        if self.version < 3:
+            return
+        try:
+            retry_transient(lambda: consolidate(self.loc), f"consolidating the metadata of {self.url}")
+        except Exception as exc:
+            raise io_error(f"cannot write the consolidated metadata of {self.url}", exc) from None
 
     def __getitem__(self, name: str) -> zarr.Array:
         return self._arrays[name]

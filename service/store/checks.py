@@ -2,7 +2,8 @@
 
 Holds ``check_metadata`` (one line per problem in the format version (and, from format 2, the
 metadata digest), state, sizes, dtype,
-parameter layout, class ids and names, fingerprint, the arrays' shapes, dtypes and chunks, and
+parameter layout, class ids and names, fingerprint, the arrays' shapes, dtypes and chunks, (format
+3) the coordinate arrays and the consolidated metadata, and
 the similarity result's). The checks of the chunks themselves are in ``scan``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import zarr
 
 from classgrad.service.errors import StoreError, first_line
+from classgrad.service.store.coords import consolidated_problems, coordinate_problems
 from classgrad.service.store.format import (
     READABLE_VERSIONS,
     SIM,
@@ -21,6 +23,7 @@ from classgrad.service.store.format import (
     array_table,
     check_layout,
     check_metadata_digest,
+    spec_from_meta,
 )
 from classgrad.service.store.location import Location, probe
 
@@ -89,7 +92,20 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
     problems += _check_arrays(loc, meta)
     if version in READABLE_VERSIONS and version >= 2:
         problems += check_metadata_digest(meta)
+    if version in READABLE_VERSIONS and version >= 3:
+        # The coordinates are checked against metadata found sound (else they would differ too).
+        problems += (_check_coordinates(loc, meta) if not problems else []) + consolidated_problems(loc)
     return problems
+
+
+def _check_coordinates(loc: Location, meta: dict) -> list[str]:
+    """The coordinate arrays of format 3 against the metadata."""
+    try:
+        spec = spec_from_meta(meta)
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3, use_consolidated=False)
+    except Exception as exc:
+        return [f"cannot check the coordinates: {first_line(exc, with_type=True)}"]
+    return coordinate_problems(group, spec)
 
 
 def _check_arrays(loc: Location, meta: dict) -> list[str]:
@@ -104,7 +120,7 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
     )
     out = []
     try:
-        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3, use_consolidated=False)
     except Exception as exc:
         return [f"cannot open the group: {first_line(exc, with_type=True)}"]
     for name, (shape, chunks, dtype) in expected.items():

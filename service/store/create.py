@@ -3,7 +3,8 @@
 Holds ``create_store`` (driver only, under the store's lease: create the group, arrays and
 attributes once, or reopen a store of the same config to resume, or replace it when asked,
 finishing first any deletion that an interrupted overwrite left) and ``open_store`` (workers
-with ``mode="r+"``, readers with ``mode="r"``).
+with ``mode="r+"``, readers with ``mode="r"``) and ``open_dataset`` (a reader's lazy xarray
+Dataset of true values).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import zarr
 from zarr.codecs import BytesCodec
 
 from classgrad.service.errors import ClassgradError, StoreError, StoreMismatchError, first_line
+from classgrad.service.store.coords import array_attributes, consolidate, coordinates_attr, write_coordinates
 from classgrad.service.store.encoding import BF16_NAN
 from classgrad.service.store.format import (
     ARRAY_DIMS,
     ATTR_KEY,
+    COORDINATES_ATTR,
     DELETING_SUFFIX,
     OVERWRITE_HINT,
     STORAGE_DTYPES,
@@ -185,6 +188,13 @@ def open_store(url: str, *, storage_options: dict | None = None, mode: Literal["
     return GradStore(Location(url, storage_options), mode)
 
 
+def open_dataset(url: str, *, storage_options: dict | None = None):  # -> xarray.Dataset (xarray is optional)
+    """The store at ``url`` as a lazy xarray Dataset (dask-backed) of float32 true values
+    whatever the stored dtype, with coordinates (class ids and names, parameters); stores of
+    every format are read. See ``classgrad.service.store.dataset.store_dataset``."""
+    return open_store(url, storage_options=storage_options).to_xarray()
+
+
 def _create(loc: Location, spec: StoreSpec) -> None:
     meta = spec_to_meta(spec)
     fills = {
@@ -197,6 +207,7 @@ def _create(loc: Location, spec: StoreSpec) -> None:
     table = array_table(
         spec.num_classes, spec.dim, spec.row_chunk, spec.col_chunk, spec.num_shards, STORAGE_DTYPES[spec.dtype]
     )
+    attrs = array_attributes(spec)
     try:
         # The group is written first with state "creating" and flipped to "ready" last, so an
         # interrupted creation is recognised (and redone) instead of trusted.
@@ -214,12 +225,15 @@ def _create(loc: Location, spec: StoreSpec) -> None:
                 serializer=BytesCodec(endian="little"),
                 compressors=codecs(spec.codec if name != "shard_done" else "none"),
                 dimension_names=ARRAY_DIMS[name],
+                attributes=attrs[name],
             )
         # A Zarr group of its own, so that Zarr tools listing the store do not warn about it;
         # its records are plain JSON files that Zarr ignores.
         group.create_group(RECORDS_DIR, attributes={"classgrad": "per-shard records (plain JSON files)"})
+        aux = coordinates_attr(write_coordinates(group, spec))
         meta["state"] = "ready"
-        group.update_attributes({ATTR_KEY: meta})
+        group.update_attributes({ATTR_KEY: meta, **({COORDINATES_ATTR: aux} if aux else {})})
+        consolidate(loc)  # last: a store is opened by xarray in one read from its creation on
     except ClassgradError:
         raise
     except Exception as exc:

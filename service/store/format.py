@@ -7,12 +7,15 @@ a store, checked on construction), ``spec_to_meta`` / ``spec_from_meta`` (the sp
 ``attributes["classgrad"]`` JSON), ``array_table`` (name -> shape, chunks, dtype), ``codecs``
 (each array's codec pipeline), ``check_layout`` (the parameter layout's consistency),
 ``check_same`` (may an existing store be reopened by this spec), ``metadata_digest`` and
-``check_metadata_digest`` (over ``DIGESTED_KEYS``). Only this package knows these names; this
-module is where they are written down.
+``check_metadata_digest`` (over ``DIGESTED_KEYS``), and (format 3) the dimension names by
+version (``array_dims``) and the coordinate arrays' names (``COORD_ARRAYS``...). Only this
+package knows these names; this module is where they are written down.
 
 Layout of a store (a Zarr v3 group)::
 
-    zarr.json         group metadata; all classgrad metadata under attributes["classgrad"]
+    zarr.json         group metadata; all classgrad metadata under attributes["classgrad"];
+                      (format 3) attributes["coordinates"] names the auxiliary coordinates (for
+                      xarray) and "consolidated_metadata" holds every array's metadata
     grads/            (C, D) float32 | float16 | uint16 (bfloat16 bits), chunks (row_chunk,
                       col_chunk)
     row_scale/        (C,) float32, chunks (row_chunk,): true row = stored row * row_scale
@@ -33,6 +36,15 @@ Layout of a store (a Zarr v3 group)::
                       of each row's most similar rows, best first, ties by lower index, self
                       excluded (absent when top_k is 0)
     similarity_topk_value/  (C, top_k) float32: their similarity values
+  coordinates (format 3; written at creation, never changed; crc32c like the others):
+    class_id/         (C,) int64, one chunk: the class of each row (dimension coordinate)
+    class_name/       (C,) string (Zarr's variable-length UTF-8), only when names are known
+    param/            (P,) string: parameter names in row order (dimension coordinate); with
+    param_offset/ param_size/  (P,) int64 and param_shape/ (P,) string ("[32, 32]", JSON)
+    param_id/         (D,) int16 (int32 past 32,767 parameters), chunks (col_chunk,): the
+                      position in param of each column's parameter
+                      (no param* arrays in a projected store: its columns have no parameter;
+                      grads' attribute "columns" says so)
 
 Next to the store, outside what an overwrite deletes (siblings of its directory or prefix:
 ``/data/s.zarr`` has ``/data/s.zarr.classgrad-lease.json``; a store at a bucket's root keeps them
@@ -47,9 +59,20 @@ under the root, as ``.classgrad-lease.json``...)::
                       the deletion (only the keys a classgrad store holds) before creating
   Stores written before keep ``lease.json`` inside (``LEGACY_LEASE_KEY``); deletion removes it.
 
-Dimension names: ``grads`` (class, param), the per-row arrays (class,), ``shard_done`` (shard),
-``similarity`` (class, other_class), the top-k arrays (class, neighbour).
-Row i holds class ``class_ids[i]``. Fill values mark what was never written: NaN for
+Dimension names (format 3): ``grads`` (class_id, column), the per-row arrays and
+``class_name`` (class_id,), ``shard_done`` (shard,), the param* arrays (param,), ``param_id``
+(column,), ``similarity`` (class_id, other_class_id), the top-k arrays (class_id, neighbour).
+Formats 1 and 2 name them class (a Python keyword), param, other_class, and have no coordinates
+nor consolidated metadata; they are read as they are and keep their names when resumed
+(``array_dims``). Every array made at creation (format 3) has attributes ``long_name`` and
+``description``; grads also ``true_values`` (how to get them: ``classgrad.open_dataset(url)``,
+or the formulas below) and ``columns``. Consolidated metadata (format 3) is rewritten whenever
+metadata changes: by the driver (creation, the recorded identity, the end of every run), by
+``SimilarityArrays.begin`` and ``finish``, and by ``classgrad verify --repair`` when it is
+missing or stale (``GradStore.consolidate``); rows and done marks are chunk data, so the
+actors never touch it. Row i holds class ``class_ids[i]``.
+
+Fill values mark what was never written: NaN for
 ``grads`` (bfloat16: the NaN bit pattern 0x7FC0), ``row_scale`` and ``loss``; -1 for
 ``count``; 0 for ``shard_done``. Writers refuse non-finite rows, so a NaN inside a done shard
 means a missing chunk. Every chunk ends with a crc32c checksum (Zarr's ``crc32c`` codec, last
@@ -90,9 +113,8 @@ Reading without classgrad (``path`` is the store directory)::
     true = g["grads"][:] * scale                                    # float32 / float16
     true = (g["grads"][:].astype("uint32") << 16).view("float32") * scale   # bfloat16
     dask.array.from_zarr(path, component="grads")                   # stored values, lazily
-    xarray.open_zarr(path, consolidated=False)                      # Dataset of stored values
-    xarray.DataArray(store.to_dask(), dims=("class", "param"),
-                     coords={"class": store.class_ids})             # true values, lazily
+    xarray.open_zarr(path)                     # format 3: Dataset of stored values, coordinates
+    classgrad.open_dataset(path)               # any format: lazy Dataset of float32 true values
     tensorstore.open({"driver": "zarr3",
                       "kvstore": {"driver": "file", "path": f"{path}/grads"}}).result()
 """
@@ -113,9 +135,11 @@ from classgrad.service.errors import ConfigMismatchError, StoreError, StoreMisma
 from classgrad.service.store.encoding import TOP_EXP
 from classgrad.service.store.params import ParamSlot
 
-# 2: per-shard records (shard_records/) and the metadata digest; 1 is still read (see DESIGN.md).
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 2: per-shard records (shard_records/) and the metadata digest; 3: dimension names that are
+# identifiers, coordinate arrays, per-array attributes, consolidated metadata. 1 and 2 are still
+# read and resumed at their own version (see DESIGN.md).
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 ATTR_KEY = "classgrad"
 LEASE_SUFFIX = ".classgrad-lease.json"
@@ -123,13 +147,48 @@ LEASE_LOCK_SUFFIX = ".classgrad-lease.lock"
 DELETING_SUFFIX = ".classgrad-deleting"
 LEGACY_LEASE_KEY = "lease.json"  # where stores written before kept the lease (inside the store)
 ARRAYS = ("grads", "row_scale", "loss", "count", "shard_done")
+# The coordinate arrays of format 3 (``coords`` writes them); aux ones are named in the group's
+# "coordinates" attribute, so that xarray takes them as coordinates.
+CLASS_ID, CLASS_NAME = "class_id", "class_name"
+PARAM, PARAM_OFFSET, PARAM_SIZE, PARAM_SHAPE, PARAM_ID = (
+    "param",
+    "param_offset",
+    "param_size",
+    "param_shape",
+    "param_id",
+)
+COORD_ARRAYS = (CLASS_ID, CLASS_NAME, PARAM, PARAM_OFFSET, PARAM_SIZE, PARAM_SHAPE, PARAM_ID)
+COORDINATES_ATTR = "coordinates"
+# Dimension names of format 3 (every array of the store; the similarity arrays' too).
+ROW_DIM, COL_DIM, OTHER_ROW_DIM, NEIGHBOUR_DIM = "class_id", "column", "other_class_id", "neighbour"
 ARRAY_DIMS = {
-    "grads": ("class", "param"),
-    "row_scale": ("class",),
-    "loss": ("class",),
-    "count": ("class",),
+    "grads": (ROW_DIM, COL_DIM),
+    "row_scale": (ROW_DIM,),
+    "loss": (ROW_DIM,),
+    "count": (ROW_DIM,),
     "shard_done": ("shard",),
+    "similarity": (ROW_DIM, OTHER_ROW_DIM),
+    "similarity_topk_index": (ROW_DIM, NEIGHBOUR_DIM),
+    "similarity_topk_value": (ROW_DIM, NEIGHBOUR_DIM),
+    CLASS_ID: (ROW_DIM,),
+    CLASS_NAME: (ROW_DIM,),
+    PARAM: (PARAM,),
+    PARAM_OFFSET: (PARAM,),
+    PARAM_SIZE: (PARAM,),
+    PARAM_SHAPE: (PARAM,),
+    PARAM_ID: (COL_DIM,),
 }
+# Formats 1 and 2 ("class" is a Python keyword: ``ds.isel(class=0)`` does not parse).
+_LEGACY_DIMS = {"class_id": "class", "column": "param", "other_class_id": "other_class"}
+
+
+def array_dims(version: int) -> dict[str, tuple[str, ...]]:
+    """name -> dimension names of the arrays of a store of format ``version``."""
+    if version >= 3:
+        return dict(ARRAY_DIMS)
+    return {name: tuple(_LEGACY_DIMS.get(d, d) for d in dims) for name, dims in ARRAY_DIMS.items()}
+
+
 STORAGE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 CODECS = ("none", "zstd", "blosc")
 # Attributes that must match, besides the fingerprint, for a store to be reopened.

@@ -5,8 +5,9 @@ version and state, and offers the metadata (``spec``, sizes, ``layout``, ``class
 the row writer (``write_rows``, ``mark_shard_done``, ``durable``), completeness (``shard_done``,
 ``missing_ranges``; the shard records: ``shard_record``, ``damaged_done_shards``,
 ``unmark_damaged_shards``), the reader (``rows``, ``param``, ``iter_blocks``, ``block``,
-``rows_band``, the per-row vectors, ``to_dask``), the run history (``append_run``), the recorded
-identity (``record_identity``), the chunk
+``rows_band``, the per-row vectors, ``to_dask``, ``to_xarray``), the run history
+(``append_run``), the recorded identity (``record_identity``), the consolidated metadata of
+format 3 (``consolidate``, rewritten after each of those), the chunk
 scan (``scan_chunks``, ``verify_chunks``) and the similarity reader (``similarity``...). The
 work is done by the objects it holds: ``StoreArrays`` (arrays, reads with a diagnosis),
 ``RowWriter``, ``RowReader``, and, public, ``lease`` (``StoreLease``) and
@@ -27,6 +28,7 @@ import zarr
 
 from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
+from classgrad.service.store.coords import consolidated_problems
 from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
 from classgrad.service.store.indexing import col_range, row_ids
 from classgrad.service.store.lease import StoreLease
@@ -52,7 +54,9 @@ class GradStore:
         if loc.local and not os.path.isdir(loc.path):
             raise StoreError(f"no classgrad store at {url} (no such directory)")
         try:
-            group = zarr.open_group(loc.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3)
+            group = zarr.open_group(
+                loc.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3, use_consolidated=False
+            )
         except FileNotFoundError:
             raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})") from None
         except Exception as exc:
@@ -69,7 +73,7 @@ class GradStore:
         if meta.get("state") != "ready":
             raise StoreError(f"store at {url} was not fully created (interrupted); rerun the job to recreate it")
         self._meta = meta
-        self._arrays = StoreArrays(loc, group, mode)
+        self._arrays = StoreArrays(loc, group, mode, version=int(version))
         try:
             self._spec = spec_from_meta(meta)
         except (KeyError, TypeError, StoreError) as exc:
@@ -102,8 +106,10 @@ class GradStore:
 
     @property
     def format_version(self) -> int:
-        """The store's format version: 2 for stores made by this classgrad, 1 for older ones
-        (no shard records, no metadata digest: their done shards are trusted as marked)."""
+        """The store's format version: 3 for stores made by this classgrad; 2 (no coordinates,
+        dimensions named class and param, no consolidated metadata) and 1 (also no shard records
+        nor metadata digest: done shards are trusted as marked) for older ones, which keep
+        their version when resumed."""
         return int(self._meta["format_version"])
 
     @property
@@ -203,7 +209,9 @@ class GradStore:
         entry = json.loads(json.dumps(entry, default=str))
 
         def append() -> dict:
-            group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
+            group = zarr.open_group(
+                self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3, use_consolidated=False
+            )
             meta = group.attrs[ATTR_KEY]
             assert isinstance(meta, dict)  # checked when the store was opened
             runs = meta.setdefault("runs", [])
@@ -216,6 +224,7 @@ class GradStore:
             self._meta = retry_transient(append, f"recording the run in {self.url}")
         except Exception as exc:
             raise io_error(f"cannot record the run in {self.url}", exc) from None
+        self.consolidate()
 
     def record_identity(self, identity: dict) -> None:
         """Replace the recorded identity (``spec.identity``); the driver does it only while no
@@ -223,7 +232,9 @@ class GradStore:
         self._arrays.require_writable()
         identity = json.loads(json.dumps(identity))
         try:
-            group = zarr.open_group(self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3)
+            group = zarr.open_group(
+                self._loc.zarr_store(read_only=False), mode="r+", zarr_format=3, use_consolidated=False
+            )
             meta = group.attrs[ATTR_KEY]
             assert isinstance(meta, dict)  # checked when the store was opened
             meta["identity"] = identity
@@ -232,6 +243,15 @@ class GradStore:
             raise StoreError(f"cannot record the identity in {self.url}: {first_line(exc, with_type=True)}") from None
         self._meta = meta
         self._spec = spec_from_meta(meta)
+        self.consolidate()
+
+    def consolidate(self) -> None:
+        """Rewrite the consolidated metadata of a format-3 store (every array's metadata copied
+        into the group's, what ``xarray.open_zarr(url)`` reads): call it after changing any
+        metadata (arrays added or removed, attributes). Rows and done marks are chunk data and
+        need none. Stores of formats 1 and 2 are left as they are (an older classgrad would
+        trust a stale copy), so this does nothing there."""
+        self._arrays.consolidate()
 
     # ----------------------------------------------------------------- completeness
 
@@ -345,6 +365,20 @@ class GradStore:
         """Lazy dask array [C, D] of true float32 values. Rows of shards not done (at the time
         of this call) are NaN; a corrupt chunk raises zarr's checksum ValueError on compute."""
         return self._reader.to_dask()
+
+    def consolidation_problems(self) -> list[str]:
+        """Why the consolidated metadata of a format-3 store is not current (missing, or stale
+        for some arrays); empty when it is, and for formats 1 and 2 (they have none)."""
+        return consolidated_problems(self._loc) if self.format_version >= 3 else []
+
+    def to_xarray(self):  # -> xarray.Dataset (xarray is optional)
+        """Lazy xarray Dataset of true float32 values whatever the stored dtype, with the
+        coordinates of format 3 (also for older stores): see ``classgrad.open_dataset``."""
+        from classgrad.service.store.dataset import store_dataset
+
+        return store_dataset(
+            self._arrays, self._spec, self.to_dask(), version=self.format_version, similarity=self.similarity_info()
+        )
 
     # ----------------------------------------------------------------- verification
 

@@ -110,7 +110,7 @@ class Location:
 def probe(loc: Location) -> tuple[str, dict | None]:
     """What is at a location: 'empty', 'other', 'creating' or 'ready' (+ classgrad metadata)."""
     try:
-        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3)
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3, use_consolidated=False)
     except FileNotFoundError:  # also zarr's GroupNotFoundError
         return ("empty" if loc.is_empty() else "other"), None
     except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):

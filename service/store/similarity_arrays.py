@@ -84,10 +84,11 @@ class SimilarityArrays:
                 default=str,
             )
         )
+        dim_names = self._arrays.dims  # the store's format's names (format 3: class_id, other_class_id...)
         arrays = [  # name, shape, chunks, dtype, fill, dimension names
-            (SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1, ("class", "neighbour")),
-            (SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan, ("class", "neighbour")),
-            (SIM, (C, C), (chunk_rows, C), "float32", np.nan, ("class", "other_class")),
+            (SIM_INDEX, (C, top_k), (chunk_rows, max(top_k, 1)), "int64", -1, dim_names[SIM_INDEX]),
+            (SIM_VALUE, (C, top_k), (chunk_rows, max(top_k, 1)), "float32", np.nan, dim_names[SIM_VALUE]),
+            (SIM, (C, C), (chunk_rows, C), "float32", np.nan, dim_names[SIM]),
         ]
         group = self._arrays.group
         try:
@@ -115,6 +116,7 @@ class SimilarityArrays:
             raise StoreError(
                 f"cannot create the similarity arrays in {self._url}: {first_line(exc, with_type=True)}"
             ) from None
+        self._arrays.consolidate()  # format 3: the arrays replaced, for xarray.open_zarr
 
     def _run(self, run_id: str) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)
@@ -201,6 +203,7 @@ class SimilarityArrays:
             raise StoreError(
                 f"cannot finish the similarity of {self._url}: {first_line(exc, with_type=True)}"
             ) from None
+        self._arrays.consolidate()  # format 3: the attributes changed, for xarray.open_zarr
 
     def _ready(self) -> tuple[zarr.Array, dict]:
         arr = self._arrays.result(SIM)

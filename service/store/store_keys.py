@@ -1,8 +1,8 @@
 """The keys a classgrad store holds, told apart from anything else at its location, and their deletion.
 
 Holds ``is_store_key`` (a relative key a classgrad store writes: group and array ``zarr.json``,
-the arrays' chunk keys, the shard records, the legacy in-store lease, the temporary files of its
-atomic writes),
+the arrays' chunk keys (coordinates of format 3 included), the shard records, the legacy
+in-store lease, the temporary files of its atomic writes, the group's metadata's included),
 ``list_keys`` (the keys at a location, split into the store's and the others; the lease and
 the deletion marker, siblings of the store, are neither) and ``delete_store_keys`` (delete the
 store's keys, the group's ``zarr.json`` first so that nothing opens a half-deleted store, and
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from classgrad.service.store.format import (
     ARRAYS,
+    COORD_ARRAYS,
     DELETING_SUFFIX,
     LEASE_LOCK_SUFFIX,
     LEASE_SUFFIX,
@@ -29,11 +30,11 @@ from classgrad.service.store.format import (
 from classgrad.service.store.location import Location
 from classgrad.service.store.records import RECORDS_DIR
 
-_ARRAY_NAMES = "|".join(re.escape(name) for name in (*ARRAYS, SIM, SIM_INDEX, SIM_VALUE))
+_ARRAY_NAMES = "|".join(re.escape(name) for name in (*ARRAYS, SIM, SIM_INDEX, SIM_VALUE, *COORD_ARRAYS))
 _CHUNK = rf"(?:{_ARRAY_NAMES})/c(?:/\d+)+"  # Zarr v3 default chunk key encoding, "/" separated
 _RECORD = rf"{re.escape(RECORDS_DIR)}/\d+\.json"  # format 2: one record per done shard
 _STORE_KEY = re.compile(
-    rf"^(?:zarr\.json|{re.escape(LEGACY_LEASE_KEY)}|\.{re.escape(LEGACY_LEASE_KEY)}\.[0-9a-f]{{32}}\.tmp"
+    rf"^(?:zarr\.json|zarr\.json\.[0-9a-f]{{32}}\.partial|{re.escape(LEGACY_LEASE_KEY)}|\.{re.escape(LEGACY_LEASE_KEY)}\.[0-9a-f]{{32}}\.tmp"
     rf"|(?:{_ARRAY_NAMES}|{re.escape(RECORDS_DIR)})/zarr\.json|{_CHUNK}|{_CHUNK}\.[0-9a-f]{{32}}\.partial"
     rf"|{_RECORD}|{_RECORD}\.[0-9a-f]{{32}}\.partial)$"
 )

@@ -4,6 +4,7 @@ Holds the public Python API, the names DESIGN.md promises:
 
 - ``per_class_gradients(model, data, num_classes=C, ...)``: the rows in this process, no Ray.
 - ``open_store(url)``: read a store (true values, parameter views, completeness).
+- ``open_dataset(url)``: a store as a lazy xarray Dataset of float32 true values, with coordinates.
 - ``JobConfig`` and ``load_config(path, overrides)``: a job's typed config.
 - ``run_job(config)``: run a job on Ray from Python, as ``classgrad run`` does.
 - ``__version__``.
@@ -23,19 +24,20 @@ from classgrad.service.version import __version__
 if TYPE_CHECKING:
     from classgrad.service.config import JobConfig, load_config
     from classgrad.service.runtime.driver import run_job
-    from classgrad.service.store import open_store
+    from classgrad.service.store import open_dataset, open_store
     from classgrad.workers.engines import per_class_gradients
 
 # public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
 _EXPORTS = {
     "per_class_gradients": "classgrad.workers.engines",
     "open_store": "classgrad.service.store",
+    "open_dataset": "classgrad.service.store",
     "JobConfig": "classgrad.service.config",
     "load_config": "classgrad.service.config",
     "run_job": "classgrad.service.runtime.driver",
 }
 
-__all__ = ["JobConfig", "__version__", "load_config", "open_store", "per_class_gradients", "run_job"]
+__all__ = ["JobConfig", "__version__", "load_config", "open_dataset", "open_store", "per_class_gradients", "run_job"]
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ from classgrad.service.errors import (
     StoreIncompleteError,
     StoreMismatchError,
 )
-from classgrad.service.store import FORMAT_VERSION, ParamSlot, StoreSpec, create_store, open_store
+from classgrad.service.store import FORMAT_VERSION, ParamSlot, StoreSpec, create_store, open_dataset, open_store
 
 DTYPES = ["float32", "float16", "bfloat16"]
 CODECS = ["none", "zstd", "blosc"]
@@ -151,8 +151,9 @@ def test_direct_chunk_files_are_byte_identical_to_zarrs(tmp_path, dtype):
         for f in fs
         if f != "zarr.json" and not r.endswith("shard_records")
     }
-    # grads: 7 x 5 chunks; row_scale, loss, count: 7 each; shard_done: 4
-    assert local_chunks == mem_chunks and len(local_chunks) == 7 * 5 + 3 * 7 + 4
+    # grads: 7 x 5 chunks; row_scale, loss, count: 7 each; shard_done: 4; the coordinates (format
+    # 3): class_id and the four param arrays one each, param_id one per column chunk (5)
+    assert local_chunks == mem_chunks and len(local_chunks) == 7 * 5 + 3 * 7 + 4 + 5 + 5
     for key in sorted(local_chunks):
         assert (tmp_path / "s" / key).read_bytes() == mem.cat_file(f"{mem_root}/{key}"), key
 
@@ -328,18 +329,18 @@ def test_external_readers_agree(tmp_path, dtype, sharded):
         .read()
         .result()
     )
-    raw_xr = xr.open_zarr(str(path), consolidated=False, mask_and_scale=False)["grads"].values
+    raw_xr = xr.open_zarr(str(path), mask_and_scale=False)["grads"].values  # consolidated (format 3)
     for raw in (raw_zarr, raw_dask, raw_ts, raw_xr):
         assert raw.dtype == raw_zarr.dtype
         # Decoding the raw values by the documented rule gives exactly our reader's values.
         assert np.array_equal(stored_times_scale(path, dtype, raw), ours)
     # The lazy views of true values.
     assert np.array_equal(store.to_dask().compute(), ours)
-    arr = xr.DataArray(store.to_dask(), dims=("class", "param"), coords={"class": store.class_ids})
-    assert np.array_equal(arr.sel({"class": [7, 9]}).values, ours[[7, 9]])
-    ds = xr.open_zarr(str(path), consolidated=False)
+    arr = open_dataset(str(path))["grads"]
+    assert arr.dtype == np.float32 and np.array_equal(arr.sel(class_id=[7, 9]).values, ours[[7, 9]])
+    ds = xr.open_zarr(str(path))
     assert set(ds.data_vars) >= {"grads", "row_scale", "loss", "count", "shard_done"}
-    assert ds["grads"].dims == ("class", "param")
+    assert ds["grads"].dims == ("class_id", "column")
 
 
 # --------------------------------------------------------------------------- corruption
