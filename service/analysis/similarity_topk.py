@@ -34,8 +34,6 @@ from classgrad.service.analysis import MIB, ceil_div
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.errors import ConfigError
 
-# Query rows compared at once when looking for ties at the k-th score (bounds a bool scratch).
-_TIE_ROWS = 1024
 # A neighbour-table chunk (chunk_rows x k int64) stays below this many bytes.
 _TABLE_CHUNK_BYTES = 8 * MIB
 # The interpreter's own small allocations, torch's and zarr's buffers for small arrays.
@@ -78,7 +76,8 @@ class TopKPlan:
         """Bytes one task may hold at its peak, by part, and their ``total``: the query block
         (and its float32 read when computing in float64), one stream block as read and in the
         arithmetic's dtype (plus a contiguous copy of the query's band when banded), one block
-        of scores, the tie check's scratch, the running top-k and a fixed slack."""
+        of scores, the running top-k and a fixed slack (which also covers the stable sort of
+        one row of scores where ties straddle the k-th place)."""
         B, M, W, D = self.block_rows, self.stream_rows, self.band_cols, self.dim
         item = 8 if self.precision == "float64" else 4
         parts = {
@@ -86,7 +85,6 @@ class TopKPlan:
             "stream": M * W * (4 + 4 + item),  # decoded chunks, the gathered block, its cast
             "query_band": B * W * item if W < D else 0,
             "scores": B * M * item,
-            "tie_scratch": 2 * min(B, _TIE_ROWS) * M,
             "topk": B * _topk_row_bytes(self.top_k),
             "slack": _SLACK_BYTES,
         }
@@ -131,23 +129,22 @@ def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
         parallel = ceil_div(ceil_div(C, config.tasks_per_cpu * workers), rc) * rc if workers > 1 else all_rows
         rows = max(rc, min(parallel, _round_down(max(avail // 2, 0) // per_query, rc)))
     rest = avail - rows * per_query
-    tie = 2 * min(rows, _TIE_ROWS)
 
     def stream_for(w: int) -> int:
         """Stream rows that fit beside the query block when read in bands of w columns."""
         left = rest - (rows * w * item if w < D else 0)  # the query's band copy
-        per_stream = w * (8 + item) + rows * item + tie
+        per_stream = w * (8 + item) + rows * item
         return min(all_rows, _round_down(max(left, 0) // per_stream, rc))
 
     width = min(config.band_cols, D) if config.band_cols is not None else D
     stream = stream_for(width)
     if stream < rc and config.band_cols is None:
         # Full rows do not fit: stream row_chunk rows at a time, in bands of whole column chunks.
-        spare = rest - rc * (rows * item + tie)
+        spare = rest - rc * rows * item
         width = min(D, _round_down(max(spare, 0) // (rc * (8 + item) + rows * item), cc))
         stream = stream_for(width) if width > 0 else 0
     if stream < rc or width < 1:
-        need = _SLACK_BYTES + rows * per_query + rc * (rows * item + tie) + min(D, cc) * (rc * (8 + item) + rows * item)
+        need = _SLACK_BYTES + rows * per_query + rc * rows * item + min(D, cc) * (rc * (8 + item) + rows * item)
         raise ConfigError(
             f"top-k similarity: --task-mb {config.task_mb:g} cannot hold a query block of {rows} rows x "
             f"{D} columns beside a stream block of {rc} rows; raise --task-mb to at least "
@@ -186,18 +183,15 @@ def merge_topk(best_val, best_idx, scores, col0: int, row0: int, k: int):
         r = torch.arange(lo, hi)
         scores[r - row0, r - col0] = float("-inf")
     kk = min(k, M)
-    val, pos = torch.topk(scores, kk, dim=1)
+    # One more than needed: where the (k+1)-th best equals the k-th, torch.topk may have picked
+    # among equal values arbitrarily; those rows (rare but for ties) are redone with a stable
+    # sort, which puts the lower column first.
+    val, pos = torch.topk(scores, min(kk + 1, M), dim=1)
     if kk < M:
-        # torch.topk picks among values equal to the k-th arbitrarily: rows where more such
-        # values exist than were picked are redone with a stable sort (lower column first).
-        kth = val[:, -1]  # sorted: the k-th largest
-        for r0 in range(0, B, _TIE_ROWS):
-            r1 = min(r0 + _TIE_ROWS, B)
-            edge = kth[r0:r1, None]
-            more = (scores[r0:r1] == edge).sum(dim=1) > (val[r0:r1] == edge).sum(dim=1)
-            for i in (torch.nonzero(more).flatten() + r0).tolist():
-                order = torch.sort(scores[i], descending=True, stable=True).indices[:kk]
-                pos[i], val[i] = order, scores[i, order]
+        for i in torch.nonzero(val[:, kk] == val[:, kk - 1]).flatten().tolist():
+            order = torch.sort(scores[i], descending=True, stable=True).indices[:kk]
+            pos[i, :kk], val[i, :kk] = order, scores[i, order]
+        val, pos = val[:, :kk], pos[:, :kk]
     merged_val = torch.cat([best_val, val.to(best_val.dtype)], dim=1)
     merged_idx = torch.cat([best_idx, pos + col0], dim=1)
     by_index = torch.argsort(merged_idx, dim=1, stable=True)
