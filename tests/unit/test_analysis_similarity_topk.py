@@ -240,3 +240,19 @@ def test_plot_computes_the_heatmap_after_a_top_k_only_run(tmp_path):
     compute_similarity(str(tmp_path / "s"), executor="local", metric="dot", dense=False)
     result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=10)
     assert result["similarity_source"] == "computed"  # no matrix to read: from the rows
+
+
+def test_inspect_and_verify_see_a_top_k_only_result(tmp_path, capsys):
+    import shutil
+
+    from classgrad.service.analysis.verify import METADATA
+
+    synthetic_store(tmp_path / "s", num_classes=64)
+    url = str(tmp_path / "s")
+    compute_similarity(url, executor="local", top_k=4, dense=False)
+    assert cli_main(["inspect", url]) == 0
+    assert "similarity  cosine, top-4 only (no matrix), ready" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "s" / "similarity_topk_value")  # a damaged result
+    report = verify_store(url)
+    assert report.code & METADATA
+    assert any("similarity_topk_value is missing, expected [64, 4]" in p for p in report.problems["metadata"])
