@@ -19,7 +19,8 @@ both).
 
 Top-k section (``--section topk``): the top-k-only route, which never holds or writes C x C.
 A store of C x D rows (default 100,000 x 1,024 float32 = 391 MiB, with the same structure) gets
-``compute_similarity(dense=False, top_k=10)`` on a local Ray: time, tasks, query and stream
+``compute_similarity(dense=False, top_k=10)`` on a local Ray: time (wall, and the CPU time of
+its tasks, which other processes on a shared machine do not change), tasks, query and stream
 block sizes, each task's memory bound and measured peak (as above), and a check that no
 ``similarity`` array was written. The comparison runs at a C whose dense matrix fits in memory
 here (default 20,000: 1.5 GiB): numpy in a child process (OpenBLAS limited to the Ray CPUs):
@@ -116,7 +117,7 @@ def numpy_topk(path: str, top_k: int, block: int = 1024) -> dict:
     """Top-k of every row by numpy with the whole matrix in memory (run in a child process):
     read, normalise, X @ X.T, then argpartition ``block`` rows at a time (self excluded)."""
     meter = PeakMemory()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     x = open_store(path).rows(slice(None))
     t_read = time.perf_counter() - t0
     norms = np.linalg.norm(x, axis=1, keepdims=True)
@@ -136,6 +137,7 @@ def numpy_topk(path: str, top_k: int, block: int = 1024) -> dict:
     peak = meter.close()
     return {
         "seconds": seconds,
+        "cpu_seconds": time.process_time() - cpu0,  # all of its BLAS threads
         "read_s": t_read,
         "gram_s": t_gram,
         "topk_s": seconds - t_read - t_gram,
@@ -166,6 +168,7 @@ def topk_run(path: Path, top_k: int, idle: int) -> dict:
         "band_cols": s["band_cols"],
         "seconds": s["seconds"],
         "task_seconds": [r["seconds"] for r in reports],
+        "task_cpu_seconds": sum(r["cpu_seconds"] for r in reports),
         "read_bytes": s["read_bytes"],
         "bound_bytes": s["memory_bound_bytes"],
         "bound_parts": s["memory_bound_parts"],
@@ -207,14 +210,16 @@ def print_topk(t: dict) -> None:
     )
     print(
         f"  {r['tasks']} tasks of {r['block_rows']:,} query rows, stream blocks of {r['stream_rows']:,} rows "
-        f"x {r['band_cols']:,} columns: {r['seconds']:.1f} s, {fmt_bytes(r['read_bytes'])} read; "
+        f"x {r['band_cols']:,} columns: {r['seconds']:.1f} s ({r['task_cpu_seconds']:.1f} CPU s in its tasks), "
+        f"{fmt_bytes(r['read_bytes'])} read; "
         f"peak per task +{fmt_bytes(r['max_rss_added'])} (bound {fmt_bytes(r['bound_bytes'])}, "
         f"{fmt_bytes(r['max_rss_above_idle'])} above an idle worker); matrix written: {r['matrix_written']}"
     )
     same, base = t["same_c"]["topk"], t["same_c"]["numpy"]
     print(
-        f"  at C = {t['numpy_classes']:,}: top-k route {same['seconds']:.1f} s (peak per task "
-        f"+{fmt_bytes(same['max_rss_added'])}); numpy in memory {base['seconds']:.1f} s (read "
+        f"  at C = {t['numpy_classes']:,}: top-k route {same['seconds']:.1f} s, {same['task_cpu_seconds']:.1f} CPU s "
+        f"(peak per task +{fmt_bytes(same['max_rss_added'])}); numpy in memory {base['seconds']:.1f} s, "
+        f"{base['cpu_seconds']:.1f} CPU s (read "
         f"{base['read_s']:.1f}, X @ X.T {base['gram_s']:.1f}, argpartition {base['topk_s']:.1f}; peak "
         f"+{fmt_bytes(base['rss_added'])}); ratio {t['same_c']['ratio_to_numpy']:.2f}; "
         f"neighbours agreeing {100 * same['agree_with_numpy']:.2f}%"

@@ -259,7 +259,7 @@ def topk_task(url: str, storage_options: dict | None, plan: dict, start: int, st
     from classgrad.service.store import open_store
 
     meter = PeakMemory()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     try:
         p = TopKPlan(**plan)
         store = open_store(url, storage_options=storage_options, mode="r+")
@@ -272,6 +272,7 @@ def topk_task(url: str, storage_options: dict | None, plan: dict, start: int, st
         "start": start,
         "stop": stop,
         "seconds": time.perf_counter() - t0,
+        "cpu_seconds": time.process_time() - cpu0,  # this process's CPU time: what load does not change
         "read_bytes": read,
         "rss_start": meter.start,
         "rss_peak": peak,
