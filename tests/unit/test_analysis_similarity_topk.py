@@ -256,3 +256,20 @@ def test_inspect_and_verify_see_a_top_k_only_result(tmp_path, capsys):
     report = verify_store(url)
     assert report.code & METADATA
     assert any("similarity_topk_value is missing, expected [64, 4]" in p for p in report.problems["metadata"])
+
+
+def test_the_benchmarks_numpy_baseline_finds_the_same_neighbours(tmp_path):
+    """benchmarks/similarity.py compares the top-k route with numpy: like with like."""
+    from benchmarks.similarity import numpy_topk
+
+    _, rows = synthetic_store(tmp_path / "s", num_classes=300, seed=3)
+    compute_similarity(str(tmp_path / "s"), executor="local", top_k=5, dense=False)
+    ours = open_store(str(tmp_path / "s")).similarity_neighbours()[0]
+    theirs = numpy_topk(str(tmp_path / "s"), 5, block=64)["index"]
+    S = dense_similarity(rows, "cosine")
+    best = -np.sort(-np.where(np.eye(300, dtype=bool), -np.inf, S), axis=1)[:, :6]
+    # Rows whose 6 best are more than 2 x (D + 8) u apart (float32 products over D = 96 terms,
+    # summed in different orders by the two) must agree exactly; the zero row ties everywhere.
+    distinct = (np.diff(-best, axis=1) > 2 * (96 + 8) * U).all(axis=1)
+    distinct[ZERO_ROW] = False
+    assert distinct.mean() > 0.9 and np.array_equal(ours[distinct], theirs[distinct])
