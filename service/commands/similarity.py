@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--band-cols",
         type=int,
         metavar="N",
-        help="columns read at once (default: all, unless a block would exceed --block-mb)",
+        help="columns read at once (default: all, unless a block would exceed --block-mb, or, top-k only, --task-mb)",
     )
     parser.add_argument(
         "--block-mb",
