@@ -17,10 +17,21 @@ the starting RSS. ``rss_peak - idle`` (the peak above an idle worker's RSS) is p
 numpy baseline runs just before each Ray run (interleaved, so that changes in machine load hit
 both).
 
-    .venv/bin/python -m benchmarks.similarity            # 10,000 x 2,048; blocks 256/512/1024
-    .venv/bin/python -m benchmarks.similarity --quick    # 10,000 x 256; block 512
+Top-k section (``--section topk``): the top-k-only route, which never holds or writes C x C.
+A store of C x D rows (default 100,000 x 1,024 float32 = 391 MiB, with the same structure) gets
+``compute_similarity(dense=False, top_k=10)`` on a local Ray: time (wall, and the CPU time of
+its tasks, which other processes on a shared machine do not change), tasks, query and stream
+block sizes, each task's memory bound and measured peak (as above), and a check that no
+``similarity`` array was written. The comparison runs at a C whose dense matrix fits in memory
+here (default 20,000: 1.5 GiB): numpy in a child process (OpenBLAS limited to the Ray CPUs):
+read all rows, normalise, X @ X.T, argpartition row block by row block; against the top-k
+route on Ray at the same C, with how many of their neighbour indices agree.
 
-Prints a table and writes ``benchmarks/out/similarity.json``.
+    .venv/bin/python -m benchmarks.similarity                  # both sections, full sizes
+    .venv/bin/python -m benchmarks.similarity --section topk   # 100,000 x 1,024; numpy at 20,000
+    .venv/bin/python -m benchmarks.similarity --quick          # 10,000 x 256 (block 512); top-k 6,000 x 128
+
+Prints a table per section and writes ``benchmarks/out/similarity.json``.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import shutil
@@ -39,7 +51,8 @@ from pathlib import Path
 import numpy as np
 
 from classgrad.service.analysis import fmt_bytes
-from classgrad.service.analysis.similarity import PeakMemory, compute_similarity, top_k_rows
+from classgrad.service.analysis.memory import PeakMemory
+from classgrad.service.analysis.similarity import compute_similarity, top_k_rows
 from classgrad.service.store import StoreSpec, create_store, open_store
 
 OUT = Path(__file__).resolve().parent / "out" / "similarity.json"
@@ -93,21 +106,140 @@ def idle_worker_rss(ray) -> int:
     def probe() -> int:
         import classgrad.service.analysis.similarity  # noqa: F401
         import classgrad.service.store  # noqa: F401
-        from classgrad.service.analysis.similarity import _rss
+        from classgrad.service.analysis.memory import _rss
 
         return _rss()
 
     return max(ray.get([probe.remote() for _ in range(4)]))
 
 
+def numpy_topk(path: str, top_k: int, block: int = 1024) -> dict:
+    """Top-k of every row by numpy with the whole matrix in memory (run in a child process):
+    read, normalise, X @ X.T, then argpartition ``block`` rows at a time (self excluded)."""
+    meter = PeakMemory()
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    x = open_store(path).rows(slice(None))
+    t_read = time.perf_counter() - t0
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    x /= np.where(norms > 0, norms, 1)
+    sim = x @ x.T
+    t_gram = time.perf_counter() - t0 - t_read
+    C = sim.shape[0]
+    index = np.empty((C, top_k), dtype=np.int64)
+    for a in range(0, C, block):
+        rows = sim[a : a + block]
+        local = np.arange(rows.shape[0])
+        rows[local, a + local] = -np.inf
+        part = np.argpartition(rows, C - top_k, axis=1)[:, C - top_k :]
+        vals = np.take_along_axis(rows, part, axis=1)
+        index[a : a + block] = np.take_along_axis(part, np.argsort(-vals, axis=1, kind="stable"), axis=1)
+    seconds = time.perf_counter() - t0
+    peak = meter.close()
+    return {
+        "seconds": seconds,
+        "cpu_seconds": time.process_time() - cpu0,  # all of its BLAS threads
+        "read_s": t_read,
+        "gram_s": t_gram,
+        "topk_s": seconds - t_read - t_gram,
+        "rss_peak": peak,
+        "rss_added": peak - meter.start,
+        "index": index,
+    }
+
+
+def numpy_in_child(path: Path, top_k: int, threads: int) -> dict:
+    """``numpy_topk`` in a fresh process whose BLAS uses ``threads`` threads."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)  # read by the child's numpy when it loads
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(numpy_topk, (str(path), top_k))
+
+
+def topk_run(path: Path, top_k: int, idle: int) -> dict:
+    """The top-k-only route on the running Ray; the summary's numbers and the task peaks."""
+    s = compute_similarity(str(path), top_k=top_k, dense=False)
+    reports = s["task_reports"]
+    run = {
+        "classes": s["num_classes"],
+        "dim": s["dim"],
+        "tasks": s["tasks"],
+        "block_rows": s["block_rows"],
+        "stream_rows": s["stream_rows"],
+        "band_cols": s["band_cols"],
+        "seconds": s["seconds"],
+        "task_seconds": [r["seconds"] for r in reports],
+        "task_cpu_seconds": sum(r["cpu_seconds"] for r in reports),
+        "read_bytes": s["read_bytes"],
+        "bound_bytes": s["memory_bound_bytes"],
+        "bound_parts": s["memory_bound_parts"],
+        "max_rss_added": max(r["rss_added"] for r in reports),
+        "max_rss_above_idle": max(r["rss_peak"] for r in reports) - idle,
+        "exact_peak": all(r["exact_peak"] for r in reports),
+        "matrix_written": (path / "similarity").exists(),
+    }
+    run["within_bound"] = run["max_rss_added"] <= run["bound_bytes"] and not run["matrix_written"]
+    return run
+
+
+def topk_section(args: argparse.Namespace, workdir: Path, idle: int) -> dict:
+    """The top-k route at C (time, memory per task) and against numpy at the comparison C."""
+    C = args.topk_classes or (6_000 if args.quick else 100_000)
+    D = args.topk_dim or (128 if args.quick else 1_024)
+    C_np = args.numpy_classes or (6_000 if args.quick else 20_000)
+    out: dict = {"classes": C, "dim": D, "numpy_classes": C_np, "top_k": args.top_k, "cpus": args.cpus}
+    big = workdir / "topk.zarr"
+    out["build_s"] = build_store(big, C, D)
+    out["run"] = topk_run(big, args.top_k, idle)
+    shutil.rmtree(big, ignore_errors=True)
+    small = workdir / "numpy.zarr"
+    build_store(small, C_np, D)
+    base = numpy_in_child(small, args.top_k, args.cpus)
+    same = topk_run(small, args.top_k, idle)
+    ours = open_store(str(small)).similarity_neighbours()[0]
+    same["agree_with_numpy"] = float((np.sort(ours, axis=1) == np.sort(base.pop("index"), axis=1)).mean())
+    out["same_c"] = {"topk": same, "numpy": base, "ratio_to_numpy": same["seconds"] / base["seconds"]}
+    return out
+
+
+def print_topk(t: dict) -> None:
+    r = t["run"]
+    print(
+        f"\ntop-{t['top_k']} only (cosine) of {t['classes']:,} x {t['dim']:,} float32 "
+        f"({t['classes'] * t['dim'] * 4 / MIB:.0f} MiB of rows; the dense matrix would be "
+        f"{fmt_bytes(t['classes'] ** 2 * 4)}), {t['cpus']} Ray CPUs"
+    )
+    print(
+        f"  {r['tasks']} tasks of {r['block_rows']:,} query rows, stream blocks of {r['stream_rows']:,} rows "
+        f"x {r['band_cols']:,} columns: {r['seconds']:.1f} s ({r['task_cpu_seconds']:.1f} CPU s in its tasks), "
+        f"{fmt_bytes(r['read_bytes'])} read; "
+        f"peak per task +{fmt_bytes(r['max_rss_added'])} (bound {fmt_bytes(r['bound_bytes'])}, "
+        f"{fmt_bytes(r['max_rss_above_idle'])} above an idle worker); matrix written: {r['matrix_written']}"
+    )
+    same, base = t["same_c"]["topk"], t["same_c"]["numpy"]
+    print(
+        f"  at C = {t['numpy_classes']:,}: top-k route {same['seconds']:.1f} s, {same['task_cpu_seconds']:.1f} CPU s "
+        f"(peak per task +{fmt_bytes(same['max_rss_added'])}); numpy in memory {base['seconds']:.1f} s, "
+        f"{base['cpu_seconds']:.1f} CPU s (read "
+        f"{base['read_s']:.1f}, X @ X.T {base['gram_s']:.1f}, argpartition {base['topk_s']:.1f}; peak "
+        f"+{fmt_bytes(base['rss_added'])}); ratio {t['same_c']['ratio_to_numpy']:.2f}; "
+        f"neighbours agreeing {100 * same['agree_with_numpy']:.2f}%"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="D = 256 and one block size")
-    parser.add_argument("--classes", type=int, default=10_000, help="rows C (default 10,000)")
-    parser.add_argument("--dim", type=int, help="columns D (default 2,048; quick 256)")
-    parser.add_argument("--blocks", type=int, nargs="+", help="block_rows values to run")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes: D = 256 and one block size; top-k 6,000 x 128"
+    )
+    parser.add_argument("--section", choices=["dense", "topk", "all"], default="all", help="what to run (default all)")
+    parser.add_argument("--classes", type=int, default=10_000, help="dense: rows C (default 10,000)")
+    parser.add_argument("--dim", type=int, help="dense: columns D (default 2,048; quick 256)")
+    parser.add_argument("--blocks", type=int, nargs="+", help="dense: block_rows values to run")
+    parser.add_argument("--topk-classes", type=int, help="top-k: rows C (default 100,000; quick 6,000)")
+    parser.add_argument("--topk-dim", type=int, help="top-k: columns D (default 1,024; quick 128)")
+    parser.add_argument("--numpy-classes", type=int, help="top-k: C of the numpy comparison (default 20,000)")
     parser.add_argument("--top-k", type=int, default=10)
-    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="Ray CPUs")
+    parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="Ray CPUs (and numpy's threads)")
     parser.add_argument("--dir", help="directory for the store (default: system temp)")
     parser.add_argument("--out", default=str(OUT), help="JSON output path")
     args = parser.parse_args(argv)
@@ -120,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.blocks or ([512] if args.quick else [256, 512, 1024])
     workdir = Path(tempfile.mkdtemp(prefix="classgrad-bench-sim-", dir=args.dir))
     path = workdir / "store.zarr"
+    dense = args.section in ("dense", "all")
     results: dict = {
         "classes": C,
         "dim": D,
@@ -132,11 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "numpy": np.__version__,
+            "load_average": os.getloadavg(),
         },
         "runs": [],
     }
     try:
-        results["build_s"] = build_store(path, C, D)
+        if dense:
+            results["build_s"] = build_store(path, C, D)
         ray.init(
             num_cpus=args.cpus,
             include_dashboard=False,
@@ -146,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             idle = idle_worker_rss(ray)
             results["idle_worker_rss"] = idle
-            for block_rows in blocks:
+            for block_rows in blocks if dense else []:
                 # Interleaved: each Ray run is timed right after its own numpy baseline, so
                 # drifts in machine load hit both.
                 base = numpy_baseline(path, args.top_k)
-                s = compute_similarity(str(path), top_k=args.top_k, block_rows=block_rows)
+                s = compute_similarity(str(path), top_k=args.top_k, block_rows=block_rows, dense=True)
                 reports = s["task_reports"]
                 run = {
                     "block_rows": block_rows,
@@ -171,11 +306,30 @@ def main(argv: list[str] | None = None) -> int:
                 run["numpy"] = base
                 run["ratio_to_numpy"] = run["seconds"] / base["seconds"]
                 results["runs"].append(run)
+            if args.section in ("topk", "all"):
+                results["topk"] = topk_section(args, workdir, idle)
         finally:
             ray.shutdown()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    results["machine"]["load_average_after"] = os.getloadavg()
 
+    if dense:
+        print_dense(results, args)
+    if "topk" in results:
+        print_topk(results["topk"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    ok = all(r["within_bound"] for r in results["runs"])
+    if "topk" in results:
+        ok = ok and results["topk"]["run"]["within_bound"] and results["topk"]["same_c"]["topk"]["within_bound"]
+    return 0 if ok else 1
+
+
+def print_dense(results: dict, args: argparse.Namespace) -> None:
+    C, D = results["classes"], results["dim"]
     print(
         f"class similarity (cosine, top-{args.top_k}) of {C:,} x {D:,} float32 "
         f"({results['store_mib']:.0f} MiB of rows, {results['similarity_mib']:.0f} MiB "
@@ -199,11 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         "ray s: the whole run (read blocks, products, top-k, write the matrix and table back); "
         "numpy s: one process, all in memory, no write; ratio = ray s / numpy s"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
-    return 0 if all(r["within_bound"] for r in results["runs"]) else 1
 
 
 if __name__ == "__main__":

@@ -209,7 +209,9 @@ def format_report(info: dict) -> str:
     sim = info["similarity"]
     if sim:
         lines.append(
-            f"similarity  {sim.get('metric')}, top-{sim.get('top_k')}, "
-            f"{sim.get('state')}" + (f", {sim['seconds']:.1f} s" if "seconds" in sim else "")
+            f"similarity  {sim.get('metric')}, top-{sim.get('top_k')}"
+            + ("" if sim.get("dense", True) else " only (no matrix)")
+            + f", {sim.get('state')}"
+            + (f", {sim['seconds']:.1f} s" if "seconds" in sim else "")
         )
     return "\n".join(lines)

@@ -129,12 +129,13 @@ def class_similarity(
     store, rows: np.ndarray, metric: str | None = None, *, block_mb: float = DEFAULT_BLOCK_MB
 ) -> tuple[np.ndarray, str, str]:
     """Similarity [n, n] of ``rows``: (matrix, metric, "stored" or "computed"). The stored
-    matrix is used when it is finished and has the asked metric; otherwise the Gram matrix of
+    matrix is used when it is finished, dense and has the asked metric; otherwise the Gram matrix of
     these rows is computed from the store, one column band at a time."""
     info = store.similarity_info()
     if (
         info is not None
         and info.get("state") == "ready"
+        and info.get("dense", True)  # a top-k-only result has no matrix to read
         and metric in (None, info["metric"])
         and info.get("source_fingerprint") == store.fingerprint
     ):

@@ -1,12 +1,22 @@
 """Class similarity at scale: the C x C cosine or Gram (dot) matrix of a store's rows, computed
-out of core and written back into the store, with a top-k neighbour table per class.
+out of core and written back into the store, with a top-k neighbour table per class; or, when
+the matrix would be too large (or when asked), the top-k table alone (``similarity_topk``).
 
-Holds ``SimilarityConfig`` (the options; defaults live here), ``SimilarityPlan`` (row blocks,
-column bands, chunk rows, and the memory bound of one task), ``plan_similarity``,
-``strip_task`` (the unit of work: one row block's strip of the matrix and its top-k),
-``top_k_rows``, ``PeakMemory`` (a task's peak resident memory) and ``compute_similarity`` (the
-driver: refuses incomplete stores, takes the store's lease, replaces the previous result, runs
-the tasks on Ray or in this process, marks the result ready).
+Holds ``SimilarityConfig`` (the options; defaults live here), ``DENSE_AUTO_BYTES`` and
+``DENSE_MAX_BYTES`` (the sizes of the C x C float32 matrix up to which it is computed by
+default, and at all), ``wants_dense`` (the choice), ``SimilarityPlan`` (row blocks, column
+bands, chunk rows, and the memory bound of one task), ``plan_similarity``, ``strip_task`` (the
+unit of work of a dense run: one row block's strip of the matrix and its top-k),
+``top_k_rows`` and ``compute_similarity`` (the driver: refuses incomplete stores, takes the
+store's lease, replaces the previous result, runs the tasks of either kind on Ray or in this
+process, marks the result ready). ``PeakMemory`` is re-exported from ``memory``.
+
+Dense or top-k only. By default the matrix is computed when it takes at most
+``DENSE_AUTO_BYTES`` (1 GiB, about 16,000 classes) and the top-k table alone otherwise
+(``dense=True`` / ``--dense`` and ``dense=False`` / ``--top-k-only`` choose); a dense matrix
+above ``DENSE_MAX_BYTES`` (16 GiB, about 65,000 classes) is refused with one line: nobody reads
+a matrix that size whole, the table holds the neighbours and ``store.similarity`` rows can be
+computed for the few classes one looks at. The rest of this docstring is the dense path.
 
 How it works. The rows are split into row blocks of ``block_rows`` rows (whole row chunks).
 Task i owns the output strip S[i-block, :] (block_rows x C). For each column band (all columns
@@ -35,7 +45,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -45,7 +54,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, validated
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, fmt_bytes, plan_blocks, validated
+from classgrad.service.analysis.memory import PeakMemory
+from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk_task
 from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
@@ -58,6 +69,10 @@ _WORK_ROWS = 64
 _CHUNK_BYTES = 8 * MIB
 # Room for the interpreter's own small allocations and zarr's chunk buffers in the bound.
 _SLACK_BYTES = 16 * MIB
+# The C x C float32 matrix is computed by default up to this size (about 16,000 classes)...
+DENSE_AUTO_BYTES = 1 << 30
+# ... and at all up to this one (about 65,000 classes); beyond it, the top-k table only.
+DENSE_MAX_BYTES = 16 << 30
 
 
 class SimilarityConfig(BaseModel):
@@ -69,14 +84,27 @@ class SimilarityConfig(BaseModel):
         "cosine", description="cosine similarity of rows, or their dot product (the Gram matrix)"
     )
     top_k: int = Field(
-        10, ge=0, description="neighbours kept per class (self excluded); clamped to C - 1; 0 stores no table"
+        10,
+        ge=0,
+        description="neighbours kept per class (self excluded); clamped to C - 1; 0 stores no table (dense only)",
+    )
+    dense: bool | None = Field(
+        None,
+        description="True: the C x C matrix and the top-k table (refused above 16 GiB); False: the top-k "
+        "table only, never C x C; None: dense when the C x C float32 matrix is at most 1 GiB",
     )
     block_rows: int | None = Field(
         None,
         ge=1,
-        description="rows per block (a multiple of the store's row_chunk); default: "
-        "the most that keep a strip within block_mb, with at least "
-        "tasks_per_cpu tasks per CPU",
+        description="rows per task (a multiple of the store's row_chunk); default: dense, "
+        "the most that keep a strip within block_mb; top-k only, the most that keep "
+        "the query block within half of task_mb; both with at least tasks_per_cpu tasks per CPU",
+    )
+    task_mb: float = Field(
+        512.0,
+        gt=0,
+        description="memory budget in MiB of one top-k-only task (query block, stream block, "
+        "scores, running top-k), from which its block sizes are chosen",
     )
     band_cols: int | None = Field(
         None, ge=1, description="columns read at once; default: all, unless a block of full rows would exceed block_mb"
@@ -185,67 +213,6 @@ def plan_similarity(store, config: SimilarityConfig, workers: int = 1) -> Simila
         top_k=min(config.top_k, C - 1),
         precision=config.precision,
     )
-
-
-# --------------------------------------------------------------------------- memory
-
-
-def _rss() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def _vm_hwm() -> int | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class PeakMemory:
-    """Peak resident memory of this process from construction on.
-
-    On Linux the kernel's high-water mark is reset (``/proc/self/clear_refs``) and read back
-    (``VmHWM``), which is exact; elsewhere a thread samples the RSS every 2 ms (may miss very
-    short peaks). ``start`` is the RSS at construction, so ``peak() - start`` is what the work
-    in between added (memory the allocator kept from earlier work counts in ``start``)."""
-
-    def __init__(self) -> None:
-        self.start = _rss()
-        self.exact = False  # True: the kernel's high-water mark; False: sampled
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-            self.exact = _vm_hwm() is not None
-        except OSError:
-            pass
-        self._max = self.start
-        self._stop = threading.Event()
-        self._thread = None
-        if not self.exact:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self._max = max(self._max, _rss())
-
-    def peak(self) -> int:
-        if self.exact:
-            return max(_vm_hwm() or 0, self.start)
-        return max(self._max, _rss())
-
-    def close(self) -> int:
-        peak = self.peak()
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        return peak
 
 
 # --------------------------------------------------------------------------- one task
@@ -378,21 +345,22 @@ def _task_failed(exc: BaseException, a: int, b: int) -> BaseException:
         return RuntimeError(f"similarity task for rows [{a}, {b}) failed: {first_line(detail)}")
     return ClassgradError(
         f"similarity task for rows [{a}, {b}) was lost ({type(exc).__name__}: "
-        f"{first_line(str(exc))}); if it ran out of memory, lower --block-rows or --block-mb"
+        f"{first_line(str(exc))}); if it ran out of memory, lower --block-rows or --block-mb (dense) or --task-mb"
     )
 
 
 def _run_ray(
     ray: Any,
+    task_fn: Callable[..., dict],
     args: tuple,
-    plan: SimilarityPlan,
+    blocks: list[tuple[int, int]],
     config: SimilarityConfig,
     renew: Callable[[], None],
     done: Callable[[dict], None],
 ) -> None:
     url, options, plan_dict, run_id = args
-    task = ray.remote(strip_task).options(num_cpus=config.num_cpus, max_retries=1, name="classgrad-similarity")
-    pending = {task.remote(url, options, plan_dict, a, b, run_id): (a, b) for a, b in plan.blocks()}
+    task = ray.remote(task_fn).options(num_cpus=config.num_cpus, max_retries=1, name="classgrad-similarity")
+    pending = {task.remote(url, options, plan_dict, a, b, run_id): (a, b) for a, b in blocks}
     every = max(1.0, min(10.0, config.lease_ttl_s / 4))
     try:
         while pending:
@@ -416,14 +384,45 @@ def _run_ray(
                     pass
 
 
-def _run_local(args: tuple, plan: SimilarityPlan, renew: Callable[[], None], done: Callable[[dict], None]) -> None:
+def _run_local(
+    task_fn: Callable[..., dict],
+    args: tuple,
+    blocks: list[tuple[int, int]],
+    renew: Callable[[], None],
+    done: Callable[[dict], None],
+) -> None:
     url, options, plan_dict, run_id = args
-    for a, b in plan.blocks():
-        done(strip_task(url, options, plan_dict, a, b, run_id))
+    for a, b in blocks:
+        done(task_fn(url, options, plan_dict, a, b, run_id))
         renew()
 
 
 # --------------------------------------------------------------------------- driver
+
+
+def wants_dense(config: SimilarityConfig, num_classes: int) -> bool:
+    """Dense (the C x C matrix and the table) or top-k only, for ``num_classes`` rows: as asked,
+    else dense up to ``DENSE_AUTO_BYTES``; refuses a dense matrix above ``DENSE_MAX_BYTES`` and
+    a top-k-only run without neighbours, each with one line."""
+    size = num_classes * num_classes * 4
+    dense = size <= DENSE_AUTO_BYTES if config.dense is None else config.dense
+    if dense and size > DENSE_MAX_BYTES:
+        raise ConfigError(
+            f"similarity option dense (--dense): the {num_classes:,} x {num_classes:,} float32 matrix would "
+            f"take {fmt_bytes(size)}, above the limit of {fmt_bytes(DENSE_MAX_BYTES)}; drop --dense to "
+            f"store the top-k neighbour table only"
+        )
+    if not dense and config.top_k == 0:
+        why = "--top-k-only" if config.dense is False else f"the matrix would take {fmt_bytes(size)}"
+        raise ConfigError(
+            f"similarity option top_k (--top-k): 0 stores nothing without the matrix ({why}); "
+            f"give --top-k K >= 1, or --dense"
+        )
+    return dense
+
+
+def _plan(store, config: SimilarityConfig, dense: bool, workers: int = 1) -> SimilarityPlan | TopKPlan:
+    return plan_similarity(store, config, workers) if dense else plan_topk(store, config, workers)
 
 
 def compute_similarity(
@@ -431,8 +430,8 @@ def compute_similarity(
 ) -> dict:
     """Compute and store the class similarity of the store at ``url``; return a summary.
 
-    ``options`` are ``SimilarityConfig`` fields (``metric="dot"``, ``top_k=5``, ...), checked
-    like the command line's. Refuses incomplete stores, naming the missing rows.
+    ``options`` are ``SimilarityConfig`` fields (``metric="dot"``, ``top_k=5``, ``dense=False``,
+    ...), checked like the command line's. Refuses incomplete stores, naming the missing rows.
     """
     from classgrad.service.runtime.progress import Progress
     from classgrad.service.store import fmt_ranges, open_store
@@ -455,18 +454,21 @@ def compute_similarity(
         )
     if store.num_classes < 2:
         raise StoreError(f"store {url} has {store.num_classes} class; similarity needs two")
-    plan_similarity(store, config)  # checks the sizes before Ray starts (minutes on a cluster)
+    dense = wants_dense(config, store.num_classes)
+    _plan(store, config, dense)  # checks the sizes before Ray starts (minutes on a cluster)
+    task_fn = strip_task if dense else topk_task
     run_id = new_run_id("similarity")
     session = ray_session(config.address, option="--address") if config.executor == "ray" else None
     with session if session is not None else nullcontext() as ray:
         workers = 1
         if ray is not None:
             workers = max(1, int(ray.cluster_resources().get("CPU", 1) // config.num_cpus))
-        plan = plan_similarity(store, config, workers)
+        plan = _plan(store, config, dense, workers)
         bound = plan.memory_bound()
         log.info(
-            "similarity (%s) of %d classes x %d: %d tasks of <= %d rows, bands of %d columns, <= %.1f MiB per task",
+            "similarity (%s, %s) of %d classes x %d: %d tasks of <= %d rows, bands of %d columns, <= %.1f MiB per task",
             plan.metric,
+            "dense" if dense else f"top-{plan.top_k} only",
             plan.num_classes,
             plan.dim,
             len(plan.blocks()),
@@ -497,6 +499,7 @@ def compute_similarity(
                 top_k=plan.top_k,
                 chunk_rows=plan.chunk_rows,
                 run_id=run_id,
+                dense=dense,
                 info={
                     "block_rows": plan.block_rows,
                     "band_cols": plan.band_cols,
@@ -504,14 +507,15 @@ def compute_similarity(
                     "tasks": len(plan.blocks()),
                     "executor": config.executor,
                     "memory_bound_bytes": bound["total"],
+                    **({} if isinstance(plan, SimilarityPlan) else {"stream_rows": plan.stream_rows}),
                 },
             )
             # A local path made absolute: a Ray worker's working directory is not the driver's.
             args = (store.local_path or url, storage_options, asdict(plan), run_id)
             if ray is not None:
-                _run_ray(ray, args, plan, config, renew, done)
+                _run_ray(ray, task_fn, args, plan.blocks(), config, renew, done)
             else:
-                _run_local(args, plan, renew, done)
+                _run_local(task_fn, args, plan.blocks(), renew, done)
             seconds = time.perf_counter() - t0
             summary = _summary(store, plan, config, reports, seconds, bound)
             store.similarity_arrays.finish(
@@ -530,15 +534,18 @@ def compute_similarity(
 
 
 def _summary(
-    store, plan: SimilarityPlan, config: SimilarityConfig, reports: list[dict], seconds: float, bound: dict
+    store, plan: SimilarityPlan | TopKPlan, config: SimilarityConfig, reports: list[dict], seconds: float, bound: dict
 ) -> dict:
+    stream_rows = plan.stream_rows if isinstance(plan, TopKPlan) else None
     return {
         "store": store.url,
         "metric": plan.metric,
+        "dense": stream_rows is None,
         "top_k": plan.top_k,
         "num_classes": plan.num_classes,
         "dim": plan.dim,
         "block_rows": plan.block_rows,
+        "stream_rows": stream_rows,
         "band_cols": plan.band_cols,
         "chunk_rows": plan.chunk_rows,
         "precision": plan.precision,

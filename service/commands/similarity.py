@@ -1,4 +1,5 @@
-"""``classgrad similarity STORE``: the class similarity matrix and top-k neighbours, on Ray."""
+"""``classgrad similarity STORE``: the class similarity matrix and top-k neighbours, or the
+top-k neighbours alone (never C x C) for large C, on Ray; prints a sample of the neighbours."""
 
 from __future__ import annotations
 
@@ -7,36 +8,68 @@ import json
 
 from classgrad.service.commands import add_store_arguments, given_options, storage_options
 
-HELP = "compute the C x C class similarity (cosine or dot) and top-k neighbours into the store"
+HELP = (
+    "compute each class's top-k most similar classes (cosine or dot) into the store, with the "
+    "C x C matrix when it takes at most 1 GiB (or --dense)"
+)
+# Classes and neighbours per class shown in the printed sample.
+SAMPLE_ROWS = 5
+SAMPLE_NEIGHBOURS = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
     # Defaults live in SimilarityConfig; None here means "not given" (the help repeats them).
     parser.add_argument(
-        "--top-k", type=int, metavar="K", help="neighbours kept per class, self excluded (default 10; 0: none)"
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="neighbours kept per class, self excluded (default 10; 0: none, with the matrix only)",
     )
     parser.add_argument(
         "--metric", choices=["cosine", "dot"], help="cosine similarity of rows, or their dot products (default cosine)"
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--dense",
+        action="store_const",
+        const=True,
+        help="also store the C x C matrix (refused above 16 GiB, about 65,000 classes); "
+        "default: only when it takes at most 1 GiB (about 16,000 classes)",
+    )
+    mode.add_argument(
+        "--top-k-only",
+        dest="dense",
+        action="store_const",
+        const=False,
+        help="store the top-k table only, never the C x C matrix, whatever C is",
     )
     parser.add_argument(
         "--block-rows",
         type=int,
         metavar="N",
-        help="rows per task (a multiple of the store's row_chunk); default: as "
-        "many as keep a task's output strip within --block-mb, with >= 2 tasks per CPU",
+        help="rows per task (a multiple of the store's row_chunk); default: dense, as "
+        "many as keep a task's output strip within --block-mb; top-k only, as many as keep "
+        "its query block within half of --task-mb; both with >= 2 tasks per CPU",
     )
     parser.add_argument(
         "--band-cols",
         type=int,
         metavar="N",
-        help="columns read at once (default: all, unless a block would exceed --block-mb)",
+        help="columns read at once (default: all, unless a block would exceed --block-mb, or, top-k only, --task-mb)",
     )
     parser.add_argument(
         "--block-mb",
         type=float,
         metavar="MIB",
-        help="memory budget of one row block and of one output strip (default 64)",
+        help="dense: memory budget of one row block and of one output strip (default 64)",
+    )
+    parser.add_argument(
+        "--task-mb",
+        type=float,
+        metavar="MIB",
+        help="top-k only: memory budget of one task (query block, stream block, scores, "
+        "running top-k), which sizes its blocks (default 512.0)",
     )
     parser.add_argument(
         "--precision", choices=["float32", "float64"], help="arithmetic of the products (default float32)"
@@ -53,27 +86,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
 
 
+def sample_lines(store, summary: dict, rows: int = SAMPLE_ROWS, shown: int = SAMPLE_NEIGHBOURS) -> list[str]:
+    """The nearest classes of the first ``rows`` classes, as stored: "class ID (NAME): ID (NAME)
+    value, ..." (names when the store has them), at most ``shown`` neighbours each."""
+    k = summary["top_k"]
+    if not k:
+        return []
+    n = min(rows, store.num_classes)
+    index, value = store.similarity_neighbours(range(n))
+    ids, names = store.class_ids, store.class_names
+
+    def label(row: int) -> str:
+        return f"{ids[row]}" + (f" ({names[row]})" if names else "")
+
+    lines = [f"nearest     top-{k} of each class ({summary['metric']}), first {n} classes:"]
+    for r in range(n):
+        near = ", ".join(f"{label(int(j))} {v:.3g}" for j, v in zip(index[r, :shown], value[r, :shown], strict=True))
+        more = f", +{k - shown} more" if k > shown else ""
+        lines.append(f"  {label(r)}: {near}{more}")
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.analysis import fmt_bytes
     from classgrad.service.analysis.similarity import compute_similarity
+    from classgrad.service.store import open_store
 
     summary = compute_similarity(
         args.store,
         storage_options=storage_options(args),
         executor="local" if args.local else "ray",
         **given_options(
-            args, "metric", "top_k", "block_rows", "band_cols", "block_mb", "precision", "address", "num_cpus"
+            args,
+            "metric",
+            "top_k",
+            "dense",
+            "block_rows",
+            "band_cols",
+            "block_mb",
+            "task_mb",
+            "precision",
+            "address",
+            "num_cpus",
         ),
     )
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
-    print(
-        f"similarity  {summary['metric']} of {summary['num_classes']} classes x {summary['dim']} "
-        f"written to {summary['store']} (top-{summary['top_k']} neighbours per class)"
+    C = summary["num_classes"]
+    what = (
+        f"the {C:,} x {C:,} matrix and the top-{summary['top_k']} neighbours per class"
+        if summary["dense"]
+        else f"the top-{summary['top_k']} neighbours per class (top-k only: no {C:,} x {C:,} matrix)"
     )
+    print(f"similarity  {summary['metric']} of {C} classes x {summary['dim']}: {what}, written to {summary['store']}")
+    stream = "" if summary["dense"] else f", streamed {summary['stream_rows']} rows at a time"
     print(
-        f"tasks       {summary['tasks']} of <= {summary['block_rows']} rows, bands of "
+        f"tasks       {summary['tasks']} of <= {summary['block_rows']} rows{stream}, bands of "
         f"{summary['band_cols']} columns, {summary['executor']}, {summary['seconds']:.1f} s, "
         f"{fmt_bytes(summary['read_bytes'])} read"
     )
@@ -81,4 +150,6 @@ def main(args: argparse.Namespace) -> int:
         f"memory      peak per task +{fmt_bytes(summary['peak_task_rss_added_bytes'])} "
         f"(bound {fmt_bytes(summary['memory_bound_bytes'])})"
     )
+    for line in sample_lines(open_store(args.store, storage_options=storage_options(args)), summary):
+        print(line)
     return 0

@@ -138,16 +138,22 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
                 f"{list(arr.chunks)}, expected {list(shape)} {dtype} in chunks "
                 f"{list(chunks)}"
             )
-    try:
-        sim = group[SIM]
-    except KeyError:
-        return out
-    if not isinstance(sim, zarr.Array):
+    # The result's attributes: on the matrix, or on the index table of a top-k-only result.
+    sim = group[SIM] if SIM in group else None
+    if sim is None:
+        table = group[SIM_INDEX] if SIM_INDEX in group else None
+        if not isinstance(table, zarr.Array) or "state" not in table.attrs:
+            return out
+        info = dict(table.attrs)
+        if info.get("dense", True):
+            out.append(f"{SIM} is missing although {SIM_INDEX} says the result is dense")
+    elif not isinstance(sim, zarr.Array):
         out.append(f"{SIM} is a group, not an array")
         return out
-    info = dict(sim.attrs)
-    if tuple(sim.shape) != (C, C):
-        out.append(f"similarity is {list(sim.shape)}, expected [{C}, {C}]")
+    else:
+        info = dict(sim.attrs)
+        if tuple(sim.shape) != (C, C):
+            out.append(f"similarity is {list(sim.shape)}, expected [{C}, {C}]")
     if info.get("metric") not in SIMILARITY_METRICS:
         out.append(f"similarity metric is {info.get('metric')!r}, expected one of {', '.join(SIMILARITY_METRICS)}")
     if info.get("state") == "ready" and info.get("source_fingerprint") != meta.get("fingerprint"):
@@ -157,6 +163,8 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
             f"{meta.get('fingerprint')!r}"
         )
     k = info.get("top_k")
+    if not k and not info.get("dense", True):
+        out.append("similarity is top-k only with top_k 0")
     for name in (SIM_INDEX, SIM_VALUE):
         present = name in group
         if not k:

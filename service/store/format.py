@@ -28,13 +28,17 @@ Layout of a store (a Zarr v3 group)::
                       blake2b-128 of the key, a NUL byte and the object's bytes
   written by ``classgrad similarity`` (optional; replaced whole by each run):
     similarity/       (C, C) float32, chunks (chunk_rows, C) (row blocks; chunk_rows divides
-                      row_chunk), fill NaN: cosine or dot product of rows i and j. Its own
-                      attributes: metric, state ("computing" until the run finishes, then
-                      "ready"; readers refuse anything else), top_k, chunk_rows,
-                      source_fingerprint (the store's fingerprint when computed), run_id, timings
-    similarity_topk_index/  (C, top_k) int64, chunks (chunk_rows, top_k), fill -1: row indices
-                      of each row's most similar rows, best first, ties by lower index, self
-                      excluded (absent when top_k is 0)
+                      row_chunk), fill NaN: cosine or dot product of rows i and j; only in a
+                      dense result. The result's attributes (on this array, or on
+                      similarity_topk_index when the result is top-k only): metric, dense
+                      (absent in results written before top-k-only ones existed: dense), state
+                      ("computing" until the run finishes, then "ready"; readers refuse anything
+                      else), top_k, chunk_rows, source_fingerprint (the store's fingerprint when
+                      computed), run_id, timings
+    similarity_topk_index/  (C, top_k) int64, chunks (chunk_rows, top_k) (top-k only:
+                      chunk_rows is a multiple of row_chunk), fill -1: row indices of each row's
+                      most similar rows, best first, ties by lower index, self excluded (absent
+                      when top_k is 0, which only a dense result allows)
     similarity_topk_value/  (C, top_k) float32: their similarity values
   coordinates (format 3; written at creation, never changed; crc32c like the others):
     class_id/         (C,) int64, one chunk: the class of each row (dimension coordinate)

@@ -1,7 +1,9 @@
 """``classgrad similarity`` on a real local Ray: the tasks run in Ray worker processes, read
 their blocks from the store and write their strips themselves; the result equals a dense numpy
-computation and the in-process executor's; a task that hits a corrupt chunk fails the command
-with that chunk's one-line message; and every snippet of docs/reading.md runs as written."""
+computation and the in-process executor's; the top-k-only route's table equals the dense
+route's (and the in-process executor's) and writes no matrix; a task that hits a corrupt chunk
+fails the command with that chunk's one-line message; and every snippet of docs/reading.md runs
+as written."""
 
 from __future__ import annotations
 
@@ -45,6 +47,31 @@ def test_ray_tasks_match_numpy_and_the_local_executor(ray_local, tmp_path):
     # within the bound of the exact value, so within twice of each other.
     assert np.abs(on_ray - local).max() <= 2 * bound
     assert (reader.similarity_neighbours()[0] == index_ray).mean() > 0.99  # near-ties may swap
+
+
+def test_top_k_only_on_ray_equals_the_dense_route(ray_local, tmp_path):
+    store, rows = synthetic_store(tmp_path / "s", num_classes=600, seed=5)
+    url = str(tmp_path / "s")
+    compute_similarity(url, top_k=6, dense=True)
+    reader = open_store(url)
+    S = reader.similarity()
+    dense_index, dense_value = reader.similarity_neighbours()
+    summary = compute_similarity(url, top_k=6, dense=False, block_rows=160)
+    assert summary["dense"] is False and summary["tasks"] == 4 and summary["stream_rows"] >= 16
+    assert os.getpid() not in {r["pid"] for r in summary["task_reports"]}  # in Ray workers
+    for r in summary["task_reports"]:
+        assert 0 <= r["rss_added"] <= summary["memory_bound_bytes"]
+    assert not (tmp_path / "s" / "similarity").exists()
+    index, value = reader.similarity_neighbours()
+    # Both routes: float32 products over D = 96 terms in other orders, (D + 8) u each.
+    tol = 2 * (rows.shape[1] + 8) * U
+    assert (np.abs(value - dense_value) <= tol).all()
+    # Distinct scores (no two of a row's 7 best within 2 tol of each other) give the same indices.
+    best = -np.sort(-np.where(np.eye(600, dtype=bool), -np.inf, S), axis=1)[:, :7]
+    distinct = (np.diff(-best, axis=1) > 2 * tol).all(axis=1)
+    assert distinct.mean() > 0.9 and np.array_equal(index[distinct], dense_index[distinct])
+    compute_similarity(url, top_k=6, dense=False, block_rows=160, executor="local")
+    assert np.array_equal(reader.similarity_neighbours()[0][distinct], index[distinct])
 
 
 def test_a_failing_task_fails_the_run_with_one_line(ray_local, tmp_path, capsys):

@@ -210,6 +210,7 @@ def test_help_states_the_config_defaults():
                 "--top-k": "top_k",
                 "--metric": "metric",
                 "--block-mb": "block_mb",
+                "--task-mb": "task_mb",
                 "--precision": "precision",
                 "--num-cpus": "num_cpus",
             },
@@ -230,4 +231,4 @@ def test_help_states_the_config_defaults():
                 stated, default = match.group(1), config.model_fields[flags[flag]].default
                 assert stated == str(default) or float(stated) == default, flag
                 checked += 1
-    assert checked == 8
+    assert checked == 9

@@ -1,0 +1,275 @@
+"""``classgrad.service.analysis.similarity_topk`` without Ray: the block merge against a full
+sort (ties to the lower index, self excluded, any block sizes), the streamed top-k against a
+dense float64 reference (cosine and dot, column bands, float64 arithmetic), the top-k-only run
+in this process (no C x C array written, the dense path's neighbours, verify clean), the choice
+between dense and top-k only with its one-line refusals, the plan's memory bound, and the
+command line (sample with class names, exit codes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from classgrad.service.analysis import similarity as sim_module
+from classgrad.service.analysis.similarity import SimilarityConfig, compute_similarity, wants_dense
+from classgrad.service.analysis.similarity_topk import TopKPlan, merge_topk, plan_topk, streamed_topk
+from classgrad.service.analysis.verify import verify_store
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import ConfigError, StoreError
+from classgrad.service.store import open_store
+from tests.support.stores import ZERO_ROW, dense_similarity, synthetic_store
+
+U = 2.0**-24  # float32 unit roundoff
+
+
+def reference_topk(S: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k best of S, self excluded, best first, equal values by lower index."""
+    S = S.astype(np.float64, copy=True)
+    np.fill_diagonal(S, -np.inf)
+    cols = np.broadcast_to(np.arange(S.shape[1]), S.shape)
+    order = np.lexsort((cols, -S), axis=1)[:, :k]
+    return order, np.take_along_axis(S, order, axis=1)
+
+
+def merged(S: np.ndarray, k: int, widths: list[int], row0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of S (query rows row0.. of a C-column matrix) merged block by block."""
+    B, C = S.shape
+    val = torch.full((B, k), float("-inf"), dtype=torch.float64)
+    idx = torch.full((B, k), C, dtype=torch.int64)
+    col = 0
+    for w in widths:
+        block = torch.from_numpy(S[:, col : col + w].copy())
+        val, idx = merge_topk(val, idx, block, col, row0, k)
+        col += w
+    assert col == C
+    return idx.numpy(), val.numpy()
+
+
+@pytest.mark.parametrize("widths", [[50], [7, 13, 30], [1] * 50, [3, 47]])
+def test_merge_equals_a_full_sort_whatever_the_blocks(widths):
+    rng = np.random.default_rng(3)
+    S = rng.permutation(50 * 50).reshape(50, 50).astype(np.float64)  # distinct scores
+    index, value = merged(S, 6, widths)
+    ref_index, ref_value = reference_topk(S, 6)
+    assert np.array_equal(index, ref_index) and np.array_equal(value, ref_value)
+
+
+def test_merge_breaks_ties_by_the_lower_index_across_and_within_blocks():
+    rng = np.random.default_rng(4)
+    S = rng.integers(0, 4, size=(40, 40)).astype(np.float64)  # many equal scores
+    for widths in ([40], [5, 11, 24], [16, 16, 8]):
+        index, value = merged(S, 7, widths)
+        ref_index, ref_value = reference_topk(S, 7)
+        assert np.array_equal(index, ref_index) and np.array_equal(value, ref_value), widths
+    # Query rows 20..39 of the same matrix: self is the column row0 + r.
+    index, _ = merged(S[20:], 7, [9, 31], row0=20)
+    assert np.array_equal(index, reference_topk(np.vstack([S[:20], S[20:]]), 7)[0][20:])
+
+
+def plan_for(
+    C: int, D: int, *, block: int, stream: int, band: int | None = None, metric="cosine", k=5, precision="float32"
+):
+    return TopKPlan(
+        num_classes=C,
+        dim=D,
+        block_rows=block,
+        stream_rows=stream,
+        band_cols=band or D,
+        chunk_rows=16,
+        metric=metric,
+        top_k=k,
+        precision=precision,
+    )
+
+
+def check_against_dense(rows: np.ndarray, index: np.ndarray, value: np.ndarray, metric: str, k: int, tol: np.ndarray):
+    """The streamed table against the float64 reference: its values are the k best values, the
+    reference's score at each chosen index is the value stored, and where the reference has no
+    near-tie (a gap of more than 2 tol between consecutive candidates up to the k+1-th) the
+    indices are the reference's exactly."""
+    S = dense_similarity(rows, metric)
+    ref_index, ref_value = reference_topk(S, k + 1)
+    C = rows.shape[0]
+    t = tol if np.ndim(tol) == 0 else np.take_along_axis(tol, ref_index, axis=1)[:, :k]
+    assert (np.abs(value - ref_value[:, :k]) <= t).all()  # tol: float32 products, see callers
+    chosen = np.take_along_axis(S, index, axis=1)
+    assert (np.abs(chosen - value) <= t).all()
+    assert not (index == np.arange(C)[:, None]).any()
+    gaps = np.diff(-ref_value, axis=1)  # >= 0
+    tol_row = tol if np.ndim(tol) == 0 else tol.max(axis=1, keepdims=True)
+    clear = (gaps > 2 * tol_row).all(axis=1)
+    clear[ZERO_ROW] = True  # its row is exactly 0 in both: ties by lower index, checked exactly
+    assert clear.mean() > 0.9  # the check below covers nearly every row
+    assert np.array_equal(index[clear], ref_index[clear, :k])
+
+
+@pytest.mark.parametrize(
+    "metric, block, stream, band, precision",
+    [
+        ("cosine", 64, 48, None, "float32"),
+        ("cosine", 128, 16, 40, "float32"),  # column bands: D = 96 in three
+        ("dot", 32, 100, None, "float32"),
+        ("dot", 64, 64, 32, "float64"),
+    ],
+)
+def test_streamed_topk_equals_the_dense_reference(metric, block, stream, band, precision):
+    from tests.support.stores import synthetic_rows
+
+    rows = synthetic_rows(300, 96, seed=2)
+    plan = plan_for(300, 96, block=block, stream=stream, band=band, metric=metric, k=8, precision=precision)
+
+    def read(a: int, b: int, cols: tuple[int, int]) -> np.ndarray:
+        return rows[a:b, cols[0] : cols[1]].copy()
+
+    parts = [streamed_topk(read, plan, a, b) for a, b in plan.blocks()]
+    index = np.concatenate([p[0] for p in parts])
+    value = np.concatenate([p[1] for p in parts])
+    assert index.dtype == np.int64 and value.dtype == np.float32 and index.shape == (300, 8)
+    # float32: D + a few roundings per product (Higham 3.1), relative to |x||y| (1 for cosine);
+    # float64: the final rounding to float32 dominates.
+    terms = 96 + 8 if precision == "float32" else 1
+    n = np.linalg.norm(rows.astype(np.float64), axis=1)
+    tol = terms * U * (np.ones((300, 300)) if metric == "cosine" else np.outer(n, n))
+    check_against_dense(rows, index, value, metric, 8, tol)
+    assert all(p[2] == (b - a) * 96 * 4 + 300 * 96 * 4 for p, (a, b) in zip(parts, plan.blocks(), strict=True))
+
+
+def test_top_k_only_run_writes_no_matrix_and_equals_the_dense_run(tmp_path):
+    store, rows = synthetic_store(tmp_path / "s", num_classes=500)
+    url = str(tmp_path / "s")
+    dense = compute_similarity(url, executor="local", top_k=10, dense=True)
+    reader = open_store(url)
+    dense_index, dense_value = reader.similarity_neighbours()
+    S = reader.similarity()
+    summary = compute_similarity(url, executor="local", top_k=10, dense=False, block_rows=128)
+    assert summary["dense"] is False and dense["dense"] is True and summary["tasks"] == 4
+    assert not (tmp_path / "s" / "similarity").exists()  # no C x C array, not even its metadata
+    info = reader.similarity_info()
+    assert info["dense"] is False and info["state"] == "ready" and info["top_k"] == 10
+    index, value = reader.similarity_neighbours()
+    # Both are float32 products over D = 96 terms, summed in other orders: (D + 8) u each.
+    tol = 2 * (96 + 8) * U
+    assert (np.abs(value - dense_value) <= tol).all()
+    ordered = -np.sort(-np.where(np.eye(500, dtype=bool), -np.inf, S), axis=1)[:, :11]
+    clear = (np.diff(-ordered, axis=1) > 2 * tol).all(axis=1)
+    clear[ZERO_ROW] = True  # exactly 0 in both
+    assert clear.mean() > 0.9 and np.array_equal(index[clear], dense_index[clear])
+    assert index[ZERO_ROW].tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]  # ties to the lower index
+    with pytest.raises(StoreError, match=r"top-10 neighbour table only .*--dense"):
+        reader.similarity([0])
+    assert verify_store(url).code == 0
+    for report in summary["task_reports"]:
+        assert 0 <= report["rss_added"] <= summary["memory_bound_bytes"]
+        assert report["read_bytes"] == (report["stop"] - report["start"] + 500) * 96 * 4  # own block + every row
+
+
+def test_dense_or_top_k_only_and_the_one_line_refusals(tmp_path, monkeypatch):
+    config = SimilarityConfig()
+    assert wants_dense(config, 16_384) and not wants_dense(config, 16_385)  # 1 GiB of float32
+    assert wants_dense(SimilarityConfig(dense=True), 60_000)
+    with pytest.raises(ConfigError, match=r"100,000 x 100,000 float32 matrix would take 37\.3 GiB.*drop --dense"):
+        wants_dense(SimilarityConfig(dense=True), 100_000)
+    with pytest.raises(ConfigError, match=r"--top-k.*0 stores nothing.*--top-k-only"):
+        wants_dense(SimilarityConfig(dense=False, top_k=0), 100)
+    # Above the (lowered) automatic threshold, a run is top-k only unless asked.
+    synthetic_store(tmp_path / "s", num_classes=64)
+    monkeypatch.setattr(sim_module, "DENSE_AUTO_BYTES", 64 * 64 * 4 - 1)
+    assert compute_similarity(str(tmp_path / "s"), executor="local", top_k=3)["dense"] is False
+    assert compute_similarity(str(tmp_path / "s"), executor="local", top_k=3, dense=True)["dense"] is True
+    assert (tmp_path / "s" / "similarity").exists()
+
+
+def test_plan_stays_within_the_budget_and_bands_wide_rows(tmp_path):
+    store, _ = synthetic_store(tmp_path / "s", num_classes=500, dim=4096, col_chunk=512)
+    plan = plan_topk(store, SimilarityConfig(task_mb=32), workers=1)
+    bound = plan.memory_bound()
+    assert bound["total"] <= 32 << 20 and bound["total"] == sum(v for k, v in bound.items() if k != "total")
+    assert plan.block_rows % 16 == 0 and plan.stream_rows % 16 == 0 and plan.band_cols == 4096
+    assert plan.chunk_rows % 16 == 0 and plan.block_rows % plan.chunk_rows == 0
+    # Two workers: at least two tasks each; the query block never takes more than half.
+    two = plan_topk(store, SimilarityConfig(task_mb=512), workers=2)
+    assert len(two.blocks()) >= 4 and two.block_rows * 4096 * 4 <= 256 << 20
+    # A budget too small for full stream rows beside the query block: bands of column chunks.
+    tight = plan_topk(store, SimilarityConfig(task_mb=18, block_rows=96), workers=1)
+    assert tight.band_cols < 4096 and tight.band_cols % 512 == 0
+    assert tight.memory_bound()["total"] <= 18 << 20
+    with pytest.raises(ConfigError, match=r"--task-mb 17 cannot hold .* raise --task-mb to at least \d+"):
+        plan_topk(store, SimilarityConfig(task_mb=17, block_rows=496), workers=1)
+
+
+def test_cli_prints_a_sample_with_class_names_and_writes_no_matrix(tmp_path, capsys):
+    names = tuple(f"c{i}" for i in range(64))
+    synthetic_store(tmp_path / "s", num_classes=64, class_ids=tuple(range(100, 164)), class_names=names)
+    url = str(tmp_path / "s")
+    assert cli_main(["similarity", url, "--local", "--top-k", "7", "--top-k-only"]) == 0
+    out = capsys.readouterr().out
+    assert "top-7 neighbours per class (top-k only: no 64 x 64 matrix)" in out and "bound" in out
+    sample = out.split("first 5 classes:\n")[1].splitlines()
+    assert len(sample) == 5 and sample[0].startswith("  100 (c0): ") and sample[0].endswith(", +2 more")
+    index, value = open_store(url).similarity_neighbours([0])
+    first = f"{100 + index[0, 0]} (c{index[0, 0]}) {value[0, 0]:.3g}"
+    assert sample[0].split(": ", 1)[1].startswith(first)
+    assert not (tmp_path / "s" / "similarity").exists()
+    assert cli_main(["similarity", url, "--local", "--top-k", "3", "--dense"]) == 0
+    assert "the 64 x 64 matrix and the top-3" in capsys.readouterr().out
+    assert open_store(url).similarity([0]).shape == (1, 64)
+    # One line and exit 2: no neighbours without the matrix; both modes at once.
+    assert cli_main(["similarity", url, "--local", "--top-k", "0", "--top-k-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("classgrad: error: similarity option top_k") and "\n" not in err
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["similarity", url, "--dense", "--top-k-only"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_dense_matrix_beyond_the_limit(tmp_path, capsys, monkeypatch):
+    synthetic_store(tmp_path / "s", num_classes=64)
+    monkeypatch.setattr(sim_module, "DENSE_MAX_BYTES", 64 * 64 * 4 - 1)
+    assert cli_main(["similarity", str(tmp_path / "s"), "--local", "--dense"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "64 x 64 float32 matrix would take 16.0 KiB, above the limit" in err and "\n" not in err
+    assert open_store(str(tmp_path / "s")).similarity_info() is None  # refused before any write
+
+
+def test_plot_computes_the_heatmap_after_a_top_k_only_run(tmp_path):
+    from classgrad.service.analysis.plot import plot_store
+
+    synthetic_store(tmp_path / "s", num_classes=120)
+    compute_similarity(str(tmp_path / "s"), executor="local", metric="dot", dense=False)
+    result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=10)
+    assert result["similarity_source"] == "computed"  # no matrix to read: from the rows
+
+
+def test_inspect_and_verify_see_a_top_k_only_result(tmp_path, capsys):
+    import shutil
+
+    from classgrad.service.analysis.verify import METADATA
+
+    synthetic_store(tmp_path / "s", num_classes=64)
+    url = str(tmp_path / "s")
+    compute_similarity(url, executor="local", top_k=4, dense=False)
+    assert cli_main(["inspect", url]) == 0
+    assert "similarity  cosine, top-4 only (no matrix), ready" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "s" / "similarity_topk_value")  # a damaged result
+    report = verify_store(url)
+    assert report.code & METADATA
+    assert any("similarity_topk_value is missing, expected [64, 4]" in p for p in report.problems["metadata"])
+
+
+def test_the_benchmarks_numpy_baseline_finds_the_same_neighbours(tmp_path):
+    """benchmarks/similarity.py compares the top-k route with numpy: like with like."""
+    from benchmarks.similarity import numpy_topk
+
+    _, rows = synthetic_store(tmp_path / "s", num_classes=300, seed=3)
+    compute_similarity(str(tmp_path / "s"), executor="local", top_k=5, dense=False)
+    ours = open_store(str(tmp_path / "s")).similarity_neighbours()[0]
+    theirs = numpy_topk(str(tmp_path / "s"), 5, block=64)["index"]
+    S = dense_similarity(rows, "cosine")
+    best = -np.sort(-np.where(np.eye(300, dtype=bool), -np.inf, S), axis=1)[:, :6]
+    # Rows whose 6 best are more than 2 x (D + 8) u apart (float32 products over D = 96 terms,
+    # summed in different orders by the two) must agree exactly; the zero row ties everywhere.
+    distinct = (np.diff(-best, axis=1) > 2 * (96 + 8) * U).all(axis=1)
+    distinct[ZERO_ROW] = False
+    assert distinct.mean() > 0.9 and np.array_equal(ours[distinct], theirs[distinct])
