@@ -12,7 +12,7 @@ from torch import nn
 
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, per_class_gradients
-from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, max_relative_error
+from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, fell_back, max_relative_error
 
 
 def test_a_hooked_parameter_used_outside_its_layer_is_detected():
@@ -54,7 +54,7 @@ def test_eval_mode_batchnorm_layers_take_the_hook_path(case):
         data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), imbalance=1.0, seed=5)
     eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
     got = eng.compute(range(NUM_CLASSES)).rows
-    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes  # no fallback to vmap
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes  # no fallback to vmap
     assert any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in eng._hooked.layers)
     want = per_class_gradients(model, data, num_classes=NUM_CLASSES, engine="reference")
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
@@ -163,7 +163,7 @@ def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
 
     monkeypatch.setattr(eng.probe, "batch", spy)
     got = eng.compute(range(NUM_CLASSES)).rows
-    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
     # The first run decides the format (its batch was gathered before); later runs gather in it.
     # (The plain path of the one-off spot check gathers as the model is given.)
     if fmt == "channels_last":

@@ -20,6 +20,8 @@ each measurement costs real runs; keys hold everything the choice depends on.
   object skip it. Weak keys: an entry goes with its model.
 - ``BLOCK_ROWS``: the dense engine's measured block size; key ``(id(model), classes, graph kind,
   batch size, probe size, D, device, precision, loss, threads)``.
+- ``VMAP_REFUSED`` (kept in ``layer_rules.module_vjp``): module-VJP units ``torch.func.vmap``
+  could not batch, with why; they are done class by class (weak keys).
 - ``NO_HEAD``: why dense rows cannot go through the model's final Linear layer, per model
   (weak keys) and ``(path, loss, classes, parameters, precision, device)``: found once (it may
   take a forward pass), not once per engine.
@@ -30,6 +32,8 @@ from __future__ import annotations
 import weakref
 
 from torch import nn
+
+from classgrad.workers.engines.layer_rules.module_vjp import VMAP_REFUSED
 
 # Runs timed before the input format is settled: one warm-up, then four of each format,
 # alternating (real runs: the only cost is doing some of them in the slower format).
@@ -45,5 +49,5 @@ NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKe
 
 def clear() -> None:
     """Forget every choice (tests: the next engine measures and checks again)."""
-    for cache in (INPUT_FORMAT, FORMAT_TIMES, CONV_LAYOUT, HOOKS_CHECKED, BLOCK_ROWS, NO_HEAD):
+    for cache in (INPUT_FORMAT, FORMAT_TIMES, CONV_LAYOUT, HOOKS_CHECKED, BLOCK_ROWS, NO_HEAD, VMAP_REFUSED):
         cache.clear()
