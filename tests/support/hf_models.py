@@ -72,6 +72,8 @@ def tiny_gpt2(num_classes: int, seed: int = 0) -> nn.Module:
         n_head=2,
         num_labels=num_classes,
         pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=1,
     )
     return LogitsOf(_randomised(GPT2ForSequenceClassification(config), seed)).eval()
 
@@ -119,7 +121,9 @@ HF_BUILDERS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def hf_probe(name: str, num_classes: int, per_class: int, seed: int = 0, seq_len: int = SEQ_LEN) -> tuple[Any, torch.Tensor]:
+def hf_probe(
+    name: str, num_classes: int, per_class: int, seed: int = 0, seq_len: int = SEQ_LEN
+) -> tuple[Any, torch.Tensor]:
     """``(inputs, labels)`` with ``per_class`` samples of each class (class after class, then
     shuffled). Token models get right-padded ids (1 to ``seq_len`` real tokens, pad id 0) and
     an attention mask; ViT gets 3x8x8 images."""

@@ -83,13 +83,14 @@ def unit_computer_for(module: nn.Module) -> UnitComputer:
 
 def batch_dim(t: object, total: int, module: nn.Module) -> int | None:
     """Where the tensor ``t`` captured at ``module`` keeps the run's ``total`` samples, or None
-    (not per-sample: a constant, or a broadcast ``[1, ...]`` tensor). Sequence-first layers
-    (``batch_first=False``) keep them in dim 1 of tensors with 3 or more dims."""
+    (not per-sample: a constant, or a broadcast ``[1, ...]`` tensor). Dim 0, else dim 1
+    (sequence-first data, ``[T, N, ...]``); sequence-first layers (``batch_first=False``) look at
+    dim 1 first in tensors with 3 or more dims. (A tensor whose other dim happens to equal
+    ``total`` can be mistaken: the engine's spot check against the plain path catches that.)"""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
-    if getattr(module, "batch_first", True) is False and t.dim() >= 3:
-        return 1 if t.shape[1] == total else None
-    return 0 if t.shape[0] == total else None
+    order = (1, 0) if getattr(module, "batch_first", True) is False and t.dim() >= 3 else (0, 1)
+    return next((d for d in order if d < t.dim() and t.shape[d] == total), None)
 
 
 def _split_params(module: nn.Module, kinds: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -125,9 +126,10 @@ class _Layout:
         # Output leaves with a gradient, by their position among the output's leaves.
         self.cot_at = [i for i, g in enumerate(cots) if isinstance(g, torch.Tensor)]
         self.cots = [cots[i] for i in self.cot_at]
-        self.cot_dims = [batch_dim(g, total, module) for g in self.cots]
-        if any(d is None for d in self.cot_dims):
+        dims = [batch_dim(g, total, module) for g in self.cots]
+        if any(d is None for d in dims):
             raise RuntimeError(f"a gradient at the output of {type(module).__name__} is not per-sample")
+        self.cot_dims: list[int] = [d for d in dims if d is not None]
 
     def call(self, module: nn.Module, params: tuple[dict, dict], leaves: list) -> list[torch.Tensor]:
         """The module on ``leaves`` (the captured ones where None), the output leaves that get a
@@ -165,9 +167,10 @@ def _vmapped(
             g = g * real.to(t.device, t.dtype).view(-1, *[1] * (t.dim() - d - 1))
         return g.reshape(*t.shape[:d], k, width, *t.shape[d + 1 :])
 
-    batched = [None if d is None else on_grid(t, d, False) for t, d in zip(lay.leaves, lay.in_dims)]
-    cots = [on_grid(c, d, True) for c, d in zip(lay.cots, lay.cot_dims)]
     at = [i for i, d in enumerate(lay.in_dims) if d is not None]
+    dims = [d for d in lay.in_dims if d is not None]
+    batched = [on_grid(lay.leaves[i], d, False) for i, d in zip(at, dims)]
+    cots = [on_grid(c, d, True) for c, d in zip(lay.cots, lay.cot_dims)]
 
     def one_class(xs: list[torch.Tensor], cs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         leaves: list = [None] * len(lay.leaves)
@@ -177,11 +180,10 @@ def _vmapped(
         def f(p: dict[str, torch.Tensor]) -> list[torch.Tensor]:
             return _expanded(lay.call(module, (p, frozen), leaves), cs, lay.cot_dims)
 
-        _, pullback = vjp(f, own)
+        pullback = vjp(f, own)[1]
         return pullback(cs)[0]
 
-    in_dims = ([lay.in_dims[i] for i in at], list(lay.cot_dims))
-    return vmap(one_class, in_dims=in_dims)([batched[i] for i in at], cots)
+    return vmap(one_class, in_dims=(dims, lay.cot_dims))(batched, cots)
 
 
 def _looped(

@@ -105,13 +105,15 @@ def forward_capturing(
     ``units``, ``Captured`` for the others. None when an in-place change of a captured output
     that starts the graph (a leaf) was refused by autograd: run again with ``clone``."""
     captured: list[Captured | UnitCall] = []
-    real = {m: [(h, kind, h._parameters[kind]) for h, kind in holders] for m, holders in handled.items()}
+    real: dict[nn.Module, list[tuple[nn.Module, str, torch.Tensor]]] = {
+        m: [(h, kind, getattr(h, kind)) for h, kind in holders] for m, holders in handled.items()
+    }
     detached = {m: [(h, kind, p.detach()) for h, kind, p in params] for m, params in real.items()}
     calls: dict[nn.Module, list[tuple[tuple, dict, list]]] = {}
 
     def swap_in(module: nn.Module, args: tuple, kwargs: dict) -> None:
         for h, kind, p in detached[module]:
-            h._parameters[kind] = p
+            h._parameters[kind] = p  # type: ignore[assignment]  # a detached copy, for one call
         if module in units:
             if clone:  # private copies: nothing the model does later can change them
                 args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
@@ -125,7 +127,7 @@ def forward_capturing(
 
     def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for h, kind, p in real[module]:
-            h._parameters[kind] = p
+            h._parameters[kind] = p  # type: ignore[assignment]  # the real parameter back
         if module in units:
             return keep_unit(module, output)
         inputs = args[0]
