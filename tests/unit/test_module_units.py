@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from classgrad.workers.engines import build_engine, choices
-from classgrad.workers.engines.layer_rules import module_vjp
 from classgrad.workers.engines.layer_rules.module_vjp import UNIT_COMPUTERS, module_class_grads, register_unit_computer
 from tests.support.engine_cases import TiedMLP, WeightUsedOutside, fell_back, max_relative_error
 from tests.support.hf_models import HF_BUILDERS, hf_probe
@@ -82,7 +81,7 @@ def test_bert_with_padding_cannot_be_vmapped_but_takes_the_hook_path():
         torch.func.vmap(model)({k: v.view(2, -1, v.shape[-1]) for k, v in x.items()})
     eng, got, ref = _rows(model, (x, y))
     _on_hooks(eng)
-    assert not module_vjp.VMAP_REFUSED
+    assert not choices.VMAP_REFUSED
     assert max_relative_error(got, ref) <= TOL
 
 
@@ -317,7 +316,7 @@ def test_a_unit_vmap_cannot_batch_is_done_class_by_class():
     x = torch.randn(N, 4)
     eng, got, ref = _rows(model, (x, _probe(x)))
     _on_hooks(eng)
-    assert model[1] in module_vjp.VMAP_REFUSED
+    assert model[1] in choices.VMAP_REFUSED
     assert any("class by class" in note for note in eng.stats.notes), eng.stats.notes
     assert max_relative_error(got, ref) <= TOL
 

@@ -20,8 +20,8 @@ each measurement costs real runs; keys hold everything the choice depends on.
   object skip it. Weak keys: an entry goes with its model.
 - ``BLOCK_ROWS``: the dense engine's measured block size; key ``(id(model), classes, graph kind,
   batch size, probe size, D, device, precision, loss, threads)``.
-- ``VMAP_REFUSED`` (kept in ``layer_rules.module_vjp``): module-VJP units ``torch.func.vmap``
-  could not batch, with why; they are done class by class (weak keys).
+- ``VMAP_REFUSED``: module-VJP units (``layer_rules.module_vjp``) ``torch.func.vmap`` could not
+  batch, with the first line of why; they are done class by class from then on. Weak keys.
 - ``NO_HEAD``: why dense rows cannot go through the model's final Linear layer, per model
   (weak keys) and ``(path, loss, classes, parameters, precision, device)``: found once (it may
   take a forward pass), not once per engine.
@@ -33,8 +33,6 @@ import weakref
 
 from torch import nn
 
-from classgrad.workers.engines.layer_rules.module_vjp import VMAP_REFUSED
-
 # Runs timed before the input format is settled: one warm-up, then four of each format,
 # alternating (real runs: the only cost is doing some of them in the slower format).
 FORMAT_TRIALS = 9
@@ -45,6 +43,7 @@ CONV_LAYOUT: dict[tuple, str] = {}
 HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 BLOCK_ROWS: dict[tuple, int] = {}
 NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
+VMAP_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def clear() -> None:

@@ -2,9 +2,9 @@
 
 Holds ``UnitComputer`` (the signature), ``UNIT_COMPUTERS`` / ``register_unit_computer`` /
 ``unit_computer_for`` (a registry keyed by module type, looked up along the type's bases, with
-``module_class_grads`` as the default), ``module_class_grads`` itself, ``batch_dim`` (where a
-captured tensor keeps its samples) and ``VMAP_REFUSED`` (modules ``torch.func.vmap`` could not
-batch, with why: they take the per-class loop from then on).
+``module_class_grads`` as the default), ``module_class_grads`` itself and ``batch_dim`` (where a
+captured tensor keeps its samples). Modules ``torch.func.vmap`` could not batch are remembered
+in ``choices.VMAP_REFUSED`` (they take the per-class loop from then on).
 
 The hook path handles a selected parameter that no layer rule covers by a *unit*: the module
 that holds it (or, for ``nn.MultiheadAttention`` and recurrent layers, the whole layer) is
@@ -32,7 +32,6 @@ gradient of its per-sample expansion ``[total, ...]``), ``grid`` the run's ``Cla
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,15 +39,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
 
 UnitComputer = Callable[[nn.Module, tuple, dict, Any, ClassGrid, tuple[str, ...]], dict[str, torch.Tensor]]
 
 UNIT_COMPUTERS: dict[type[nn.Module], UnitComputer] = {}
-
-# Modules vmap could not batch (the first line of why): the per-class loop from then on. Weak
-# keys: an entry goes with its module. Cleared by ``choices.clear``.
-VMAP_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 # Layers whose whole set of parameters is one unit: ``nn.MultiheadAttention`` reads
 # ``out_proj.weight`` without calling ``out_proj``; a recurrent layer's weights are used at every
@@ -107,12 +103,14 @@ def module_class_grads(
     module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, grid: ClassGrid, kinds: tuple[str, ...]
 ) -> dict[str, torch.Tensor]:
     """The generic unit computer: vmap over classes of the module's VJP, or a per-class loop."""
-    refused = VMAP_REFUSED.get(module)
+    refused = choices.VMAP_REFUSED.get(module)
     if refused is None:
         try:
             return _vmapped(module, args, kwargs, grad_outputs, grid, kinds)
         except Exception as exc:  # noqa: BLE001 - anything vmap cannot batch: the exact loop below
-            VMAP_REFUSED[module] = next((s.strip() for s in str(exc).splitlines() if s.strip()), type(exc).__name__)
+            choices.VMAP_REFUSED[module] = next(
+                (s.strip() for s in str(exc).splitlines() if s.strip()), type(exc).__name__
+            )
     return _looped(module, args, kwargs, grad_outputs, grid, kinds)
 
 
