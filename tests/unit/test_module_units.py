@@ -276,6 +276,49 @@ def test_a_module_with_its_own_forward_hook_is_handled_by_its_parent():
     assert max_relative_error(got, ref) <= TOL
 
 
+class Scale(nn.Module):
+    """A user's layer with raw parameters (no rule): ``x * weight + bias``."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
+        self.bias = nn.Parameter(0.1 * torch.randn(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+class FrozenScale(nn.Module):
+    """A unit whose output is changed in place (``ReLU(inplace=True)``) and one run under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.scale = Scale(8)
+        self.fixed = Scale(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shift = self.fixed(x).sum(1, keepdim=True)
+        return self.head(self.relu(self.scale(self.inp(x))) + shift)
+
+
+def test_units_changed_in_place_or_run_under_no_grad():
+    model = FrozenScale().eval()
+    x = torch.randn(N, 4)
+    eng, got, ref = _rows(model, (x, _probe(x)))
+    _on_hooks(eng)
+    assert eng._hooked.clone  # the in-place ReLU on the unit's output was noticed
+    assert {model.scale, model.fixed} <= set(eng._hooked.plan.units)
+    for name in ("fixed.weight", "fixed.bias"):  # no gradient under no_grad: zero columns
+        slot = eng.layout.slot(name)
+        assert not got[:, slot.offset : slot.offset + slot.size].any(), name
+    assert max_relative_error(got, ref) <= TOL
+
+
 # --- unit computers, loss scale -------------------------------------------------------------
 
 

@@ -80,7 +80,9 @@ class PartitionedEngine(GradientEngine):
         plan = HookPlan.plan(self.model, self.layout)
         self._hooked: HookPath | None = None if plan is None else HookPath(self, plan, samples, self._single)
         # Paths given up on, and why (in the path line); the paths already described.
-        self._abandoned: list[str] = [] if plan is not None else ["hooks (hooks on every module)"]
+        self._abandoned: list[str] = []
+        if plan is None:
+            self._abandoned.append("hooks abandoned (forward hooks on every module, or on the model)")
         self._described: set[str] = set()
 
     # --- where rows go ---------------------------------------------------------------------------
