@@ -72,19 +72,6 @@ def test_hf_models_take_the_hook_path_and_match_the_reference(name):
     assert max_relative_error(got, ref) <= TOL
 
 
-def test_bert_with_padding_cannot_be_vmapped_but_takes_the_hook_path():
-    """The whole model under vmap fails on BERT's mask handling (why it used to run a class at a
-    time); the units are single modules, which vmap batches."""
-    model = HF_BUILDERS["bert"](C)
-    x, y = hf_probe("bert", C, 2)
-    with pytest.raises(Exception):  # noqa: B017, PT011 - any vmap refusal
-        torch.func.vmap(model)({k: v.view(2, -1, v.shape[-1]) for k, v in x.items()})
-    eng, got, ref = _rows(model, (x, y))
-    _on_hooks(eng)
-    assert not choices.VMAP_REFUSED
-    assert max_relative_error(got, ref) <= TOL
-
-
 # --- raw parameters, attention, recurrent layers, control flow ---------------------------------
 
 
