@@ -306,6 +306,37 @@ def test_units_changed_in_place_or_run_under_no_grad():
     assert max_relative_error(got, ref) <= TOL
 
 
+class Positions(nn.Module):
+    """Position embeddings with no sample dimension: ``[1, T, H]`` from ``position_ids [1, T]``."""
+
+    def __init__(self, reshaped: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Embedding(5, 8)
+        self.inp = nn.Linear(4, 8)
+        self.head = nn.Linear(8, C)
+        self.reshaped = reshaped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.pos(torch.arange(x.shape[1]).unsqueeze(0))
+        if self.reshaped:  # only a [1, T, H] tensor can take this view
+            p = p.view(x.shape[1], -1)
+        return self.head(torch.tanh(self.inp(x) + p).mean(1))
+
+
+@pytest.mark.parametrize("reshaped", [False, True])
+def test_broadcast_outputs_are_split_per_sample_or_lifted(reshaped):
+    """A broadcast output is handed on expanded to the run's samples, so its gradient comes per
+    sample; where the model cannot take the expanded tensor, its module goes to the parent."""
+    model = Positions(reshaped).eval()
+    x = torch.randn(N, 5, 4)
+    eng, got, ref = _rows(model, (x, _probe(x)))
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
+    assert (model.pos in eng._hooked.plan.units) == (not reshaped)
+    assert bool(eng._hooked.lifts) == reshaped, eng._hooked.lifts
+    assert max_relative_error(got, ref) <= TOL
+
+
 # --- unit computers, loss scale -------------------------------------------------------------
 
 

@@ -99,11 +99,16 @@ def forward_capturing(
     context: Callable[[], AbstractContextManager],
     clone: bool,
     total: int,
+    expanded: list[nn.Module] | None = None,
 ) -> tuple[Any, list[Captured | UnitCall]] | None:
     """The model's output on ``x`` (a run of ``total`` samples) and every call of a module in
     ``handled`` (module -> where its selected parameters are), in call order: ``UnitCall`` for
     ``units``, ``Captured`` for the others. None when an in-place change of a captured output
-    that starts the graph (a leaf) was refused by autograd: run again with ``clone``."""
+    that starts the graph (a leaf) was refused by autograd: run again with ``clone``.
+
+    With ``expanded`` (a list), broadcast outputs are handed on expanded to ``total`` samples
+    and their modules appended to it; without, they are left as they are (their modules will be
+    found not local)."""
     captured: list[Captured | UnitCall] = []
     real: dict[nn.Module, list[tuple[nn.Module, str, torch.Tensor]]] = {
         m: [(h, kind, getattr(h, kind)) for h, kind in holders] for m, holders in handled.items()
@@ -133,8 +138,9 @@ def forward_capturing(
         inputs = args[0]
         start_graph(output)
         version = output._version
-        if total > 1 and output.shape[0] == 1 and inputs.shape[0] == 1:  # broadcast: per sample
+        if expanded is not None and total > 1 and output.shape[0] == 1 and inputs.shape[0] == 1:  # broadcast
             inputs, output = inputs.expand(total, *inputs.shape[1:]), output.expand(total, *output.shape[1:])
+            expanded.append(module)
         captured.append(Captured(module, inputs, output, inputs._version, version))
         return output.clone() if clone else output
 
@@ -150,8 +156,10 @@ def forward_capturing(
                 continue
             start_graph(t)
             versions.append((t, t._version))
-            if total > 1 and not per_sample_inputs and t.dim() >= 1 and t.shape[0] == 1 and t.requires_grad:
+            broadcast = not per_sample_inputs and t.dim() >= 1 and t.shape[0] == 1 and t.requires_grad
+            if expanded is not None and total > 1 and broadcast:
                 t = t.expand(total, *t.shape[1:])
+                expanded.append(module)
             outputs.append(t if t.requires_grad else None)
             handed[i] = t.clone() if clone and t.requires_grad else t
         captured.append(UnitCall(module, args, kwargs, spec, outputs, versions))

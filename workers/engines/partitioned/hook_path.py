@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from classgrad.service.errors import ClassgradError, first_line
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, choice_clock
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
@@ -59,6 +60,10 @@ class HookPath:
         self.checked = self._check_key() in choices.HOOKS_CHECKED.get(engine.model, ())
         self.clone = False  # copy layer outputs (the model changes them in place)
         self.lifts: list[str] = []  # modules whose parameters went to their parent, and why
+        # Broadcast outputs ([1, ...]) handed on expanded to the run's samples (see capture), and
+        # the modules whose outputs were expanded in the current run.
+        self.expand = True
+        self.expanded: list[nn.Module] = []
         self.formats = ImageFormat(engine.model, engine.device, engine.precision.dtype, engine.stats)
 
     def summary(self) -> str:
@@ -75,6 +80,7 @@ class HookPath:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
         while True:
+            self.expanded = []
             try:
                 return self._rows(classes, scales, dest, where)
             except NotLocal as exc:  # that module's parameters go to its parent; run again
@@ -86,6 +92,13 @@ class HookPath:
                 log.debug("partitioned: %s", self.lifts[-1])
                 self.plan = plan
                 self.checked = self._check_key() in choices.HOOKS_CHECKED.get(self.engine.model, ())
+            except ClassgradError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - maybe an expanded broadcast output: once without
+                if not (self.expand and self.expanded):
+                    raise
+                self.expand = False  # their modules are then found not local, and lifted
+                self.lifts.append(f"broadcast outputs kept ({first_line(exc, with_type=True, limit=80)})")
 
     def _rows(
         self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
@@ -107,7 +120,14 @@ class HookPath:
 
         plan = self.plan
         seen = forward_capturing(
-            eng.model, plan.holders, set(plan.units), x, lambda: eng.forward_context(0), self.clone, total
+            eng.model,
+            plan.holders,
+            set(plan.units),
+            x,
+            lambda: eng.forward_context(0),
+            self.clone,
+            total,
+            self.expanded if self.expand else None,
         )
         if seen is None:  # an in-place change of a layer output: run again with copies, once
             self.clone = True
