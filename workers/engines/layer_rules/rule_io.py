@@ -2,7 +2,8 @@
 
 Holds:
 - ``ClassGrid``: where a run's samples (``[total]``, class after class) sit in a ``[k, width]``
-  grid by class, short classes padded with zero rows.
+  grid by class, short classes padded with zero rows (or, ``copies``, with copies of their own
+  last sample, for module VJPs that need real inputs there).
 - ``LayerCapture``: one layer's input and output gradient in one run, laid out by class on
   request.
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
