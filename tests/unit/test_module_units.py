@@ -163,8 +163,8 @@ class Recurrent(nn.Module):
         self.head = nn.Linear(10, C)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids if self.batch_first else ids.t())
-        out = self.rnn(h)[0]
+        h = self.emb(ids)
+        out = self.rnn(h if self.batch_first else h.transpose(0, 1))[0]
         return self.head(out[:, -1] if self.batch_first else out[-1])
 
 
@@ -334,6 +334,42 @@ def test_broadcast_outputs_are_split_per_sample_or_lifted(reshaped):
     assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
     assert (model.pos in eng._hooked.plan.units) == (not reshaped)
     assert bool(eng._hooked.lifts) == reshaped, eng._hooked.lifts
+    assert max_relative_error(got, ref) <= TOL
+
+
+class TableShift(nn.Module):
+    """A unit with a constant argument (a ``[6, 8]`` table) besides its per-sample input."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(8))
+
+    def forward(self, h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return (h + table.mean(0)) * self.weight
+
+
+class WithTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.shift = TableShift()
+        self.head = nn.Linear(8, C)
+        self.register_buffer("table", torch.randn(6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.shift(self.inp(x), table=self.table)))
+
+
+def test_a_constant_the_size_of_a_run_is_not_taken_for_per_sample():
+    """Runs of 7 then 6 samples: in the second, the table's 6 rows look like one per sample; the
+    layout seen on the first run (6 != 7: a constant) is kept."""
+    model = WithTable().eval()
+    x = torch.randn(N, 4)
+    y = torch.tensor([0, 0, 0, 1, 2, 2, 2, 3, 3, 3, 5, 5, 5])
+    eng, got, ref = _rows(model, (x, y))
+    _on_hooks(eng)
+    assert model.shift in eng._hooked.plan.units
     assert max_relative_error(got, ref) <= TOL
 
 

@@ -44,9 +44,19 @@ HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKe
 BLOCK_ROWS: dict[tuple, int] = {}
 NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
 VMAP_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+UNIT_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[int | None]]] = weakref.WeakKeyDictionary()
 
 
 def clear() -> None:
     """Forget every choice (tests: the next engine measures and checks again)."""
-    for cache in (INPUT_FORMAT, FORMAT_TIMES, CONV_LAYOUT, HOOKS_CHECKED, BLOCK_ROWS, NO_HEAD, VMAP_REFUSED):
+    for cache in (
+        INPUT_FORMAT,
+        FORMAT_TIMES,
+        CONV_LAYOUT,
+        HOOKS_CHECKED,
+        BLOCK_ROWS,
+        NO_HEAD,
+        VMAP_REFUSED,
+        UNIT_LAYOUTS,
+    ):
         cache.clear()

@@ -79,14 +79,14 @@ def unit_computer_for(module: nn.Module) -> UnitComputer:
 
 def batch_dim(t: object, total: int, module: nn.Module) -> int | None:
     """Where the tensor ``t`` captured at ``module`` keeps the run's ``total`` samples, or None
-    (not per-sample: a constant, or a broadcast ``[1, ...]`` tensor). Dim 0, else dim 1
-    (sequence-first data, ``[T, N, ...]``); sequence-first layers (``batch_first=False``) look at
-    dim 1 first in tensors with 3 or more dims. (A tensor whose other dim happens to equal
-    ``total`` can be mistaken: the engine's spot check against the plain path catches that.)"""
+    (not per-sample: a constant, or a broadcast ``[1, ...]`` tensor): dim 0, or dim 1 of tensors
+    with 3 or more dims for sequence-first layers (``batch_first=False``). A constant whose dim
+    happens to equal ``total`` would be mistaken for per-sample: ``_Layout`` keeps the layout
+    seen on a module's first (spot-checked) run."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
-    order = (1, 0) if getattr(module, "batch_first", True) is False and t.dim() >= 3 else (0, 1)
-    return next((d for d in order if d < t.dim() and t.shape[d] == total), None)
+    d = 1 if getattr(module, "batch_first", True) is False and t.dim() >= 3 else 0
+    return d if t.shape[d] == total else None
 
 
 def _split_params(module: nn.Module, kinds: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -115,11 +115,20 @@ def module_class_grads(
 
 
 class _Layout:
-    """The captured call flattened: input leaves with their batch dims, output cotangents."""
+    """The captured call flattened: input leaves with their batch dims, output cotangents.
+
+    Which inputs are per-sample is decided on a module's first run with a given call structure
+    (spot-checked against the plain path) and kept (``choices.UNIT_LAYOUTS``), so a constant
+    whose size later equals a run's sample count by chance is not taken for per-sample."""
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, total: int):
         self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
-        self.in_dims = [batch_dim(t, total, module) for t in self.leaves]
+        seen = [batch_dim(t, total, module) for t in self.leaves]
+        known = choices.UNIT_LAYOUTS.setdefault(module, {}).setdefault(str(self.spec), seen)
+        for t, d in zip(self.leaves, known):
+            if d is not None and (not isinstance(t, torch.Tensor) or t.dim() <= d or t.shape[d] != total):
+                raise RuntimeError(f"an input of {type(module).__name__} changed its sample layout between runs")
+        self.in_dims = known
         cots, _ = pytree.tree_flatten(grad_outputs)
         # Output leaves with a gradient, by their position among the output's leaves.
         self.cot_at = [i for i, g in enumerate(cots) if isinstance(g, torch.Tensor)]
