@@ -1,14 +1,15 @@
 """The partitioned engine on tiny Hugging Face models against the per-class loop and the floor.
 
 Holds the measurement of issue 16 item 2 ("no model falls off a cliff"): BERT with padded inputs
-and an attention mask, and GPT-2 with right padding (both from tiny configs in
-``tests/support/hf_models.py``, wrapped to return ``.logits``), at C classes with 1 to 4 probe
+and an attention mask, and GPT-2 with right padding (Llama and ViT with ``--models``; all from
+tiny configs in ``tests/support/hf_models.py``, wrapped to return ``.logits``), at C classes with 1 to 4 probe
 samples each (uniformly drawn, seeded), on ``--threads`` CPU threads. For each case it times:
 
 - **classgrad**: a fresh partitioned engine computing every row (its once-per-process spot
   check done in a warm-up run), and the path line it logged;
-- **last resort**: the same with the hook path ruled out (vmap then fails on these models), i.e.
-  one forward per pack of classes and a backward per class (``partitioned.loop_path``);
+- **no hooks**: the same with the hook path ruled out: vmap where it can batch the whole model
+  (ViT), else the last resort, one forward per pack of classes and a backward per class
+  (``partitioned.loop_path``: BERT, GPT-2 and Llama, whose masks vmap cannot run);
 - **per-class loop**: one forward over all probe samples, then
   ``torch.autograd.grad(L_c, params, retain_graph=True)`` per class into a C x D buffer, timed
   on ``--loop-classes`` classes and extrapolated per row (forward + C/k x their time);
@@ -42,13 +43,16 @@ SEQ_LEN = 12
 BATCH = 256
 
 
-def probe(name: str, num_classes: int, seed: int = 0) -> tuple[dict, torch.Tensor]:
-    """1 to 4 samples per class; right-padded token ids (1 to SEQ_LEN real tokens) and a mask."""
+def probe(name: str, num_classes: int, seed: int = 0) -> tuple[dict | torch.Tensor, torch.Tensor]:
+    """1 to 4 samples per class; right-padded token ids (1 to SEQ_LEN real tokens) and a mask,
+    or 3x8x8 images for ViT."""
     g = torch.Generator().manual_seed(seed)
     per_class = torch.randint(1, 5, (num_classes,), generator=g)
     labels = torch.repeat_interleave(torch.arange(num_classes), per_class)
     labels = labels[torch.randperm(len(labels), generator=g)]
     n = len(labels)
+    if name == "vit":
+        return torch.randn(n, 3, 8, 8, generator=g), labels
     lengths = torch.randint(1, SEQ_LEN + 1, (n,), generator=g)
     mask = (torch.arange(SEQ_LEN).unsqueeze(0) < lengths.unsqueeze(1)).long()
     ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g) * mask
@@ -106,7 +110,7 @@ def floor(model, data, num_classes: int) -> Callable[[], None]:
 
     def run() -> None:
         for i in range(0, len(y), BATCH):
-            xb = {key: v[i : i + BATCH] for key, v in x.items()}
+            xb = {key: v[i : i + BATCH] for key, v in x.items()} if isinstance(x, dict) else x[i : i + BATCH]
             part = loss.batch_losses(model(xb), y[i : i + BATCH], norm).sum()
             torch.autograd.grad(part, params, allow_unused=True)
         torch.empty(num_classes, dim).fill_(1.0)
@@ -117,7 +121,7 @@ def floor(model, data, num_classes: int) -> Callable[[], None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--classes", default="200,1000", help="comma-separated C values")
-    parser.add_argument("--models", default="bert,gpt2")
+    parser.add_argument("--models", default="bert,gpt2", help=f"comma-separated, of {sorted(HF_BUILDERS)}")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loop-classes", type=int, default=40, help="classes the per-class loop is timed on")
@@ -165,11 +169,11 @@ def main() -> None:
                     samples=n,
                     dim=dim,
                     classgrad_s=t_engine,
-                    last_resort_s=t_resort,
+                    no_hooks_s=t_resort,
                     per_class_loop_s=t_loop,
                     floor_s=t_floor,
                     path=notes,
-                    last_resort_path=resort_notes,
+                    no_hooks_path=resort_notes,
                 )
             )
             print(f"{name} C={num_classes}: {' | '.join(notes)}", flush=True)
@@ -181,12 +185,12 @@ def main() -> None:
             "N",
             "D",
             "classgrad s",
-            "last resort s",
+            "no hooks s",
             "loop s",
             "floor s",
             "classgrad/floor",
             "loop/classgrad",
-            "loop/last resort",
+            "loop/no hooks",
         ],
         table,
     )
