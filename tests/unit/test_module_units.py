@@ -204,6 +204,40 @@ def test_data_dependent_control_flow_keeps_the_hook_path():
     assert max_relative_error(got, ref) <= TOL
 
 
+class GainEncoder(nn.Module):
+    """A module with a raw parameter that returns a Hugging Face ``ModelOutput``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(1 + 0.1 * torch.randn(8))
+
+    def forward(self, h: torch.Tensor, scale: float = 1.0):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=torch.tanh(h * self.gain) * scale, hidden_states=(h,))
+
+
+class WithModelOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 8)
+        self.enc = GainEncoder()
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.inp(x), scale=2.0).last_hidden_state)
+
+
+def test_a_unit_returning_a_model_output_with_keyword_arguments():
+    model = WithModelOutput().eval()
+    x = torch.randn(N, 4)
+    eng, got, ref = _rows(model, (x, _probe(x)))
+    _on_hooks(eng)
+    assert set(eng._hooked.plan.units) == {model.enc}
+    assert max_relative_error(got, ref) <= TOL
+
+
 # --- tied parameters, lifting ---------------------------------------------------------------
 
 
