@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from classgrad.workers.engines import build_engine, choices
-from classgrad.workers.engines.layer_rules.module_vjp import UNIT_COMPUTERS, module_class_grads, register_unit_computer
+from classgrad.workers.engines.layer_rules.module_vjp import (
+    UNIT_COMPUTERS,
+    module_class_grads,
+    register_unit_computer,
+    unit_computer_for,
+)
 from tests.support.engine_cases import TiedMLP, WeightUsedOutside, fell_back, max_relative_error
 from tests.support.hf_models import HF_BUILDERS, hf_probe
 
@@ -428,6 +433,13 @@ def test_a_registered_unit_computer_is_used_for_its_type_and_subclasses():
         UNIT_COMPUTERS.pop(nn.LayerNorm, None)
     _on_hooks(eng)
     assert calls and set(calls) == {"LayerNorm"}
+    # Looked up along the type's bases: one computer for nn.RNNBase serves LSTM, GRU and RNN.
+    assert unit_computer_for(nn.LayerNorm(2)) is module_class_grads
+    register_unit_computer(nn.RNNBase)(counted)
+    try:
+        assert unit_computer_for(nn.LSTM(2, 2)) is counted and unit_computer_for(nn.GRU(2, 2)) is counted
+    finally:
+        UNIT_COMPUTERS.pop(nn.RNNBase, None)
     assert max_relative_error(got, ref) <= TOL
 
 
