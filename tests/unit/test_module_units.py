@@ -376,6 +376,18 @@ def test_broadcast_outputs_are_split_per_sample_or_lifted(reshaped):
     assert max_relative_error(got, ref) <= TOL
 
 
+def test_a_first_run_of_one_sample_does_not_fix_the_layout():
+    """The first run holds one sample (class 0; class 1 is bigger than half a batch and goes
+    alone): there every ``[1, ...]`` argument looks per-sample; later runs must not be held to it."""
+    model = Positions(reshaped=False).eval()
+    x = torch.randn(N, 5, 4)
+    y = torch.tensor([0, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 5])
+    eng, got, ref = _rows(model, (x, y))
+    _on_hooks(eng)
+    assert model.pos in eng._hooked.plan.units
+    assert max_relative_error(got, ref) <= TOL
+
+
 class TableShift(nn.Module):
     """A unit with a constant argument (a ``[6, 8]`` table) besides its per-sample input."""
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from classgrad.service.errors import first_line
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
 
@@ -108,23 +109,25 @@ def module_class_grads(
         try:
             return _vmapped(module, args, kwargs, grad_outputs, grid, kinds)
         except Exception as exc:  # noqa: BLE001 - anything vmap cannot batch: the exact loop below
-            choices.VMAP_REFUSED[module] = next(
-                (s.strip() for s in str(exc).splitlines() if s.strip()), type(exc).__name__
-            )
+            choices.VMAP_REFUSED[module] = first_line(exc, limit=120)
     return _looped(module, args, kwargs, grad_outputs, grid, kinds)
 
 
 class _Layout:
     """The captured call flattened: input leaves with their batch dims, output cotangents.
 
-    Which inputs are per-sample is decided on a module's first run with a given call structure
-    (spot-checked against the plain path) and kept (``choices.UNIT_LAYOUTS``), so a constant
-    whose size later equals a run's sample count by chance is not taken for per-sample."""
+    Which inputs are per-sample is decided on a module's first run of more than one sample with
+    a given call structure (spot-checked against the plain path) and kept
+    (``choices.UNIT_LAYOUTS``), so a constant whose size later equals a run's sample count by
+    chance is not taken for per-sample. A later run that contradicts it raises (the engine then
+    leaves the hook path; rows stay exact)."""
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, total: int):
         self.leaves, self.spec = pytree.tree_flatten((args, kwargs))
         seen = [batch_dim(t, total, module) for t in self.leaves]
-        known = choices.UNIT_LAYOUTS.setdefault(module, {}).setdefault(str(self.spec), seen)
+        layouts = choices.UNIT_LAYOUTS.setdefault(module, {})
+        # A run of one sample says nothing (every dim of size 1 looks per-sample, harmlessly).
+        known = layouts.setdefault(str(self.spec), seen) if total > 1 else layouts.get(str(self.spec), seen)
         for t, d in zip(self.leaves, known):
             if d is not None and (not isinstance(t, torch.Tensor) or t.dim() <= d or t.shape[d] != total):
                 raise RuntimeError(f"an input of {type(module).__name__} changed its sample layout between runs")
