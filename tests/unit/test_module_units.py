@@ -531,6 +531,20 @@ def test_the_last_resort_does_one_forward_per_pack_and_a_backward_per_class(capl
     assert len(lines[0]) <= 300 and "\n" not in lines[0]
 
 
+def test_a_layer_its_rule_does_not_apply_to_is_a_unit_and_the_line_says_why():
+    """Conv2d with ``padding="same"`` is outside the Conv2d rule: its module's VJP instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding="same"), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, C)
+    ).eval()
+    x = torch.randn(N, 3, 6, 6)
+    eng, got, ref = _rows(model, (x, _probe(x)))
+    _on_hooks(eng)
+    assert set(eng._hooked.plan.units) == {model[0]}
+    assert "Conv2d not by its rule (" in eng.stats.notes[0], eng.stats.notes
+    assert max_relative_error(got, ref) <= TOL
+
+
 def test_the_path_line_names_rules_and_units_once(caplog):
     model = HF_BUILDERS["vit"](C)
     with caplog.at_level(logging.INFO, logger="classgrad.workers.engines.partitioned.engine"):

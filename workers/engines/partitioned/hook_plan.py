@@ -53,6 +53,8 @@ class HookPlan:
     holders: dict[nn.Module, list[Holder]]
     names: dict[nn.Module, str]
     lifted: frozenset[nn.Module] = frozenset()
+    # Why a module with a registered rule is a unit instead (the rule does not apply to it).
+    why_unit: tuple[tuple[nn.Module, str], ...] = ()
 
     @classmethod
     def plan(cls, model: nn.Module, layout: ParamLayout, lifted: frozenset[nn.Module] = frozenset()) -> HookPlan | None:
@@ -83,6 +85,7 @@ class HookPlan:
         rules: dict[nn.Module, LayerRule] = {}
         units: dict[nn.Module, UnitComputer] = {}
         holders: dict[nn.Module, list[Holder]] = {}
+        why_unit: list[tuple[nn.Module, str]] = []
         for at, found in entries.items():
             mod = modules[at]
             slots: dict[str, ParamSlot] = {}
@@ -100,8 +103,9 @@ class HookPlan:
                     rules[mod] = rule
                     continue
                 log.debug("partitioned: %s by its module's VJP (%s)", at or "the model", reason)
+                why_unit.append((mod, reason))
             units[mod] = unit_computer_for(mod)
-        return cls(layers, rules, units, holders, names, frozenset(lifted))
+        return cls(layers, rules, units, holders, names, frozenset(lifted), tuple(why_unit))
 
     def lifting(self, model: nn.Module, layout: ParamLayout, module: nn.Module) -> HookPlan | None:
         """The plan with ``module``'s parameters handled by its parent (None: it is the model)."""
@@ -130,6 +134,8 @@ class HookPlan:
                 names = list(kinds)
                 shown.append(f"{t}: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''}")
             parts.append(f"module VJP for {n} ({'; '.join(shown[:6])}{'; ...' if len(shown) > 6 else ''})")
+        for t, why in dict((type(m).__name__, reason) for m, reason in self.why_unit).items():
+            parts.append(f"{t} not by its rule ({why[:80]})")
         for t, why in looped.items():
             parts.append(f"{t} class by class (vmap: {why[:100]})")
         return "; ".join(parts)
