@@ -424,6 +424,20 @@ def test_a_constant_the_size_of_a_run_is_not_taken_for_per_sample():
     assert max_relative_error(got, ref) <= TOL
 
 
+def test_a_constant_the_size_of_the_first_run_is_caught_by_the_one_sample_check():
+    """The first run holds 6 samples, the table's row count: the table looks per-sample there.
+    The unit alone on one sample then gives another output than captured, so its parameters go
+    to the parent (the whole model, whose only argument is the input)."""
+    model = WithTable().eval()
+    x = torch.randn(N, 4)
+    y = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 5, 5])
+    eng, got, ref = _rows(model, (x, y))
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
+    assert any("alone on one sample" in lift for lift in eng._hooked.lifts), eng._hooked.lifts
+    assert model.shift not in eng._hooked.plan.layers and model in eng._hooked.plan.units
+    assert max_relative_error(got, ref) <= TOL
+
+
 # --- unit computers, loss scale -------------------------------------------------------------
 
 

@@ -2,9 +2,11 @@
 
 Holds ``UnitComputer`` (the signature), ``UNIT_COMPUTERS`` / ``register_unit_computer`` /
 ``unit_computer_for`` (a registry keyed by module type, looked up along the type's bases, with
-``module_class_grads`` as the default), ``module_class_grads`` itself and ``batch_dim`` (where a
-captured tensor keeps its samples). Modules ``torch.func.vmap`` could not batch are remembered
-in ``choices.VMAP_REFUSED`` (they take the per-class loop from then on).
+``module_class_grads`` as the default), ``module_class_grads`` itself, ``batch_dim`` (where a
+captured tensor keeps its samples) and ``check_layout`` (the module on one sample alone gives
+that sample's outputs: which arguments are per-sample was read right). Modules
+``torch.func.vmap`` could not batch are remembered in ``choices.VMAP_REFUSED`` (they take the
+per-class loop from then on).
 
 The hook path handles a selected parameter that no layer rule covers by a *unit*: the module
 that holds it (or, for ``nn.MultiheadAttention`` and recurrent layers, the whole layer) is
@@ -88,6 +90,44 @@ def batch_dim(t: object, total: int, module: nn.Module) -> int | None:
         return None
     d = 1 if getattr(module, "batch_first", True) is False and t.dim() >= 3 else 0
     return d if t.shape[d] == total else None
+
+
+def check_layout(module: nn.Module, args: tuple, kwargs: dict, outputs: Any, total: int) -> bool:
+    """Once per unit and call structure: whether the module run on the first sample alone (the
+    arguments ``batch_dim`` finds per-sample cut to it, the others as they are) gives that
+    sample's captured ``outputs`` (the output's structure; None, or a tensor with no sample
+    dimension, where not compared). A constant
+    argument taken for per-sample (its size equal to ``total`` by chance) gives other outputs,
+    or none. Runs under the caller's autocast; kept in ``choices.UNIT_LAYOUTS`` once it holds."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    layouts = choices.UNIT_LAYOUTS.setdefault(module, {})
+    if total < 2 or str(spec) in layouts:
+        return True
+    dims = [batch_dim(t, total, module) for t in leaves]
+    one = [t if d is None else t.narrow(d, 0, 1) for t, d in zip(leaves, dims)]
+    a, kw = pytree.tree_unflatten(one, spec)
+    try:
+        with torch.no_grad():
+            got, _ = pytree.tree_flatten(module(*a, **kw))
+    except Exception:  # noqa: BLE001 - a module that cannot run on the cut arguments: not per-sample
+        return False
+    want, _ = pytree.tree_flatten(outputs)
+    if len(got) != len(want):
+        return False
+    for w, g in zip(want, got):
+        d = batch_dim(w, total, module)
+        if d is None:  # not compared (None), or not per-sample
+            continue
+        w = w.detach().narrow(d, 0, 1)
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape:
+            return False
+        # The same sample alone or in a batch: equal up to the kernels' summation order (1e-5
+        # in fp32, 1e-3 in half precision); a misread argument changes outputs by O(1).
+        scale = float(w.abs().max()) if w.numel() else 0.0
+        if not torch.allclose(g.float(), w.float(), rtol=1e-2, atol=1e-2 * max(scale, 1e-30)):
+            return False
+    layouts[str(spec)] = dims
+    return True
 
 
 def _split_params(module: nn.Module, kinds: tuple[str, ...]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -31,7 +31,7 @@ from classgrad.service.errors import ClassgradError, first_line
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, choice_clock
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
-from classgrad.workers.engines.layer_rules.module_vjp import batch_dim
+from classgrad.workers.engines.layer_rules.module_vjp import batch_dim, check_layout
 from classgrad.workers.engines.partitioned.capture import Captured, NotLocal, UnitCall, forward_capturing
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
@@ -221,6 +221,10 @@ class HookPath:
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), (c.args, c.kwargs))
         low = eng.precision.dtype != "fp32"
         with eng.precision.autocast(eng.device), NormInFloat32() if low else contextlib.nullcontext():
+            # Compared: the outputs the loss depends on.
+            outputs = pytree.tree_unflatten([t if t is not None and id(t) in mine else None for t in c.outputs], c.spec)
+            if not check_layout(c.module, args, kwargs, outputs, total):
+                raise NotLocal(c.module, f"{type(c.module).__name__} alone on one sample gives other outputs")
             grads = self.plan.units[c.module](c.module, args, kwargs, c.grad_outputs(mine), grid, tuple(slots))
         out = sink.for_layer(slots)
         for name, value in grads.items():
