@@ -135,7 +135,7 @@ def forward_capturing(
             h._parameters[kind] = p  # type: ignore[assignment]  # the real parameter back
         if module in units:
             return keep_unit(module, output)
-        inputs = args[0]
+        inputs = args[0] if args else next(iter(kwargs.values()))  # layer(input=x) too
         start_graph(output)
         version = output._version
         if expanded is not None and total > 1 and output.shape[0] == 1 and inputs.shape[0] == 1:  # broadcast
