@@ -77,6 +77,22 @@ def test_hf_models_take_the_hook_path_and_match_the_reference(name):
     assert max_relative_error(got, ref) <= TOL
 
 
+# The engines' low-precision bounds (test_engines.LOW_PRECISION_TOLERANCE: about 20 unit
+# roundoffs); observed here 3e-4 to 1e-3 in fp16 and 3e-3 to 7e-3 in bf16.
+HALF_TOL = {"fp16": 1e-2, "bf16": 1e-1}
+
+
+@pytest.mark.parametrize("name,precision", [("bert", "fp16"), ("llama", "bf16"), ("gpt2", "bf16")])
+def test_hf_models_in_half_precision_keep_the_hook_path(name, precision):
+    model = HF_BUILDERS[name](C)
+    data = hf_probe(name, C, 8)
+    eng = build_engine(model, data, num_classes=C, engine="partitioned", batch_size=16, precision=precision)
+    got = eng.compute(range(C)).rows
+    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=C, engine="reference").compute(range(C)).rows
+    _on_hooks(eng)
+    assert max_relative_error(got, ref) <= HALF_TOL[precision]
+
+
 # --- raw parameters, attention, recurrent layers, control flow ---------------------------------
 
 
