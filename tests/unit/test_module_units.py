@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines.layer_rules import RULES, register_rule
 from classgrad.workers.engines.layer_rules.module_vjp import (
     UNIT_COMPUTERS,
     module_class_grads,
@@ -73,7 +74,6 @@ def test_hf_models_take_the_hook_path_and_match_the_reference(name):
     data = hf_probe(name, C, 3)
     eng, got, ref = _rows(model, data)
     _on_hooks(eng)
-    assert eng._hooked.plan.units  # LayerNorm/RMSNorm/Embedding/... by their module's VJP
     assert max_relative_error(got, ref) <= TOL
 
 
@@ -169,7 +169,7 @@ def test_multihead_attention_is_one_exact_unit(batch_first):
     x = _masked(N)
     eng, got, ref = _rows(model, (x, _probe(x["x"])))
     _on_hooks(eng)
-    assert set(eng._hooked.plan.units) == {model.attn}
+    assert model.attn in eng._hooked.plan.layers  # one module handles all its parameters
     assert "out_proj.weight" in eng._hooked.plan.layers[model.attn]
     assert max_relative_error(got, ref) <= TOL
 
@@ -195,7 +195,7 @@ def test_recurrent_layers_are_exact_units(kind, batch_first):
     ids = torch.randint(0, 12, (N, 4), generator=torch.Generator().manual_seed(0))
     eng, got, ref = _rows(model, (ids, _probe(ids)))
     _on_hooks(eng)
-    assert model.rnn in eng._hooked.plan.units and model.emb in eng._hooked.plan.units
+    assert model.rnn in eng._hooked.plan.layers and model.emb in eng._hooked.plan.layers
     assert max_relative_error(got, ref) <= TOL
 
 
@@ -221,7 +221,7 @@ def test_data_dependent_control_flow_keeps_the_hook_path():
     x = _masked(N)
     eng, got, ref = _rows(model, (x, _probe(x["x"])))
     _on_hooks(eng)
-    assert set(eng._hooked.plan.units) == {model.norm}
+    assert model.norm in eng._hooked.plan.layers
     assert max_relative_error(got, ref) <= TOL
 
 
@@ -387,7 +387,7 @@ def test_broadcast_outputs_are_split_per_sample_or_lifted(reshaped):
     x = torch.randn(N, 5, 4)
     eng, got, ref = _rows(model, (x, _probe(x)))
     assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
-    assert (model.pos in eng._hooked.plan.units) == (not reshaped)
+    assert (model.pos in eng._hooked.plan.layers) == (not reshaped)
     assert bool(eng._hooked.lifts) == reshaped, eng._hooked.lifts
     assert max_relative_error(got, ref) <= TOL
 
@@ -400,7 +400,7 @@ def test_a_first_run_of_one_sample_does_not_fix_the_layout():
     y = torch.tensor([0, 1, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 5])
     eng, got, ref = _rows(model, (x, y))
     _on_hooks(eng)
-    assert model.pos in eng._hooked.plan.units
+    assert model.pos in eng._hooked.plan.layers
     assert max_relative_error(got, ref) <= TOL
 
 
@@ -460,23 +460,23 @@ def test_a_constant_the_size_of_the_first_run_is_caught_by_the_one_sample_check(
 def test_a_registered_unit_computer_is_used_for_its_type_and_subclasses():
     calls: list[str] = []
 
-    @register_unit_computer(nn.LayerNorm)
+    @register_unit_computer(Scale)
     def counted(module, args, kwargs, grad_outputs, grid, kinds):
         calls.append(type(module).__name__)
         return module_class_grads(module, args, kwargs, grad_outputs, grid, kinds)
 
     try:
         with pytest.raises(ValueError, match="already registered"):
-            register_unit_computer(nn.LayerNorm)(counted)
-        model = MaskBranches().eval()
-        x = _masked(N)
-        eng, got, ref = _rows(model, (x, _probe(x["x"])))
+            register_unit_computer(Scale)(counted)
+        model = FrozenScale().eval()
+        x = torch.randn(N, 4)
+        eng, got, ref = _rows(model, (x, _probe(x)))
     finally:
-        UNIT_COMPUTERS.pop(nn.LayerNorm, None)
+        UNIT_COMPUTERS.pop(Scale, None)
     _on_hooks(eng)
-    assert calls and set(calls) == {"LayerNorm"}
+    assert calls and set(calls) == {"Scale"}
     # Looked up along the type's bases: one computer for nn.RNNBase serves LSTM, GRU and RNN.
-    assert unit_computer_for(nn.LayerNorm(2)) is module_class_grads
+    assert unit_computer_for(Scale(2)) is module_class_grads
     register_unit_computer(nn.RNNBase)(counted)
     try:
         assert unit_computer_for(nn.LSTM(2, 2)) is counted and unit_computer_for(nn.GRU(2, 2)) is counted
@@ -562,24 +562,32 @@ def test_the_last_resort_does_one_forward_per_pack_and_a_backward_per_class(capl
 
 
 def test_a_layer_its_rule_does_not_apply_to_is_a_unit_and_the_line_says_why():
-    """Conv2d with ``padding="same"`` is outside the Conv2d rule: its module's VJP instead."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding="same"), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, C)
-    ).eval()
-    x = torch.randn(N, 3, 6, 6)
-    eng, got, ref = _rows(model, (x, _probe(x)))
+    """A layer whose registered rule says it does not apply (as Conv2d's for ``padding="same"``)
+    is handled by its module's VJP instead."""
+
+    @register_rule(Scale, applies=lambda m: "not for this one")
+    def never(module, seen, out):
+        raise AssertionError("a rule that does not apply must not run")
+
+    try:
+        model = FrozenScale().eval()
+        x = torch.randn(N, 4)
+        eng, got, ref = _rows(model, (x, _probe(x)))
+    finally:
+        RULES.pop(Scale, None)
     _on_hooks(eng)
-    assert set(eng._hooked.plan.units) == {model[0]}
-    assert "Conv2d not by its rule (" in eng.stats.notes[0], eng.stats.notes
+    assert {model.scale, model.fixed} <= set(eng._hooked.plan.units)
+    assert "Scale not by its rule (not for this one)" in eng.stats.notes[0], eng.stats.notes
     assert max_relative_error(got, ref) <= TOL
 
 
 def test_the_path_line_names_rules_and_units_once(caplog):
-    model = HF_BUILDERS["vit"](C)
+    model = RawParams().eval()
+    x = torch.randn(N, 5, 4)
     with caplog.at_level(logging.INFO, logger="classgrad.workers.engines.partitioned.engine"):
-        eng, _, _ = _rows(model, hf_probe("vit", C, 3), group_rows=2)
+        eng, _, _ = _rows(model, (x, _probe(x)), group_rows=2)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partitioned")]
     assert lines == eng.stats.notes and len(lines) == 1, lines
-    assert lines[0].startswith("partitioned: hooks for ") and "Linear" in lines[0]
-    assert "module VJP for " in lines[0] and "ViTEmbeddings: cls_token, position_embeddings" in lines[0]
+    assert lines[0] == (
+        "partitioned: hooks for 4 params (Linear 4); module VJP for 3 (RawParams: scale; Tokens: cls_token, pos_embed)"
+    )
