@@ -212,3 +212,9 @@ def max_relative_error(rows: torch.Tensor, ref: torch.Tensor) -> float:
 
 def zero_rows(rows: torch.Tensor) -> torch.Tensor:
     return (rows == 0).all(dim=1)
+
+
+def fell_back(eng) -> bool:
+    """Whether a partitioned engine gave up a path (hooks or vmap) on the way: its path line
+    (``stats.notes``) then says which, with ``abandoned``."""
+    return any("abandoned" in note for note in eng.stats.notes)

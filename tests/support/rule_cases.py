@@ -14,7 +14,7 @@ from torch import nn
 
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
-from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES
+from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back
 
 BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone
 
@@ -48,9 +48,10 @@ def rows_and_reference(model: nn.Module, data, params=None, precision: str = "fp
 
 def assert_hook_path(eng, types: Iterable[type]) -> None:
     """The rows came from the hook path (no fallback, the first-run check passed), with rules for
-    exactly ``types``."""
-    assert eng._hooked is not None and eng._hooked.checked and not eng.stats.notes, eng.stats.notes
+    exactly ``types`` and no parameter left to a module-VJP unit."""
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
     assert {r.module_type for r in eng._hooked.plan.rules.values()} == set(types)
+    assert not eng._hooked.plan.units, eng.stats.notes
 
 
 def token_probe(vocab: int, seq_len: int, pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The partitioned engine's hook path and its guards: a hooked parameter used outside its layer,
 eval-mode BatchNorm, global module hooks, the once-per-model spot check, layers run under
-no_grad, and either image format; rows always match the reference."""
+no_grad, either image format, and Hugging Face BERT with a padding mask (module-VJP units for
+its embeddings and norm layers); rows always match the reference."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, per_class_gradients
-from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, max_relative_error
+from classgrad.workers.engines import build_engine, choices, per_class_gradients
+from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, fell_back, max_relative_error
+from tests.support.hf_models import hf_probe, tiny_bert
 
 
 def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     """Only a middle class (never one of the two spot-checked rows) is affected by the use of
     ``enc.weight`` outside ``enc``; the engine must notice it in the graph and still return
-    exact rows (from vmap)."""
+    exact rows (``enc``'s parameters by a VJP of the module that uses them: the model)."""
     torch.manual_seed(1)
     per_class = 4
     y = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
@@ -31,6 +33,7 @@ def test_a_hooked_parameter_used_outside_its_layer_is_detected():
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
     assert max_relative_error(got, want) <= 1e-5
     assert any("hooks" in note for note in eng.stats.notes), eng.stats.notes
+    assert eng._hooked is not None and eng._hooked.lifts and model in eng._hooked.plan.units
 
 
 def _bn1d_mlp() -> nn.Module:
@@ -54,7 +57,7 @@ def test_eval_mode_batchnorm_layers_take_the_hook_path(case):
         data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), imbalance=1.0, seed=5)
     eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
     got = eng.compute(range(NUM_CLASSES)).rows
-    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes  # no fallback to vmap
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes  # no fallback to vmap
     assert any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in eng._hooked.layers)
     want = per_class_gradients(model, data, num_classes=NUM_CLASSES, engine="reference")
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
@@ -163,7 +166,7 @@ def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
 
     monkeypatch.setattr(eng.probe, "batch", spy)
     got = eng.compute(range(NUM_CLASSES)).rows
-    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
     # The first run decides the format (its batch was gathered before); later runs gather in it.
     # (The plain path of the one-off spot check gathers as the model is given.)
     if fmt == "channels_last":
@@ -173,3 +176,20 @@ def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
     want = per_class_gradients(model, data, num_classes=NUM_CLASSES, engine="reference")
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
     assert max_relative_error(got, want) <= 1e-5
+
+
+def test_bert_with_padding_cannot_be_vmapped_but_takes_the_hook_path():
+    """The whole model under vmap fails on BERT's mask handling (why it used to run a class at a
+    time); the units are single modules, which vmap batches."""
+    model = tiny_bert(NUM_CLASSES)
+    x, y = hf_probe("bert", NUM_CLASSES, 2)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - any vmap refusal
+        torch.func.vmap(model)({k: v.view(2, -1, v.shape[-1]) for k, v in x.items()})
+    choices.clear()
+    eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
+    got = eng.compute(range(NUM_CLASSES)).rows
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
+    assert not choices.VMAP_REFUSED and not eng._hooked.lifts
+    want = build_engine(copy.deepcopy(model).double(), (x, y), num_classes=NUM_CLASSES, engine="reference")
+    # fp32 against the float64 reference: a few float32 roundoffs over a 2-layer transformer.
+    assert max_relative_error(got, want.compute(range(NUM_CLASSES)).rows) <= 1e-5

@@ -26,7 +26,7 @@ from classgrad.workers.engines.layer_rules import (
 )
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
-from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
+from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
 
 LAYERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "layers.md"
@@ -152,7 +152,7 @@ def test_each_rule_matches_the_float64_reference(case):
     model, data_kwargs = _build(case)
     eng, got, ref = _rows(model, _data(data_kwargs))
     # The hook path itself is under test: no fallback to vmap, and the spot check passed.
-    assert eng._hooked is not None and eng._hooked.checked and not eng.stats.notes, eng.stats.notes
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
     assert {r.module_type for r in eng._hooked.plan.rules.values()} == RULE_CASES[case]
     # float32 has a unit roundoff of 6e-8; these tiny models sum at most a few hundred terms per
     # entry, so the normwise error stays within a few roundoffs (the engines' contract, as in
@@ -172,7 +172,7 @@ def test_each_rule_matches_the_float64_reference(case):
 def test_rules_compute_only_the_selected_parameters(case, params):
     model, data_kwargs = _build(case)
     eng, got, ref = _rows(model, _data(data_kwargs), params=params)
-    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
     assert got.shape == ref.shape and got.shape[1] < sum(p.numel() for p in model.parameters())
     # Same contract as above: a few float32 roundoffs.
     assert max_relative_error(got, ref) <= 1e-6
@@ -279,10 +279,12 @@ def test_a_user_registered_rule_is_used(scale_rule):
     model = _scale_model()
     data = _data(dict(kind="vector", input_shape=(8,)))
     eng, _, _ = _rows(model, data)
-    assert eng._hooked is None  # no rule for Scale: vmap
+    # No rule for Scale: its module's VJP (layer_rules.module_vjp), the Linear layers by their rule.
+    assert eng._hooked is not None and set(eng._hooked.plan.units) == {model[1]}
     calls = scale_rule()
     eng, got, ref = _rows(model, data)
-    assert eng._hooked is not None and not eng.stats.notes, eng.stats.notes
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
+    assert not eng._hooked.plan.units and model[1] in eng._hooked.plan.rules
     assert calls and rule_for(model[1]).sums.__name__ == "scale_sums"
     # A few float32 roundoffs, as for the built-in rules.
     assert max_relative_error(got, ref) <= 1e-6
@@ -308,7 +310,9 @@ def test_a_refused_convolution_says_why_and_stays_exact(conv):
     model = _randomised(_conv_head(conv, channels=4, dims=dims))
     data = _data(dict(kind="image", input_shape=(3, 7, 6, 5)[: dims + 1]))
     eng, got, ref = _rows(model, data)
-    assert eng._hooked is None  # another path computed the rows
+    # Not by its rule: its own module VJP computed its rows (the path line says why).
+    assert eng._hooked is not None and conv in eng._hooked.plan.units, eng.stats.notes
+    assert any("not by its rule (padding" in note for note in eng.stats.notes), eng.stats.notes
     # Same contract as the rules: a few float32 roundoffs.
     assert max_relative_error(got, ref) <= 1e-6
 

@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 from classgrad.workers import zoo
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import RULES, rule_for
-from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, max_relative_error, zero_rows
+from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference, token_probe
 
 VOCAB, SEQ = 23, 7
@@ -64,6 +64,13 @@ def _embedding(**kwargs) -> nn.Embedding:
 def _bag(**kwargs) -> nn.EmbeddingBag:
     torch.manual_seed(0)
     return nn.EmbeddingBag(VOCAB, 5, **kwargs)
+
+
+def assert_not_by_its_rule(eng, layer: nn.Module) -> None:
+    """``layer``'s parameters were not computed by its rule: the hook path gave them to the
+    layer's own module VJP, or was abandoned for another path (either way, a note says so)."""
+    assert eng._hooked is None or layer not in eng._hooked.plan.rules, eng.stats.notes
+    assert eng.stats.notes
 
 
 def _check_exact(model: nn.Module, data, types, params=None) -> None:
@@ -131,7 +138,7 @@ def test_refused_embedding_configurations_say_why_and_stay_exact(case):
     layer = build()
     assert reason in (rule_for(layer).applies(layer) or "")
     eng, got, ref = rows_and_reference(EmbedClassifier(layer).eval(), token_probe(VOCAB, SEQ))
-    assert eng._hooked is None  # another path computed the rows
+    assert_not_by_its_rule(eng, layer)  # another path computed its rows
     # max_norm renormalises the table in place in each forward, in both engines' copies; once
     # renormalised, a row changes by about 1e-7 relative per forward, far inside the float32 contract.
     assert max_relative_error(got, ref) <= FP32_TOLERANCE
@@ -144,7 +151,8 @@ def test_scale_grad_by_freq_is_refused(layer):
     no per-class sum from hooks is right: refused, and the model takes another path."""
     assert "scale_grad_by_freq" in (rule_for(layer).applies(layer) or "")
     eng, got, _ = rows_and_reference(EmbedClassifier(layer).eval(), token_probe(VOCAB, SEQ))
-    assert eng._hooked is None and bool(torch.isfinite(got).all())
+    assert_not_by_its_rule(eng, layer)
+    assert bool(torch.isfinite(got).all())
 
 
 def test_sparse_embeddings_are_refused():
@@ -169,8 +177,9 @@ class BagWithOffsets(nn.Module):
 
 
 def test_embedding_bag_with_offsets_falls_back_with_a_note_and_stays_exact():
-    eng, got, ref = rows_and_reference(BagWithOffsets().eval(), token_probe(VOCAB, SEQ))
-    assert eng._hooked is None and any("offsets" in note for note in eng.stats.notes), eng.stats.notes
+    model = BagWithOffsets().eval()
+    eng, got, ref = rows_and_reference(model, token_probe(VOCAB, SEQ))
+    assert_not_by_its_rule(eng, model.embed)
     assert max_relative_error(got, ref) <= FP32_TOLERANCE  # the fallback's rows: same contract
 
 
@@ -188,13 +197,15 @@ class BroadcastPositions(nn.Module):
         return self.head(torch.tanh(x.unsqueeze(-1) + self.embed(positions)).mean(dim=1))
 
 
-def test_an_embedding_broadcast_across_the_batch_is_not_split_by_the_rule():
+def test_an_embedding_broadcast_across_the_batch_is_split_by_class_once_expanded():
+    """The hook path hands the broadcast ``[1, L, H]`` output on expanded to the run's samples, so
+    the gradient at it is per sample and the rule splits it by class exactly."""
     data = zoo.synthetic_probe(
         NUM_CLASSES, 3, kind="vector", input_shape=(SEQ,), imbalance=1.0, empty_classes=[EMPTY_CLASS], seed=3
     )
     eng, got, ref = rows_and_reference(BroadcastPositions().eval(), data)
-    assert eng._hooked is None and any("samples" in note for note in eng.stats.notes), eng.stats.notes
-    assert max_relative_error(got, ref) <= FP32_TOLERANCE  # the fallback's rows: same contract
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
+    assert max_relative_error(got, ref) <= FP32_TOLERANCE
 
 
 class Conv1DClassifier(nn.Module):
@@ -271,6 +282,6 @@ LOW_PRECISION_CASES = {
 def test_token_rules_under_autocast(case, precision):
     build, data = LOW_PRECISION_CASES[case]
     eng, got, ref = rows_and_reference(build().eval(), data(), precision=precision)
-    assert eng._hooked is not None and eng._hooked.checked and not eng.stats.notes, eng.stats.notes
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
     assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
     assert max_relative_error(got, ref) <= LOW_PRECISION_TOLERANCE[precision]

@@ -20,6 +20,8 @@ each measurement costs real runs; keys hold everything the choice depends on.
   object skip it. Weak keys: an entry goes with its model.
 - ``BLOCK_ROWS``: the dense engine's measured block size; key ``(id(model), classes, graph kind,
   batch size, probe size, D, device, precision, loss, threads)``.
+- ``VMAP_REFUSED``: module-VJP units (``layer_rules.module_vjp``) ``torch.func.vmap`` could not
+  batch, with the first line of why; they are done class by class from then on. Weak keys.
 - ``NO_HEAD``: why dense rows cannot go through the model's final Linear layer, per model
   (weak keys) and ``(path, loss, classes, parameters, precision, device)``: found once (it may
   take a forward pass), not once per engine.
@@ -41,9 +43,20 @@ CONV_LAYOUT: dict[tuple, str] = {}
 HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 BLOCK_ROWS: dict[tuple, int] = {}
 NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
+VMAP_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+UNIT_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[int | None]]] = weakref.WeakKeyDictionary()
 
 
 def clear() -> None:
     """Forget every choice (tests: the next engine measures and checks again)."""
-    for cache in (INPUT_FORMAT, FORMAT_TIMES, CONV_LAYOUT, HOOKS_CHECKED, BLOCK_ROWS, NO_HEAD):
+    for cache in (
+        INPUT_FORMAT,
+        FORMAT_TIMES,
+        CONV_LAYOUT,
+        HOOKS_CHECKED,
+        BLOCK_ROWS,
+        NO_HEAD,
+        VMAP_REFUSED,
+        UNIT_LAYOUTS,
+    ):
         cache.clear()

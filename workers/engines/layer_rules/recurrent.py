@@ -2,7 +2,8 @@
 for a run of classes at once, from the layer's captured call and the gradient at its outputs.
 
 Holds ``recurrent_class_grads`` (the rule), ``recurrent_refusal`` (why a layer is outside it,
-or None) and ``RECURRENT_TYPES``.
+or None), ``RECURRENT_TYPES`` and ``recurrent_unit`` (registered as the hook path's unit
+computer for ``nn.RNNBase``).
 
 How: the layer is run again, layer by layer, so that one ordinary backward from the given output
 gradients stops at each layer's input gate pre-activations ``gi = W_ih x + b_ih`` (``[N, T, G]``,
@@ -40,6 +41,7 @@ from classgrad.workers.engines.layer_rules.recurrent_scan import (
     previous_states,
     unrolled_layer,
 )
+from classgrad.workers.engines.layer_rules.module_vjp import module_class_grads, register_unit_computer
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
 
 RECURRENT_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
@@ -366,3 +368,15 @@ def rerun(
         _, passes = _run_layers(module, call, module.num_layers, method)
     c_n = [lp.c_n for lp in passes if lp.c_n is not None]
     return passes[-1].out, torch.cat([lp.h_n for lp in passes]), torch.cat(c_n) if c_n else None
+
+
+@register_unit_computer(nn.RNNBase)
+def recurrent_unit(
+    module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, grid: ClassGrid, kinds: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """The hook path's unit computer for recurrent layers: class-batched where
+    ``recurrent_refusal`` allows (exactly nn.LSTM/GRU/RNN), the generic module VJP otherwise."""
+    if recurrent_refusal(module) is not None:
+        return module_class_grads(module, args, kwargs, grad_outputs, grid, kinds)
+    assert isinstance(module, nn.RNNBase)
+    return recurrent_class_grads(module, args, kwargs, tuple(grad_outputs), grid, kinds)

@@ -18,7 +18,8 @@ per-class weight and bias gradients. Adding a layer type is adding one function:
 The interface (types in ``rule_io`` and ``outer``):
 
 - ``applies(module) -> str | None``: None when the rule is exact for this layer as configured,
-  else why not (then the whole model takes the vmap path). Called once, when an engine is built.
+  else why not (then a VJP of the module alone handles it: ``module_vjp``). Called once, when an
+  engine is built.
 - ``sums(module, seen, out)``: ``seen`` (``LayerCapture``) holds the layer's input and output
   gradient for the run's samples (``[total, ...]``, class after class, already divided by the
   fp16 loss scale) and lays them out by class (``[k, width, ...]``, padded with zero rows, which
@@ -40,10 +41,14 @@ The interface (types in ``rule_io`` and ``outer``):
   per-class sums directly, as above.
 
 What every rule gets for free, from the hook path (not the rules' job): a layer whose selected
-parameters are also used outside its own forward is found on the autograd graph (and the
-engine falls back to vmap); the first run on each model in a process is checked against the
-plain single-class path (``choices.HOOKS_CHECKED``); shared (tied) parameters, layers with
-forward hooks, and in-place changes of a captured input or output are refused or handled there.
+parameters are also used outside its own forward is found on the autograd graph (its
+parameters then go to the enclosing module's VJP), and so is a layer that sees no per-sample
+dimension; a broadcast layer (input and output ``[1, ...]``, e.g. position embeddings of
+``position_ids [1, T]``) is handed its input and output expanded to the run's samples; the first
+run on each model in a process is checked against the plain single-class path
+(``choices.HOOKS_CHECKED``); shared (tied) parameters (each holder's contribution is added),
+layers with forward hooks (handled by their parent), and in-place changes of a captured input
+or output are handled there.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Holds:
 - ``ClassGrid``: where a run's samples (``[total]``, class after class) sit in a ``[k, width]``
-  grid by class, short classes padded with zero rows.
+  grid by class, short classes padded with zero rows (or, ``copies``, with copies of their own
+  last sample, for module VJPs that need real inputs there).
 - ``LayerCapture``: one layer's input and output gradient in one run, laid out by class on
   request.
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
@@ -38,6 +39,32 @@ class ClassGrid:
     width: int
     spots: torch.Tensor | None
     dtype: torch.dtype
+
+    @property
+    def total(self) -> int:
+        """How many samples the run has (class after class)."""
+        return self.k * self.width if self.spots is None else len(self.spots)
+
+    def sample_class(self, device: torch.device) -> torch.Tensor:
+        """``[total]``: each sample's position in the run (which of the ``k`` classes)."""
+        if self.spots is None:
+            return torch.arange(self.total, device=device) // max(self.width, 1)
+        return self.spots.to(device) // self.width
+
+    def counts(self, device: torch.device) -> torch.Tensor:
+        """``[k]``: samples of each class in the run."""
+        return torch.bincount(self.sample_class(device), minlength=self.k)
+
+    def copies(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(take, real)``, both ``[k * width]``: the sample (index into ``[total]``) at each grid
+        place, a short class repeating its own last sample (an empty one: sample 0), and whether
+        the place holds a real sample (padding gets a zero weight or a zero cotangent)."""
+        counts = self.counts(device)
+        first = torch.cumsum(counts, 0) - counts
+        j = torch.arange(self.width, device=device).unsqueeze(0)
+        last = (counts - 1).clamp(min=0).unsqueeze(1)
+        take = (first.unsqueeze(1) + torch.minimum(j, last)).clamp(max=max(self.total - 1, 0))
+        return take.reshape(-1), (j < counts.unsqueeze(1)).reshape(-1)
 
     def padded(self, t: torch.Tensor) -> torch.Tensor:
         """``[total, ...]`` -> ``[k, width, ...]`` in the rows' dtype, zero rows as padding."""

@@ -9,16 +9,20 @@ samples independently, row c is the gradient of the loss over class c's samples 
 whole matrix costs about one forward+backward over the probe set. To keep the hardware busy when
 classes are small, several classes go through one pass and are split apart again:
 
-- **hooks** (``hook_path``) when every selected parameter belongs to a layer with a layer rule
-  (``classgrad.workers.engines.layer_rules``: Linear, Conv2d, eval-mode BatchNorm): runs of
-  consecutive classes (``packing.plan_runs``), rows written in place;
-- **vmap** (``vmap_path``) for any other model: packs of classes of similar size
-  (``packing.plan_packs``).
+- **hooks** (``hook_path``): runs of consecutive classes (``packing.plan_runs``), rows written
+  in place. Each selected parameter is handled by its layer's rule
+  (``classgrad.workers.engines.layer_rules``: Linear, Conv2d, eval-mode BatchNorm, ...) or, for
+  any other module, by a VJP of the module that holds it alone (``layer_rules.module_vjp``);
+- **vmap** (``vmap_path``) when the hooks cannot be used: packs of classes of similar size
+  (``packing.plan_packs``);
+- **one forward per pack, a backward per class** (``loop_path``): the last resort, never slower
+  than the per-class loop.
 
 Classes larger than half a batch are done alone, micro-batch by micro-batch. If a fast path
-fails for a model (anything it cannot do exactly), the engine notes it and falls back: hooks to
-vmap, vmap to one class at a time (same rows, slower). Rows always come back in the order asked
-for, a group at a time. Speed choices measured on the way live in ``choices``.
+fails for a model (anything it cannot do exactly), the engine falls back: hooks to vmap, vmap to
+the loop (same rows, slower). Which path each parameter took, and why, is logged once per engine
+in one short line (also in ``stats.notes``). Rows always come back in the order asked for, a
+group at a time. Speed choices measured on the way live in ``choices``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import Any
 
 import torch
 
-from classgrad.service.errors import ClassgradError, InputError
+from classgrad.service.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines.base import GradientEngine, RowBlock, couples_samples, samples_independent
 from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.hook_path import HookPath, HookPlan
+from classgrad.workers.engines.partitioned.loop_path import LoopPath
 from classgrad.workers.engines.partitioned.packing import ClassSamples, plan_packs, plan_runs
 from classgrad.workers.engines.partitioned.vmap_path import VmapPath
 from classgrad.workers.losses import PartitionedLoss
@@ -71,8 +76,14 @@ class PartitionedEngine(GradientEngine):
         self.by_class = self.probe.samples_by_class(labels, self.loss.num_classes)
         samples = ClassSamples.from_labels(labels, self.counts)
         self._vmap: VmapPath | None = VmapPath(self, samples, self._write)
+        self._loop = LoopPath(self, samples, self._write)
         plan = HookPlan.plan(self.model, self.layout)
         self._hooked: HookPath | None = None if plan is None else HookPath(self, plan, samples, self._single)
+        # Paths given up on, and why (in the path line); the paths already described.
+        self._abandoned: list[str] = []
+        if plan is None:
+            self._abandoned.append("hooks abandoned (forward hooks on every module, or on the model)")
+        self._described: set[str] = set()
 
     # --- where rows go ---------------------------------------------------------------------------
     #
@@ -145,10 +156,34 @@ class PartitionedEngine(GradientEngine):
 
     # --- the choice of path --------------------------------------------------------------------
 
-    def _fallback(self, what: str, exc: Exception, then: str) -> None:
-        msg = f"{what} ({type(exc).__name__}: {exc}); {then}"
-        log.warning(msg)
-        self.stats.notes.append(msg)
+    def _fallback(self, what: str, exc: Exception) -> None:
+        """Give up a path for this engine: why goes in the next path line (or its own short
+        note when a path line was already written)."""
+        why = f"{what} abandoned ({first_line(exc, with_type=True, limit=120)})"
+        if self._described:
+            note = f"partitioned: {why}"
+            log.warning(note)
+            self.stats.notes.append(note)
+        else:
+            self._abandoned.append(why)
+
+    def _describe(self, path: str) -> None:
+        """Once per path: one line saying which path the parameters took, and why."""
+        if path in self._described:
+            return
+        self._described.add(path)
+        n = len(self.layout.slots)
+        if path == "hooks":
+            assert self._hooked is not None
+            what = self._hooked.summary()
+        elif path == "vmap":
+            what = f"vmap for all {n} params"
+        else:
+            what = f"one forward per pack of classes and a backward per class for all {n} params"
+        line = f"partitioned: {what}" + "".join(f"; {why}" for why in self._abandoned)
+        self._abandoned = []
+        log.info(line)
+        self.stats.notes.append(line)
 
     def _rows_into(
         self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
@@ -159,20 +194,26 @@ class PartitionedEngine(GradientEngine):
                 result = self._hooked.rows(classes, scales, dest, where)
                 if not self._hooked.checked:
                     self._hooked.check(classes, scales, dest, where)
+                self._describe("hooks")
                 return result
             except ClassgradError:
                 raise
             except Exception as exc:  # noqa: BLE001 - anything hooks cannot do exactly: vmap, same rows
                 self._hooked = None
-                self._fallback("per-class sums from hooks unavailable", exc, "using vmap")
+                self._fallback("hooks", exc)
         if self._vmap is not None and len(classes) > 1:
             try:
-                return self._vmap.rows(classes, scales, dest, where)
+                result = self._vmap.rows(classes, scales, dest, where)
+                self._describe("vmap")
+                return result
             except ClassgradError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any vmap limitation: fall back, same rows
                 self._vmap = None
-                self._fallback("vmap cannot batch this model", exc, "classes done one at a time")
+                self._fallback("vmap", exc)
+        if len(classes) > 1:  # the last resort: one forward for the pack, a backward per class
+            self._describe("loop")
+            return self._loop.rows(classes, scales, dest, where)
         if isinstance(where, slice):
             first = where.start or 0
             spots: list = [slice(first + i, first + i + 1) for i in range(len(classes))]

@@ -1,79 +1,47 @@
 """The hook path: a run of consecutive classes from one forward and one backward, split by class.
 
-Holds ``HookPlan`` (the layers that own the selected parameters and their layer rules, or None
-when some parameter is outside every rule) and ``HookPath`` (a run's rows, and the one-off spot
-check against the plain single-class path).
+Holds ``HookPath`` (a run's rows, and the one-off spot check against the plain single-class
+path); the plan it follows (which module handles each selected parameter, and how) is
+``hook_plan.HookPlan``, re-exported here.
 
 A run's samples go through one ordinary forward (``capture.forward_capturing``) and one backward
-that stops at the outputs of the hooked layers; each layer's rule
+that stops at the outputs of the handling modules. A module with a layer rule
 (``classgrad.workers.engines.layer_rules``) turns its input and output gradient into per-class
-gradients written straight into the row buffer. No padding in the forward, no per-sample
-gradients, no extra copy of the rows. The first run on a model (per process, see
+gradients written straight into the row buffer; a module-VJP unit
+(``layer_rules.module_vjp``) gets its per-class gradients from a VJP of that module alone on its
+captured inputs, vmapped over the run's classes. No padding in the model's forward, no
+per-sample gradients, no extra copy of the rows. A module found not to be local on a run (a
+parameter used outside it, an output with no sample dimension) hands its parameters to its
+parent, and the run is done again. The first run on a model (per process, see
 ``choices.HOOKS_CHECKED``) is checked against the plain single-class path; any failure makes the
 engine abandon the hooks for vmap (same rows).
 """
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_state  # where global forward hooks are kept
+from torch.utils import _pytree as pytree
 
+from classgrad.service.errors import ClassgradError, first_line
 from classgrad.workers.engines import choices
-from classgrad.workers.engines.base import GradientEngine, choice_clock
-from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRule, rule_for
-from classgrad.workers.engines.partitioned.capture import forward_capturing
+from classgrad.workers.engines.base import GradientEngine, NormInFloat32, choice_clock
+from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
+from classgrad.workers.engines.layer_rules.module_vjp import batch_dim, check_layout
+from classgrad.workers.engines.partitioned.capture import Captured, NotLocal, UnitCall, forward_capturing
+from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
 from classgrad.workers.engines.partitioned.packing import ClassSamples
-from classgrad.workers.layout import ParamLayout, ParamSlot
+from classgrad.workers.layout import ParamSlot
 from classgrad.workers.losses import PartitionedLoss
 
 log = logging.getLogger(__name__)
 
-
-class HookPlan:
-    """The layers that own the selected parameters: which slot is which, and each layer's rule.
-
-    ``plan`` returns None when any selected parameter is not one its layer's rule computes (no
-    rule for the type, a rule that does not apply to the layer as configured, another parameter
-    name), or when a parameter is shared (tied) or the layer (or every module, through
-    ``register_module_forward_hook``) already has forward hooks: then per-class sums from hooks
-    would not be exact, and vmap is used.
-    """
-
-    def __init__(self, layers: dict[nn.Module, dict[str, ParamSlot]], rules: dict[nn.Module, LayerRule]):
-        self.layers = layers
-        self.rules = rules
-
-    @classmethod
-    def plan(cls, model: nn.Module, layout: ParamLayout) -> HookPlan | None:
-        if module_state._global_forward_hooks or module_state._global_forward_pre_hooks:
-            return None  # hooks on every module (they may change a layer's input or output)
-        modules = dict(model.named_modules())
-        uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-        layers: dict[nn.Module, dict[str, ParamSlot]] = {}
-        rules: dict[nn.Module, LayerRule] = {}
-        for slot in layout.slots:
-            owner, _, kind = slot.name.rpartition(".")
-            mod = modules.get(owner)
-            if mod is None:
-                return None
-            rule = rule_for(mod)
-            if rule is None or kind not in rule.kinds:
-                return None
-            if uses[id(getattr(mod, kind))] != 1 or mod._forward_hooks or mod._forward_pre_hooks:
-                return None
-            reason = rule.applies(mod)
-            if reason is not None:
-                log.debug("partitioned: no per-class sums from hooks for %s (%s)", owner or "the model", reason)
-                return None
-            layers.setdefault(mod, {})[kind] = slot
-            rules[mod] = rule
-        return cls(layers, rules)
+__all__ = ["HookPath", "HookPlan"]
 
 
 # One class's row alone by the plain path: (class, loss scale [1], destination, where).
@@ -91,7 +59,17 @@ class HookPath:
         self.single = single
         self.checked = self._check_key() in choices.HOOKS_CHECKED.get(engine.model, ())
         self.clone = False  # copy layer outputs (the model changes them in place)
+        self.lifts: list[str] = []  # modules whose parameters went to their parent, and why
+        # Broadcast outputs ([1, ...]) handed on expanded to the run's samples (see capture), and
+        # the modules whose outputs were expanded in the current run.
+        self.expand = True
+        self.expanded: list[nn.Module] = []
         self.formats = ImageFormat(engine.model, engine.device, engine.precision.dtype, engine.stats)
+
+    def summary(self) -> str:
+        """Which parameters this path handles and how (for the engine's one log line)."""
+        lifted = f"; {len(self.lifts)} lifted ({self.lifts[0][:100]})" if self.lifts else ""
+        return self.plan.summary() + lifted
 
     @property
     def layers(self) -> dict[nn.Module, dict[str, ParamSlot]]:
@@ -101,6 +79,30 @@ class HookPath:
         self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
+        while True:
+            self.expanded = []
+            try:
+                return self._rows(classes, scales, dest, where)
+            except NotLocal as exc:  # that module's parameters go to its parent; run again
+                plan = self.plan.lifting(self.engine.model, self.engine.layout, exc.module)
+                if plan is None:
+                    raise RuntimeError(str(exc)) from None
+                name = self.plan.names.get(exc.module) or "the model"
+                self.lifts.append(f"{name} by its parent ({exc})")
+                log.debug("partitioned: %s", self.lifts[-1])
+                self.plan = plan
+                self.checked = self._check_key() in choices.HOOKS_CHECKED.get(self.engine.model, ())
+            except ClassgradError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - maybe an expanded broadcast output: once without
+                if not (self.expand and self.expanded):
+                    raise
+                self.expand = False  # their modules are then found not local, and lifted
+                self.lifts.append(f"broadcast outputs kept ({first_line(exc, with_type=True, limit=80)})")
+
+    def _rows(
+        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         eng = self.engine
         cls = torch.tensor(classes)
         counts = eng.counts[cls]
@@ -116,11 +118,21 @@ class HookPath:
         clock = choice_clock(eng.device)
         t_start = clock()
 
-        kinds = {m: tuple(slots) for m, slots in self.plan.layers.items()}
-        seen = forward_capturing(eng.model, kinds, x, lambda: eng.forward_context(0), self.clone, eng.io)
+        plan = self.plan
+        seen = forward_capturing(
+            eng.model,
+            plan.holders,
+            set(plan.units),
+            x,
+            lambda: eng.forward_context(0),
+            self.clone,
+            eng.io,
+            total,
+            self.expanded if self.expand else None,
+        )
         if seen is None:  # an in-place change of a layer output: run again with copies, once
             self.clone = True
-            return self.rows(classes, scales, dest, where)
+            return self._rows(classes, scales, dest, where)
         out, captured = seen
         eng.stats.forwards += 1
         loss = eng.loss
@@ -134,39 +146,33 @@ class HookPath:
         eng.check_finite_loss(values, cls)
         scaled = bool((scales != 1).any())
         objective = (weighted * scales.to(eng.device, weighted.dtype)[dev_local]).sum() if scaled else weighted.sum()
-        # A layer run under no_grad has an output outside the graph: its parameters get no
+        # A module run under no_grad has an output outside the graph: its parameters get no
         # gradient (None, like an unused one).
-        live = [i for i, c in enumerate(captured) if c.output.requires_grad]
-        found = (
-            torch.autograd.grad(objective, [captured[i].output for i in live], allow_unused=True)
-            if live and objective.requires_grad
-            else ()
+        targets = [t for c in captured for t in c.targets]
+        found_grads = (
+            torch.autograd.grad(objective, targets, allow_unused=True) if targets and objective.requires_grad else ()
         )
-        grads: list[torch.Tensor | None] = [None] * len(captured)
-        for i, found_grad in zip(live, found):
-            grads[i] = found_grad
+        found = {id(t): g for t, g in zip(targets, found_grads) if g is not None}
         eng.stats.backwards += 1
         if any(c.modified() for c in captured):
             if not self.clone:  # once: switch to copied outputs and redo the run
                 self.clone = True
-                return self.rows(classes, scales, dest, where)
+                return self._rows(classes, scales, dest, where)
             raise RuntimeError("a hooked layer's input or output was modified in place")
 
         dtype = rows.dtype
-        inv = (1.0 / scales.double()).to(eng.device, dtype)[dev_local] if scaled else None
         width = int(counts.max())
         # Every class has `width` samples: [total] is already [k, width].
         spots = None if bool((counts == width).all()) else dev_local * width + within.to(eng.device)
         grid = ClassGrid(k, width, spots, dtype)
         sink = ClassRows(rows)
-        for c, g in zip(captured, grads):
-            if g is None:
-                continue
-            if inv is not None:
-                g = g.to(dtype) * inv.view(-1, *[1] * (g.ndim - 1))
-            self.plan.rules[c.module].sums(
-                c.module, LayerCapture(c.inputs.detach(), g, grid), sink.for_layer(self.plan.layers[c.module])
-            )
+        inv = (1.0 / scales.double()).to(eng.device, dtype) if scaled else None
+        for c in captured:
+            if isinstance(c, Captured):
+                self._rule_sums(c, found.get(id(c.output)), grid, sink, inv, dev_local, total)
+        for c in captured:
+            if isinstance(c, UnitCall):
+                self._unit_grads(c, found, grid, sink, inv, total)
         sink.zero_unwritten(eng.layout.slots)  # no path to the loss in this run
         ok = sink.certainly_finite()
         if trying is not None:
@@ -174,6 +180,60 @@ class HookPath:
                 torch.cuda.synchronize(eng.device)
             trying.append((clock() - t_start) / total)
         return values.detach(), torch.full((k,), ok, dtype=torch.bool)
+
+    def _rule_sums(
+        self,
+        c: Captured,
+        g: torch.Tensor | None,
+        grid: ClassGrid,
+        sink: ClassRows,
+        inv: torch.Tensor | None,
+        dev_local: torch.Tensor,
+        total: int,
+    ) -> None:
+        """One call of a layer with a rule: its per-class sums into the rows."""
+        if g is None:
+            return
+        if c.inputs.shape[0] != total or g.shape[0] != total:
+            raise NotLocal(c.module, f"{type(c.module).__name__} sees no per-sample dimension")
+        if inv is not None:
+            g = g.to(grid.dtype) * inv[dev_local].view(-1, *[1] * (g.ndim - 1))
+        self.plan.rules[c.module].sums(
+            c.module, LayerCapture(c.inputs.detach(), g, grid), sink.for_layer(self.plan.layers[c.module])
+        )
+
+    def _unit_grads(
+        self,
+        c: UnitCall,
+        found: dict[int, torch.Tensor],
+        grid: ClassGrid,
+        sink: ClassRows,
+        inv: torch.Tensor | None,
+        total: int,
+    ) -> None:
+        """One call of a module-VJP unit: a VJP of the module alone, per class, into the rows."""
+        eng = self.engine
+        mine = {id(t): found[id(t)] for t in c.targets if id(t) in found}
+        if not mine:
+            return
+        if any(batch_dim(g, total, c.module) is None for g in mine.values()):
+            raise NotLocal(c.module, f"an output of {type(c.module).__name__} has no per-sample dimension")
+        slots = self.plan.layers[c.module]
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), (c.args, c.kwargs))
+        low = eng.precision.dtype != "fp32"
+        with eng.precision.autocast(eng.device), NormInFloat32() if low else contextlib.nullcontext():
+            # Compared: the outputs the loss depends on.
+            outputs = pytree.tree_unflatten([t if t is not None and id(t) in mine else None for t in c.outputs], c.spec)
+            if not check_layout(c.module, args, kwargs, outputs, total):
+                raise NotLocal(c.module, f"{type(c.module).__name__} alone on one sample gives other outputs")
+            grads = self.plan.units[c.module](c.module, args, kwargs, c.grad_outputs(mine), grid, tuple(slots))
+        out = sink.for_layer(slots)
+        for name, value in grads.items():
+            value = value.to(grid.dtype)
+            if inv is not None:
+                value = value * inv.view(-1, *[1] * (value.ndim - 1))
+            out.check_sums(value)
+            out.put(name, value)
 
     def check(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice) -> None:
         """Once per model (see ``choices.HOOKS_CHECKED``): two rows from hooks against the plain
@@ -204,4 +264,5 @@ class HookPath:
             eng.precision.dtype,
             eng.device.type,
             frozenset(self.plan.rules.values()),
+            frozenset((type(m), fn) for m, fn in self.plan.units.items()),
         )
