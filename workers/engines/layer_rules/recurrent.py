@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from classgrad.workers.engines.layer_rules.module_vjp import module_class_grads, register_unit_computer
 from classgrad.workers.engines.layer_rules.recurrent_scan import (
     DirWeights,
     LayerPass,
@@ -41,7 +42,6 @@ from classgrad.workers.engines.layer_rules.recurrent_scan import (
     previous_states,
     unrolled_layer,
 )
-from classgrad.workers.engines.layer_rules.module_vjp import module_class_grads, register_unit_computer
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
 
 RECURRENT_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
