@@ -1,10 +1,12 @@
-"""Tiny Hugging Face models for tests and benchmarks: built from small configs, seeded, no downloads.
+"""The models users bring, tiny: built from small configs, seeded, no downloads, no wrappers.
 
-Holds ``LogitsOf`` (a test-only wrapper: a dict of keyword inputs or a pixel tensor in, the
-output's ``.logits`` out), the builders ``tiny_bert``, ``tiny_gpt2``, ``tiny_llama`` and
-``tiny_vit`` (eval mode, wrapped), ``HF_BUILDERS`` (name -> builder) and ``hf_probe`` (a
-seeded probe set for one of them: padded token ids with an attention mask, or images).
-Parameter names carry the wrapper's ``hf.`` prefix.
+Holds the builders ``tiny_bert``, ``tiny_gpt2``, ``tiny_llama``, ``tiny_vit``, ``tiny_resnet``
+(Hugging Face classes as their library defines them, eval mode: the engines pass dict batches
+as keyword arguments and take ``.logits``), ``lstm_classifier`` (``nn.Embedding`` +
+``nn.LSTM`` + ``nn.Linear``) and ``layernorm_mlp``; ``HF_BUILDERS`` (the Hugging Face
+transformers by name), ``REAL_MODELS`` (all of them) and ``hf_probe`` (a seeded probe set for
+one of them: right-padded token ids with an attention mask, or images, or vectors). Builders
+take config overrides (``**sizes``), so tests can try other small configs of an architecture.
 """
 
 from __future__ import annotations
@@ -18,19 +20,7 @@ from torch import nn
 VOCAB = 48
 SEQ_LEN = 7
 PAD = 0
-
-
-class LogitsOf(nn.Module):
-    """``hf(**x).logits`` for a dict ``x`` (token models), ``hf(pixel_values=x).logits`` otherwise."""
-
-    def __init__(self, hf: nn.Module):
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, x: Any) -> torch.Tensor:
-        if isinstance(x, dict):
-            return self.hf(**x).logits
-        return self.hf(pixel_values=x).logits
+VECTOR = 10  # the MLP's input features
 
 
 def _randomised(model: nn.Module, seed: int) -> nn.Module:
@@ -43,74 +33,133 @@ def _randomised(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def tiny_bert(num_classes: int, seed: int = 0) -> nn.Module:
+def tiny_bert(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=16,
-        num_labels=num_classes,
-        pad_token_id=PAD,
+        **dict(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            max_position_embeddings=16,
+            num_labels=num_classes,
+            pad_token_id=PAD,
+        )
+        | sizes
     )
-    return LogitsOf(_randomised(BertForSequenceClassification(config), seed)).eval()
+    return _randomised(BertForSequenceClassification(config), seed).eval()
 
 
-def tiny_gpt2(num_classes: int, seed: int = 0) -> nn.Module:
+def tiny_gpt2(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        num_labels=num_classes,
-        pad_token_id=PAD,
-        bos_token_id=1,
-        eos_token_id=1,
+        **dict(
+            vocab_size=VOCAB,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            num_labels=num_classes,
+            pad_token_id=PAD,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
+        | sizes
     )
-    return LogitsOf(_randomised(GPT2ForSequenceClassification(config), seed)).eval()
+    return _randomised(GPT2ForSequenceClassification(config), seed).eval()
 
 
-def tiny_llama(num_classes: int, seed: int = 0) -> nn.Module:
+def tiny_llama(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        num_labels=num_classes,
-        pad_token_id=PAD,
+        **dict(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            num_labels=num_classes,
+            pad_token_id=PAD,
+        )
+        | sizes
     )
-    return LogitsOf(_randomised(LlamaForSequenceClassification(config), seed)).eval()
+    return _randomised(LlamaForSequenceClassification(config), seed).eval()
 
 
-def tiny_vit(num_classes: int, seed: int = 0) -> nn.Module:
+def tiny_vit(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(seed)
     config = ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=24,
-        num_labels=num_classes,
+        **dict(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            num_labels=num_classes,
+        )
+        | sizes
     )
-    return LogitsOf(_randomised(ViTForImageClassification(config), seed)).eval()
+    return _randomised(ViTForImageClassification(config), seed).eval()
+
+
+def tiny_resnet(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
+    """Hugging Face's ResNet (BatchNorm in eval mode, with running statistics away from 0 and 1)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(seed)
+    config = ResNetConfig(
+        **dict(embedding_size=8, hidden_sizes=[8, 12], depths=[1, 1], layer_type="basic", num_labels=num_classes)
+        | sizes
+    )
+    model = _randomised(ResNetForImageClassification(config), seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+class LSTMClassifier(nn.Module):
+    """``nn.Embedding`` + ``nn.LSTM`` + ``nn.Linear`` on the last real token's state; keyword
+    inputs as a tokenizer gives them."""
+
+    def __init__(self, num_classes: int, hidden: int = 12, layers: int = 1, bidirectional: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden, padding_idx=PAD)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), num_classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        states, _ = self.lstm(self.embed(input_ids))
+        last = (attention_mask.sum(dim=1) - 1).clamp(min=0)
+        return self.head(states[torch.arange(len(last), device=last.device), last])
+
+
+def lstm_classifier(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
+    torch.manual_seed(seed)
+    return _randomised(LSTMClassifier(num_classes, **sizes), seed).eval()
+
+
+def layernorm_mlp(num_classes: int, seed: int = 0, hidden: int = 24) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(VECTOR, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.LayerNorm(hidden),
+        nn.GELU(), nn.Linear(hidden, num_classes),
+    )  # fmt: skip
+    return _randomised(model, seed).eval()
 
 
 HF_BUILDERS: dict[str, Callable[..., nn.Module]] = {
@@ -119,6 +168,14 @@ HF_BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "llama": tiny_llama,
     "vit": tiny_vit,
 }
+# Every model of issue 16's table, as users bring them.
+REAL_MODELS: dict[str, Callable[..., nn.Module]] = {
+    **HF_BUILDERS,
+    "resnet": tiny_resnet,
+    "lstm": lstm_classifier,
+    "ln_mlp": layernorm_mlp,
+}
+IMAGE_MODELS = ("vit", "resnet")
 
 
 def hf_probe(
@@ -126,13 +183,15 @@ def hf_probe(
 ) -> tuple[Any, torch.Tensor]:
     """``(inputs, labels)`` with ``per_class`` samples of each class (class after class, then
     shuffled). Token models get right-padded ids (1 to ``seq_len`` real tokens, pad id 0) and
-    an attention mask; ViT gets 3x8x8 images."""
+    an attention mask; ViT and ResNet get 3x8x8 images, the MLP vectors."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(num_classes).repeat_interleave(per_class)
     labels = labels[torch.randperm(len(labels), generator=g)]
     n = len(labels)
-    if name == "vit":
+    if name in IMAGE_MODELS:
         return torch.randn(n, 3, 8, 8, generator=g), labels
+    if name == "ln_mlp":
+        return torch.randn(n, VECTOR, generator=g), labels
     lengths = torch.randint(1, seq_len + 1, (n,), generator=g)
     mask = (torch.arange(seq_len).unsqueeze(0) < lengths.unsqueeze(1)).long()
     ids = torch.randint(1, VOCAB, (n, seq_len), generator=g) * mask

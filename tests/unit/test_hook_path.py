@@ -184,7 +184,7 @@ def test_bert_with_padding_cannot_be_vmapped_but_takes_the_hook_path():
     model = tiny_bert(NUM_CLASSES)
     x, y = hf_probe("bert", NUM_CLASSES, 2)
     with pytest.raises(Exception):  # noqa: B017, PT011 - any vmap refusal
-        torch.func.vmap(model)({k: v.view(2, -1, v.shape[-1]) for k, v in x.items()})
+        torch.func.vmap(lambda b: model(**b).logits)({k: v.view(2, -1, v.shape[-1]) for k, v in x.items()})
     choices.clear()
     eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
     got = eng.compute(range(NUM_CLASSES)).rows

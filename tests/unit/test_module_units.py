@@ -66,7 +66,7 @@ def _on_hooks(eng) -> None:
     assert not eng._hooked.lifts, eng._hooked.lifts
 
 
-# --- Hugging Face models (tiny configs, wrapped to return .logits) ------------------------------
+# --- Hugging Face models (tiny configs, as transformers defines them: no wrapper) --------------------------
 
 
 @pytest.mark.parametrize("name", sorted(HF_BUILDERS))
