@@ -13,6 +13,10 @@ round-robin in one run (``common.interleaved``):
   classes and extrapolated to C (forward once + C x the mean backward): said in the table.
 - ``opacus``: Opacus' ``GradSampleModule`` per-sample gradients, summed by label into rows
   (weight 1 / class size), where Opacus supports every layer of the model ("n/a" otherwise).
+- ``no hooks`` (with ``--no-hooks``): classgrad with its hook path ruled out, i.e. vmap over the
+  whole model where it can batch it, else the last resort (one forward per pack of classes, one
+  backward per class on that graph), timed on ``--loop-classes`` classes and extrapolated per row:
+  the last resort must never be slower than the per-class loop.
 
 Rows of classgrad are checked against the loop's rows on the timed classes (max relative error
 printed). The engine's note on the path it took is printed per model.
@@ -30,6 +34,7 @@ convolution models) and >= 3 (MLP-like). Prints ratios; asserts nothing on time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 from typing import Any
@@ -144,7 +149,18 @@ def _opacus_pass(
             p.grad = None
 
 
-def measure(name: str, C: int, reps: int, batch: int, loop_classes: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def hooks_ruled_out():
+    """The partitioned engine as it was before layer rules and units: no hook plan."""
+    from unittest import mock
+
+    from classgrad.workers.engines.partitioned import hook_plan
+
+    with mock.patch.object(hook_plan.HookPlan, "plan", classmethod(lambda cls, *a, **kw: None)):
+        yield
+
+
+def measure(name: str, C: int, reps: int, batch: int, loop_classes: int, no_hooks: bool = False) -> dict[str, Any]:
     import classgrad
 
     case = build_case(name, C)
@@ -165,11 +181,21 @@ def measure(name: str, C: int, reps: int, batch: int, loop_classes: int) -> dict
             case.model, Samples(case.samples), num_classes=C, batch_size=batch, progress=False
         )
 
+    def without_hooks() -> dict:
+        t0 = common.now()
+        with hooks_ruled_out():
+            classgrad.per_class_gradients(
+                case.model, Samples(case.samples), num_classes=C, classes=timed, batch_size=batch, progress=False
+            )
+        return {"seconds": (common.now() - t0) * C / len(timed)}
+
     methods = {
         "classgrad": ours,
         "floor": floor(case, params, counts, batch),
         "loop": per_class_loop(case, params, counts, batch, timed, C, holder),
     }
+    if no_hooks:
+        methods["no_hooks"] = without_hooks
     opacus_note = ""
     try:
         methods["opacus"] = opacus_rows(case, counts, batch, C, holder)
@@ -205,6 +231,7 @@ def measure(name: str, C: int, reps: int, batch: int, loop_classes: int) -> dict
         "loop_over_classgrad": t["loop"].best / t["classgrad"].best,
         "opacus_over_classgrad": (t["opacus"].best / t["classgrad"].best) if "opacus" in t else None,
         "opacus_note": opacus_note,
+        "loop_over_no_hooks": (t["loop"].best / t["no_hooks"].best) if "no_hooks" in t else None,
         "max_rel_err_vs_loop": err,
         "engine_notes": sorted(set(n for n in notes if "partitioned" in n or "dense" in n))[:3],
     }
@@ -220,6 +247,7 @@ def main() -> None:
     parser.add_argument("--loop-classes", type=int, default=100, help="classes the loop is timed on")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="C = 100, 1 rep (a smoke run)")
+    parser.add_argument("--no-hooks", action="store_true", help="also time classgrad with its hook path ruled out")
     args = parser.parse_args()
     if args.quick:
         args.classes, args.reps, args.loop_classes = 100, 1, 20
@@ -228,16 +256,17 @@ def main() -> None:
     logging.getLogger("classgrad").setLevel(logging.INFO)
     results = []
     for name in args.models.split(","):
-        r = measure(name, args.classes, args.reps, args.batch_size, args.loop_classes)
+        r = measure(name, args.classes, args.reps, args.batch_size, args.loop_classes, args.no_hooks)
         results.append(r)
         print(f"{name}: {r['engine_notes'] or '(no engine note)'}", flush=True)
     print(f"\n== real models, C = {args.classes}, 1-4 samples per class, fp32, {args.threads} threads")
     fmt = lambda v, f=".2f": "n/a" if v is None else format(v, f)  # noqa: E731
     common.print_table(
-        ["model", "D", "classgrad s", "/ floor", "loop / classgrad", "opacus / classgrad", "max rel err"],
+        ["model", "D", "classgrad s", "/ floor", "loop / classgrad", "opacus / classgrad", "loop / no hooks",
+         "max rel err"],
         [
             [r["model"], r["D"], fmt(r["classgrad_s"], ".3f"), fmt(r["vs_floor"]), fmt(r["loop_over_classgrad"], ".1f"),
-             fmt(r["opacus_over_classgrad"]), fmt(r["max_rel_err_vs_loop"], ".1e")]
+             fmt(r["opacus_over_classgrad"]), fmt(r["loop_over_no_hooks"]), fmt(r["max_rel_err_vs_loop"], ".1e")]
             for r in results
         ],
     )  # fmt: skip
