@@ -83,12 +83,13 @@ def check_job(config: JobConfig) -> CheckedJob:
     Every user error (bad factory, wrong output width, labels out of range, patterns that
     select nothing) is raised here, before the store's lease is taken or a store exists.
     """
-    from classgrad.workers.runtime.actor import checked_engine
+    from classgrad.workers.runtime.actor import checked_engine, projection_record
     from classgrad.workers.runtime.identity import engine_identity
 
     engine, projector, dim = checked_engine(config, device="cpu")
     identity = engine_identity(engine).to_dict()
     layout = engine.layout
+    projection = projection_record(engine, projector)
     spec = StoreSpec(
         num_classes=config.loss.num_classes,
         dim=dim,
@@ -98,9 +99,9 @@ def check_job(config: JobConfig) -> CheckedJob:
         dtype=config.store.dtype,
         codec=config.store.codec,
         sharded=config.store.sharded,
-        layout=() if projector else layout.slots,
+        layout=() if projection is not None else layout.slots,
         loss_kind=engine.loss.name,
-        projection=projector.describe() if projector else None,
+        projection=projection,
         config=config.redacted(),
         fingerprint=resumable_fingerprint(config),
         identity=identity,

@@ -92,6 +92,7 @@ class HookPath:
         self.checked = self._check_key() in choices.HOOKS_CHECKED.get(engine.model, ())
         self.clone = False  # copy layer outputs (the model changes them in place)
         self.formats = ImageFormat(engine.model, engine.device, engine.precision.dtype, engine.stats)
+        self.projections: dict = {}  # weight name -> Kronecker unit: rows projected inside the backward
 
     @property
     def layers(self) -> dict[nn.Module, dict[str, ParamSlot]]:
@@ -158,7 +159,7 @@ class HookPath:
         # Every class has `width` samples: [total] is already [k, width].
         spots = None if bool((counts == width).all()) else dev_local * width + within.to(eng.device)
         grid = ClassGrid(k, width, spots, dtype)
-        sink = ClassRows(rows)
+        sink = ClassRows(rows, self.projections)
         for c, g in zip(captured, grads):
             if g is None:
                 continue

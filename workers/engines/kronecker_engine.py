@@ -1,0 +1,119 @@
+"""The partitioned engine with Kronecker-projected rows: every row is projected inside the backward.
+
+Holds ``KroneckerEngine``, a ``PartitionedEngine`` whose rows are ``projection.dim`` wide: the hook
+path writes each Kronecker layer's projected part (``layer_rules.kronecker_sums``) and every other
+selected parameter whole into a "work" row (units, then the rest), and each finished block's rest
+is kept or projected densely (``classgrad.workers.kronecker.KroneckerMap``). No full row is formed,
+except the two rows of the hook path's one-off spot check (computed whole by the plain
+single-class path and projected with the same factors).
+
+Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
+dense loss, a model outside the layer rules, a hook path that fails) is refused with one line that
+points to ``projection.structure: dense``: never a silent detour through full rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from classgrad.service.errors import ConfigError
+from classgrad.workers.engines.base import RowBlock
+from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.kronecker import MEASURE_CLASSES, KroneckerMap
+from classgrad.workers.layout import ParamLayout
+
+log = logging.getLogger(__name__)
+
+REFUSAL = "projection.structure=kronecker projects inside the partitioned engine's hook path"
+
+
+class KroneckerEngine(PartitionedEngine):
+    """Rows of ``dim`` columns: Kronecker layers projected in the backward, the rest kept or dense.
+
+    ``projection``: ``dim``, ``kind``, ``seed``, ``rest`` (keep|dense), ``allocation`` (norm|size)
+    and optionally ``record`` (a store's ``projection`` attribute: its split is reused, so every
+    worker of a job projects the same way).
+    """
+
+    def __init__(self, *args: Any, projection: dict[str, Any], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self._hooked is None:
+            raise ConfigError(
+                f"{REFUSAL}, which this model does not take (a selected parameter is outside the layer "
+                "rules, shared, or hooked): use projection.structure=dense"
+            )
+        self.full_layout = self.layout
+        hooked = self._hooked
+        names = {m: n for n, m in self.model.named_modules()}
+        modules = dict(self.model.named_modules())
+        covered = {names[m] for m in hooked.plan.layers}
+        record = projection.get("record")
+        options = {
+            "dim": int(projection["dim"]),
+            "kind": projection.get("kind", "rademacher"),
+            "seed": int(projection.get("seed", 0)),
+            "rest_mode": projection.get("rest", "dense"),
+            "allocation": projection.get("allocation", "norm"),
+        }
+        kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, fixed=record, **options)
+        self._install(kmap)
+        if record is None and options["allocation"] == "norm" and (kmap.units or kmap.rest_size):
+            first = list(range(min(MEASURE_CLASSES, self.loss.num_classes)))
+            work = RowBlock.concat(list(super().iter_blocks(first))).rows
+            self._install(kmap.remeasured(kmap.measure(work)))
+            self.stats.rows = 0  # the measurement is not part of the rows asked for
+        log.info(
+            "kronecker projection: %d layers in %d columns, rest %s (%d parameters) in %d",
+            len(self.kmap.units),
+            self.kmap.units_width,
+            self.kmap.rest_mode,
+            self.kmap.rest_size,
+            self.kmap.dim - self.kmap.units_width,
+        )
+
+    def _install(self, kmap: KroneckerMap) -> None:
+        """Point the hook path at ``kmap``'s work row."""
+        assert self._hooked is not None
+        self.kmap = kmap
+        work = kmap.work_slots()
+        self.layout = ParamLayout(work)
+        by_name = {s.name: s for s in work}
+        plan = self._hooked.plan
+        plan.layers = {m: {kind: by_name[s.name] for kind, s in slots.items()} for m, slots in plan.layers.items()}
+        self._hooked.projections = {u.weight.name: u for u in kmap.units}
+        self._hooked.single = self._single_projected
+        self._vmap = None  # vmap forms full rows: never taken here
+
+    @property
+    def stored_dim(self) -> int:
+        return self.kmap.dim
+
+    def describe(self) -> dict[str, Any]:
+        return self.kmap.describe()
+
+    def _fallback(self, what: str, exc: Exception, then: str) -> None:
+        raise ConfigError(
+            f"{REFUSAL}, which failed here ({what}: {type(exc).__name__}: {exc}): use projection.structure=dense"
+        ) from exc
+
+    def _single_projected(
+        self, c: int, scale: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class ``c``'s work row by the plain path (a full row, projected): the spot check only."""
+        full = torch.empty(1, self.full_layout.dim, dtype=self.row_dtype, device=self.device)
+        work, self.layout = self.layout, self.full_layout
+        try:
+            value, finite = PartitionedEngine._single(self, c, scale, full, slice(0, 1))
+        finally:
+            self.layout = work
+        dest[where] = self.kmap.work_rows(full).to(dest.dtype)
+        return value, finite
+
+    def iter_blocks(self, classes: Sequence[int]):  # type: ignore[override]
+        for block in super().iter_blocks(classes):
+            yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
