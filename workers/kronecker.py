@@ -190,6 +190,29 @@ def _exact_pair(n: int, a: int, b: int, ratio: float) -> tuple[int, int] | None:
     return None if best is None else (best[1], best[2])
 
 
+def _refactor(units: list[KroneckerUnit], left: int) -> int:
+    """Give the last ``left`` columns to one unit re-factored exactly, else to two (widths moved
+    between them by up to 64); return what is still left (0 on success)."""
+    ordered = sorted(units, key=lambda u: -u.width)
+    for u in ordered:
+        pair = _exact_pair(u.width + left, u.a, u.cols_in, u.k_out / u.k_in)
+        if pair is not None:
+            u.k_out, u.k_in = pair
+            return 0
+    for i, u in enumerate(ordered):
+        for v in ordered[i + 1 :]:
+            total = u.width + v.width + left
+            for n in sorted(
+                range(max(1, u.width - 64), min(total, u.width + left + 64)), key=lambda n: abs(n - u.width)
+            ):
+                pu = _exact_pair(n, u.a, u.cols_in, u.k_out / u.k_in)
+                pv = _exact_pair(total - n, v.a, v.cols_in, v.k_out / v.k_in) if pu else None
+                if pu and pv:
+                    (u.k_out, u.k_in), (v.k_out, v.k_in) = pu, pv
+                    return 0
+    return left
+
+
 def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: str, weights: Sequence[float]) -> int:
     """Set every unit's ``k_out``/``k_in``; return the rest's width. ``weights``: one per unit, then
     one for the rest (ignored unless the rest is projected densely)."""
@@ -229,12 +252,7 @@ def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: st
         if not stepped:
             break
     if left:
-        for u in sorted(units, key=lambda u: -u.width):
-            pair = _exact_pair(u.width + left, u.a, u.cols_in, max(u.k_out, 1) / max(u.k_in, 1))
-            if pair is not None:
-                u.k_out, u.k_in = pair
-                left = 0
-                break
+        left = _refactor(units, left)
     if left:
         raise ConfigError(f"projection.dim ({dim}) cannot be split exactly among the layers: choose another dim")
     return rest_width

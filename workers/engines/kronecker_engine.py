@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -114,6 +114,6 @@ class KroneckerEngine(PartitionedEngine):
         dest[where] = self.kmap.work_rows(full).to(dest.dtype)
         return value, finite
 
-    def iter_blocks(self, classes: Sequence[int]):  # type: ignore[override]
+    def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
         for block in super().iter_blocks(classes):
             yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
