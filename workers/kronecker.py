@@ -32,8 +32,9 @@ a fixed total this is smallest with ``k_u`` proportional to ``n_u``. So with ``a
 ``n_u`` is measured (mean over the first block of up to ``MEASURE_CLASSES`` classes, from rows
 projected with the ``size`` split; a projection preserves squared norms in expectation) and
 recorded in the store; ``allocation: size`` uses the parameter count instead. Targets are
-water-filled (each between 1 and the unit's full size), then rounded: ``k_out = round(sqrt(t a
-/ (b + 1)))``, ``k_in = floor(t / k_out)`` (within bounds). Columns left over by the rounding go
+water-filled (each between 1 and the unit's full size), then rounded: ``k_out = round(sqrt(t))``,
+``k_in = floor(t / k_out)`` (within bounds; balanced factors, because for the low-rank gradients
+of small classes the variance goes as ``1/k_out + 1/k_in``). Columns left over by the rounding go
 to the dense rest when there is one, else to the units (one more ``k_in`` or ``k_out`` step for
 the most short-changed ones, then one unit re-factored to take the last few), so the stored
 width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken first.
@@ -41,6 +42,7 @@ width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken fir
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +98,7 @@ class KroneckerUnit:
     k_in: int = 1
     offset: int = 0
     measured: float | None = None  # mean squared norm of its part of the rows (allocation: norm)
+    positions: int | None = None  # tokens per sample seen by the layer (1: rank <= the class's samples)
     kind: str = "rademacher"
     seed: int = 0
     _cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -151,6 +154,7 @@ class KroneckerUnit:
             "offset": self.offset,
             "groups": list(self.groups),
             "measured_sq_norm": self.measured,
+            "tokens_per_sample": self.positions,
         }
 
 
@@ -174,7 +178,9 @@ def _water_fill(budget: float, weights: Sequence[float], caps: Sequence[int]) ->
 
 
 def _factor(t: float, a: int, b: int) -> tuple[int, int]:
-    k_out = min(a, max(1, round(math.sqrt(max(t, 1.0) * a / b))))
+    # Balanced (k_out ~ k_in ~ sqrt(t)): for the low-rank matrices of small classes the variance
+    # goes as 1/k_out + 1/k_in, smallest at equal factors for a given product.
+    k_out = min(a, max(1, round(math.sqrt(max(t, 1.0)))))
     k_in = min(b, max(1, int(t // k_out)))
     return k_out, k_in
 
@@ -273,8 +279,12 @@ class KroneckerMap:
         allocation: str,
         weights: Sequence[float] | None = None,
         fixed: dict[str, Any] | None = None,
+        dense_layers: Sequence[str] = (),
+        low_rank: str = "dense",
     ):
         self.slots = tuple(slots)
+        self.dense_layers = tuple(dense_layers)
+        self.low_rank = low_rank
         self.units = units
         self.dim = dim
         self.kind = kind
@@ -309,10 +319,12 @@ class KroneckerMap:
         slots: Sequence[ParamSlot],
         modules: dict[str, nn.Module],
         hooked: set[str],
+        dense_layers: Sequence[str] = (),
         **options: Any,
     ) -> KroneckerMap:
         """Units for every hooked layer of a ``KRONECKER_SHAPES`` type whose weight is selected
-        (``hooked``: names of the modules the hook path covers)."""
+        (``hooked``: names of the modules the hook path covers), except the layers whose module
+        name matches a pattern of ``dense_layers`` (they join the rest)."""
         by_name = {s.name: (i, s) for i, s in enumerate(slots)}
         units: list[KroneckerUnit] = []
         for i, slot in enumerate(slots):
@@ -321,12 +333,14 @@ class KroneckerMap:
             shape_of = KRONECKER_SHAPES.get(type(module)) if module is not None else None
             if kind != "weight" or owner not in hooked or shape_of is None:
                 continue
+            if any(fnmatch.fnmatchcase(owner, pattern) for pattern in dense_layers):
+                continue
             shape = shape_of(module)
             if shape is None:
                 continue
             bias = by_name.get(f"{owner}.bias" if owner else "bias")
             units.append(KroneckerUnit(i, slot, bias[1] if bias else None, *shape))
-        return cls(slots, units, **options)
+        return cls(slots, units, dense_layers=dense_layers, **options)
 
     def _take(self, record: dict[str, Any]) -> int:
         """The split recorded in a store (``describe``): the same units, the same widths."""
@@ -357,6 +371,8 @@ class KroneckerMap:
             rest_mode=self.rest_mode,
             allocation=self.allocation,
             weights=weights,
+            dense_layers=self.dense_layers,
+            low_rank=self.low_rank,
         )
         for u, w in zip(out.units, weights):
             u.measured = float(w)
@@ -421,6 +437,8 @@ class KroneckerMap:
             "allocation": self.allocation,
             "rest": self.rest_mode,
             "units": [u.describe() for u in self.units],
+            "dense_layers": list(self.dense_layers),
+            "low_rank": self.low_rank,
             "rest_params": [s.name for s in self.rest],
             "rest_offset": self.units_width,
             "rest_width": self.rest_width if self.rest_projector is not None else self.rest_size,

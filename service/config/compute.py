@@ -129,6 +129,18 @@ class ProjectionConfig(Section):
         "its parameter count (size).",
     )
 
+    low_rank: Literal["dense", "kronecker"] = Field(
+        "dense",
+        description="structure=kronecker: layers that see one token per sample (a classifier head, a "
+        "pooler: per-class gradients of rank at most the class's sample count, where a Kronecker "
+        "projection is far noisier than a dense one) join the rest (dense), found on the first 32 "
+        "classes and recorded; or are projected like the others (kronecker).",
+    )
+    dense_layers: list[str] = Field(
+        default_factory=list,
+        description="structure=kronecker: module name patterns (fnmatch) of more layers left to the rest.",
+    )
+
     @model_validator(mode="after")
     def _kronecker(self) -> ProjectionConfig:
         if self.structure == "kronecker" and self.per_param:

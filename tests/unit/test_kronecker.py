@@ -120,7 +120,7 @@ CASES = {
 def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
     make, shape = CASES[case]
     model, (x, y) = make(), data(shape)
-    proj = {"structure": "kronecker", "dim": 40 if rest == "dense" else 60, "seed": 5, "kind": kind, "rest": rest}
+    proj = {"structure": "kronecker", "dim": 40 if rest == "dense" else 200, "seed": 5, "kind": kind, "rest": rest}
     eng = build_engine(
         model, (x, y), num_classes=C, batch_size=12, kronecker=kronecker_options(projection_options(proj))
     )
@@ -136,9 +136,14 @@ def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
     # (ImageFormat), which may change float32 summation order: 1e-5 relative.
     api = per_class_gradients(model, (x, y), num_classes=C, batch_size=12, projection=proj)
     assert max_relative_error(api, got) <= 1e-5
+    # The head sees one token per sample (low_rank: dense): it joins the rest, like BatchNorm.
+    described = eng.describe()
     if case == "conv_bn":
-        rest_names = eng.describe()["rest_params"]
-        assert rest_names == ["1.weight", "1.bias"]  # BatchNorm: outside the Kronecker layers
+        assert described["rest_params"] == ["1.weight", "1.bias", "5.weight", "5.bias"]
+        assert [u["param"] for u in described["units"]] == ["0.weight", "3.weight"]
+    else:
+        assert described["dense_layers"] == ["head"]
+        assert [(u["param"], u["tokens_per_sample"]) for u in described["units"]] == [("a.weight", 3), ("b.weight", 3)]
 
 
 def test_factors_are_reproducible_and_scaled():
@@ -198,7 +203,8 @@ def test_allocation_refuses_impossible_dims():
 
 
 def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_path):
-    proj = {"structure": "kronecker", "dim": 48, "seed": 3, "kind": "gaussian"}
+    # An MLP's layers all see one token per sample: low_rank=kronecker keeps them Kronecker here.
+    proj = {"structure": "kronecker", "dim": 48, "seed": 3, "kind": "gaussian", "low_rank": "kronecker"}
     config = config_for(tmp_path, projection=proj)
     store = run_without_ray(config)
     model = build_model(config.model.factory, config.model.kwargs)
@@ -220,6 +226,21 @@ def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_pat
     rows /= np.linalg.norm(rows, axis=1, keepdims=True)
     # float32 dot products of unit rows of 48 columns: 1e-5 absolute.
     np.testing.assert_allclose(open_store(config.store.url).similarity(), rows @ rows.T, rtol=0, atol=1e-5)
+
+
+def test_low_rank_layers_join_the_dense_rest_and_workers_reuse_the_split(tmp_path):
+    config = config_for(tmp_path, projection={"structure": "kronecker", "dim": 40, "dense_layers": ["2"]})
+    store = run_without_ray(config)
+    info = store.attrs["projection"]
+    # Layer 2 by pattern; 0 and 4 see one token per sample (the MLP's inputs are vectors).
+    assert info["units"] == [] and sorted(info["dense_layers"]) == ["0", "2", "4"]
+    assert info["rest_width"] == 40
+    model = build_model(config.model.factory, config.model.kwargs)
+    probe = build_probe(config.data.factory, config.data.kwargs)
+    full = per_class_gradients(model, probe, num_classes=JOB_C)
+    want = Projector(full.shape[1], 40, seed=0).project(full)
+    # All rest: one dense projection of the whole row; float32 order of the sums differs.
+    np.testing.assert_allclose(store.rows(np.arange(JOB_C)), want.numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_refusals_name_the_dense_structure(tmp_path):

@@ -153,6 +153,8 @@ def kronecker_options(p: Any, record: dict | None = None) -> dict[str, Any] | No
     if p is None or p.dim is None or p.structure != "kronecker":
         return None
     out = {"dim": p.dim, "kind": p.kind, "seed": p.seed, "rest": p.rest, "allocation": p.allocation}
+    out["dense_layers"] = list(p.dense_layers)
+    out["low_rank"] = p.low_rank
     return {**out, "record": record} if record is not None else out
 
 

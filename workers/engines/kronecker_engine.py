@@ -35,8 +35,9 @@ REFUSAL = "projection.structure=kronecker projects inside the partitioned engine
 class KroneckerEngine(PartitionedEngine):
     """Rows of ``dim`` columns: Kronecker layers projected in the backward, the rest kept or dense.
 
-    ``projection``: ``dim``, ``kind``, ``seed``, ``rest`` (keep|dense), ``allocation`` (norm|size)
-    and optionally ``record`` (a store's ``projection`` attribute: its split is reused, so every
+    ``projection``: ``dim``, ``kind``, ``seed``, ``rest`` (keep|dense), ``allocation`` (norm|size),
+    ``low_rank`` (dense|kronecker), ``dense_layers`` (module name patterns left to the rest) and
+    optionally ``record`` (a store's ``projection`` attribute: its split is reused, so every
     worker of a job projects the same way).
     """
 
@@ -59,14 +60,32 @@ class KroneckerEngine(PartitionedEngine):
             "seed": int(projection.get("seed", 0)),
             "rest_mode": projection.get("rest", "dense"),
             "allocation": projection.get("allocation", "norm"),
+            "dense_layers": tuple(projection.get("dense_layers", ())),
         }
-        kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, fixed=record, **options)
+        if record is not None:  # the layers the driver left to the rest, low-rank ones included
+            options["dense_layers"] = tuple(record.get("dense_layers") or ())
+        low_rank = projection.get("low_rank", "dense")
+        kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, fixed=record, low_rank=low_rank, **options)
         self._install(kmap)
-        if record is None and options["allocation"] == "norm" and (kmap.units or kmap.rest_size):
+        if record is None and kmap.units:
+            # The first block of classes, projected with the split by size: the layers that see
+            # one token per sample (low_rank: dense) and every part's squared norm (allocation: norm).
             first = list(range(min(MEASURE_CLASSES, self.loss.num_classes)))
             work = RowBlock.concat(list(super().iter_blocks(first))).rows
-            self._install(kmap.remeasured(kmap.measure(work)))
             self.stats.rows = 0  # the measurement is not part of the rows asked for
+            measured = kmap.measure(work)
+            low = [u for u in kmap.units if u.positions == 1] if low_rank == "dense" else []
+            if low:
+                names = tuple(u.weight.name.rpartition(".")[0] for u in low)
+                options["dense_layers"] = (*options["dense_layers"], *names)
+                is_low = [u.positions == 1 for u in kmap.units]
+                kept = [i for i, flag in enumerate(is_low) if not flag]
+                moved = sum(measured[i] for i, flag in enumerate(is_low) if flag)
+                measured = [measured[i] for i in kept] + [measured[-1] + moved]
+                kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, low_rank=low_rank, **options)
+            if options["allocation"] == "norm":
+                kmap = kmap.remeasured(measured)
+            self._install(kmap)
         log.info(
             "kronecker projection: %d layers in %d columns, rest %s (%d parameters) in %d",
             len(self.kmap.units),
