@@ -54,7 +54,7 @@ class KroneckerEngine(PartitionedEngine):
         modules = dict(self.model.named_modules())
         covered = {names[m] for m in hooked.plan.layers}
         record = projection.get("record")
-        options = {
+        options: dict[str, Any] = {
             "dim": int(projection["dim"]),
             "kind": projection.get("kind", "rademacher"),
             "seed": int(projection.get("seed", 0)),
