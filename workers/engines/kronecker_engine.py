@@ -76,8 +76,8 @@ class KroneckerEngine(PartitionedEngine):
             measured = kmap.measure(work)
             low = [u for u in kmap.units if u.positions == 1] if low_rank == "dense" else []
             if low:
-                names = tuple(u.weight.name.rpartition(".")[0] for u in low)
-                options["dense_layers"] = (*options["dense_layers"], *names)
+                low_names = tuple(u.weight.name.rpartition(".")[0] for u in low)
+                options["dense_layers"] = (*options["dense_layers"], *low_names)
                 is_low = [u.positions == 1 for u in kmap.units]
                 kept = [i for i, flag in enumerate(is_low) if not flag]
                 moved = sum(measured[i] for i, flag in enumerate(is_low) if flag)
