@@ -101,7 +101,9 @@ def vit_job(classes: int, url: str, projection: dict[str, Any]) -> dict[str, Any
     }
 
 
-def measure_one(what: str, classes: int, dim: int, workdir: str, max_rows: int | None = None) -> dict[str, Any]:
+def measure_one(
+    what: str, classes: int, dim: int, workdir: str, max_rows: int | None = None, low_rank: str = "dense"
+) -> dict[str, Any]:
     """One measurement of ``--model vit`` in this process (threads: 1). ``prepare-S``: the
     driver's preparation of structure S's store; ``S``: its worker on the first ``max_rows``
     rows (whole shards; all when None)."""
@@ -120,6 +122,8 @@ def measure_one(what: str, classes: int, dim: int, workdir: str, max_rows: int |
     proj: dict[str, Any] = {"dim": None}
     if what in ("dense", "kronecker"):
         proj = {"dim": dim, "seed": 0, "structure": what}
+        if what == "kronecker":
+            proj["low_rank"] = low_rank
     config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj))
     out: dict[str, Any] = {"what": what, "rows": classes}
     if what in ("floor", "engine"):
@@ -165,6 +169,8 @@ def main_vit(args: argparse.Namespace) -> None:
         for what in ["floor", "engine", "prepare-kronecker", "kronecker", "prepare-dense", "dense"]:
             cmd = [sys.executable, "-m", "benchmarks.projected_job", "--one", what, "--classes", str(classes)]
             cmd += ["--dim", str(dim), "--workdir", str(workdir)]
+            if what.endswith("kronecker"):
+                cmd += ["--low-rank", args.low_rank]
             if what == "dense" and args.dense_rows:
                 cmd += ["--max-rows", str(args.dense_rows)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -217,13 +223,15 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # --model vit: one measurement, JSON on stdout
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--max-rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--low-rank", choices=["dense", "kronecker"], default="dense", help="vit: projection.low_rank")
     parser.add_argument(
         "--dense-rows", type=int, default=256, help="vit: time the dense job on its first N rows only (0: all)"
     )
     args = parser.parse_args()
     if args.one:
         logging.basicConfig(level=logging.WARNING)
-        print(json.dumps(measure_one(args.one, args.classes, args.dim, args.workdir, args.max_rows)))
+        found = measure_one(args.one, args.classes, args.dim, args.workdir, args.max_rows, args.low_rank)
+        print(json.dumps(found))
         return
     if args.model == "vit":
         main_vit(args)
