@@ -80,11 +80,12 @@ def run(config: dict) -> dict[str, Any]:
     }
 
 
-def vit_job(classes: int, url: str, projection: dict[str, Any]) -> dict[str, Any]:
+def vit_job(classes: int, url: str, projection: dict[str, Any], hidden: int = 192) -> dict[str, Any]:
     from benchmarks.hf_models import OUTSIDE_RULES
 
+    kwargs = {"num_classes": classes, "hidden": hidden, "intermediate": 4 * hidden}
     return {
-        "model": {"factory": "benchmarks.hf_models:vit", "kwargs": {"num_classes": classes}},
+        "model": {"factory": "benchmarks.hf_models:vit", "kwargs": kwargs},
         "data": {
             "factory": "classgrad.workers.zoo:synthetic_probe",
             # Zipf-like sizes around 2: 1 to 4 samples per class (a few get more).
@@ -102,7 +103,13 @@ def vit_job(classes: int, url: str, projection: dict[str, Any]) -> dict[str, Any
 
 
 def measure_one(
-    what: str, classes: int, dim: int, workdir: str, max_rows: int | None = None, low_rank: str = "dense"
+    what: str,
+    classes: int,
+    dim: int,
+    workdir: str,
+    max_rows: int | None = None,
+    low_rank: str = "dense",
+    hidden: int = 192,
 ) -> dict[str, Any]:
     """One measurement of ``--model vit`` in this process (threads: 1). ``prepare-S``: the
     driver's preparation of structure S's store; ``S``: its worker on the first ``max_rows``
@@ -124,7 +131,7 @@ def measure_one(
         proj = {"dim": dim, "seed": 0, "structure": what}
         if what == "kronecker":
             proj["low_rank"] = low_rank
-    config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj))
+    config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj, hidden))
     out: dict[str, Any] = {"what": what, "rows": classes}
     if what in ("floor", "engine"):
         engine = build_job_engine(config, device="cpu")
@@ -167,11 +174,13 @@ def main_vit(args: argparse.Namespace) -> None:
     results: dict[str, dict] = {}
     try:
         for what in ["floor", "engine", "prepare-kronecker", "kronecker", "prepare-dense", "dense"]:
+            if what.endswith("dense") and not args.dense_rows:
+                continue
             cmd = [sys.executable, "-m", "benchmarks.projected_job", "--one", what, "--classes", str(classes)]
-            cmd += ["--dim", str(dim), "--workdir", str(workdir)]
+            cmd += ["--dim", str(dim), "--workdir", str(workdir), "--hidden", str(args.hidden)]
             if what.endswith("kronecker"):
                 cmd += ["--low-rank", args.low_rank]
-            if what == "dense" and args.dense_rows:
+            if what == "dense":
                 cmd += ["--max-rows", str(args.dense_rows)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -205,7 +214,10 @@ def main_vit(args: argparse.Namespace) -> None:
                 f"{r['peak_rss_mib']:.0f} MiB" if "peak_rss_mib" in r else "-",
             ]
         )
-    print(f"\n== ViT (D = {results['floor']['dim_in']:,}), C = {classes:,}, k = {dim:,}, 1 thread, no Ray")
+    print(
+        f"\n== ViT hidden {args.hidden} (D = {results['floor']['dim_in']:,}), C = {classes:,}, k = {dim:,}, "
+        f"low_rank {args.low_rank}, 1 thread, no Ray"
+    )
     headers = ["rows", "stored dim", "rows timed", "per row", "vs floor", "vs engine", "preparation", "peak RSS"]
     print_table(headers, table)
     out = args.out if args.out != str(OUT) else str(common.OUT_DIR / "projected_vit.json")
@@ -225,12 +237,13 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--low-rank", choices=["dense", "kronecker"], default="dense", help="vit: projection.low_rank")
     parser.add_argument(
-        "--dense-rows", type=int, default=256, help="vit: time the dense job on its first N rows only (0: all)"
+        "--dense-rows", type=int, default=256, help="vit: time the dense job on its first N rows only (0: skip it)"
     )
+    parser.add_argument("--hidden", type=int, default=192, help="vit: hidden size (intermediate 4x)")
     args = parser.parse_args()
     if args.one:
         logging.basicConfig(level=logging.WARNING)
-        found = measure_one(args.one, args.classes, args.dim, args.workdir, args.max_rows, args.low_rank)
+        found = measure_one(args.one, args.classes, args.dim, args.workdir, args.max_rows, args.low_rank, args.hidden)
         print(json.dumps(found))
         return
     if args.model == "vit":

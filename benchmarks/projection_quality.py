@@ -1,7 +1,8 @@
 """How well each projection keeps the geometry of per-class gradients, at equal stored width (issue 18).
 
 For each model (a Hugging Face ViT (hidden 96, 4 layers), a BERT (hidden 128, 2 layers), a
-ResNet-18 on 16x16 images with ``layer2`` and the head selected), at random
+ResNet-18 on 16x16 images with its second stage (two blocks, 128 channels) and the head
+selected), at random
 initialisation and after ``--steps`` Adam steps on a synthetic training set (so gradients are not
 isotropic), and for classes of 1 to 4 samples and of 50 samples, the exact rows (the partitioned
 engine, float32) are compared with rows projected to ``k`` columns by:
@@ -50,7 +51,11 @@ def models(num_classes: int) -> dict[str, tuple[nn.Module, dict[str, Any], list[
     out = {
         "vit": (vit(num_classes, hidden=96, layers=4, heads=3, intermediate=384), {"input_shape": (3, 32, 32)}, None),
         "bert": (bert(num_classes), {"kind": "tokens", "seq_len": 16}, None),
-        "resnet18 layer2+fc": (resnet18(num_classes), {"input_shape": (3, 16, 16)}, ["layer2.*", "fc.*"]),
+        "resnet18 stage2+fc": (
+            resnet18(num_classes),
+            {"input_shape": (3, 16, 16)},
+            ["layers.2.*", "layers.3.*", "fc.*"],
+        ),
     }
     result = {}
     for name, (model, data, include) in out.items():
@@ -145,7 +150,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int)
     parser.add_argument("--dim", type=int, help="stored width k (every method)")
     parser.add_argument("--steps", type=int, help="training steps of the trained state")
-    parser.add_argument("--models", nargs="*", help="subset of: vit bert 'resnet18 layer2+fc'")
+    parser.add_argument("--models", nargs="*", help="subset of: vit bert 'resnet18 stage2+fc'")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     classes = args.classes or (32 if args.quick else 48)
