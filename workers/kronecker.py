@@ -98,7 +98,7 @@ class KroneckerUnit:
     k_in: int = 1
     offset: int = 0
     measured: float | None = None  # mean squared norm of its part of the rows (allocation: norm)
-    positions: int | None = None  # tokens per sample seen by the layer (1: rank <= the class's samples)
+    positions: int | None = None  # most tokens of a sample with a gradient (1: rank <= the class's samples)
     kind: str = "rademacher"
     seed: int = 0
     _cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -374,8 +374,10 @@ class KroneckerMap:
             dense_layers=self.dense_layers,
             low_rank=self.low_rank,
         )
+        positions = {u.weight.name: u.positions for u in self.units}
         for u, w in zip(out.units, weights):
             u.measured = float(w)
+            u.positions = positions[u.weight.name]
         return out
 
     # --- the hook path's row: units, then the rest whole -----------------------------------------

@@ -68,21 +68,23 @@ class KroneckerEngine(PartitionedEngine):
         kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, fixed=record, low_rank=low_rank, **options)
         self._install(kmap)
         if record is None and kmap.units:
-            # The first block of classes, projected with the split by size: the layers that see
-            # one token per sample (low_rank: dense) and every part's squared norm (allocation: norm).
+            # The first block of classes, projected with the split by size: the layers whose
+            # gradient reaches one token per sample (low_rank: dense) and every part's squared
+            # norm (allocation: norm).
             first = list(range(min(MEASURE_CLASSES, self.loss.num_classes)))
             work = RowBlock.concat(list(super().iter_blocks(first))).rows
             self.stats.rows = 0  # the measurement is not part of the rows asked for
             measured = kmap.measure(work)
-            low = [u for u in kmap.units if u.positions == 1] if low_rank == "dense" else []
-            if low:
-                low_names = tuple(u.weight.name.rpartition(".")[0] for u in low)
+            is_low = [low_rank == "dense" and u.positions is not None and u.positions <= 1 for u in kmap.units]
+            if any(is_low):
+                positions = {u.weight.name: u.positions for u in kmap.units}
+                low_names = tuple(u.weight.name.rpartition(".")[0] for u, flag in zip(kmap.units, is_low) if flag)
                 options["dense_layers"] = (*options["dense_layers"], *low_names)
-                is_low = [u.positions == 1 for u in kmap.units]
-                kept = [i for i, flag in enumerate(is_low) if not flag]
-                moved = sum(measured[i] for i, flag in enumerate(is_low) if flag)
-                measured = [measured[i] for i in kept] + [measured[-1] + moved]
+                moved = sum(m for m, flag in zip(measured, is_low) if flag)
+                measured = [m for m, flag in zip(measured, is_low) if not flag] + [measured[-1] + moved]
                 kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, low_rank=low_rank, **options)
+                for u in kmap.units:
+                    u.positions = positions[u.weight.name]
             if options["allocation"] == "norm":
                 kmap = kmap.remeasured(measured)
             self._install(kmap)

@@ -6,9 +6,10 @@ part of the row is ``F_a^T [dW_i | db_i] F_b = sum_t (F_a^T g_t)(F_b^T [x_t; 1])
 factors are projected first (``[T, a] @ [a, k_out]`` and ``[T, b] @ [b, k_in]``), then one batched
 product ``[k_out, T] @ [T, k_in]`` per class, so the layer's full per-class gradient never exists.
 The bias is the constant-1 input feature: its row of ``F_b`` is added to every projected input
-token (padding tokens have ``g = 0`` and add nothing). It also notes how many tokens per sample
-the layer sees (``unit.positions``; one means the per-class gradient has rank at most the
-class's sample count).
+token (padding tokens have ``g = 0`` and add nothing). On its first call it also notes how many tokens
+of a sample get a gradient (``unit.positions``, the most over the run's samples; one means the
+per-class gradient has rank at most the class's sample count: a head, a pooler, or a last block
+whose output is read at one token only).
 
 A Conv2d's input side applied to every patch is a convolution with ``F_b`` as its kernel
 (``[k_in, cin, kh, kw]``), so patches are never unfolded.
@@ -39,9 +40,11 @@ def _conv_projected_inputs(factors: ConvFactors, fb: torch.Tensor) -> torch.Tens
 def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s projected ``[dW_i | db_i]`` (``unit.width`` columns) into ``out``'s weight columns."""
     G = factors.grad_tokens()  # [k, T, a] (one block: units are never grouped layers)
-    seen = getattr(factors, "seen", None)  # Linear: samples per class in this run's grid
-    width = seen.grid.width if seen is not None else factors.G.shape[1]
-    unit.positions = max(unit.positions or 0, G.shape[1] // max(width, 1))
+    if unit.positions is None:  # once: the tokens per sample with a gradient (1: low rank)
+        seen = getattr(factors, "seen", None)  # Linear: samples per class in this run's grid
+        width = seen.grid.width if seen is not None else factors.G.shape[1]
+        live = (G != 0).any(dim=-1).reshape(G.shape[0], width, -1)  # [k, samples, positions]
+        unit.positions = int(live.sum(dim=-1).max())
     fa, fb = unit.factors(G.device, G.dtype)
     gp = torch.matmul(G, fa)  # [k, T, k_out]
     if isinstance(factors, ConvFactors):
