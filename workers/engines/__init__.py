@@ -25,8 +25,8 @@ from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
 from classgrad.workers.engines.dense import DenseEngine
-from classgrad.workers.engines.kronecker_engine import REFUSAL, KroneckerEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.engines.partitioned.kronecker_engine import REFUSAL, KroneckerEngine
 from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss

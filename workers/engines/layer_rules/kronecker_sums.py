@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 
 
-def _conv_projected_inputs(factors: ConvFactors, fb: torch.Tensor) -> torch.Tensor:
+def _conv_projected_inputs(factors: Any, fb: torch.Tensor) -> torch.Tensor:
     """``[k, m * ho * wo, k_in]``: every patch's projection, by one convolution."""
     module, A = factors.module, factors.A
     assert not isinstance(module.padding, str)  # zero_padding: the rule takes numeric padding only
@@ -47,7 +47,8 @@ def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
         unit.positions = int(live.sum(dim=-1).max())
     fa, fb = unit.factors(G.device, G.dtype)
     gp = torch.matmul(G, fa)  # [k, T, k_out]
-    if isinstance(factors, ConvFactors):
+    # conv.ConvFactors (not imported: conv imports outer, which imports this module)
+    if isinstance(getattr(factors, "module", None), nn.Conv2d):
         ap = _conv_projected_inputs(factors, fb)
     else:
         A = factors.input_tokens()

@@ -23,7 +23,7 @@ import torch
 
 from classgrad.service.errors import ConfigError
 from classgrad.workers.engines.base import RowBlock
-from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.engines.partitioned.engine import PartitionedEngine
 from classgrad.workers.kronecker import MEASURE_CLASSES, KroneckerMap
 from classgrad.workers.layout import ParamLayout
 
