@@ -11,7 +11,9 @@ engine, float32) are compared with rows projected to ``k`` columns by:
   gradient norm; the parameters outside the Kronecker layers projected densely);
 - ``dense rademacher`` / ``dense gaussian``: one ``Projector`` over the whole row;
 - ``dense per-param``: ``projection.per_param`` with ``k // P`` columns per parameter (P selected
-  parameters, so its width is at most ``k``).
+  parameters, so its width is at most ``k``);
+- ``kronecker 4k`` (``--wider``): kronecker at 4 times the width, not an equal-width comparison:
+  what spending its cheaper columns buys back.
 
 Reported: median and 99th percentile of the absolute error of pairwise cosines and of pairwise
 inner products (divided by the product of the two rows' norms, so models and classes compare),
@@ -112,7 +114,9 @@ def metrics(exact: np.ndarray, proj: np.ndarray, top: int = 10) -> dict[str, flo
     }
 
 
-def compare(model: nn.Module, data: tuple, chosen: list[str], classes: int, k: int) -> dict[str, dict]:
+def compare(
+    model: nn.Module, data: tuple, chosen: list[str], classes: int, k: int, wider: tuple[int, ...] = ()
+) -> dict[str, dict]:
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.projection import Projector
 
@@ -126,6 +130,12 @@ def compare(model: nn.Module, data: tuple, chosen: list[str], classes: int, k: i
         model, data, num_classes=classes, params=chosen, projection={"structure": "kronecker", "dim": k, "seed": 0}
     )
     out["kronecker"] = {**metrics(exact.numpy(), kron.numpy()), "width": k, "seconds": time.perf_counter() - t0}
+    for times in wider:  # not equal width: what a wider Kronecker projection buys back
+        t0 = time.perf_counter()
+        proj = {"structure": "kronecker", "dim": times * k, "seed": 0}
+        rows = per_class_gradients(model, data, num_classes=classes, params=chosen, projection=proj)
+        out[f"kronecker {times}k"] = {**metrics(exact.numpy(), rows.numpy()), "width": times * k}
+        out[f"kronecker {times}k"]["seconds"] = time.perf_counter() - t0
     named = dict(model.named_parameters())
     sizes = [named[n].numel() for n in chosen]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
@@ -152,6 +162,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps of the trained state")
     parser.add_argument("--models", nargs="*", help="subset of: vit bert 'resnet18 stage2+fc'")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument(
+        "--wider", type=int, nargs="*", default=[4], help="also kronecker at these multiples of k (not equal width)"
+    )
     args = parser.parse_args()
     classes = args.classes or (32 if args.quick else 48)
     k = args.dim or (256 if args.quick else 512)
@@ -173,7 +186,7 @@ def main() -> None:
                 ("50", {"samples_per_class": 50}),
             ):
                 probe = synthetic_probe(classes, seed=0, **kwargs, **data)
-                found = compare(model, probe, chosen, classes, k)
+                found = compare(model, probe, chosen, classes, k, tuple(args.wider))
                 meta = found.pop("_")
                 for method, m in found.items():
                     results.append({"model": name, "state": state, "samples": regime, "method": method, **meta, **m})
