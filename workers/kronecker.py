@@ -354,6 +354,8 @@ class KroneckerMap:
             u.k_out, u.k_in = int(recorded[u.weight.name]["k_out"]), int(recorded[u.weight.name]["k_in"])
             m = recorded[u.weight.name].get("measured_sq_norm")
             u.measured = None if m is None else float(m)
+            p = recorded[u.weight.name].get("tokens_per_sample")
+            u.positions = None if p is None else int(p)
         rest_width = int(record.get("rest_width") or 0)
         if sum(u.width for u in self.units) + rest_width != self.dim:
             raise ConfigError(f"projection: the store's widths do not add up to projection.dim ({self.dim})")

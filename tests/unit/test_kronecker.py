@@ -20,7 +20,7 @@ from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import ConfigError
-from classgrad.service.runtime.preparation import prepare_store
+from classgrad.service.runtime.preparation import prepare_store, recorded_split
 from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, choices, kronecker_options, per_class_gradients, projection_options
 from classgrad.workers.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
@@ -221,6 +221,12 @@ def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_pat
     assert "kronecker (gaussian, seed 3, split by norm)" in report
     assert "4.weight" in report and "->" in report
     assert verify_store(config.store.url).code == 0
+    # A resume reuses the recorded split (no new measurement), and finds every shard done.
+    assert recorded_split(config) == info
+    assert (
+        recorded_split(config.model_copy(update={"store": config.store.model_copy(update={"overwrite": True})})) is None
+    )
+    assert run_without_ray(config).attrs["projection"] == info
     compute_similarity(config.store.url, executor="local", metric="cosine")
     rows = api.numpy().astype(np.float64)
     rows /= np.linalg.norm(rows, axis=1, keepdims=True)

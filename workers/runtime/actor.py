@@ -51,11 +51,12 @@ def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
 def checked_engine(
     config: JobConfig,
     device: str | None = None,
+    record: dict | None = None,
 ) -> tuple[GradientEngine, Projector | None, int]:
     """The job's engine, checked against its real model and data (``preflight``), its
     projector (None when rows are stored whole or projected by the engine) and the width of a
-    stored row."""
-    engine = build_job_engine(config, device=device)
+    stored row. ``record``: a store's Kronecker split to reuse (see ``build_job_engine``)."""
+    engine = build_job_engine(config, device=device, record=record)
     preflight(engine)
     layout = engine.layout
     projector = build_projector(config, layout.slots, layout.dim)

@@ -29,6 +29,9 @@ from classgrad.workers.layout import ParamLayout
 
 log = logging.getLogger(__name__)
 
+REST_ROWS = 256  # rows gathered per dense projection of the rest
+REST_BYTES = 256 << 20  # at most this much of rest columns held for it
+
 REFUSAL = "projection.structure=kronecker projects inside the partitioned engine's hook path"
 
 
@@ -136,5 +139,21 @@ class KroneckerEngine(PartitionedEngine):
         return value, finite
 
     def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
+        """Stored rows. A dense rest is projected over gathered blocks (up to ``REST_ROWS`` rows
+        or ``REST_BYTES`` of rest columns): generating its random matrix costs the same for 16
+        rows as for 256, and the engine's groups of wide work rows are small."""
+        if self.kmap.rest_projector is None:
+            for block in super().iter_blocks(classes):
+                yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
+            return
+        gather = max(1, min(REST_ROWS, REST_BYTES // (4 * self.kmap.rest_size)))
+        pending: list[RowBlock] = []
         for block in super().iter_blocks(classes):
-            yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
+            pending.append(block)
+            if sum(len(b) for b in pending) >= gather:
+                merged = RowBlock.concat(pending)
+                pending = []
+                yield dataclasses.replace(merged, rows=self.kmap.stored_rows(merged.rows))
+        if pending:
+            merged = RowBlock.concat(pending)
+            yield dataclasses.replace(merged, rows=self.kmap.stored_rows(merged.rows))
