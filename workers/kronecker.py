@@ -38,6 +38,15 @@ of small classes the variance goes as ``1/k_out + 1/k_in``). Columns left over b
 to the dense rest when there is one, else to the units (one more ``k_in`` or ``k_out`` step for
 the most short-changed ones, then one unit re-factored to take the last few), so the stored
 width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken first.
+
+What joins the rest besides the parameters without a Kronecker structure (norms, embeddings,
+grouped convolutions, layers without a hook rule are refused earlier): layers matching
+``projection.dense_layers``, and with ``low_rank: dense`` every layer whose gradient reaches at
+most one token of a sample on the first block (``KroneckerUnit.positions``: a classifier head, a
+pooler, a last block read at the class token only). Their per-class gradients have rank at most
+the class's sample count, where a Kronecker projection's variance is about ``1/k_out + 1/k_in``
+instead of ``1/(k_out k_in)`` (benchmarks/RESULTS.md, projection quality). The layers so chosen
+are recorded (``dense_layers``) with the split, and workers and resumes reuse the record.
 """
 
 from __future__ import annotations
