@@ -108,9 +108,25 @@ def data(shape, n=29, seed=0):
     return torch.randn(n, *shape, generator=g), y
 
 
+def grouped():
+    """A depthwise convolution between two plain ones: no Kronecker structure, so it joins the rest."""
+    torch.manual_seed(4)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 1),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, C),
+    ).eval()
+
+
+KEEP_DIM = {"tokens": 200, "conv_bn": 200, "grouped": 720}  # rest kept whole, plus 40-50 projected columns
 CASES = {
     "tokens": (lambda: (torch.manual_seed(1), Seq())[1].eval(), (12,)),
     "conv_bn": (conv_bn, (3, 8, 8)),
+    "grouped": (grouped, (3, 5, 5)),
 }
 
 
@@ -120,7 +136,13 @@ CASES = {
 def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
     make, shape = CASES[case]
     model, (x, y) = make(), data(shape)
-    proj = {"structure": "kronecker", "dim": 40 if rest == "dense" else 200, "seed": 5, "kind": kind, "rest": rest}
+    proj = {
+        "structure": "kronecker",
+        "dim": 40 if rest == "dense" else KEEP_DIM[case],
+        "seed": 5,
+        "kind": kind,
+        "rest": rest,
+    }
     eng = build_engine(
         model, (x, y), num_classes=C, batch_size=12, kronecker=kronecker_options(projection_options(proj))
     )
@@ -141,6 +163,9 @@ def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
     if case == "conv_bn":
         assert described["rest_params"] == ["1.weight", "1.bias", "5.weight", "5.bias"]
         assert [u["param"] for u in described["units"]] == ["0.weight", "3.weight"]
+    elif case == "grouped":
+        assert described["rest_params"] == ["2.weight", "2.bias", "6.weight", "6.bias"]
+        assert [u["param"] for u in described["units"]] == ["0.weight", "4.weight"]
     else:
         assert described["dense_layers"] == ["head"]
         assert [(u["param"], u["tokens_per_sample"]) for u in described["units"]] == [("a.weight", 3), ("b.weight", 3)]
