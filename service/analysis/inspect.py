@@ -4,7 +4,8 @@ Holds ``GradNorms`` and ``grad_norms`` (per-class gradient norms and per-class x
 squared norms in one out-of-core pass over the rows of done shards, band by band), and
 ``inspect_store`` (format version, shape, dtype, chunks, parameter layout, completion, norm summaries, the
 similarity if one is stored) as a JSON-ready dict, plus ``format_report`` (the text the
-command prints).
+command prints) and ``kronecker_lines`` (a Kronecker projection's record: factor shapes,
+widths, seeds, the parameters kept whole or projected densely).
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def format_report(info: dict) -> str:
         more = " ..." if len(comp["missing_ranges"]) > 5 else ""
         lines.append(f"missing     rows {shown}{more}")
     proj = info["projection"]
-    if proj:
+    if proj and proj.get("structure") == "kronecker":
+        lines += kronecker_lines(proj, D)
+    elif proj:
         lines.append(f"projection  {proj.get('kind')} to {D} dims (seed {proj.get('seed')}); no per-parameter layout")
     elif info["layout"]:
         lines.append(f"layout      {len(info['layout'])} parameters")
@@ -215,3 +218,28 @@ def format_report(info: dict) -> str:
             + (f", {sim['seconds']:.1f} s" if "seconds" in sim else "")
         )
     return "\n".join(lines)
+
+
+def kronecker_lines(proj: dict, D: int) -> list[str]:
+    """A Kronecker projection's record: every layer's factor shapes and columns, then the rest."""
+    units = proj.get("units") or []
+    lines = [
+        f"projection  kronecker ({proj.get('kind')}, seed {proj.get('seed')}, split by {proj.get('allocation')}) "
+        f"to {D} dims from {proj.get('dim_in')}: {len(units)} layers projected as P_out W P_in^T",
+    ]
+    width = max([len(str(u.get("param"))) for u in units] + [5])
+    for u in units:
+        (ko, a), (ki, b) = u["factor_shapes"]
+        bias = " + bias" if u.get("bias") else ""
+        norm = u.get("measured_sq_norm")
+        measured = "" if norm is None else f"  measured |g|^2 {norm:.4g}"
+        where = f"{u['width']:>7,} cols at {u['offset']}"
+        lines.append(f"  {u['param']:<{width}}  [{a}x{b}]{bias:<7} -> {ko} x {ki} = {where}{measured}")
+    rest = proj.get("rest_params") or []
+    if rest:
+        how = "kept whole" if proj.get("rest") == "keep" else "projected densely"
+        lines.append(
+            f"  rest ({how}): {proj.get('rest_width')} cols at {proj.get('rest_offset')}: {', '.join(rest[:8])}"
+            f"{' ...' if len(rest) > 8 else ''}"
+        )
+    return lines

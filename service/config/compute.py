@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from classgrad.service.config.fields import (
@@ -111,3 +111,38 @@ class ProjectionConfig(Section):
         False,
         description="Use a separate projection for each selected parameter instead of one over the whole row.",
     )
+    structure: Literal["dense", "kronecker"] = Field(
+        "dense",
+        description="dense: each finished row times a k-column random matrix; kronecker: Linear and "
+        "Conv2d layers projected as P_out W P_in^T inside the backward (the partitioned engine's "
+        "hook path; no full row is formed), the other parameters as `rest` says.",
+    )
+    rest: Literal["dense", "keep"] = Field(
+        "dense",
+        description="structure=kronecker: parameters outside the Kronecker layers (norms, embeddings, "
+        "grouped convolutions) projected densely (dense) or stored whole (keep).",
+    )
+    allocation: Literal["norm", "size"] = Field(
+        "norm",
+        description="structure=kronecker: how dim is split among layers: in proportion to each layer's "
+        "squared gradient norm measured on the first 32 classes (norm, recorded in the store) or to "
+        "its parameter count (size).",
+    )
+
+    low_rank: Literal["dense", "kronecker"] = Field(
+        "dense",
+        description="structure=kronecker: layers that see one token per sample (a classifier head, a "
+        "pooler: per-class gradients of rank at most the class's sample count, where a Kronecker "
+        "projection is far noisier than a dense one) join the rest (dense), found on the first 32 "
+        "classes and recorded; or are projected like the others (kronecker).",
+    )
+    dense_layers: list[str] = Field(
+        default_factory=list,
+        description="structure=kronecker: module name patterns (fnmatch) of more layers left to the rest.",
+    )
+
+    @model_validator(mode="after")
+    def _kronecker(self) -> ProjectionConfig:
+        if self.structure == "kronecker" and self.per_param:
+            raise ValueError("projection.per_param applies to structure=dense only (kronecker is per layer already)")
+        return self

@@ -4,7 +4,8 @@ Holds:
 - ``check_job``: builds the job's engine once on the driver (on the CPU) to check the config
   against the real model and data before anything is written, and takes the run's identity
   from that build (what the rows are computed from: ``classgrad.workers.runtime.identity``);
-  returns a ``CheckedJob`` (the store spec and the planned shards).
+  returns a ``CheckedJob`` (the store spec and the planned shards). ``recorded_split``: a
+  Kronecker-projected job's existing store's split among layers, reused on a resume.
 - ``prepare_store``: creates or reopens the store (same fingerprint required; a store of the same
   job under an older fingerprint scheme, ``resumable_fingerprint``) with all of its metadata,
   under the lease that ``JobDriver.run`` takes first; returns a ``PreparedJob``.
@@ -77,6 +78,23 @@ def resumable_fingerprint(config: JobConfig) -> str:
     return fingerprint
 
 
+def recorded_split(config: JobConfig) -> dict | None:
+    """The Kronecker split recorded in the job's existing store, when this job made it (a resume
+    reuses it rather than measuring again, which on another machine could round differently)."""
+    if config.projection.structure != "kronecker" or config.projection.dim is None:
+        return None
+    if config.store.overwrite or config.store.recompute:
+        return None
+    try:
+        attrs = open_store(config.store.url, storage_options=config.store.storage_options).attrs
+    except StoreError:
+        return None
+    record = attrs.get("projection")
+    if not isinstance(record, dict) or record.get("structure") != "kronecker":
+        return None
+    return record if config.same_job(attrs.get("config")) else None
+
+
 def check_job(config: JobConfig) -> CheckedJob:
     """Check the job against its real model and data, and say what store it needs.
 
@@ -84,12 +102,13 @@ def check_job(config: JobConfig) -> CheckedJob:
     select nothing) is raised here, before the store's lease is taken or a store exists.
     """
     from classgrad.workers.model_io import class_names_of
-    from classgrad.workers.runtime.actor import checked_engine
+    from classgrad.workers.runtime.actor import checked_engine, projection_record
     from classgrad.workers.runtime.identity import engine_identity
 
-    engine, projector, dim = checked_engine(config, device="cpu")
+    engine, projector, dim = checked_engine(config, device="cpu", record=recorded_split(config))
     identity = engine_identity(engine).to_dict()
     layout = engine.layout
+    projection = projection_record(engine, projector)
     spec = StoreSpec(
         num_classes=config.loss.num_classes,
         dim=dim,
@@ -99,10 +118,10 @@ def check_job(config: JobConfig) -> CheckedJob:
         dtype=config.store.dtype,
         codec=config.store.codec,
         sharded=config.store.sharded,
-        layout=() if projector else layout.slots,
+        layout=() if projection is not None else layout.slots,
         loss_kind=engine.loss.name,
         class_names=class_names_of(engine.model, config.loss.num_classes),
-        projection=projector.describe() if projector else None,
+        projection=projection,
         config=config.redacted(),
         fingerprint=resumable_fingerprint(config),
         identity=identity,

@@ -6,7 +6,8 @@ Holds:
 - ``resolve_engine_kind``: ``auto`` means partitioned when the loss is class-partitioned and
   the model treats samples independently, dense otherwise.
 - ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md, with an optional
-  ``tqdm.auto`` progress bar (terminal or notebook) counting rows as blocks finish.
+  ``tqdm.auto`` progress bar (terminal or notebook) counting rows as blocks finish, and the
+  job's ``projection`` options (dense, or Kronecker inside the backward: ``KroneckerEngine``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError
+from classgrad.service.errors import ConfigError, InputError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
 from classgrad.workers.engines.dense import DenseEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.engines.partitioned.kronecker_engine import REFUSAL, KroneckerEngine
 from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
@@ -42,6 +44,9 @@ __all__ = [
     "register_engine",
     "resolve_engine_kind",
     "build_engine",
+    "KroneckerEngine",
+    "kronecker_options",
+    "projection_options",
 ]
 
 ENGINES: dict[str, type[GradientEngine]] = {}
@@ -68,10 +73,26 @@ def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
 
 
 def create_engine(
-    kind: str, model: nn.Module, probe: ProbeSet, loss: LossKind, layout: ParamLayout, **options: Any
+    kind: str,
+    model: nn.Module,
+    probe: ProbeSet,
+    loss: LossKind,
+    layout: ParamLayout,
+    kronecker: dict[str, Any] | None = None,
+    **options: Any,
 ) -> GradientEngine:
-    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor."""
-    return ENGINES[resolve_engine_kind(kind, model, loss)](model, probe, loss, layout, **options)
+    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with ``kronecker``
+    (``kronecker_options``) a ``KroneckerEngine``, or a one-line refusal when ``kind`` is not the
+    partitioned engine."""
+    resolved = resolve_engine_kind(kind, model, loss)
+    if kronecker is None:
+        return ENGINES[resolved](model, probe, loss, layout, **options)
+    if resolved != "partitioned":
+        raise ConfigError(
+            f"{REFUSAL}; this job takes the {resolved} engine ({loss.name} loss"
+            f"{'' if loss.partitioned else ', dense'}): use projection.structure=dense"
+        )
+    return KroneckerEngine(model, probe, loss, layout, projection=kronecker, **options)
 
 
 def build_engine(
@@ -92,8 +113,12 @@ def build_engine(
     label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
+    kronecker: dict[str, Any] | None = None,
 ) -> GradientEngine:
-    """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again."""
+    """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again.
+
+    ``kronecker``: the projection options of a ``KroneckerEngine`` (rows projected inside the
+    backward), or None for full rows."""
     check_device(device)  # before the probe set is read: a missing GPU is named in one line
     loss_kind = create_loss(loss, num_classes)
     policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
@@ -109,12 +134,37 @@ def build_engine(
         probe,
         loss_kind,
         layout,
+        kronecker,
         precision=policy,
         device=device,
         block_rows=block_rows,
         group_rows=group_rows,
         output=output,
     )
+
+
+def projection_options(projection: Any) -> Any:
+    """A ``ProjectionConfig`` from ``per_class_gradients``' ``projection`` (a mapping, a config or None)."""
+    from classgrad.service.config import ProjectionConfig
+
+    if projection is None or isinstance(projection, ProjectionConfig):
+        return projection
+    if not isinstance(projection, dict):
+        raise InputError(f"projection must be a mapping like {{'dim': 1024}}, got {type(projection).__name__}")
+    try:
+        return ProjectionConfig.model_validate(projection)
+    except ValueError as exc:
+        raise ConfigError(f"projection: {exc}".splitlines()[0] + f" ({projection!r})") from None
+
+
+def kronecker_options(p: Any, record: dict | None = None) -> dict[str, Any] | None:
+    """The ``KroneckerEngine`` options of a ``ProjectionConfig`` (None unless structure=kronecker)."""
+    if p is None or p.dim is None or p.structure != "kronecker":
+        return None
+    out = {"dim": p.dim, "kind": p.kind, "seed": p.seed, "rest": p.rest, "allocation": p.allocation}
+    out["dense_layers"] = list(p.dense_layers)
+    out["low_rank"] = p.low_rank
+    return {**out, "record": record} if record is not None else out
 
 
 def per_class_gradients(
@@ -135,6 +185,7 @@ def per_class_gradients(
     label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
+    projection: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
 
@@ -152,8 +203,11 @@ def per_class_gradients(
     dropout and batch statistics change the rows); every module's own mode is put back afterwards.
     ``progress`` shows a bar counting rows (``tqdm.auto``: a notebook widget or a terminal bar):
     ``None`` only when the call lasts over ``PROGRESS_DELAY_S`` and stderr is a terminal (or in a
-    notebook), ``True`` always, ``False`` never.
+    notebook), ``True`` always, ``False`` never. ``projection``: the keys of a job's
+    ``projection`` section (``{"dim": 4096, "structure": "kronecker", "seed": 0}``): rows come
+    back ``[len(classes), dim]``, the same numbers a job with that section stores.
     """
+    proj = projection_options(projection)
     with _in_mode(model, mode):
         eng = build_engine(
             model,
@@ -169,14 +223,22 @@ def per_class_gradients(
             label_field=label_field,
             collate=collate,
             pad_values=pad_values,
+            kronecker=kronecker_options(proj),
         )
+        dense = None
+        if proj is not None and proj.dim is not None and proj.structure == "dense":
+            from classgrad.workers.projection import Projector
+
+            groups = [(s.offset, s.size) for s in eng.layout.slots] if proj.per_param else None
+            dense = Projector(eng.layout.dim, proj.dim, kind=proj.kind, seed=proj.seed, groups=groups)
+        width = dense.out_dim if dense else (eng.stored_dim if isinstance(eng, KroneckerEngine) else eng.layout.dim)
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:
-            return torch.zeros(0, eng.layout.dim)
+            return torch.zeros(0, width)
         with _row_bar(len(wanted), progress) as advance:
             blocks = []
             for b in eng.iter_blocks(wanted):
-                blocks.append(b.rows.float().cpu())
+                blocks.append((dense.project(b.rows) if dense else b.rows).float().cpu())
                 advance(len(b))  # once per block, not per row: the bar costs nothing on the hot path
         return torch.cat(blocks)
 

@@ -8,7 +8,8 @@ block, hands them to a ``ShardWriter`` (writes overlap compute), marks the shard
 row is stored, and returns a small report. Rows never travel back to the driver.
 
 Also holds what the driver and ``classgrad estimate`` share with it: ``build_projector``,
-``checked_engine`` (engine + preflight + projector + stored row width) and ``stored_blocks``
+``checked_engine`` (engine + preflight + projector + stored row width), ``stored_width``,
+``projection_record`` (the store's ``projection`` attribute) and ``stored_blocks``
 (the blocks a worker stores, projected in batches of ``project_rows_for(dim)`` rows).
 """
 
@@ -26,7 +27,7 @@ import torch
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
-from classgrad.workers.engines import GradientEngine, RowBlock
+from classgrad.workers.engines import GradientEngine, KroneckerEngine, RowBlock
 from classgrad.workers.projection import Projector
 from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.runtime.identity import check_same_build, engine_identity
@@ -38,9 +39,10 @@ PROJECT_BYTES = 1 << 30
 
 
 def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
-    """The job's projector, or None when rows are stored whole."""
+    """The job's projector of finished rows, or None when rows are stored whole or projected
+    inside the backward (``projection.structure: kronecker``, ``KroneckerEngine``)."""
     p = config.projection
-    if p.dim is None:
+    if p.dim is None or p.structure == "kronecker":
         return None
     groups = [(s.offset, s.size) for s in slots] if p.per_param else None
     return Projector(dim_in, p.dim, kind=p.kind, seed=p.seed, groups=groups)
@@ -49,14 +51,30 @@ def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
 def checked_engine(
     config: JobConfig,
     device: str | None = None,
+    record: dict | None = None,
 ) -> tuple[GradientEngine, Projector | None, int]:
     """The job's engine, checked against its real model and data (``preflight``), its
-    projector (None when rows are stored whole) and the width of a stored row."""
-    engine = build_job_engine(config, device=device)
+    projector (None when rows are stored whole or projected by the engine) and the width of a
+    stored row. ``record``: a store's Kronecker split to reuse (see ``build_job_engine``)."""
+    engine = build_job_engine(config, device=device, record=record)
     preflight(engine)
     layout = engine.layout
     projector = build_projector(config, layout.slots, layout.dim)
-    return engine, projector, projector.out_dim if projector else layout.dim
+    return engine, projector, stored_width(engine, projector)
+
+
+def stored_width(engine: GradientEngine, projector: Projector | None) -> int:
+    """Columns of a stored row."""
+    if projector is not None:
+        return projector.out_dim
+    return engine.stored_dim if isinstance(engine, KroneckerEngine) else engine.layout.dim
+
+
+def projection_record(engine: GradientEngine, projector: Projector | None) -> dict | None:
+    """What the store records about the projection (None: full rows)."""
+    if isinstance(engine, KroneckerEngine):
+        return engine.describe()
+    return projector.describe() if projector else None
 
 
 def project_rows_for(dim: int) -> int:
@@ -110,13 +128,15 @@ class GradientWorker:
         self.run_id = run_id  # the driver's run; shards are marked done only while it holds the lease
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.engine = build_job_engine(self.config)
+        store_cfg = self.config.store
+        self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
+        # A Kronecker job's split among layers was measured once by the driver: reuse it.
+        record = self.store.attrs.get("projection") if self.config.projection.structure == "kronecker" else None
+        self.engine = build_job_engine(self.config, record=record)
         if identity is not None:  # the driver's: this build must compute the same rows, or write none
             check_same_build(identity, engine_identity(self.engine))
         self.projector = build_projector(self.config, self.engine.layout.slots, self.engine.layout.dim)
         self.project_rows = project_rows_for(self.engine.layout.dim)
-        store_cfg = self.config.store
-        self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
         self.class_ids = self.store.class_ids
         self.identity = {
             "node": _node_id(),

@@ -21,7 +21,7 @@ from torch import nn
 from classgrad.service.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
-from classgrad.workers.engines import GradientEngine, create_engine
+from classgrad.workers.engines import GradientEngine, create_engine, kronecker_options
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import create_loss
@@ -127,8 +127,11 @@ def build_probe(
     return ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
 
 
-def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEngine:
-    """Model, probe set, loss, parameter layout and engine for a job config (the device checked first)."""
+def build_job_engine(config: JobConfig, device: str | None = None, record: dict | None = None) -> GradientEngine:
+    """Model, probe set, loss, parameter layout and engine for a job config (the device checked first).
+
+    ``record``: the store's ``projection`` attribute, whose Kronecker split a worker reuses
+    (``projection.structure: kronecker``; the driver measures it, see ``KroneckerEngine``)."""
     device = device or config.resolved_device()
     check_device(device)
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
@@ -150,6 +153,7 @@ def build_job_engine(config: JobConfig, device: str | None = None) -> GradientEn
         probe,
         loss,
         layout,
+        kronecker_options(config.projection, record),
         precision=policy,
         device=device,
         block_rows=config.engine.block_rows,

@@ -6,9 +6,10 @@ tokens) and ``class_outer_sums`` (forms the per-class sums and bias sums and wri
 For a layer whose output at token t is ``W x_t (+ b)`` (Linear: a token per sample and position;
 Conv: a token per sample and output pixel, ``x_t`` its input patch), class i's gradients are
 ``dW_i = sum_t g_t x_t^T`` and ``db_i = sum_t g_t`` over its samples' tokens. Grouped layers give
-one product per class and group (``blocks``). A projection inside the backward will go into
+one product per class and group (``blocks``). A projection inside the backward goes into
 ``class_outer_sums`` for every such layer at once: ``P_out dW_i P_in^T = sum_t (P_out g_t)(P_in
-x_t)^T``, i.e. project both token factors first, then the same batched product.
+x_t)^T``, i.e. project both token factors first, then the same batched product
+(``kronecker_sums.projected_outer_sums``, when ``out.projection`` is set).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class OuterFactors(ABC):
 
 def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
     """Per-class weight (and bias) gradients of an outer-product layer into ``out``."""
+    if out.projection is not None:  # Kronecker-projected rows: weight and bias in one product
+        from classgrad.workers.engines.layer_rules.kronecker_sums import projected_outer_sums
+
+        projected_outer_sums(factors, out, out.projection)
+        return
     direct = factors.direct_sums(out.wants("weight"), out.wants("bias"))
     if direct is not None:
         gw, gb = (t if out.wants(kind) else None for kind, t in zip(("weight", "bias"), direct))

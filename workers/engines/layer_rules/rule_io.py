@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,8 +112,10 @@ class ClassRows:
     reads it all in one synchronisation instead of a pass over the rows.
     """
 
-    def __init__(self, rows: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, projections: dict[str, Any] | None = None):
         self.rows = rows
+        # Weight name -> its Kronecker unit (``classgrad.workers.kronecker``) when rows are projected.
+        self.projections = projections or {}
         self.k = rows.shape[0]
         self.written: set[str] = set()
         self.bounds: list[torch.Tensor] = []
@@ -143,6 +146,8 @@ class LayerRows:
     def __init__(self, run: ClassRows, slots: dict[str, ParamSlot]):
         self.run = run
         self.slots = slots
+        # The layer's Kronecker unit (``outer.class_outer_sums`` projects inside the backward), or None.
+        self.projection = run.projections.get(slots["weight"].name) if "weight" in slots else None
 
     @property
     def k(self) -> int:

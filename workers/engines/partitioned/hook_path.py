@@ -65,6 +65,7 @@ class HookPath:
         self.expand = True
         self.expanded: list[nn.Module] = []
         self.formats = ImageFormat(engine.model, engine.device, engine.precision.dtype, engine.stats)
+        self.projections: dict = {}  # weight name -> Kronecker unit: rows projected inside the backward
 
     def summary(self) -> str:
         """Which parameters this path handles and how (for the engine's one log line)."""
@@ -165,7 +166,7 @@ class HookPath:
         # Every class has `width` samples: [total] is already [k, width].
         spots = None if bool((counts == width).all()) else dev_local * width + within.to(eng.device)
         grid = ClassGrid(k, width, spots, dtype)
-        sink = ClassRows(rows)
+        sink = ClassRows(rows, self.projections)
         inv = (1.0 / scales.double()).to(eng.device, dtype) if scaled else None
         for c in captured:
             if isinstance(c, Captured):

@@ -1,0 +1,219 @@
+"""How well each projection keeps the geometry of per-class gradients, at equal stored width (issue 18).
+
+For each model (a Hugging Face ViT (hidden 96, 4 layers), a BERT (hidden 128, 2 layers), a
+ResNet-18 on 16x16 images with its second stage (two blocks, 128 channels) and the head
+selected), at random
+initialisation and after ``--steps`` Adam steps on a synthetic training set (so gradients are not
+isotropic), and for classes of 1 to 4 samples and of 50 samples, the exact rows (the partitioned
+engine, float32) are compared with rows projected to ``k`` columns by:
+
+- ``kronecker``: ``projection.structure: kronecker`` (the engine's own rows, split by measured
+  gradient norm; the parameters outside the Kronecker layers projected densely);
+- ``dense rademacher`` / ``dense gaussian``: one ``Projector`` over the whole row;
+- ``dense per-param``: ``projection.per_param`` with ``k // P`` columns per parameter (P selected
+  parameters, so its width is at most ``k``);
+- ``kronecker 4k`` (``--wider``): kronecker at 4 times the width, not an equal-width comparison:
+  what spending its cheaper columns buys back.
+
+Reported: median and 99th percentile of the absolute error of pairwise cosines and of pairwise
+inner products (divided by the product of the two rows' norms, so models and classes compare),
+and recall@10 (mean share of each class's 10 nearest classes by cosine that the projected rows
+find). One seed per method; the parameters the hook path has no rule for yet (LayerNorm,
+embeddings) are not selected, for every method alike.
+
+    .venv/bin/python -m benchmarks.projection_quality            # C = 48, k = 512, 100 steps
+    .venv/bin/python -m benchmarks.projection_quality --quick    # C = 32, k = 256, 40 steps
+
+Prints a table and writes ``benchmarks/out/projection_quality.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from benchmarks import common
+from benchmarks.common import print_table
+from benchmarks.hf_models import OUTSIDE_RULES, bert, vit
+
+OUT = common.OUT_DIR / "projection_quality.json"
+
+
+def models(num_classes: int) -> dict[str, tuple[nn.Module, dict[str, Any], list[str]]]:
+    """name -> (model, synthetic_probe kwargs, selected parameter names)."""
+    from classgrad.workers.zoo import resnet18
+
+    out = {
+        "vit": (vit(num_classes, hidden=96, layers=4, heads=3, intermediate=384), {"input_shape": (3, 32, 32)}, None),
+        "bert": (bert(num_classes), {"kind": "tokens", "seq_len": 16}, None),
+        "resnet18 stage2+fc": (
+            resnet18(num_classes),
+            {"input_shape": (3, 16, 16)},
+            ["layers.2.*", "layers.3.*", "fc.*"],
+        ),
+    }
+    result = {}
+    for name, (model, data, include) in out.items():
+        names = [n for n, _ in model.named_parameters()]
+        if include is None:
+            chosen = [n for n in names if not any(fnmatch.fnmatchcase(n, p) for p in OUTSIDE_RULES)]
+        else:
+            chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in include)]
+        result[name] = (model, data, chosen)
+    return result
+
+
+def train(model: nn.Module, data: dict[str, Any], num_classes: int, steps: int) -> None:
+    """``steps`` Adam steps (lr 1e-3, batch 32) on a synthetic set of another seed; eval mode after."""
+    from classgrad.workers.zoo import synthetic_probe
+
+    x, y = synthetic_probe(num_classes, 32, seed=11, **data)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(y), (32,), generator=g)
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def metrics(exact: np.ndarray, proj: np.ndarray, top: int = 10) -> dict[str, float]:
+    e, p = exact.astype(np.float64), proj.astype(np.float64)
+    ne, np_ = np.linalg.norm(e, axis=1), np.linalg.norm(p, axis=1)
+    keep = (ne > 0) & (np_ > 0)
+    e, p, ne, np_ = e[keep], p[keep], ne[keep], np_[keep]
+    ip_e, ip_p = e @ e.T, p @ p.T
+    outer = np.outer(ne, ne)
+    cos_e, cos_p = ip_e / outer, ip_p / np.outer(np_, np_)
+    iu = np.triu_indices(len(e), 1)
+    cos_err = np.abs(cos_p - cos_e)[iu]
+    ip_err = (np.abs(ip_p - ip_e) / outer)[iu]
+    n = len(e)
+    np.fill_diagonal(cos_e, -np.inf)
+    np.fill_diagonal(cos_p, -np.inf)
+    t = min(top, n - 1)
+    near_e = np.argsort(-cos_e, axis=1)[:, :t]
+    near_p = np.argsort(-cos_p, axis=1)[:, :t]
+    recall = np.mean([len(set(a) & set(b)) / t for a, b in zip(near_e, near_p)])
+    return {
+        "cos_median": float(np.median(cos_err)),
+        "cos_p99": float(np.quantile(cos_err, 0.99)),
+        "ip_median": float(np.median(ip_err)),
+        "ip_p99": float(np.quantile(ip_err, 0.99)),
+        f"recall@{t}": float(recall),
+    }
+
+
+def compare(
+    model: nn.Module, data: tuple, chosen: list[str], classes: int, k: int, wider: tuple[int, ...] = ()
+) -> dict[str, dict]:
+    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.projection import Projector
+
+    t0 = time.perf_counter()
+    exact = per_class_gradients(model, data, num_classes=classes, params=chosen)
+    t_exact = time.perf_counter() - t0
+    D = exact.shape[1]
+    out: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    kron = per_class_gradients(
+        model, data, num_classes=classes, params=chosen, projection={"structure": "kronecker", "dim": k, "seed": 0}
+    )
+    out["kronecker"] = {**metrics(exact.numpy(), kron.numpy()), "width": k, "seconds": time.perf_counter() - t0}
+    for times in wider:  # not equal width: what a wider Kronecker projection buys back
+        t0 = time.perf_counter()
+        proj = {"structure": "kronecker", "dim": times * k, "seed": 0}
+        rows = per_class_gradients(model, data, num_classes=classes, params=chosen, projection=proj)
+        out[f"kronecker {times}k"] = {**metrics(exact.numpy(), rows.numpy()), "width": times * k}
+        out[f"kronecker {times}k"]["seconds"] = time.perf_counter() - t0
+    named = dict(model.named_parameters())
+    sizes = [named[n].numel() for n in chosen]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    per = max(1, k // len(chosen))
+    projectors = {
+        "dense rademacher": Projector(D, k, kind="rademacher", seed=0),
+        "dense gaussian": Projector(D, k, kind="gaussian", seed=0),
+        "dense per-param": Projector(D, per, kind="rademacher", seed=0, groups=list(zip(offsets, sizes))),
+    }
+    for name, projector in projectors.items():
+        t0 = time.perf_counter()
+        rows = projector.project(exact)
+        seconds = t_exact + time.perf_counter() - t0
+        out[name] = {**metrics(exact.numpy(), rows.numpy()), "width": projector.out_dim, "seconds": seconds}
+    out["_"] = {"D": D, "exact_seconds": t_exact}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--classes", type=int)
+    parser.add_argument("--dim", type=int, help="stored width k (every method)")
+    parser.add_argument("--steps", type=int, help="training steps of the trained state")
+    parser.add_argument("--models", nargs="*", help="subset of: vit bert 'resnet18 stage2+fc'")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument(
+        "--wider", type=int, nargs="*", default=[4], help="also kronecker at these multiples of k (not equal width)"
+    )
+    args = parser.parse_args()
+    classes = args.classes or (32 if args.quick else 48)
+    k = args.dim or (256 if args.quick else 512)
+    steps = args.steps if args.steps is not None else (40 if args.quick else 100)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    from classgrad.workers.zoo import synthetic_probe
+
+    results: list[dict[str, Any]] = []
+    table = []
+    for name, (model, data, chosen) in models(classes).items():
+        if args.models and name not in args.models:
+            continue
+        for state in ("init", f"{steps} steps"):
+            if state != "init":
+                train(model, data, classes, steps)
+            for regime, kwargs in (
+                ("1-4", {"samples_per_class": 2, "imbalance": 0.3}),
+                ("50", {"samples_per_class": 50}),
+            ):
+                probe = synthetic_probe(classes, seed=0, **kwargs, **data)
+                found = compare(model, probe, chosen, classes, k, tuple(args.wider))
+                meta = found.pop("_")
+                for method, m in found.items():
+                    results.append({"model": name, "state": state, "samples": regime, "method": method, **meta, **m})
+                    recall = next(v for key, v in m.items() if key.startswith("recall@"))
+                    table.append(
+                        [
+                            name,
+                            state,
+                            regime,
+                            method,
+                            m["width"],
+                            f"{m['cos_median']:.4f}",
+                            f"{m['cos_p99']:.4f}",
+                            f"{m['ip_median']:.4f}",
+                            f"{m['ip_p99']:.4f}",
+                            f"{recall:.2f}",
+                        ]
+                    )
+                print(f"{name} {state} {regime}: D = {meta['D']:,} done", flush=True)
+    print(f"\n== projection quality at equal stored width k = {k}, C = {classes}, 1 seed")
+    headers = ["model", "state", "samples/class", "method", "width", "|dcos| med", "|dcos| p99"]
+    headers += ["|dip|/(|x||y|) med", "p99", "recall@10"]
+    print_table(headers, table)
+    common.write_report(
+        args.out, {"machine": common.machine_info(), "classes": classes, "dim": k, "steps": steps, "rows": results}
+    )
+
+
+if __name__ == "__main__":
+    main()
