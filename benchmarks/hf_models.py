@@ -1,37 +1,13 @@
 """Small Hugging Face models built from configs (no weights downloaded), for the projection benchmarks.
 
-Holds ``Logits`` (a wrapper returning ``.logits``: wrapper-free HF support is separate work),
-``vit`` and ``bert`` (model factories usable as ``model.factory`` in a job file), and
-``OUTSIDE_RULES`` (name patterns of the parameters the hook path has no layer rule for yet:
-LayerNorm, position and token embeddings, the class token; a job that projects with
-``structure: kronecker`` excludes them until those rules exist).
+Holds ``vit`` and ``bert``: model factories usable as ``model.factory`` in a job file, returning
+the models as transformers defines them (the engines take ``.logits`` of their outputs).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-OUTSIDE_RULES = [
-    "*embeddings.cls_token",
-    "*position_embeddings*",
-    "*word_embeddings*",
-    "*token_type_embeddings*",
-    "*LayerNorm*",
-    "*layernorm*",
-]
-
-
-class Logits(nn.Module):
-    """``model(x).logits`` as a plain tensor (``pixel_values`` or ``input_ids``)."""
-
-    def __init__(self, model: nn.Module, key: str):
-        super().__init__()
-        self.model = model
-        self.key = key
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.key: x}).logits
 
 
 def vit(
@@ -57,7 +33,7 @@ def vit(
         patch_size=patch,
         num_labels=num_classes,
     )
-    return Logits(ViTForImageClassification(config), "pixel_values").eval()
+    return ViTForImageClassification(config).eval()
 
 
 def bert(
@@ -82,4 +58,4 @@ def bert(
         max_position_embeddings=64,
         num_labels=num_classes,
     )
-    return Logits(BertForSequenceClassification(config), "input_ids").eval()
+    return BertForSequenceClassification(config).eval()

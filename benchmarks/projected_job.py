@@ -10,8 +10,8 @@ per-row time, bytes written and store size. Runs alternate, best of ``--reps``.
     .venv/bin/python -m benchmarks.projected_job --quick    # C = 1,000, 1 rep
 
 ``--model vit`` (issue 18) compares, per row, each projection structure with the unprojected
-engine and with the floor on a Hugging Face ViT (hidden 192, 6 layers, D >= 2.7M; the
-parameters outside the layer rules, ``hf_models.OUTSIDE_RULES``, are not selected), classes of 1
+engine and with the floor on a Hugging Face ViT (hidden 192, 6 layers, D >= 2.7M, every
+parameter), classes of 1
 to 4 samples, one worker in one thread, no Ray: each measurement in its own process (its peak
 RSS is reported). ``floor``: one forward+backward over the probe set in the engine's batches;
 ``engine``: the unprojected engine's rows (not stored); ``dense`` / ``kronecker``: the job's
@@ -81,8 +81,6 @@ def run(config: dict) -> dict[str, Any]:
 
 
 def vit_job(classes: int, url: str, projection: dict[str, Any], hidden: int = 192) -> dict[str, Any]:
-    from benchmarks.hf_models import OUTSIDE_RULES
-
     kwargs = {"num_classes": classes, "hidden": hidden, "intermediate": 4 * hidden}
     return {
         "model": {"factory": "benchmarks.hf_models:vit", "kwargs": kwargs},
@@ -93,7 +91,6 @@ def vit_job(classes: int, url: str, projection: dict[str, Any], hidden: int = 19
             "batch_size": 64,
         },
         "loss": {"num_classes": classes},
-        "params": {"exclude": OUTSIDE_RULES},
         "sharding": {"shard_rows": 64},
         "store": {"url": url, "row_chunk": 64, "overwrite": True},
         "cluster": {"num_workers": 1, "num_cpus_per_worker": 1},
@@ -145,7 +142,7 @@ def measure_one(
             with engine.selected_grads():
                 for idx in torch.arange(len(probe)).split(probe.batch_size):
                     x, y = probe.batch(idx, engine.device, engine.compute_dtype)
-                    value = loss.sample_losses(engine.model(x), loss.labels(y)).sum()
+                    value = loss.sample_losses(engine.io(x), loss.labels(y)).sum()
                     torch.autograd.grad(value, engine.params)
         out["seconds"] = time.perf_counter() - t0
     elif prepare_only:  # the driver's side, in its own process (its memory is not the worker's)

@@ -8,7 +8,7 @@ except the two rows of the hook path's one-off spot check (computed whole by the
 single-class path and projected with the same factors).
 
 Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
-dense loss, a model outside the layer rules, a hook path that fails) is refused with one line that
+dense loss, a model that couples samples, a hook path that fails) is refused with one line that
 points to ``projection.structure: dense``: never a silent detour through full rows.
 """
 
