@@ -16,11 +16,12 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
   a file ``raised-<n>`` in the directory (created with O_EXCL, so two actors cannot both count
   as fault n); a raise aborts the shard attempt that computes that class, so the count of those
   files is the number of failed attempts of that shard.
-- ``unhooked_mlp``: ``classgrad.workers.zoo.mlp`` with a no-op forward pre-hook on its first layer. The
-  partitioned engine retries anything that fails in its fast paths (per-class sums from hooks,
-  then vmap) with a slower one that gives the same rows, so an error raised there is swallowed
-  instead of failing the shard. A layer with a forward hook turns the hooks path off
-  (``workers/engines/partitioned.py``, ``_Hooked.plan``), and ``engine.block_rows: 1`` makes
+- ``unhooked_mlp``: ``classgrad.workers.zoo.mlp`` with a no-op forward pre-hook on its first layer
+  and on the model itself. The partitioned engine retries anything that fails in its fast paths
+  (per-class sums from hooks, then vmap) with a slower one that gives the same rows, so an error
+  raised there is swallowed instead of failing the shard. A layer with a forward hook hands its
+  parameters to its parent, and a hooked model has none to hand them to: no hook path
+  (``partitioned/hook_plan.py``, ``HookPlan.plan``), and ``engine.block_rows: 1`` makes
   every class go alone (no vmap packs): the loss is then always called on plain tensors, once
   per class, and a fault fails the shard attempt, as a real error in user code would.
 - ``nan_dataset``: a probe set served as a ``Dataset`` with NaN in one sample's input, which
@@ -155,6 +156,7 @@ def _no_op(module: nn.Module, args: tuple) -> None:
 def unhooked_mlp(num_classes: int = 10, **mlp_kwargs) -> nn.Module:
     model = zoo.mlp(num_classes, **mlp_kwargs)
     model[0].register_forward_pre_hook(_no_op)
+    model.register_forward_pre_hook(_no_op)
     return model
 
 
