@@ -1,7 +1,8 @@
 """Hugging Face models and dict data through a real Ray job, with no wrapper (issue 16, item 3).
 
 A ``BertForSequenceClassification`` on padded dict samples with an attention mask (from a
-``Dataset``, a ``DataLoader`` and a stand-in for ``datasets.Dataset``), and plain models that
+``Dataset``, a ``DataLoader`` and a stand-in for ``datasets.Dataset``), the rest of issue 16's
+models (GPT-2, Llama, ViT, ResNet, an LSTM classifier, a LayerNorm MLP), and plain models that
 return a ``ModelOutput`` or a tuple: rows within 1e-5 of the float64 reference, parameter names
 the model's own, class names from ``config.id2label``. And a user's factory module in the
 directory ``classgrad run`` runs from, with nothing on ``PYTHONPATH``: the working directory is
@@ -44,6 +45,24 @@ CASES = {
         "data": VECTORS,
     },
 }
+# The rest of issue 16's table as users bring them (tests/support/hf_models.py: tiny configs).
+TABLE = "tests.support.hf_models"
+for _name, _builder in [
+    ("gpt2", "tiny_gpt2"),
+    ("llama", "tiny_llama"),
+    ("vit", "tiny_vit"),
+    ("resnet", "tiny_resnet"),
+    ("lstm", "lstm_classifier"),
+    ("ln_mlp", "layernorm_mlp"),
+]:
+    CASES[f"table-{_name}"] = {
+        "model": {"factory": f"{TABLE}:{_builder}", "kwargs": {"num_classes": C}},
+        "data": {
+            "factory": f"{TABLE}:hf_probe",
+            "kwargs": {"name": _name, "num_classes": C, "per_class": 2, "seed": 1},
+            "batch_size": 6,
+        },
+    }
 
 
 def reference_rows(config) -> torch.Tensor:
@@ -77,6 +96,9 @@ def test_a_job_on_hf_inputs_stores_the_reference_rows_under_the_models_own_names
     if name.startswith("bert"):
         assert "classifier.weight" in names and "bert.embeddings.word_embeddings.weight" in names
         assert store.class_names == [f"class-{i}" for i in range(C)]
+    elif name.startswith("table-"):  # the model's own names, in its own order
+        model = build_model(config.model.factory, config.model.kwargs)
+        assert names == [n for n, _ in model.named_parameters()]
     else:
         assert names == ["body.0.weight", "body.0.bias", "head.weight", "head.bias"]
         assert store.class_names is None

@@ -9,12 +9,14 @@ and the row layout named by the model's own parameter names.
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
 
 from classgrad import per_class_gradients
 from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines.partitioned import hook_plan
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import REAL_MODELS, hf_probe
 
@@ -83,3 +85,15 @@ def test_a_model_from_a_config_in_train_mode_gives_eval_rows_by_default():
     got = per_class_gradients(model, data, num_classes=C, progress=False)
     assert model.training
     assert max_relative_error(got, _reference(model.eval(), data)) <= TOL
+
+
+@pytest.mark.parametrize("name", ["bert", "lstm"])
+def test_real_models_without_the_hook_path_take_the_other_paths_exactly(name):
+    """With the hook path ruled out, a Hugging Face model with an attention mask (vmap cannot
+    batch it) and a recurrent model still give the reference rows, by vmap or the last resort."""
+    model = REAL_MODELS[name](C)
+    data = hf_probe(name, C, per_class=3, seed=4)
+    with mock.patch.object(hook_plan.HookPlan, "plan", classmethod(lambda cls, *a, **kw: None)):
+        eng, got = _engine_rows(model, data)
+    assert eng._hooked is None and any("loop" in n or "vmap" in n for n in eng.stats.notes), eng.stats.notes
+    assert max_relative_error(got, _reference(model, data)) <= TOL

@@ -47,7 +47,7 @@ class LoopPath:
         indices, local, _ = self.samples.consecutive(cls)
         x, y = eng.probe.batch(indices, eng.device, eng.compute_dtype)
         with eng.forward_context(0):
-            out = eng.model(x)
+            out = eng.io(x)  # dict batches as keyword arguments, the logits out
         eng.stats.forwards += 1
         loss.check_outputs(out)
         per_sample = loss.sample_losses(out, loss.labels(y))
