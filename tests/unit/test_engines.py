@@ -10,7 +10,7 @@ import torch
 
 from classgrad.service.errors import InputError
 from classgrad.workers import zoo
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.engines import build_engine, per_class_gradients
 from classgrad.workers.layout import ParamLayout
 from tests.support.engine_cases import (
     BATCH_COUPLED_MODELS,
@@ -222,3 +222,22 @@ def test_per_class_gradients_progress_bar_counts_rows_and_leaves_them_unchanged(
     assert capsys.readouterr().err == ""
     # The bar only observes the blocks: same engine, same inputs, bit-identical rows (no tolerance).
     assert torch.equal(with_bar, without) and torch.equal(with_bar, default)
+
+
+def test_partitioned_blocks_written_into_a_given_output_are_views_of_it():
+    """``iter_blocks(out=...)`` (what ``per_class_gradients`` uses on the CPU): every row lands in
+    ``out`` once, blocks are views of it, and the rows equal the engine's own blocks."""
+    model = zoo.mlp(NUM_CLASSES, in_features=6, hidden=8).eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(6,), seed=2)
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=4, group_rows=3)
+    want = torch.cat([b.rows for b in eng.iter_blocks(range(NUM_CLASSES))])
+    out = torch.full((NUM_CLASSES, eng.layout.dim), float("nan"))
+    blocks = list(eng.iter_blocks(range(NUM_CLASSES), out=out))
+    assert len(blocks) > 1 and all(b.rows.data_ptr() == out[i * 3].data_ptr() for i, b in enumerate(blocks))
+    assert torch.equal(out, want)  # the same computation, the same order: bitwise
+    with pytest.raises(ValueError, match="out must be"):
+        next(eng.iter_blocks(range(NUM_CLASSES), out=out[:-1]))
+    # per_class_gradients takes that route on the CPU and gives the same rows.
+    assert torch.equal(
+        per_class_gradients(model, data, num_classes=NUM_CLASSES, batch_size=4, engine="partitioned"), want
+    )

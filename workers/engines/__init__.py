@@ -236,10 +236,18 @@ def per_class_gradients(
         if not wanted:
             return torch.zeros(0, width)
         with _row_bar(len(wanted), progress) as advance:
+            on_cpu = eng.row_dtype == torch.float32 and eng.device.type == "cpu"
+            if dense is None and on_cpu and type(eng) is PartitionedEngine:
+                # Rows written straight into the result: no second pass over C x D floats. (On a
+                # GPU blocks go to the host one at a time instead: C x D need not fit the device.)
+                out = torch.empty(len(wanted), width)
+                for b in eng.iter_blocks(wanted, out=out):
+                    advance(len(b))  # once per block, not per row: the bar costs nothing on the hot path
+                return out
             blocks = []
             for b in eng.iter_blocks(wanted):
                 blocks.append((dense.project(b.rows) if dense else b.rows).float().cpu())
-                advance(len(b))  # once per block, not per row: the bar costs nothing on the hot path
+                advance(len(b))
         return torch.cat(blocks)
 
 

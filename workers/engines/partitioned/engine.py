@@ -251,20 +251,29 @@ class PartitionedEngine(GradientEngine):
 
     # --- public --------------------------------------------------------------------------------
 
-    def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
+    def iter_blocks(self, classes: Sequence[int], out: torch.Tensor | None = None) -> Iterator[RowBlock]:
+        """Row blocks of ``classes``, in order. With ``out`` (``[len(classes), D]`` in the row dtype
+        on the engine's device) each block's rows are written straight into it and are views of
+        it, so a caller that wants every row in one tensor does not copy them again."""
         ids = self._check_classes(classes)
+        if out is not None and (out.shape != (len(ids), self.layout.dim) or out.dtype != self.row_dtype):
+            raise ValueError(
+                f"out must be [{len(ids)}, {self.layout.dim}] {self.row_dtype}, got {out.shape} {out.dtype}"
+            )
         row_bytes = 4 * self.layout.dim
         # A power of two (at least 16) so groups stay aligned with power-of-two store row chunks.
         small = 1 << max(4, (GROUP_BYTES // row_bytes).bit_length() - 1)
         group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes), small)
         with self.selected_grads():
             for g0 in range(0, len(ids), group):
-                yield self._group(ids[g0 : g0 + group])
+                part = ids[g0 : g0 + group]
+                yield self._group(part, None if out is None else out[g0 : g0 + len(part)])
 
-    def _group(self, ids: torch.Tensor) -> RowBlock:
+    def _group(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> RowBlock:
         n = len(ids)
         dtype = self.row_dtype
-        rows = torch.empty(n, self.layout.dim, dtype=dtype, device=self.device)
+        if rows is None:
+            rows = torch.empty(n, self.layout.dim, dtype=dtype, device=self.device)
         values = torch.zeros(n, dtype=dtype)
         scales = torch.ones(n)
         again = torch.zeros(n, dtype=torch.bool)

@@ -140,10 +140,13 @@ class KroneckerEngine(PartitionedEngine):
         dest[where] = self.kmap.work_rows(full).to(dest.dtype)
         return value, finite
 
-    def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
+    def iter_blocks(self, classes: Sequence[int], out: torch.Tensor | None = None) -> Iterator[RowBlock]:
         """Stored rows. A dense rest is projected over gathered blocks (up to ``REST_ROWS`` rows
         or ``REST_BYTES`` of rest columns): generating its random matrix costs the same for 16
-        rows as for 256, and the engine's groups of wide work rows are small."""
+        rows as for 256, and the engine's groups of wide work rows are small. (``out`` is not
+        taken: the work rows are wider than the stored ones.)"""
+        if out is not None:
+            raise ValueError("a KroneckerEngine's blocks are formed from work rows: out is not supported")
         if self.kmap.rest_projector is None:
             for block in super().iter_blocks(classes):
                 yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
