@@ -11,38 +11,12 @@ import torch
 
 from classgrad.service.config import JobConfig
 from classgrad.service.runtime.estimate import RAY_STARTUP_ALLOWANCE_S, estimate_job
-from classgrad.service.runtime.preparation import prepare_store
-from classgrad.service.store import open_store
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.projection import Projector
-from classgrad.workers.runtime.actor import GradientWorker
 from classgrad.workers.runtime.factory import build_model, build_probe
+from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
-C = 24
-
-
-def config_for(tmp_path, **sections) -> JobConfig:
-    base = {
-        "model": {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": C, "in_features": 8, "hidden": 16}},
-        "data": {
-            "factory": "classgrad.workers.zoo:synthetic_probe",
-            "kwargs": {"num_classes": C, "samples_per_class": 3, "kind": "vector", "input_shape": [8]},
-        },
-        "loss": {"num_classes": C},
-        "sharding": {"shard_rows": 8},
-        "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 4},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    return JobConfig.model_validate(base)
-
-
-def run_without_ray(config: JobConfig):
-    prepared = prepare_store(config)
-    worker = GradientWorker(config.model_dump(mode="json"))
-    for shard in prepared.shards:
-        worker.compute_shard(shard.index)
-    return open_store(config.store.url)
+C = MLP_JOB_CLASSES
 
 
 def direct_rows(config: JobConfig) -> torch.Tensor:
@@ -53,7 +27,7 @@ def direct_rows(config: JobConfig) -> torch.Tensor:
 
 @pytest.mark.parametrize("per_param", [False, True])
 def test_projected_store_holds_projected_rows(tmp_path, per_param):
-    config = config_for(tmp_path, projection={"dim": 32, "kind": "gaussian", "seed": 7, "per_param": per_param})
+    config = mlp_job(tmp_path, projection={"dim": 32, "kind": "gaussian", "seed": 7, "per_param": per_param})
     store = run_without_ray(config)
     full = direct_rows(config)
     groups = None
@@ -73,7 +47,7 @@ def test_projected_store_holds_projected_rows(tmp_path, per_param):
 
 @pytest.mark.parametrize("dtype,resolution", [("float16", 2.0**-11), ("bfloat16", 2.0**-8)])
 def test_low_precision_store_keeps_rows_within_its_resolution(tmp_path, dtype, resolution):
-    config = config_for(tmp_path, store={"dtype": dtype})
+    config = mlp_job(tmp_path, store={"dtype": dtype})
     store = run_without_ray(config)
     full = direct_rows(config).numpy()
     got = store.rows(np.arange(C))
@@ -87,7 +61,7 @@ def test_low_precision_store_keeps_rows_within_its_resolution(tmp_path, dtype, r
 def test_estimate_reports_store_size_memory_and_rate(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # room for both actors: no core sharing
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local job, whose cores are os.cpu_count()
-    config = config_for(tmp_path, store={"dtype": "float16"})
+    config = mlp_job(tmp_path, store={"dtype": "float16"})
     result = estimate_job(config, sample_rows=8)
     dim = sum(p.numel() for p in build_model(config.model.factory, config.model.kwargs).parameters())
     assert result.dim == dim and result.store_bytes == C * dim * 2 + C * 16
@@ -101,7 +75,7 @@ def test_estimate_reports_store_size_memory_and_rate(tmp_path, monkeypatch):
 
 def test_estimate_includes_start_up_in_the_wall_time(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    result = estimate_job(config_for(tmp_path), sample_rows=8)
+    result = estimate_job(mlp_job(tmp_path), sample_rows=8)
     assert result.engine_build_seconds > 0 and result.ray_startup_seconds == RAY_STARTUP_ALLOWANCE_S
     assert result.startup_seconds == result.engine_build_seconds + RAY_STARTUP_ALLOWANCE_S  # same sum: exact
     assert result.wall_seconds == result.startup_seconds + result.job_seconds  # same sum: exact
@@ -114,7 +88,7 @@ def test_estimate_divides_cores_between_actors(tmp_path, monkeypatch):
     # 2 actors x 1 CPU on a machine reported as 1 core: they share it, so the job runs at one actor's rate.
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    result = estimate_job(config_for(tmp_path, cluster={"num_workers": 2, "num_cpus_per_worker": 1}), sample_rows=8)
+    result = estimate_job(mlp_job(tmp_path, cluster={"num_workers": 2, "num_cpus_per_worker": 1}), sample_rows=8)
     assert result.cores == 1 and result.actors_in_parallel == 1.0
     assert result.rows_per_s_job == result.rows_per_s_per_actor  # rate x 1.0: exact
     assert result.job_seconds == C / result.rows_per_s_per_actor  # C / (rate x 1.0): exact
@@ -123,6 +97,6 @@ def test_estimate_divides_cores_between_actors(tmp_path, monkeypatch):
 
 def test_estimate_assumes_a_clusters_actors_get_their_cpus(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 1)  # the driver's machine is not where a cluster's actors run
-    config = config_for(tmp_path, cluster={"address": "10.0.0.1:6379", "num_workers": 3})
+    config = mlp_job(tmp_path, cluster={"address": "10.0.0.1:6379", "num_workers": 3})
     result = estimate_job(config, sample_rows=8)
     assert result.cores is None and result.rows_per_s_job == 3 * result.rows_per_s_per_actor  # rate x 3.0: exact

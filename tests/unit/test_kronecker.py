@@ -20,46 +20,18 @@ from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import ConfigError
-from classgrad.service.runtime.preparation import prepare_store, recorded_split
+from classgrad.service.runtime.preparation import recorded_split
 from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, choices, kronecker_options, per_class_gradients, projection_options
 from classgrad.workers.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector
-from classgrad.workers.runtime.actor import GradientWorker
 from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.engine_cases import max_relative_error
+from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
 C = 6
-JOB_C = 24
-
-
-def config_for(tmp_path, **sections) -> JobConfig:
-    base = {
-        "model": {
-            "factory": "classgrad.workers.zoo:mlp",
-            "kwargs": {"num_classes": JOB_C, "in_features": 8, "hidden": 16},
-        },
-        "data": {
-            "factory": "classgrad.workers.zoo:synthetic_probe",
-            "kwargs": {"num_classes": JOB_C, "samples_per_class": 3, "kind": "vector", "input_shape": [8]},
-        },
-        "loss": {"num_classes": JOB_C},
-        "sharding": {"shard_rows": 8},
-        "store": {"url": str(tmp_path / "s.zarr"), "row_chunk": 4},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    return JobConfig.model_validate(base)
-
-
-def run_without_ray(config: JobConfig):
-    """The driver's preparation, then the real worker for every shard (no Ray)."""
-    prepared = prepare_store(config)
-    worker = GradientWorker(config.model_dump(mode="json"))
-    for shard in prepared.shards:
-        worker.compute_shard(shard.index)
-    return open_store(config.store.url)
+JOB_C = MLP_JOB_CLASSES
 
 
 @pytest.fixture(autouse=True)
@@ -263,7 +235,7 @@ def test_allocation_refuses_impossible_dims():
 def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_path):
     # An MLP's layers all see one token per sample: low_rank=kronecker keeps them Kronecker here.
     proj = {"structure": "kronecker", "dim": 48, "seed": 3, "kind": "gaussian", "low_rank": "kronecker"}
-    config = config_for(tmp_path, projection=proj)
+    config = mlp_job(tmp_path, projection=proj)
     store = run_without_ray(config)
     model = build_model(config.model.factory, config.model.kwargs)
     probe = build_probe(config.data.factory, config.data.kwargs)
@@ -293,7 +265,7 @@ def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_pat
 
 
 def test_low_rank_layers_join_the_dense_rest_and_workers_reuse_the_split(tmp_path):
-    config = config_for(tmp_path, projection={"structure": "kronecker", "dim": 40, "dense_layers": ["2"]})
+    config = mlp_job(tmp_path, projection={"structure": "kronecker", "dim": 40, "dense_layers": ["2"]})
     store = run_without_ray(config)
     info = store.attrs["projection"]
     # Layer 2 by pattern; 0 and 4 see one token per sample (the MLP's inputs are vectors).
@@ -309,11 +281,11 @@ def test_low_rank_layers_join_the_dense_rest_and_workers_reuse_the_split(tmp_pat
 
 def test_refusals_name_the_dense_structure(tmp_path):
     with pytest.raises(ValueError, match="projection.structure 'dense'"):
-        config_for(tmp_path, projection={"structure": "kronecker", "dim": 8}, loss={"kind": "logit"})
+        mlp_job(tmp_path, projection={"structure": "kronecker", "dim": 8}, loss={"kind": "logit"})
     with pytest.raises(ValueError, match="per_param applies to structure=dense"):
         JobConfig.model_validate(
             {
-                **config_for(tmp_path).model_dump(mode="json"),
+                **mlp_job(tmp_path).model_dump(mode="json"),
                 "projection": {"dim": 8, "structure": "kronecker", "per_param": True},
             }
         )
