@@ -1,7 +1,8 @@
 """Shared by the layer-rule tests: the partitioned engine's rows next to the float64 reference
 engine's, and the check that the hook path (not a fallback) made them.
 
-Holds ``BATCH_SIZE``, ``rows_and_reference``, ``assert_hook_path``, ``token_probe`` and ``Tokens``.
+Holds ``BATCH_SIZE``, ``rows_and_reference``, ``assert_hook_path``, ``token_probe``, ``Tokens``
+and ``Scale`` (a user's layer with raw parameters).
 """
 
 from __future__ import annotations
@@ -75,3 +76,16 @@ class Tokens(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], *self.shape)
+
+
+class Scale(nn.Module):
+    """A user's layer: ``x * weight + bias``, per feature (no built-in rule: a module-VJP unit
+    until a test registers one)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
+        self.bias = nn.Parameter(0.1 * torch.randn(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias

@@ -27,7 +27,7 @@ from classgrad.workers.engines.layer_rules import (
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
-from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
+from tests.support.rule_cases import Scale, Tokens, assert_hook_path, rows_and_reference
 
 LAYERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "layers.md"
 
@@ -233,18 +233,6 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
     # float64 sums of at most a few hundred products of O(1) numbers, in different orders.
     torch.testing.assert_close(results[0], want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(results[1], want, rtol=1e-12, atol=1e-12)
-
-
-class Scale(nn.Module):
-    """A user's layer: ``x * weight + bias``, per feature (no built-in rule)."""
-
-    def __init__(self, features: int):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
-        self.bias = nn.Parameter(0.1 * torch.randn(features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight + self.bias
 
 
 def _scale_model() -> nn.Module:

@@ -26,6 +26,7 @@ from classgrad.workers.engines.layer_rules.module_vjp import (
 from classgrad.workers.engines.layer_rules.recurrent import recurrent_unit
 from tests.support.engine_cases import TiedMLP, WeightUsedOutside, fell_back, max_relative_error
 from tests.support.hf_models import HF_BUILDERS, hf_probe
+from tests.support.rule_cases import Scale
 
 C = 6
 N = 13  # probe samples: classes of 3, 1, 3, 3, 0 and 3 samples (_probe)
@@ -317,18 +318,6 @@ def test_a_module_with_its_own_forward_hook_is_handled_by_its_parent():
     assert model.tokens.proj not in eng._hooked.plan.layers
     assert {"proj.weight", "proj.bias", "cls_token", "pos_embed"} == set(eng._hooked.plan.layers[model.tokens])
     assert max_relative_error(got, ref) <= TOL
-
-
-class Scale(nn.Module):
-    """A user's layer with raw parameters (no rule): ``x * weight + bias``."""
-
-    def __init__(self, features: int):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(features))
-        self.bias = nn.Parameter(0.1 * torch.randn(features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight + self.bias
 
 
 class FrozenScale(nn.Module):
