@@ -6,6 +6,9 @@
 - ``s3_storage_options``: fsspec/s3fs storage options for that server (dummy credentials,
   which moto accepts).
 - ``s3_bucket``: a fresh, empty bucket on that server; yields its name.
+- ``fresh_choices``: the engines' process-wide speed choices cleared before and after a test
+  (it measures and spot-checks anew); modules that need it for every test say
+  ``pytestmark = pytest.mark.usefixtures("fresh_choices")``.
 """
 
 from __future__ import annotations
@@ -70,3 +73,12 @@ def s3_bucket(s3_storage_options: dict) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**s3_storage_options).mkdir(name)
     return name
+
+
+@pytest.fixture
+def fresh_choices():
+    from classgrad.workers.engines import choices  # torch: imported only by the tests that use it
+
+    choices.clear()
+    yield
+    choices.clear()

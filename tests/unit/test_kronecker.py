@@ -22,7 +22,7 @@ from classgrad.service.config import JobConfig
 from classgrad.service.errors import ConfigError
 from classgrad.service.runtime.preparation import recorded_split
 from classgrad.service.store import open_store
-from classgrad.workers.engines import build_engine, choices, kronecker_options, per_class_gradients, projection_options
+from classgrad.workers.engines import build_engine, kronecker_options, per_class_gradients, projection_options
 from classgrad.workers.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector
@@ -34,11 +34,8 @@ C = 6
 JOB_C = MLP_JOB_CLASSES
 
 
-@pytest.fixture(autouse=True)
-def fresh_choices():
-    choices.clear()
-    yield
-    choices.clear()
+# Every test measures and spot-checks anew (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 class Seq(nn.Module):

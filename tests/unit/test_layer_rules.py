@@ -32,12 +32,8 @@ from tests.support.rule_cases import Scale, Tokens, assert_hook_path, rows_and_r
 LAYERS_DOC = Path(__file__).resolve().parents[2] / "docs" / "layers.md"
 
 
-@pytest.fixture(autouse=True)
-def fresh_choices():
-    """Every test measures and spot-checks anew (the first-run check is part of each rule's path)."""
-    choices.clear()
-    yield
-    choices.clear()
+# Every test measures and spot-checks anew (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 def _randomised(model: nn.Module) -> nn.Module:

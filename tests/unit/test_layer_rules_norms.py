@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
@@ -27,12 +26,8 @@ FP32_TOLERANCE = 1e-5
 LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
 
 
-@pytest.fixture(autouse=True)
-def fresh_choices():
-    """Every test measures and spot-checks anew (the first-run check is part of each rule's path)."""
-    choices.clear()
-    yield
-    choices.clear()
+# Every test measures and spot-checks anew (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 def _randomised(model: nn.Module) -> nn.Module:

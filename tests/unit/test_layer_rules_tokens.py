@@ -16,7 +16,6 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.pytorch_utils import Conv1D
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import RULES, rule_for
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference, token_probe
@@ -29,12 +28,8 @@ PAD = 0
 FP32_TOLERANCE = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def fresh_choices():
-    """Every test measures and spot-checks anew (the first-run check is part of each rule's path)."""
-    choices.clear()
-    yield
-    choices.clear()
+# Every test measures and spot-checks anew (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 class EmbedClassifier(nn.Module):

@@ -37,12 +37,8 @@ BATCH = 8  # several runs per model, classes of 1 to 3 samples packed together
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def fresh_choices():
-    """Every test spot-checks anew and learns anew which units vmap can batch."""
-    choices.clear()
-    yield
-    choices.clear()
+# Every test measures and spot-checks anew (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 def _probe(x, seed: int = 0):

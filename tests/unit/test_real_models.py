@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from classgrad import per_class_gradients
-from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines import build_engine
 from classgrad.workers.engines.partitioned import hook_plan
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import REAL_MODELS, hf_probe
@@ -38,11 +38,8 @@ OTHER_CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_choices():
-    choices.clear()
-    yield
-    choices.clear()
+# Every test measures and spot-checks anew (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 def _reference(model, data) -> torch.Tensor:
