@@ -116,7 +116,10 @@ class ProbeSet:
         label_field: str | None = None,
         collate: str | Callable[[list[Any]], Any] | None = None,
         pad_values: Mapping[str, float] | None = None,
+        digest_now: bool = True,
     ):
+        """``digest_now``: hash a Dataset's inputs in the one pass that reads its targets (a job
+        records the digest); False leaves it to a second read if ``digest`` is ever asked for."""
         if batch_size <= 0:
             raise InputError(f"data.batch_size must be > 0, got {batch_size}")
         self.batch_size = int(batch_size)
@@ -151,12 +154,13 @@ class ProbeSet:
                 if samples is None:
                     samples = self._samples = Samples(item, label_field, collate_fn)
                 inputs = samples.inputs_of(item)
-                digest_into(h, inputs)
+                if digest_now:
+                    digest_into(h, inputs)
                 if i < HEAD_SAMPLES:
                     self._head.append(_sample_digest(inputs))
                 gathered.append(torch.as_tensor(samples.label_of(item, i)))
             self.targets = stack(gathered)
-            self._inputs_digest = h.hexdigest()
+            self._inputs_digest = h.hexdigest() if digest_now else None
         else:
             raise InputError(
                 f"data: expected a Dataset of (input, target) or of dicts, a DataLoader, or a pair (inputs, targets), "
@@ -217,7 +221,12 @@ class ProbeSet:
         was built) and its targets."""
         if self._inputs_digest is None:
             h = hashlib.sha256()
-            digest_into(h, self._inputs)
+            if self._dataset is not None:  # not hashed when first read (``digest_now``): read again
+                assert self._samples is not None
+                for i in range(len(self.targets)):
+                    digest_into(h, self._samples.inputs_of(_item(self._dataset, i)))
+            else:
+                digest_into(h, self._inputs)
             self._inputs_digest = h.hexdigest()
         h = hashlib.sha256(b"classgrad probe set v1")
         h.update(self._inputs_digest.encode())

@@ -75,6 +75,18 @@ def test_hf_models_take_the_hook_path_and_match_the_reference(name):
     assert max_relative_error(got, ref) <= TOL
 
 
+@pytest.mark.parametrize("name", ["llama", "vit"])
+def test_hf_units_take_one_copy_per_sample_after_the_check(name):
+    """LlamaRMSNorm (a gain ``[H]``) and ViTEmbeddings (class token and position embeddings
+    ``[1, ...]``): one VJP over the run with per-sample copies, not a VJP per class."""
+    model = HF_BUILDERS[name](C)
+    eng, got, ref = _rows(model, hf_probe(name, C, 3))
+    _on_hooks(eng)
+    units = list(eng._hooked.plan.units)
+    assert units and all(choices.PER_SAMPLE_LEAVES.get(m) is True for m in units), units
+    assert max_relative_error(got, ref) <= TOL
+
+
 # The engines' low-precision bounds (test_engines.LOW_PRECISION_TOLERANCE: about 20 unit
 # roundoffs); observed here 3e-4 to 1e-3 in fp16 and 3e-3 to 7e-3 in bf16.
 HALF_TOL = {"fp16": 1e-2, "bf16": 1e-1}
@@ -130,6 +142,31 @@ def test_raw_parameters_are_exact_by_their_modules_vjp():
     plan = eng._hooked.plan
     assert set(plan.units) == {model.tokens, model} and set(plan.rules) == {model.tokens.proj, model.head}
     assert set(plan.layers[model.tokens]) == {"cls_token", "pos_embed"}
+    # Broadcast parameters ([1, ...]) and the model's elementwise gain ([8]) get one copy per
+    # sample once the first run's check against the VJP per class has passed.
+    assert choices.PER_SAMPLE_LEAVES.get(model.tokens) is True and choices.PER_SAMPLE_LEAVES.get(model) is True
+    assert max_relative_error(got, ref) <= TOL
+
+
+class FirstCopy(nn.Module):
+    """A broadcast parameter read as ``offset[0]``: with one copy per sample every sample would
+    read sample 0's copy, so the copies' gradients are not the samples' own."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(1, 8))
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x + self.offset[0]))
+
+
+def test_per_sample_copies_that_misattribute_are_caught_on_the_first_run():
+    model = FirstCopy().eval()
+    x = torch.randn(N, 8)
+    eng, got, ref = _rows(model, (x, _probe(x)))
+    _on_hooks(eng)
+    assert choices.PER_SAMPLE_LEAVES.get(model) is False
     assert max_relative_error(got, ref) <= TOL
 
 

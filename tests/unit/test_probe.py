@@ -110,6 +110,16 @@ def test_the_digest_covers_every_input_and_label(as_dataset):
     assert probe_of(inputs, other_label).digest != digest
 
 
+def test_a_dataset_hashed_later_has_the_digest_of_one_hashed_on_first_read():
+    """``per_class_gradients`` does not hash a Dataset's inputs while reading its targets
+    (``digest_now=False``); asked later, the digest is the same."""
+    inputs, labels = zoo.synthetic_probe(NUM_CLASSES, samples_per_class=2, kind="vector", input_shape=[5], seed=1)
+    data = TensorDataset(inputs, labels)
+    later = ProbeSet(data, batch_size=4, digest_now=False)
+    assert later._inputs_digest is None
+    assert later.digest == ProbeSet(data, batch_size=4).digest
+
+
 def test_a_dataset_whose_reads_differ_does_not_read_repeatably():
     kwargs = {"num_classes": NUM_CLASSES, "samples_per_class": 2, "kind": "vector", "input_shape": [5]}
     assert not ProbeSet(noisy_dataset(**kwargs)).reads_repeat()

@@ -126,7 +126,14 @@ def build_engine(
     probe = (
         data
         if isinstance(data, ProbeSet)
-        else ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
+        else ProbeSet(
+            data,
+            batch_size=batch_size,
+            label_field=label_field,
+            collate=collate,
+            pad_values=pad_values,
+            digest_now=False,  # nothing records the digest here
+        )
     )
     return create_engine(
         engine,

@@ -22,6 +22,10 @@ each measurement costs real runs; keys hold everything the choice depends on.
   batch size, probe size, D, device, precision, loss, threads)``.
 - ``VMAP_REFUSED``: module-VJP units (``layer_rules.module_vjp``) ``torch.func.vmap`` could not
   batch, with the first line of why; they are done class by class from then on. Weak keys.
+- ``PER_SAMPLE_LEAVES``: module-VJP units whose wanted parameters are all broadcast over the
+  samples (``[1, ...]``: class tokens, position embeddings), with whether giving each sample its
+  own copy as a leaf (one VJP over the run, summed by class) matched the vmapped VJP on the
+  module's first run. Weak keys.
 - ``NO_HEAD``: why dense rows cannot go through the model's final Linear layer, per model
   (weak keys) and ``(path, loss, classes, parameters, precision, device)``: found once (it may
   take a forward pass), not once per engine.
@@ -44,6 +48,7 @@ HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKe
 BLOCK_ROWS: dict[tuple, int] = {}
 NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
 VMAP_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+PER_SAMPLE_LEAVES: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 UNIT_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[int | None]]] = weakref.WeakKeyDictionary()
 
 
@@ -58,5 +63,6 @@ def clear() -> None:
         NO_HEAD,
         VMAP_REFUSED,
         UNIT_LAYOUTS,
+        PER_SAMPLE_LEAVES,
     ):
         cache.clear()

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 class TransposedLinearFactors(LinearFactors):
     """``[k, tokens, in]`` inputs as the first factor, ``[k, tokens, out]`` gradients as the second."""
 
+    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.seen.inputs, self.seen.grads
+
     def grad_tokens(self) -> torch.Tensor:
         return self._tokens(self.seen.inputs)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
+from classgrad.workers.engines.layer_rules.outer import OuterFactors, Ragged, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 
@@ -23,6 +23,22 @@ class LinearFactors(OuterFactors):
     def _tokens(self, t: torch.Tensor) -> torch.Tensor:
         seen = self.seen
         return seen.by_class(t.reshape(seen.total, -1, t.shape[-1])).reshape(seen.k, -1, t.shape[-1])
+
+    def ragged(self) -> Ragged | None:
+        seen = self.seen
+        if seen.grid.spots is None:  # classes of equal size: the grid is a view already
+            return None
+        first, second = self._pair()
+        per_sample = first[0].numel() // first.shape[-1]  # tokens of a sample
+        tokens = (seen.grid.counts(first.device) * per_sample).tolist()
+        dtype = seen.grid.dtype
+        return Ragged(
+            first.reshape(-1, first.shape[-1]).to(dtype), second.reshape(-1, second.shape[-1]).to(dtype), tokens
+        )
+
+    def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first and second factor as captured (``[total, ..., features]``)."""
+        return self.seen.grads, self.seen.inputs
 
     def grad_tokens(self) -> torch.Tensor:
         return self._tokens(self.seen.grads)

@@ -2,7 +2,8 @@
 
 Holds ``UnitComputer`` (the signature), ``UNIT_COMPUTERS`` / ``register_unit_computer`` /
 ``unit_computer_for`` (a registry keyed by module type, looked up along the type's bases, with
-``module_class_grads`` as the default), ``module_class_grads`` itself, ``batch_dim`` (where a
+``module_class_grads`` as the default), ``module_class_grads`` itself (per-sample copies, a vmapped
+VJP or a loop), ``batch_dim`` (where a
 captured tensor keeps its samples) and ``check_layout`` (the module on one sample alone gives
 that sample's outputs: which arguments are per-sample was read right). Modules
 ``torch.func.vmap`` could not batch are remembered in ``choices.VMAP_REFUSED`` (they take the
@@ -19,7 +20,12 @@ are then a VJP of that module alone::
 computed for all ``k`` classes of the run at once with ``torch.func.vmap`` over a ``[k, width]``
 grid (a short class padded with copies of its own samples and a zero cotangent), or, when vmap
 cannot batch the module, by a loop over classes of ``torch.autograd.grad`` on the module alone
-(on each class's own samples: the same flops as one pass over the run). Only the module itself
+(on each class's own samples: the same flops as one pass over the run). Cheaper still, where it
+holds: each wanted parameter given one copy per sample (an expanded view: a class token or a
+position embedding ``[1, ...]`` along its first dim, an elementwise gain ``[H]`` in front of the
+output's dims), one forward and one VJP of the module over the whole run, and the copies'
+gradients summed by class; used once it gave the VJP's sums on the module's first run of two or
+more classes (``choices.PER_SAMPLE_LEAVES``). Only the module itself
 has to treat samples independently. Parameters of the unit's descendants that are handled
 elsewhere (their own rule or unit) are swapped for detached copies, so they contribute nothing.
 
@@ -143,7 +149,30 @@ def _split_params(module: nn.Module, kinds: tuple[str, ...]) -> tuple[dict[str, 
 def module_class_grads(
     module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, grid: ClassGrid, kinds: tuple[str, ...]
 ) -> dict[str, torch.Tensor]:
-    """The generic unit computer: vmap over classes of the module's VJP, or a per-class loop."""
+    """The generic unit computer: one copy of each parameter per sample (``_per_sample_leaves``)
+    once that is checked to give the same sums, else vmap over classes of the module's VJP, or a
+    per-class loop."""
+    leaves_ok = choices.PER_SAMPLE_LEAVES.get(module)
+    if leaves_ok is not False:
+        try:
+            got = _per_sample_leaves(module, args, kwargs, grad_outputs, grid, kinds)
+        except Exception:  # noqa: BLE001 - the module does not take per-sample copies: the VJP per class
+            choices.PER_SAMPLE_LEAVES[module] = False
+        else:
+            if leaves_ok:
+                return got
+            want = _by_vjp(module, args, kwargs, grad_outputs, grid, kinds)
+            # Decided on a run of two or more classes with samples: with one, any attribution
+            # of the gradient to samples sums to the same class total.
+            if int((grid.counts(want[kinds[0]].device) > 0).sum()) >= 2:
+                choices.PER_SAMPLE_LEAVES[module] = _close(got, want)
+            return want
+    return _by_vjp(module, args, kwargs, grad_outputs, grid, kinds)
+
+
+def _by_vjp(
+    module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, grid: ClassGrid, kinds: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
     refused = choices.VMAP_REFUSED.get(module)
     if refused is None:
         try:
@@ -151,6 +180,61 @@ def module_class_grads(
         except Exception as exc:  # noqa: BLE001 - anything vmap cannot batch: the exact loop below
             choices.VMAP_REFUSED[module] = first_line(exc, limit=120)
     return _looped(module, args, kwargs, grad_outputs, grid, kinds)
+
+
+def _per_sample_view(p: torch.Tensor, total: int, out_dims: int) -> torch.Tensor:
+    """``p`` as one copy per sample (an expanded view, no memory): ``[1, ...]`` parameters (a class
+    token, a position embedding) along their first dim, others (an elementwise gain ``[H]``)
+    in front of the output's trailing dims they would broadcast along (``[total, 1, ..., H]``)."""
+    if p.dim() >= 2 and p.shape[0] == 1:
+        return p.expand(total, *p.shape[1:])
+    if out_dims - 1 < p.dim():
+        raise RuntimeError("the parameter has more dims than a sample's output")
+    return p.view(1, *[1] * (out_dims - 1 - p.dim()), *p.shape).expand(total, *[-1] * (out_dims - 1))
+
+
+def _per_sample_leaves(
+    module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, grid: ClassGrid, kinds: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """Each wanted parameter given one copy per sample (``_per_sample_view``, as leaves): one
+    forward and one VJP of the module over the run's samples give every sample's gradient,
+    summed by class. Exact when sample i uses only copy i, which ``module_class_grads`` checks
+    against the VJP per class on the module's first run of two or more classes."""
+    lay = _Layout(module, args, kwargs, grad_outputs, grid.total)
+    if any(d != 0 for d in lay.cot_dims) or any(d not in (None, 0) for d in lay.in_dims):
+        raise RuntimeError("samples not along dim 0")
+    own, frozen = _split_params(module, kinds)
+    out_dims = lay.cots[0].dim()
+    copies = {n: _per_sample_view(p, grid.total, out_dims).requires_grad_() for n, p in own.items()}
+    with torch.enable_grad():
+        outs = _expanded(lay.call(module, (copies, frozen), [None] * len(lay.leaves)), lay.cots, lay.cot_dims)
+        live = [(o, c) for o, c in zip(outs, lay.cots) if o.requires_grad]
+        found = torch.autograd.grad(
+            [o for o, _ in live], list(copies.values()), [c for _, c in live], allow_unused=True
+        )
+    device = next(iter(own.values())).device
+    where = grid.sample_class(device)
+    out = {}
+    for (name, p), g in zip(own.items(), found):
+        if g is None or g.shape[0] != grid.total:
+            raise RuntimeError(f"no per-sample gradient for {name}")
+        sums = torch.zeros(grid.k, *g.shape[1:], dtype=g.dtype, device=device).index_add_(0, where, g)
+        out[name] = sums.view(grid.k, *p.shape)
+    return out
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    """The same per-class gradients up to summation order (1e-4 relative: one pass over a run's
+    samples in another order; a wrong attribution to samples is off by O(1))."""
+    for name, w in want.items():
+        g = got.get(name)
+        if g is None or g.shape != w.shape:
+            return False
+        scale = float(w.abs().max()) if w.numel() else 0.0
+        tol = 1e-4 if w.dtype == torch.float32 or w.dtype == torch.float64 else 2e-2
+        if float((g - w).abs().max()) > tol * max(scale, 1e-30):
+            return False
+    return True
 
 
 class _Layout:

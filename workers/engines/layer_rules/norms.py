@@ -7,9 +7,8 @@ Holds ``layer_norm_sums``, ``group_norm_sums`` and ``rms_norm_sums`` (the regist
 Each layer's output is ``weight * x_hat + bias`` with ``x_hat`` a function of the sample's own
 input, so a class's weight gradient is the sum of ``g * x_hat`` over its samples (and over every
 position the weight is broadcast along), its bias gradient the same sum of ``g``. ``x_hat`` is
-recomputed as torch computes it, in float32 (float64 for a float64 model) from the captured
-input: biased variance over the normalised dimensions (LayerNorm: the last ones; GroupNorm: each
-group's channels and positions), ``eps`` added before the reciprocal square root; RMSNorm with
+recomputed by torch's own kernels without the affine part (``F.layer_norm``/``F.group_norm``
+with no weight or bias), in float32 (float64 for a float64 model) from the captured input; RMSNorm with
 ``eps=None`` uses the machine epsilon of the float type torch computes in (float32 for half
 inputs, which torch upcasts). Under autocast torch runs layer_norm and group_norm in float32
 (and RMSNorm upcasts half inputs itself), so float32 ``x_hat`` is what the forward used, up to
@@ -19,6 +18,7 @@ the rounding of RMSNorm's half output, well inside the low-precision tolerances.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from classgrad.workers.engines.layer_rules.registry import register_rule
@@ -51,10 +51,8 @@ def _write(out: LayerRows, gw: torch.Tensor | None, gb: torch.Tensor | None) -> 
 
 
 def layer_norm_normalised(x: torch.Tensor, module: nn.LayerNorm, dtype: torch.dtype) -> torch.Tensor:
-    dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
-    x = x.to(dtype)
-    var, mean = torch.var_mean(x, dim=dims, correction=0, keepdim=True)
-    return (x - mean) * torch.rsqrt(var + module.eps)
+    # torch's own kernel without the affine part: the forward's x_hat, in one fused pass.
+    return F.layer_norm(x.to(dtype), tuple(module.normalized_shape), None, None, module.eps)
 
 
 @register_rule(nn.LayerNorm)
@@ -69,9 +67,7 @@ def layer_norm_sums(module: nn.LayerNorm, seen: LayerCapture, out: LayerRows) ->
 
 
 def group_norm_normalised(x: torch.Tensor, module: nn.GroupNorm, dtype: torch.dtype) -> torch.Tensor:
-    grouped = x.to(dtype).reshape(x.shape[0], module.num_groups, -1)
-    var, mean = torch.var_mean(grouped, dim=-1, correction=0, keepdim=True)
-    return ((grouped - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+    return F.group_norm(x.to(dtype), module.num_groups, None, None, module.eps)
 
 
 @register_rule(nn.GroupNorm)

@@ -1,11 +1,15 @@
 """Per-class sums of outer products: the one place that forms weight gradients of Linear-like layers.
 
 Holds ``OuterFactors`` (how a layer describes its weight gradient as a sum of outer products over
-tokens) and ``class_outer_sums`` (forms the per-class sums and bias sums and writes them).
+tokens), ``Ragged`` (the same tokens unpadded) and ``class_outer_sums`` (forms the per-class sums
+and bias sums and writes them).
 
 For a layer whose output at token t is ``W x_t (+ b)`` (Linear: a token per sample and position;
 Conv: a token per sample and output pixel, ``x_t`` its input patch), class i's gradients are
-``dW_i = sum_t g_t x_t^T`` and ``db_i = sum_t g_t`` over its samples' tokens. Grouped layers give
+``dW_i = sum_t g_t x_t^T`` and ``db_i = sum_t g_t`` over its samples' tokens. On a GPU the sums
+are one batched product over a ``[k, T, ...]`` grid (short classes padded with zero tokens); on
+a CPU, when classes differ in size, one ``torch.mm`` per class on its own slice of the unpadded
+tokens, written straight into its row (no padded copies, no products of padding). Grouped layers give
 one product per class and group (``blocks``). A projection inside the backward goes into
 ``class_outer_sums`` for every such layer at once: ``P_out dW_i P_in^T = sum_t (P_out g_t)(P_in
 x_t)^T``, i.e. project both token factors first, then the same batched product
@@ -15,10 +19,21 @@ x_t)^T``, i.e. project both token factors first, then the same batched product
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A run's tokens class after class, unpadded: ``grads`` ``[tokens, out]``, ``inputs``
+    ``[tokens, in]`` (each class's tokens a contiguous slice), ``tokens`` per class."""
+
+    grads: torch.Tensor
+    inputs: torch.Tensor
+    tokens: list[int]
 
 
 class OuterFactors(ABC):
@@ -33,6 +48,10 @@ class OuterFactors(ABC):
     @abstractmethod
     def input_tokens(self) -> torch.Tensor:
         """``[k * blocks, T, in]``: the input factor per token (Conv: the patch it sees)."""
+
+    def ragged(self) -> Ragged | None:
+        """The same tokens with no padding (classes of unequal size), or None: only the grid."""
+        return None
 
     def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """The same sums from a faster exact kernel (Conv: one grouped convolution backward,
@@ -58,6 +77,12 @@ def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
         if gb is not None:
             out.put("bias", gb)
         return
+    # On a CPU, classes of unequal size: one product per class on its own slice of tokens (no
+    # padded copies, no products of padding; a loop a GPU would pay for in launches).
+    ragged = factors.ragged() if out.run.rows.device.type == "cpu" else None
+    if ragged is not None:
+        _ragged_sums(ragged, out)
+        return
     G = factors.grad_tokens()
     terms = G.shape[1]
     if out.wants("weight"):
@@ -75,3 +100,32 @@ def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
         out.bound(peak(G) * terms)
     if out.wants("bias"):
         out.put("bias", G.sum(dim=1))
+
+
+def _ragged_sums(ragged: Ragged, out: LayerRows) -> None:
+    """``class_outer_sums`` on unpadded tokens: ``torch.mm`` per class straight into its row."""
+    G, A, tokens = ragged.grads, ragged.inputs, ragged.tokens
+    terms = max(tokens)
+    starts = [0]
+    for n in tokens:
+        starts.append(starts[-1] + n)
+    if out.wants("weight"):
+        out.bound(peak(G) * peak(A).clamp(min=1) * terms)  # as in class_outer_sums
+        target = out.fresh("weight")
+        gw = (
+            target.view(out.k, G.shape[1], A.shape[1])
+            if target is not None
+            else G.new_empty(out.k, G.shape[1], A.shape[1])
+        )
+        for i, n in enumerate(tokens):
+            if n == 0:
+                gw[i].zero_()
+            else:
+                torch.mm(G[starts[i] : starts[i + 1]].t(), A[starts[i] : starts[i + 1]], out=gw[i])
+        if target is None:
+            out.put("weight", gw)
+    else:
+        out.bound(peak(G) * terms)
+    if out.wants("bias"):
+        owner = torch.repeat_interleave(torch.arange(out.k, device=G.device), torch.tensor(tokens, device=G.device))
+        out.put("bias", G.new_zeros(out.k, G.shape[1]).index_add_(0, owner, G))

@@ -45,10 +45,12 @@ from classgrad.workers.losses import PartitionedLoss
 
 log = logging.getLogger(__name__)
 
-# Rows of one group are written into one new buffer. Up to about this size the C allocator
-# recycles freed buffers; bigger ones are mapped fresh from the OS each time, whose first write
-# (page faults, zeroing by the kernel) was once measured several times slower than the write
-# itself (not reproduced since: benchmarks/diagnostics.py --sections page-faults). Harmless either way.
+# Rows of one group are written into one new buffer (unless the caller gives one for all rows:
+# then groups, and the runs of classes in them, are bounded only by ``group_rows``). Up to about
+# this size the C allocator recycles freed buffers; bigger ones are mapped fresh from the OS each
+# time, whose first write (page faults, zeroing by the kernel) was once measured several times
+# slower than the write itself (not reproduced since: benchmarks/diagnostics.py --sections
+# page-faults). Harmless either way.
 GROUP_BYTES = 32 << 20
 
 
@@ -263,7 +265,9 @@ class PartitionedEngine(GradientEngine):
         row_bytes = 4 * self.layout.dim
         # A power of two (at least 16) so groups stay aligned with power-of-two store row chunks.
         small = 1 << max(4, (GROUP_BYTES // row_bytes).bit_length() - 1)
-        group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes), small)
+        group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes))
+        if out is None:  # each group gets a new buffer: keep it small enough to be recycled
+            group = min(group, small)
         with self.selected_grads():
             for g0 in range(0, len(ids), group):
                 part = ids[g0 : g0 + group]
