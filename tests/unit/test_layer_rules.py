@@ -21,6 +21,7 @@ from classgrad.workers.engines.layer_rules import (
     LayerCapture,
     LayerRows,
     class_outer_sums,
+    outer,
     register_rule,
     rule_for,
 )
@@ -155,6 +156,24 @@ def test_each_rule_matches_the_float64_reference(case):
     # test_engines).
     assert max_relative_error(got, ref) <= 1e-6
     assert torch.equal(zero_rows(got), zero_rows(ref))  # the empty class, and only it
+
+
+@pytest.mark.parametrize("route", ["ragged", "grid"])
+@pytest.mark.parametrize("case", ["linear", "linear_positions", "conv1d"])
+def test_both_routes_of_the_outer_sums_match_the_reference(case, route, monkeypatch):
+    """Classes of unequal size: one product per class on unpadded tokens (the CPU's route) or one
+    batched product over the zero-padded grid (a GPU's route, forced here on the CPU)."""
+    taken = []
+    real = outer._ragged_sums
+    monkeypatch.setattr(outer, "_ragged_sums", lambda *a: taken.append(1) or real(*a))
+    if route == "grid":
+        monkeypatch.setattr(outer, "RAGGED_DEVICE_TYPES", ())
+    model, data_kwargs = _build(case)
+    eng, got, ref = _rows(model, _data(data_kwargs))
+    assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
+    assert bool(taken) == (route == "ragged")
+    assert max_relative_error(got, ref) <= 1e-6  # as in test_each_rule_matches_the_float64_reference
+    assert torch.equal(zero_rows(got), zero_rows(ref))
 
 
 @pytest.mark.parametrize(
