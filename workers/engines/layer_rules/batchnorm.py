@@ -26,17 +26,18 @@ def running_statistics(module: nn.modules.batchnorm._BatchNorm) -> str | None:
 @register_rule(nn.BatchNorm1d, applies=running_statistics)
 @register_rule(nn.BatchNorm2d, applies=running_statistics)
 def batchnorm_sums(module: nn.modules.batchnorm._BatchNorm, seen: LayerCapture, out: LayerRows) -> None:
-    G = seen.grads_by_class()  # [k, m, C, ...]
-    reduce = [1, *range(3, G.dim())]
-    gb = G.sum(dim=reduce) if out.wants("bias") else None
+    G = seen.grads.to(seen.grid.dtype)  # [total, C, ...]: per-sample sums over positions, then by class
+    reduce = list(range(2, G.dim()))
+    gb = seen.grid.class_sums(G.sum(dim=reduce) if reduce else G) if out.wants("bias") else None
     gw = None
     if out.wants("weight"):
-        A = seen.inputs_by_class()
+        A = seen.inputs.to(G.dtype)
         assert module.running_mean is not None and module.running_var is not None  # running_statistics
-        shape = (1, 1, G.shape[2]) + (1,) * (G.dim() - 3)
+        shape = (1, G.shape[1]) + (1,) * (G.dim() - 2)
         mean = module.running_mean.to(G.dtype).view(shape)
         invstd = torch.rsqrt(module.running_var.to(G.dtype) + module.eps).view(shape)
-        gw = (G * ((A - mean) * invstd)).sum(dim=reduce)
+        prod = G * ((A - mean) * invstd)
+        gw = seen.grid.class_sums(prod.sum(dim=reduce) if reduce else prod)
     out.check_sums(gw, gb)  # one read each: finite only if every entry is
     if gw is not None:
         out.put("weight", gw)

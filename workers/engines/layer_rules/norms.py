@@ -39,7 +39,7 @@ def per_class_sum(seen: LayerCapture, t: torch.Tensor, channels: tuple[int, ...]
     else:  # [total, positions..., *channels]
         per_sample = t.reshape(total, -1, *channels).sum(dim=1)
     assert per_sample.dim() == n + 1
-    return seen.by_class(per_sample).sum(dim=1)
+    return seen.grid.class_sums(per_sample)
 
 
 def _write(out: LayerRows, gw: torch.Tensor | None, gb: torch.Tensor | None) -> None:

@@ -25,7 +25,6 @@ import torch
 
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 
-
 # Devices where a class's sums are one product on its own unpadded tokens (a loop over classes).
 RAGGED_DEVICE_TYPES = ("cpu",)
 

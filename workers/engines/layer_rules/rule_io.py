@@ -67,6 +67,17 @@ class ClassGrid:
         take = (first.unsqueeze(1) + torch.minimum(j, last)).clamp(max=max(self.total - 1, 0))
         return take.reshape(-1), (j < counts.unsqueeze(1)).reshape(-1)
 
+    def class_sums(self, t: torch.Tensor) -> torch.Tensor:
+        """``[total, ...]`` summed over each class's samples: ``[k, ...]`` in the rows' dtype. On a
+        CPU by one indexed add (no padded copy); elsewhere over the padded grid (an indexed add
+        there is atomic, in an order that changes from run to run)."""
+        t = t.to(self.dtype)
+        if self.spots is None:
+            return t.reshape(self.k, self.width, *t.shape[1:]).sum(dim=1)
+        if t.device.type == "cpu":
+            return t.new_zeros(self.k, *t.shape[1:]).index_add_(0, self.sample_class(t.device), t)
+        return self.padded(t).sum(dim=1)
+
     def padded(self, t: torch.Tensor) -> torch.Tensor:
         """``[total, ...]`` -> ``[k, width, ...]`` in the rows' dtype, zero rows as padding."""
         t = t.to(self.dtype)
