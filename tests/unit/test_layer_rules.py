@@ -24,6 +24,7 @@ from classgrad.workers.engines.layer_rules import (
     outer,
     register_rule,
     rule_for,
+    rule_io,
 )
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
@@ -158,22 +159,30 @@ def test_each_rule_matches_the_float64_reference(case):
     assert torch.equal(zero_rows(got), zero_rows(ref))  # the empty class, and only it
 
 
-@pytest.mark.parametrize("route", ["ragged", "grid"])
-@pytest.mark.parametrize("case", ["linear", "linear_positions", "conv1d"])
-def test_both_routes_of_the_outer_sums_match_the_reference(case, route, monkeypatch):
-    """Classes of unequal size: one product per class on unpadded tokens (the CPU's route) or one
-    batched product over the zero-padded grid (a GPU's route, forced here on the CPU)."""
+@pytest.mark.parametrize("case", sorted(RULE_CASES))
+def test_the_gpu_routes_match_the_float64_reference(case, monkeypatch):
+    """The routes a GPU takes, forced on the CPU: outer sums as one batched product over the
+    zero-padded grid, sums by class over it (the CPU's routes: a product per class on unpadded
+    tokens, one indexed add; they are what every other test here runs)."""
     taken = []
     real = outer._ragged_sums
     monkeypatch.setattr(outer, "_ragged_sums", lambda *a: taken.append(1) or real(*a))
-    if route == "grid":
-        monkeypatch.setattr(outer, "RAGGED_DEVICE_TYPES", ())
+    monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
     model, data_kwargs = _build(case)
     eng, got, ref = _rows(model, _data(data_kwargs))
     assert eng._hooked is not None and eng._hooked.checked and not fell_back(eng), eng.stats.notes
-    assert bool(taken) == (route == "ragged")
+    assert not taken
     assert max_relative_error(got, ref) <= 1e-6  # as in test_each_rule_matches_the_float64_reference
     assert torch.equal(zero_rows(got), zero_rows(ref))
+
+
+def test_the_cpu_takes_one_product_per_class_when_classes_differ_in_size(monkeypatch):
+    taken = []
+    real = outer._ragged_sums
+    monkeypatch.setattr(outer, "_ragged_sums", lambda *a: taken.append(1) or real(*a))
+    model, data_kwargs = _build("linear_positions")
+    _rows(model, _data(data_kwargs))
+    assert taken
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for
+from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for, rule_io
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
@@ -112,8 +112,11 @@ def _build(case: str) -> tuple[nn.Module, tuple, set]:
     return _randomised(build()), _data(data_kwargs), types
 
 
+@pytest.mark.parametrize("route", ["cpu", "gpu"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_norm_rule_matches_the_float64_reference(case):
+def test_each_norm_rule_matches_the_float64_reference(case, route, monkeypatch):
+    if route == "gpu":  # a GPU's sums by class (over the padded grid), forced on the CPU
+        monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
     model, data, types = _build(case)
     eng, got, ref = rows_and_reference(model, data)
     assert_hook_path(eng, types)

@@ -23,10 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
-
-# Devices where a class's sums are one product on its own unpadded tokens (a loop over classes).
-RAGGED_DEVICE_TYPES = ("cpu",)
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,7 @@ def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
         return
     # On a CPU, classes of unequal size: one product per class on its own slice of tokens (no
     # padded copies, no products of padding; a loop a GPU would pay for in launches).
-    ragged = factors.ragged() if out.run.rows.device.type in RAGGED_DEVICE_TYPES else None
+    ragged = factors.ragged() if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES else None
     if ragged is not None:
         _ragged_sums(ragged, out)
         return

@@ -8,7 +8,7 @@ Holds:
   request.
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
-- ``peak``: max ``|t|`` in one pass (for finiteness bounds).
+- ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``CPU_ROUTE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from typing import Any
 import torch
 
 from classgrad.workers.layout import ParamSlot
+
+# Device types that take the CPU's routes: a loop over a run's classes on unpadded samples, and
+# sums by class as one indexed add. A GPU pays a launch per class for the loop, and its indexed
+# add is atomic (its order, and so the rows' last bits, change from run to run): it pads instead.
+CPU_ROUTE_DEVICES = ("cpu",)
 
 # A row whose entries are all bounded by this is finite, with room for the sums that form it.
 FINITE_BOUND = 1e37
@@ -74,7 +79,7 @@ class ClassGrid:
         t = t.to(self.dtype)
         if self.spots is None:
             return t.reshape(self.k, self.width, *t.shape[1:]).sum(dim=1)
-        if t.device.type == "cpu":
+        if t.device.type in CPU_ROUTE_DEVICES:
             return t.new_zeros(self.k, *t.shape[1:]).index_add_(0, self.sample_class(t.device), t)
         return self.padded(t).sum(dim=1)
 
