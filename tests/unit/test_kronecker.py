@@ -173,6 +173,25 @@ def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
         assert [(u["param"], u["tokens_per_sample"]) for u in described["units"]] == [("a.weight", 3), ("b.weight", 3)]
 
 
+@pytest.mark.parametrize("case", ["tokens", "norm_units"])
+def test_the_gpu_route_of_the_projected_sums_equals_the_reference(case, monkeypatch):
+    """The padded grid a GPU takes (the CPU projects unpadded tokens, as every other test here
+    runs), forced on the CPU; classes of unequal size."""
+    from classgrad.workers.engines.layer_rules import rule_io
+
+    monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
+    make, shape = CASES[case]
+    model, (x, y) = make(), data(shape)
+    proj = {"structure": "kronecker", "dim": 40, "seed": 5}
+    eng = build_engine(
+        model, (x, y), num_classes=C, batch_size=12, kronecker=kronecker_options(projection_options(proj))
+    )
+    got = eng.compute(range(C)).rows
+    ref = build_engine(copy.deepcopy(model).double(), (x.double(), y), num_classes=C, engine="reference")
+    # fp32 sums of products in another order than the float64 reference: 1e-5 relative.
+    assert max_relative_error(got, eng.kmap.project_full(ref.compute(range(C)).rows)) <= 1e-5
+
+
 def test_factors_are_reproducible_and_scaled():
     a = kronecker_factor("rademacher", 9, GROUP_BASE + 4, 300, 16)
     assert torch.equal(a, kronecker_factor("rademacher", 9, GROUP_BASE + 4, 300, 16))

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 
 
@@ -39,6 +40,11 @@ def _conv_projected_inputs(factors: Any, fb: torch.Tensor) -> torch.Tensor:
 
 def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s projected ``[dW_i | db_i]`` (``unit.width`` columns) into ``out``'s weight columns."""
+    conv = isinstance(getattr(factors, "module", None), nn.Conv2d)
+    ragged = factors.ragged() if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
+    if ragged is not None:
+        _ragged_projected_sums(ragged, out, unit)
+        return
     G = factors.grad_tokens()  # [k, T, a] (one block: units are never grouped layers)
     if unit.positions is None:  # once: the tokens per sample with a gradient (1: low rank)
         seen = getattr(factors, "seen", None)  # Linear: samples per class in this run's grid
@@ -48,7 +54,7 @@ def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     fa, fb = unit.factors(G.device, G.dtype)
     gp = torch.matmul(G, fa)  # [k, T, k_out]
     # conv.ConvFactors (not imported: conv imports outer, which imports this module)
-    if isinstance(getattr(factors, "module", None), nn.Conv2d):
+    if conv:
         ap = _conv_projected_inputs(factors, fb)
     else:
         A = factors.input_tokens()
@@ -62,3 +68,24 @@ def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
         torch.bmm(gp.transpose(1, 2), ap, out=target.view(out.k, unit.k_out, unit.k_in))
     else:
         out.put("weight", torch.bmm(gp.transpose(1, 2), ap))
+
+
+def _ragged_projected_sums(ragged: Any, out: LayerRows, unit: Any) -> None:
+    """``projected_outer_sums`` on unpadded tokens (``outer.Ragged``): both factors projected in
+    one product over the run's tokens, then one small product per class into its row."""
+    G, A = ragged.grads, ragged.inputs
+    if unit.positions is None:  # as in projected_outer_sums
+        live = (G != 0).any(dim=-1).reshape(-1, ragged.per_sample)  # [samples, positions]
+        unit.positions = int(live.sum(dim=-1).max())
+    fa, fb = unit.factors(G.device, G.dtype)
+    gp = G @ fa  # [tokens, k_out]
+    ap = A @ fb[: unit.b]  # [tokens, k_in]
+    if unit.bias is not None:
+        ap = ap + fb[unit.b]
+    out.bound(peak(gp) * peak(ap).clamp(min=1) * max(ragged.tokens))
+    target = out.fresh("weight")
+    shape = (out.k, unit.k_out, unit.k_in)
+    sums = target.view(shape) if target is not None else gp.new_empty(shape)
+    ragged.per_class_mm(gp, ap, sums)
+    if target is None:
+        out.put("weight", sums)

@@ -33,7 +33,10 @@ class LinearFactors(OuterFactors):
         tokens = (seen.grid.counts(first.device) * per_sample).tolist()
         dtype = seen.grid.dtype
         return Ragged(
-            first.reshape(-1, first.shape[-1]).to(dtype), second.reshape(-1, second.shape[-1]).to(dtype), tokens
+            first.reshape(-1, first.shape[-1]).to(dtype),
+            second.reshape(-1, second.shape[-1]).to(dtype),
+            tokens,
+            per_sample,
         )
 
     def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:

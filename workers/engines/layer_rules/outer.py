@@ -30,11 +30,29 @@ from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 @dataclass(frozen=True)
 class Ragged:
     """A run's tokens class after class, unpadded: ``grads`` ``[tokens, out]``, ``inputs``
-    ``[tokens, in]`` (each class's tokens a contiguous slice), ``tokens`` per class."""
+    ``[tokens, in]`` (each class's tokens a contiguous slice, each sample's ``per_sample`` tokens
+    in a row), ``tokens`` per class."""
 
     grads: torch.Tensor
     inputs: torch.Tensor
     tokens: list[int]
+    per_sample: int
+
+    def starts(self) -> list[int]:
+        """Where each class's tokens begin, and the end."""
+        starts = [0]
+        for n in self.tokens:
+            starts.append(starts[-1] + n)
+        return starts
+
+    def per_class_mm(self, first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[i] = first_i^T @ second_i`` over class i's slice of tokens (zero for no tokens)."""
+        starts = self.starts()
+        for i, n in enumerate(self.tokens):
+            if n == 0:
+                out[i].zero_()
+            else:
+                torch.mm(first[starts[i] : starts[i + 1]].t(), second[starts[i] : starts[i + 1]], out=out[i])
 
 
 class OuterFactors(ABC):
@@ -107,22 +125,12 @@ def _ragged_sums(ragged: Ragged, out: LayerRows) -> None:
     """``class_outer_sums`` on unpadded tokens: ``torch.mm`` per class straight into its row."""
     G, A, tokens = ragged.grads, ragged.inputs, ragged.tokens
     terms = max(tokens)
-    starts = [0]
-    for n in tokens:
-        starts.append(starts[-1] + n)
     if out.wants("weight"):
         out.bound(peak(G) * peak(A).clamp(min=1) * terms)  # as in class_outer_sums
         target = out.fresh("weight")
-        gw = (
-            target.view(out.k, G.shape[1], A.shape[1])
-            if target is not None
-            else G.new_empty(out.k, G.shape[1], A.shape[1])
-        )
-        for i, n in enumerate(tokens):
-            if n == 0:
-                gw[i].zero_()
-            else:
-                torch.mm(G[starts[i] : starts[i + 1]].t(), A[starts[i] : starts[i + 1]], out=gw[i])
+        shape = (out.k, G.shape[1], A.shape[1])
+        gw = target.view(shape) if target is not None else G.new_empty(shape)
+        ragged.per_class_mm(G, A, gw)
         if target is None:
             out.put("weight", gw)
     else:
