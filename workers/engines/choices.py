@@ -12,8 +12,8 @@ each measurement costs real runs; keys hold everything the choice depends on.
 - ``FORMAT_TIMES``: those runs while the format is still being measured, ``[format, seconds per
   sample]`` each; same key.
 - ``CONV_LAYOUT``: memory layout of each Conv2d's grouped weight-gradient computation (the
-  Conv2d layer rule); key: the layer's geometry and the shapes, dtype, device and memory
-  format of its input and output gradient.
+  Conv2d layer rule); key: the layer's geometry and a sample's shapes, dtype, device and
+  memory format of its input and output gradient (not the run's class count or width).
 - ``HOOKS_CHECKED``: models whose per-class sums from hooks passed the spot check against the
   plain single-class path, with the ``(selected parameters, precision, device, layer rules)``
   they passed for. The check is of the model's structure, so later engines on the same model

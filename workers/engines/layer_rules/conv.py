@@ -109,8 +109,10 @@ class ConvFactors(OuterFactors):
             module.stride,
             module.padding,
             module.dilation,
-            tuple(G.shape),
-            tuple(A.shape),
+            # A sample's shapes, not the run's: runs differ in classes and width from one to
+            # the next, and timing both layouts again for each would cost a run 4 backwards.
+            tuple(G.shape[2:]),
+            tuple(A.shape[2:]),
             G.dtype,
             str(G.device),
             G[0].is_contiguous(memory_format=torch.channels_last) if G.dim() == 5 else False,
