@@ -9,6 +9,10 @@ engine, float32) are compared with rows projected to ``k`` columns by:
 
 - ``kronecker``: ``projection.structure: kronecker`` (the engine's own rows, split by measured
   gradient norm; the parameters outside the Kronecker layers projected densely);
+- ``kronecker + sketch rest``: the same with ``rest: sketch`` (the rest by a sparse sign sketch
+  with ``--sketch-nonzeros`` nonzeros per parameter, default the config's 4);
+- ``sketch s=N`` (``--sketch``): the whole row by a sparse sign sketch with N nonzeros per
+  parameter (what the sketch alone does to the geometry, against dense Rademacher);
 - ``dense rademacher`` / ``dense gaussian``: one ``Projector`` over the whole row;
 - ``dense per-param``: ``projection.per_param`` with ``k // P`` columns per parameter (P selected
   parameters, so its width is at most ``k``);
@@ -116,10 +120,18 @@ def metrics(exact: np.ndarray, proj: np.ndarray, top: int = 10) -> dict[str, flo
 
 
 def compare(
-    model: nn.Module, data: tuple, chosen: list[str], classes: int, k: int, wider: tuple[int, ...] = ()
+    model: nn.Module,
+    data: tuple,
+    chosen: list[str],
+    classes: int,
+    k: int,
+    wider: tuple[int, ...] = (),
+    sketch: tuple[int, ...] = (),
+    sketch_nonzeros: int = 4,
 ) -> dict[str, dict]:
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.projection import Projector
+    from classgrad.workers.sketch import SparseSignSketch
 
     t0 = time.perf_counter()
     exact = per_class_gradients(model, data, num_classes=classes, params=chosen)
@@ -131,6 +143,11 @@ def compare(
         model, data, num_classes=classes, params=chosen, projection={"structure": "kronecker", "dim": k, "seed": 0}
     )
     out["kronecker"] = {**metrics(exact.numpy(), kron.numpy()), "width": k, "seconds": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    proj = {"structure": "kronecker", "dim": k, "seed": 0, "rest": "sketch", "sketch_nonzeros": sketch_nonzeros}
+    rows = per_class_gradients(model, data, num_classes=classes, params=chosen, projection=proj)
+    out["kronecker + sketch rest"] = {**metrics(exact.numpy(), rows.numpy()), "width": k}
+    out["kronecker + sketch rest"]["seconds"] = time.perf_counter() - t0
     for times in wider:  # not equal width: what a wider Kronecker projection buys back
         t0 = time.perf_counter()
         proj = {"structure": "kronecker", "dim": times * k, "seed": 0}
@@ -141,16 +158,19 @@ def compare(
     sizes = [named[n].numel() for n in chosen]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
     per = max(1, k // len(chosen))
-    projectors = {
+    projectors: dict[str, Projector | SparseSignSketch] = {
         "dense rademacher": Projector(D, k, kind="rademacher", seed=0),
         "dense gaussian": Projector(D, k, kind="gaussian", seed=0),
         "dense per-param": Projector(D, per, kind="rademacher", seed=0, groups=list(zip(offsets, sizes))),
     }
+    for s in sketch:
+        projectors[f"sketch s={s}"] = SparseSignSketch(D, k, nonzeros=s, seed=0)
     for name, projector in projectors.items():
         t0 = time.perf_counter()
         rows = projector.project(exact)
         seconds = t_exact + time.perf_counter() - t0
-        out[name] = {**metrics(exact.numpy(), rows.numpy()), "width": projector.out_dim, "seconds": seconds}
+        width = projector.out_dim if isinstance(projector, Projector) else projector.dim
+        out[name] = {**metrics(exact.numpy(), rows.numpy()), "width": width, "seconds": seconds}
     out["_"] = {"D": D, "exact_seconds": t_exact}
     return out
 
@@ -166,6 +186,8 @@ def main() -> None:
     parser.add_argument(
         "--wider", type=int, nargs="*", default=[4], help="also kronecker at these multiples of k (not equal width)"
     )
+    parser.add_argument("--sketch", type=int, nargs="*", default=[1, 4], help="also whole rows sketched, these s")
+    parser.add_argument("--sketch-nonzeros", type=int, default=4, help="s of kronecker + sketch rest")
     args = parser.parse_args()
     classes = args.classes or (32 if args.quick else 48)
     k = args.dim or (256 if args.quick else 512)
@@ -187,7 +209,9 @@ def main() -> None:
                 ("50", {"samples_per_class": 50}),
             ):
                 probe = synthetic_probe(classes, seed=0, **kwargs, **data)
-                found = compare(model, probe, chosen, classes, k, tuple(args.wider))
+                found = compare(
+                    model, probe, chosen, classes, k, tuple(args.wider), tuple(args.sketch), args.sketch_nonzeros
+                )
                 meta = found.pop("_")
                 for method, m in found.items():
                     results.append({"model": name, "state": state, "samples": regime, "method": method, **meta, **m})

@@ -64,6 +64,16 @@ def test_buckets_and_signs_follow_the_documented_formula(k, s):
     assert rec["blocks"] == [list(b) for b in sketch_blocks(k, sk.nonzeros)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_buckets_and_signs_same_on_cuda():
+    sk = SparseSignSketch(5000, 1459, nonzeros=4, seed=11)
+    cols, neg = sk.columns(0, 5000, "cuda")
+    assert torch.equal(cols.cpu(), sk.columns(0, 5000)[0]) and torch.equal(neg.cpu(), sk.columns(0, 5000)[1])
+    x = torch.randn(9, 5000, generator=torch.Generator().manual_seed(2))
+    # float32 sums in another order (CUDA's atomic adds): 1e-5 relative.
+    assert max_relative_error(sk.project(x.cuda()).cpu(), sk.project(x)) <= 1e-5
+
+
 def test_sketch_equals_the_explicit_matrix_of_its_buckets_and_signs():
     D, k, s = 57, 10, 3
     sk = SparseSignSketch(D, k, nonzeros=s, seed=3)
