@@ -1,7 +1,7 @@
 """Speed of the sparse sign sketch (``projection.rest: sketch``) against the dense projection of the same rows.
 
 Rows ``[b, D]`` the size of the ViT's Kronecker rest in ``projected_job.py --model vit`` (D =
-445,548 parameters, k = 1,416 columns, b = 157 rows: what the engine gathers per call) projected
+445,548 parameters, k = 1,416 columns, b = 150 rows: what the engine gathers per call) projected
 by ``SparseSignSketch`` with each ``s`` and by a dense Rademacher ``Projector``; milliseconds per
 row, best of ``--reps``, one thread.
 
@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dim-in", type=int, default=445_548, help="D: columns of the rows")
     parser.add_argument("--dim", type=int, default=1416, help="k: columns projected to")
-    parser.add_argument("--rows", type=int, default=157, help="b: rows per call")
+    parser.add_argument("--rows", type=int, default=150, help="b: rows per call")
     parser.add_argument("--nonzeros", type=int, nargs="+", default=[1, 2, 4, 8], help="s of the sketch")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(OUT))
