@@ -20,6 +20,7 @@ preparation, which for ``kronecker`` measures the split on the first 32 classes,
 apart). ``floor + write`` adds the kronecker job's own write time to the floor.
 
     .venv/bin/python -m benchmarks.projected_job --model vit --classes 1000 --dim 4096
+    .venv/bin/python -m benchmarks.projected_job --model vit --rest dense sketch   # both rests
     .venv/bin/python -m benchmarks.projected_job --model vit --quick   # C = 200, k = 1,024
 
 Prints a table and writes ``benchmarks/out/projected_job.json`` (``projected_vit.json``).
@@ -107,6 +108,8 @@ def measure_one(
     max_rows: int | None = None,
     low_rank: str = "dense",
     hidden: int = 192,
+    rest: str = "dense",
+    sketch_nonzeros: int = 4,
 ) -> dict[str, Any]:
     """One measurement of ``--model vit`` in this process (threads: 1). ``prepare-S``: the
     driver's preparation of structure S's store; ``S``: its worker on the first ``max_rows``
@@ -127,7 +130,7 @@ def measure_one(
     if what in ("dense", "kronecker"):
         proj = {"dim": dim, "seed": 0, "structure": what}
         if what == "kronecker":
-            proj["low_rank"] = low_rank
+            proj.update(low_rank=low_rank, rest=rest, sketch_nonzeros=sketch_nonzeros)
     config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj, hidden))
     out: dict[str, Any] = {"what": what, "rows": classes}
     if what in ("floor", "engine"):
@@ -170,13 +173,18 @@ def main_vit(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="classgrad-projected-vit-"))
     results: dict[str, dict] = {}
     try:
-        for what in ["floor", "engine", "prepare-kronecker", "kronecker", "prepare-dense", "dense"]:
+        steps = [("floor", None), ("engine", None)]
+        for rest in args.rest:  # one kronecker job per rest mode
+            steps += [("prepare-kronecker", rest), ("kronecker", rest)]
+        steps += [("prepare-dense", None), ("dense", None)]
+        for what, rest in steps:
             if what.endswith("dense") and not args.dense_rows:
                 continue
             cmd = [sys.executable, "-m", "benchmarks.projected_job", "--one", what, "--classes", str(classes)]
             cmd += ["--dim", str(dim), "--workdir", str(workdir), "--hidden", str(args.hidden)]
             if what.endswith("kronecker"):
-                cmd += ["--low-rank", args.low_rank]
+                cmd += ["--low-rank", args.low_rank, "--rest", str(rest)]
+                cmd += ["--sketch-nonzeros", str(args.sketch_nonzeros)]
             if what == "dense":
                 cmd += ["--max-rows", str(args.dense_rows)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -184,19 +192,21 @@ def main_vit(args: argparse.Namespace) -> None:
             if done.returncode:
                 raise SystemExit(f"{what} failed:\n{done.stderr[-3000:]}")
             r = json.loads(done.stdout.strip().splitlines()[-1])
+            name = what.removeprefix("prepare-") + (f" (rest {rest})" if rest else "")
             if what.startswith("prepare-"):
-                results[what.removeprefix("prepare-")] = {"prepare_seconds": r["seconds"]}
+                results[name] = {"prepare_seconds": r["seconds"]}
             else:
-                results[what] = {**results.get(what, {}), **r}
-            print(f"{what}: {fmt_s(r['seconds'])} ({r['rows']} rows)", flush=True)
+                results[name] = {**results.get(name, {}), **r}
+            print(f"{name}: {fmt_s(r['seconds'])} ({r['rows']} rows)", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     floor = results["floor"]["seconds"]
-    write = results["kronecker"].get("write_seconds", 0.0)
+    kron = results[f"kronecker (rest {args.rest[0]})"]
+    write = kron.get("write_seconds", 0.0)
     table = []
     floor_row = floor / classes
     per_row = {what: r["seconds"] / r["rows"] for what, r in results.items()}
-    per_row["floor + write"] = floor_row + write / results["kronecker"]["rows"]
+    per_row["floor + write"] = floor_row + write / kron["rows"]
     engine_row = per_row["engine"]
     for what, r in [*results.items(), ("floor + write", {"rows": classes})]:
         table.append(
@@ -213,7 +223,7 @@ def main_vit(args: argparse.Namespace) -> None:
         )
     print(
         f"\n== ViT hidden {args.hidden} (D = {results['floor']['dim_in']:,}), C = {classes:,}, k = {dim:,}, "
-        f"low_rank {args.low_rank}, 1 thread, no Ray"
+        f"low_rank {args.low_rank}, sketch_nonzeros {args.sketch_nonzeros} (rest sketch), 1 thread, no Ray"
     )
     headers = ["rows", "stored dim", "rows timed", "per row", "vs floor", "vs engine", "preparation", "peak RSS"]
     print_table(headers, table)
@@ -237,10 +247,24 @@ def main() -> None:
         "--dense-rows", type=int, default=256, help="vit: time the dense job on its first N rows only (0: skip it)"
     )
     parser.add_argument("--hidden", type=int, default=192, help="vit: hidden size (intermediate 4x)")
+    parser.add_argument(
+        "--rest", nargs="+", default=["dense"], choices=["dense", "keep", "sketch"], help="vit: projection.rest (each)"
+    )
+    parser.add_argument("--sketch-nonzeros", type=int, default=4, help="vit: projection.sketch_nonzeros")
     args = parser.parse_args()
     if args.one:
         logging.basicConfig(level=logging.WARNING)
-        found = measure_one(args.one, args.classes, args.dim, args.workdir, args.max_rows, args.low_rank, args.hidden)
+        found = measure_one(
+            args.one,
+            args.classes,
+            args.dim,
+            args.workdir,
+            args.max_rows,
+            args.low_rank,
+            args.hidden,
+            args.rest[0],
+            args.sketch_nonzeros,
+        )
         print(json.dumps(found))
         return
     if args.model == "vit":

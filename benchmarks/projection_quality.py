@@ -9,6 +9,10 @@ engine, float32) are compared with rows projected to ``k`` columns by:
 
 - ``kronecker``: ``projection.structure: kronecker`` (the engine's own rows, split by measured
   gradient norm; the parameters outside the Kronecker layers projected densely);
+- ``kronecker + sketch rest``: the same with ``rest: sketch`` (the rest by a sparse sign sketch
+  with ``--sketch-nonzeros`` nonzeros per parameter, default the config's 4);
+- ``sketch s=N`` (``--sketch``): the whole row by a sparse sign sketch with N nonzeros per
+  parameter (what the sketch alone does to the geometry, against dense Rademacher);
 - ``dense rademacher`` / ``dense gaussian``: one ``Projector`` over the whole row;
 - ``dense per-param``: ``projection.per_param`` with ``k // P`` columns per parameter (P selected
   parameters, so its width is at most ``k``);
@@ -23,6 +27,12 @@ embeddings join the dense rest of a kronecker projection), for every method alik
 
     .venv/bin/python -m benchmarks.projection_quality            # C = 48, k = 512, 100 steps
     .venv/bin/python -m benchmarks.projection_quality --quick    # C = 32, k = 256, 40 steps
+    .venv/bin/python -m benchmarks.projection_quality --nonzeros-sweep 6   # s of the sketch, 6 seeds
+
+``--nonzeros-sweep N`` (the choice of ``sketch_nonzeros``): whole rows of the 1-4 regime
+projected by dense Rademacher and by the sketch with each s of ``--sketch`` (default 1 2 4 8),
+N seeds each, cosine errors pooled over seeds: median, p99, p99.9 and max (the tail that heavy
+coordinates, such as a head's bias, put on a sketch with few nonzeros).
 
 Prints a table and writes ``benchmarks/out/projection_quality.json``.
 """
@@ -116,10 +126,18 @@ def metrics(exact: np.ndarray, proj: np.ndarray, top: int = 10) -> dict[str, flo
 
 
 def compare(
-    model: nn.Module, data: tuple, chosen: list[str], classes: int, k: int, wider: tuple[int, ...] = ()
+    model: nn.Module,
+    data: tuple,
+    chosen: list[str],
+    classes: int,
+    k: int,
+    wider: tuple[int, ...] = (),
+    sketch: tuple[int, ...] = (),
+    sketch_nonzeros: int = 4,
 ) -> dict[str, dict]:
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.projection import Projector
+    from classgrad.workers.sketch import SparseSignSketch
 
     t0 = time.perf_counter()
     exact = per_class_gradients(model, data, num_classes=classes, params=chosen)
@@ -131,6 +149,11 @@ def compare(
         model, data, num_classes=classes, params=chosen, projection={"structure": "kronecker", "dim": k, "seed": 0}
     )
     out["kronecker"] = {**metrics(exact.numpy(), kron.numpy()), "width": k, "seconds": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    proj = {"structure": "kronecker", "dim": k, "seed": 0, "rest": "sketch", "sketch_nonzeros": sketch_nonzeros}
+    rows = per_class_gradients(model, data, num_classes=classes, params=chosen, projection=proj)
+    out["kronecker + sketch rest"] = {**metrics(exact.numpy(), rows.numpy()), "width": k}
+    out["kronecker + sketch rest"]["seconds"] = time.perf_counter() - t0
     for times in wider:  # not equal width: what a wider Kronecker projection buys back
         t0 = time.perf_counter()
         proj = {"structure": "kronecker", "dim": times * k, "seed": 0}
@@ -141,18 +164,62 @@ def compare(
     sizes = [named[n].numel() for n in chosen]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
     per = max(1, k // len(chosen))
-    projectors = {
+    projectors: dict[str, Projector | SparseSignSketch] = {
         "dense rademacher": Projector(D, k, kind="rademacher", seed=0),
         "dense gaussian": Projector(D, k, kind="gaussian", seed=0),
         "dense per-param": Projector(D, per, kind="rademacher", seed=0, groups=list(zip(offsets, sizes))),
     }
+    for s in sketch:
+        projectors[f"sketch s={s}"] = SparseSignSketch(D, k, nonzeros=s, seed=0)
     for name, projector in projectors.items():
         t0 = time.perf_counter()
         rows = projector.project(exact)
         seconds = t_exact + time.perf_counter() - t0
-        out[name] = {**metrics(exact.numpy(), rows.numpy()), "width": projector.out_dim, "seconds": seconds}
+        width = projector.out_dim if isinstance(projector, Projector) else projector.dim
+        out[name] = {**metrics(exact.numpy(), rows.numpy()), "width": width, "seconds": seconds}
     out["_"] = {"D": D, "exact_seconds": t_exact}
     return out
+
+
+def nonzeros_sweep(classes: int, k: int, steps: int, seeds: int, nonzeros: list[int], only: list[str] | None) -> None:
+    """Cosine errors of dense Rademacher and of the sketch for each s, pooled over ``seeds``."""
+    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.projection import Projector
+    from classgrad.workers.sketch import SparseSignSketch
+    from classgrad.workers.zoo import synthetic_probe
+
+    table, results = [], []
+    for name, (model, data, chosen) in models(classes).items():
+        if only and name not in only:
+            continue
+        for state in ("init", f"{steps} steps"):
+            if state != "init":
+                train(model, data, classes, steps)
+            probe = synthetic_probe(classes, seed=0, samples_per_class=2, imbalance=0.3, **data)
+            exact = per_class_gradients(model, probe, num_classes=classes, params=chosen).numpy()
+            e = exact[np.linalg.norm(exact, axis=1) > 0].astype(np.float64)
+            e /= np.linalg.norm(e, axis=1, keepdims=True)
+            iu = np.triu_indices(len(e), 1)
+            D = exact.shape[1]
+            for s in [0, *nonzeros]:  # 0: dense Rademacher
+                errs = []
+                for seed in range(seeds):
+                    proj = Projector(D, k, seed=seed) if s == 0 else SparseSignSketch(D, k, nonzeros=s, seed=seed)
+                    p = proj.project(torch.from_numpy(exact)).numpy()[np.linalg.norm(exact, axis=1) > 0]
+                    p = p.astype(np.float64) / np.linalg.norm(p, axis=1, keepdims=True)
+                    errs.append(np.abs(p @ p.T - e @ e.T)[iu])
+                err = np.concatenate(errs)
+                q = [float(np.median(err)), *(float(np.quantile(err, x)) for x in (0.99, 0.999)), float(err.max())]
+                method = "dense rademacher" if s == 0 else f"sketch s={s}"
+                results.append({"model": name, "state": state, "method": method, "cos": q, "seeds": seeds})
+                table.append([name, state, method, *(f"{v:.4f}" for v in q)])
+                print(f"{name} {state} {method}: done", flush=True)
+    print(f"\n== sketch nonzeros: |dcos| pooled over {seeds} seeds, k = {k}, C = {classes}, 1-4 samples per class")
+    print_table(["model", "state", "method", "med", "p99", "p99.9", "max"], table)
+    common.write_report(
+        str(common.OUT_DIR / "sketch_nonzeros.json"),
+        {"machine": common.machine_info(), "classes": classes, "dim": k, "rows": results},
+    )
 
 
 def main() -> None:
@@ -166,12 +233,19 @@ def main() -> None:
     parser.add_argument(
         "--wider", type=int, nargs="*", default=[4], help="also kronecker at these multiples of k (not equal width)"
     )
+    parser.add_argument("--sketch", type=int, nargs="*", default=[1, 4], help="also whole rows sketched, these s")
+    parser.add_argument("--sketch-nonzeros", type=int, default=4, help="s of kronecker + sketch rest")
+    parser.add_argument("--nonzeros-sweep", type=int, metavar="SEEDS", help="only the sweep of the sketch's s")
     args = parser.parse_args()
     classes = args.classes or (32 if args.quick else 48)
     k = args.dim or (256 if args.quick else 512)
     steps = args.steps if args.steps is not None else (40 if args.quick else 100)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
+    if args.nonzeros_sweep:
+        nonzeros = args.sketch if args.sketch != [1, 4] else [1, 2, 4, 8]
+        nonzeros_sweep(classes, k, steps, args.nonzeros_sweep, nonzeros, args.models)
+        return
     from classgrad.workers.zoo import synthetic_probe
 
     results: list[dict[str, Any]] = []
@@ -187,7 +261,9 @@ def main() -> None:
                 ("50", {"samples_per_class": 50}),
             ):
                 probe = synthetic_probe(classes, seed=0, **kwargs, **data)
-                found = compare(model, probe, chosen, classes, k, tuple(args.wider))
+                found = compare(
+                    model, probe, chosen, classes, k, tuple(args.wider), tuple(args.sketch), args.sketch_nonzeros
+                )
                 meta = found.pop("_")
                 for method, m in found.items():
                     results.append({"model": name, "state": state, "samples": regime, "method": method, **meta, **m})

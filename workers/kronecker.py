@@ -8,7 +8,7 @@ Holds:
 - ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature) of stored
   shape ``[a, b]`` projected to ``P_a W P_b^T``: ``k_out x k_in`` columns of the stored row.
 - ``KroneckerMap`` — the whole stored row: the units, then the parameters outside every unit
-  ("rest": kept whole or projected densely), with ``work_layout`` (where the hook path writes),
+  ("rest": kept whole, projected densely or by a sparse sign sketch), with ``work_layout`` (where the hook path writes),
   ``work_rows`` / ``stored_rows`` / ``project_full`` (full rows to stored rows: the reference the
   tests compare with) and ``describe`` (what the store records).
 - ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` (module
@@ -24,7 +24,10 @@ and ``±1/sqrt(k_in)`` (rademacher), so the Kronecker product has entries of var
 k_in)`` and preserves inner products in expectation, like a dense projection. The flattened
 ``[k_out, k_in]`` result (row-major) is the unit's part of the stored row. The rest, projected
 densely, uses a ``Projector`` over the rest's columns (concatenated in layout order) with the
-job's seed (stream group 0, far from ``GROUP_BASE``).
+job's seed (stream group 0, far from ``GROUP_BASE``); ``rest: sketch`` uses a
+``classgrad.workers.sketch.SparseSignSketch`` over the same columns instead (stream group
+``SKETCH_GROUP``, ``s`` signed nonzeros per column of the rest: ``s`` additions per parameter and
+row instead of ``2 k_rest`` flops).
 
 The split of ``dim`` (``allocate``). Projecting unit ``u`` to ``k_u`` columns adds variance of
 about ``n_u^2 / k_u`` to an inner product, ``n_u`` the squared norm of its part of the rows; for
@@ -37,7 +40,8 @@ water-filled (each between 1 and the unit's full size), then rounded: ``k_out = 
 of small classes the variance goes as ``1/k_out + 1/k_in``). Columns left over by the rounding go
 to the dense rest when there is one, else to the units (one more ``k_in`` or ``k_out`` step for
 the most short-changed ones, then one unit re-factored to take the last few), so the stored
-width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken first.
+width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken first; a sketched
+rest takes its share like a dense one (its variance is a dense projection's to the same width).
 
 What joins the rest besides the parameters without a Kronecker structure (norms, embeddings,
 grouped convolutions, layers without a hook rule are refused earlier): layers matching
@@ -63,9 +67,11 @@ from torch import nn
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
+from classgrad.workers.sketch import SparseSignSketch
 
 GROUP_BASE = 1 << 31  # stream groups of the factors: far above the dense projection's 0, 1, ...
 MEASURE_CLASSES = 32  # classes of the first block whose rows measure the gradient norms
+PROJECTED_REST = ("dense", "sketch")  # rest modes that project the rest to a share of dim
 
 
 def kronecker_factor(
@@ -230,11 +236,11 @@ def _refactor(units: list[KroneckerUnit], left: int) -> int:
 
 def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: str, weights: Sequence[float]) -> int:
     """Set every unit's ``k_out``/``k_in``; return the rest's width. ``weights``: one per unit, then
-    one for the rest (ignored unless the rest is projected densely)."""
+    one for the rest (ignored unless the rest is projected: dense or sketch)."""
     full = sum(u.full for u in units) + rest_size
     if dim > full:
         raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
-    dense_rest = rest_mode == "dense" and rest_size > 0
+    dense_rest = rest_mode in PROJECTED_REST and rest_size > 0
     budget = dim - (rest_size if rest_mode == "keep" else 0)
     entries = len(units) + dense_rest
     if budget < entries:
@@ -247,7 +253,7 @@ def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: st
     for u, t in zip(units, targets):
         u.k_out, u.k_in = _factor(t, u.a, u.cols_in)
     rest_width = int(targets[-1]) if dense_rest else (rest_size if rest_mode == "keep" else 0)
-    left = dim - sum(u.width for u in units) - (rest_width if rest_mode == "dense" else rest_size)
+    left = dim - sum(u.width for u in units) - (rest_width if rest_mode in PROJECTED_REST else rest_size)
     if dense_rest:
         return rest_width + left
     # Leftover columns to the units: one k_in / k_out step for the most short-changed first.
@@ -290,8 +296,10 @@ class KroneckerMap:
         fixed: dict[str, Any] | None = None,
         dense_layers: Sequence[str] = (),
         low_rank: str = "dense",
+        sketch_nonzeros: int = 4,
     ):
         self.slots = tuple(slots)
+        self.sketch_nonzeros = sketch_nonzeros
         self.dense_layers = tuple(dense_layers)
         self.low_rank = low_rank
         self.units = units
@@ -316,11 +324,11 @@ class KroneckerMap:
             u._cache.clear()
             offset += u.width
         self.units_width = offset
-        self.rest_projector = (
-            Projector(self.rest_size, self.rest_width, kind=kind, seed=seed)
-            if rest_mode == "dense" and self.rest_size > 0
-            else None
-        )
+        self.rest_projector: Projector | SparseSignSketch | None = None
+        if rest_mode == "dense" and self.rest_size > 0:
+            self.rest_projector = Projector(self.rest_size, self.rest_width, kind=kind, seed=seed)
+        elif rest_mode == "sketch" and self.rest_size > 0:
+            self.rest_projector = SparseSignSketch(self.rest_size, self.rest_width, nonzeros=sketch_nonzeros, seed=seed)
 
     @classmethod
     def plan(
@@ -353,6 +361,8 @@ class KroneckerMap:
 
     def _take(self, record: dict[str, Any]) -> int:
         """The split recorded in a store (``describe``): the same units, the same widths."""
+        if record.get("rest", "dense") != self.rest_mode:
+            raise ConfigError(f"projection: the store's rest is {record.get('rest')!r}, this job's {self.rest_mode!r}")
         recorded = {e.get("param"): e for e in record.get("units", [])}
         if set(recorded) != {u.weight.name for u in self.units}:
             raise ConfigError(
@@ -384,6 +394,7 @@ class KroneckerMap:
             weights=weights,
             dense_layers=self.dense_layers,
             low_rank=self.low_rank,
+            sketch_nonzeros=self.sketch_nonzeros,
         )
         positions = {u.weight.name: u.positions for u in self.units}
         for u, w in zip(out.units, weights):
@@ -419,7 +430,8 @@ class KroneckerMap:
         return out + [float(sq[:, self.units_width :].sum(1).mean()) if self.rest_size else 0.0]
 
     def stored_rows(self, work: torch.Tensor) -> torch.Tensor:
-        """Work rows ``[n, work_dim]`` -> stored rows ``[n, dim]`` (the rest projected or kept)."""
+        """Work rows ``[n, work_dim]`` -> stored rows ``[n, dim]`` (the rest projected or kept; a
+        sketched rest in the rows' dtype, a dense one in float32)."""
         if self.rest_projector is None:
             return work[:, : self.dim]
         out = torch.empty(work.shape[0], self.dim, dtype=work.dtype, device=work.device)
@@ -438,8 +450,10 @@ class KroneckerMap:
         return self.stored_rows(self.work_rows(full))
 
     def describe(self) -> dict[str, Any]:
-        """What a store records: enough to regenerate every factor and find every part."""
-        return {
+        """What a store records: enough to regenerate every factor and find every part. (A
+        sketched rest adds ``rest_sketch``; stores of the other modes keep the keys they had, so a
+        resume compares equal.)"""
+        out = {
             "structure": "kronecker",
             "kind": self.kind,
             "dim": self.dim,
@@ -455,5 +469,8 @@ class KroneckerMap:
             "rest_params": [s.name for s in self.rest],
             "rest_offset": self.units_width,
             "rest_width": self.rest_width if self.rest_projector is not None else self.rest_size,
-            "rest_groups": [[0, self.rest_size]] if self.rest_projector is not None else None,
+            "rest_groups": [[0, self.rest_size]] if isinstance(self.rest_projector, Projector) else None,
         }
+        if isinstance(self.rest_projector, SparseSignSketch):
+            out["rest_sketch"] = self.rest_projector.describe()
+        return out

@@ -237,7 +237,11 @@ def kronecker_lines(proj: dict, D: int) -> list[str]:
         lines.append(f"  {u['param']:<{width}}  [{a}x{b}]{bias:<7} -> {ko} x {ki} = {where}{measured}")
     rest = proj.get("rest_params") or []
     if rest:
-        how = "kept whole" if proj.get("rest") == "keep" else "projected densely"
+        sketch = proj.get("rest_sketch") or {}
+        how = {
+            "keep": "kept whole",
+            "sketch": f"sparse sign sketch, {sketch.get('nonzeros')} nonzeros per parameter",
+        }.get(str(proj.get("rest")), "projected densely")
         lines.append(
             f"  rest ({how}): {proj.get('rest_width')} cols at {proj.get('rest_offset')}: {', '.join(rest[:8])}"
             f"{' ...' if len(rest) > 8 else ''}"

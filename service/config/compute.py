@@ -117,10 +117,19 @@ class ProjectionConfig(Section):
         "Conv2d layers projected as P_out W P_in^T inside the backward (the partitioned engine's "
         "hook path; no full row is formed), the other parameters as `rest` says.",
     )
-    rest: Literal["dense", "keep"] = Field(
+    rest: Literal["dense", "keep", "sketch"] = Field(
         "dense",
         description="structure=kronecker: parameters outside the Kronecker layers (norms, embeddings, "
-        "grouped convolutions) projected densely (dense) or stored whole (keep).",
+        "grouped convolutions, low-rank layers) projected densely (dense), stored whole (keep), or "
+        "by a sparse sign sketch (sketch: each parameter added with a random sign to "
+        "`sketch_nonzeros` columns, one per block of the rest's columns; far cheaper than dense "
+        "for a large rest, `kind` does not apply to it).",
+    )
+    sketch_nonzeros: StrictPositiveInt = Field(
+        4,
+        description="rest=sketch: columns each parameter of the rest is sent to (s; at most the "
+        "rest's width). Cost grows as s, the error's tail for rows concentrated on few "
+        "parameters shrinks with it.",
     )
     allocation: Literal["norm", "size"] = Field(
         "norm",

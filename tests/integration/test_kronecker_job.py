@@ -1,5 +1,6 @@
 """A Kronecker-projected job on a local Ray with 2 actors: the actors reuse the driver's recorded
-split and store the rows ``per_class_gradients`` gives with the same projection options."""
+split and store the rows ``per_class_gradients`` gives with the same projection options (the rest
+projected densely, or by the sparse sign sketch)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from tests.support.engine_cases import max_relative_error
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
-def test_two_actors_store_the_python_api_rows(job_config):
-    proj = {"structure": "kronecker", "dim": 96, "seed": 4}
+@pytest.mark.parametrize("rest", ["dense", "sketch"])
+def test_two_actors_store_the_python_api_rows(job_config, rest):
+    proj = {"structure": "kronecker", "dim": 96, "seed": 4, "rest": rest}
     config = job_config(projection=proj)
     summary = JobDriver(config).run()
     store = open_store(config.store.url)
     assert summary.status == "complete" and store.is_complete and store.dim == 96
     record = store.attrs["projection"]
     assert record["structure"] == "kronecker" and record["units"]  # the small CNN's convolutions
+    assert record["rest"] == rest and ("rest_sketch" in record) == (rest == "sketch")
     model = build_model(config.model.factory, config.model.kwargs, mode=config.model.mode)
     probe = build_probe(config.data.factory, config.data.kwargs, config.data.batch_size)
     want = per_class_gradients(model, probe, num_classes=48, projection=proj)

@@ -171,6 +171,7 @@ def kronecker_options(p: Any, record: dict | None = None) -> dict[str, Any] | No
     out = {"dim": p.dim, "kind": p.kind, "seed": p.seed, "rest": p.rest, "allocation": p.allocation}
     out["dense_layers"] = list(p.dense_layers)
     out["low_rank"] = p.low_rank
+    out["sketch_nonzeros"] = p.sketch_nonzeros
     return {**out, "record": record} if record is not None else out
 
 

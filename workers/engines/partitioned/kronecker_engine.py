@@ -3,9 +3,10 @@
 Holds ``KroneckerEngine``, a ``PartitionedEngine`` whose rows are ``projection.dim`` wide: the hook
 path writes each Kronecker layer's projected part (``layer_rules.kronecker_sums``) and every other
 selected parameter whole into a "work" row (units, then the rest), and each finished block's rest
-is kept or projected densely (``classgrad.workers.kronecker.KroneckerMap``). No full row is formed,
-except the two rows of the hook path's one-off spot check (computed whole by the plain
-single-class path and projected with the same factors).
+is kept, projected densely or sketched with sparse signs
+(``classgrad.workers.kronecker.KroneckerMap``). No full row is formed, except the two rows of the
+hook path's one-off spot check (computed whole by the plain single-class path and projected with
+the same factors).
 
 Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
 dense loss, a model that couples samples, a hook path that fails) is refused with one line that
@@ -38,7 +39,8 @@ REFUSAL = "projection.structure=kronecker projects inside the partitioned engine
 class KroneckerEngine(PartitionedEngine):
     """Rows of ``dim`` columns: Kronecker layers projected in the backward, the rest kept or dense.
 
-    ``projection``: ``dim``, ``kind``, ``seed``, ``rest`` (keep|dense), ``allocation`` (norm|size),
+    ``projection``: ``dim``, ``kind``, ``seed``, ``rest`` (keep|dense|sketch), ``sketch_nonzeros``
+    (rest: sketch), ``allocation`` (norm|size),
     ``low_rank`` (dense|kronecker), ``dense_layers`` (module name patterns left to the rest) and
     optionally ``record`` (a store's ``projection`` attribute: its split is reused, so every
     worker of a job projects the same way).
@@ -64,6 +66,7 @@ class KroneckerEngine(PartitionedEngine):
             "rest_mode": projection.get("rest", "dense"),
             "allocation": projection.get("allocation", "norm"),
             "dense_layers": tuple(projection.get("dense_layers", ())),
+            "sketch_nonzeros": int(projection.get("sketch_nonzeros", 4)),
         }
         if record is not None:  # the layers the driver left to the rest, low-rank ones included
             options["dense_layers"] = tuple(record.get("dense_layers") or ())
@@ -141,9 +144,10 @@ class KroneckerEngine(PartitionedEngine):
         return value, finite
 
     def iter_blocks(self, classes: Sequence[int], out: torch.Tensor | None = None) -> Iterator[RowBlock]:
-        """Stored rows. A dense rest is projected over gathered blocks (up to ``REST_ROWS`` rows
-        or ``REST_BYTES`` of rest columns): generating its random matrix costs the same for 16
-        rows as for 256, and the engine's groups of wide work rows are small. (``out`` is not
+        """Stored rows. A projected rest is projected over gathered blocks (up to ``REST_ROWS`` rows
+        or ``REST_BYTES`` of rest columns): generating a dense rest's random matrix costs the same
+        for 16 rows as for 256 (a sketch's fixed cost per call is smaller: a few small kernels per
+        chunk of coordinates), and the engine's groups of wide work rows are small. (``out`` is not
         taken: the work rows are wider than the stored ones.)"""
         if out is not None:
             raise ValueError("a KroneckerEngine's blocks are formed from work rows: out is not supported")
