@@ -118,12 +118,13 @@ class ProjectionConfig(Section):
         "hook path; no full row is formed), the other parameters as `rest` says.",
     )
     rest: Literal["dense", "keep", "sketch"] = Field(
-        "dense",
+        "sketch",
         description="structure=kronecker: parameters outside the Kronecker layers (norms, embeddings, "
-        "grouped convolutions, low-rank layers) projected densely (dense), stored whole (keep), or "
-        "by a sparse sign sketch (sketch: each parameter added with a random sign to "
-        "`sketch_nonzeros` columns, one per block of the rest's columns; far cheaper than dense "
-        "for a large rest, `kind` does not apply to it).",
+        "grouped convolutions, low-rank layers) projected by a sparse sign sketch (sketch: each "
+        "parameter added with a random sign to `sketch_nonzeros` columns, one per block of the "
+        "rest's columns; `kind` does not apply to it), densely (dense: 2 k flops per parameter, "
+        "a thinner error tail where a head's bias dominates the rows), or stored whole (keep). "
+        "Stores made before sketch was the default (dense) resume with rest: dense set.",
     )
     sketch_nonzeros: StrictPositiveInt = Field(
         4,

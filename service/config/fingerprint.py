@@ -13,7 +13,11 @@ Holds:
 Version 2 hashes only the fields that differ from their defaults, with import paths in their
 canonical spelling: adding a key with a default, or renaming a module that keeps an alias, leaves
 every existing fingerprint unchanged. Changing a default of a hashed field is therefore a change
-of what existing fingerprints mean: bump ``FINGERPRINT_VERSION`` when doing it.
+of what existing fingerprints mean: bump ``FINGERPRINT_VERSION`` when doing it, unless the
+store's structure check already refuses every store the change would misread (``projection.rest``
+went from dense to sketch that way: a Kronecker store records its projection, and the refusal
+names the setting that resumes it; the key means nothing to other stores, which a bump would
+all have refused).
 """
 
 from __future__ import annotations

@@ -461,7 +461,19 @@ def check_same(meta: dict, spec: StoreSpec, url: str) -> None:
     new = spec_to_meta(spec)
     differ = [k for k in STRUCTURE_KEYS if meta.get(k) != new[k]]
     if differ:
+        detail = _projection_change(meta.get("projection"), new.get("projection")) if "projection" in differ else ""
         raise StoreMismatchError(
             f"store at {url} has this config's fingerprint {old_fp!r} but a different "
-            f"{', '.join(differ)}; replace it with {OVERWRITE_HINT}"
+            f"{', '.join(differ)}{detail}; replace it with {OVERWRITE_HINT}"
         )
+
+
+def _projection_change(old: Any, new: Any) -> str:
+    """The projection settings that differ between two records (e.g. a default that changed:
+    ``rest`` was ``dense`` before ``sketch`` became the default), as `` (rest: store dense, this
+    config sketch: set it to resume)``."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return ""
+    keys = ("structure", "kind", "rest", "allocation", "low_rank", "dim", "seed")
+    changed = [f"{k}: store {old.get(k)!r}, this config {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return f" (projection {'; '.join(changed)}: set those to resume it)" if changed else ""

@@ -281,7 +281,8 @@ def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_pat
 
 
 def test_low_rank_layers_join_the_dense_rest_and_workers_reuse_the_split(tmp_path):
-    config = mlp_job(tmp_path, projection={"structure": "kronecker", "dim": 40, "dense_layers": ["2"]})
+    proj = {"structure": "kronecker", "dim": 40, "dense_layers": ["2"], "rest": "dense"}
+    config = mlp_job(tmp_path, projection=proj)
     store = run_without_ray(config)
     info = store.attrs["projection"]
     # Layer 2 by pattern; 0 and 4 see one token per sample (the MLP's inputs are vectors).
@@ -293,6 +294,28 @@ def test_low_rank_layers_join_the_dense_rest_and_workers_reuse_the_split(tmp_pat
     want = Projector(full.shape[1], 40, seed=0).project(full)
     # All rest: one dense projection of the whole row; float32 order of the sums differs.
     np.testing.assert_allclose(store.rows(np.arange(JOB_C)), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_store_made_when_the_rest_was_dense_by_default_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """``rest``'s default moved from dense to sketch without a new fingerprint version: such a
+    store has the fingerprint of a config that leaves rest out, and is refused (not resumed with
+    rows projected another way) by its recorded projection, with the setting that resumes it."""
+    from classgrad.service.config import ProjectionConfig
+    from classgrad.service.errors import StoreMismatchError
+
+    field = ProjectionConfig.model_fields["rest"]
+    proj = {"structure": "kronecker", "dim": 40}
+    with monkeypatch.context() as m:
+        m.setattr(field, "default", "dense")  # as before: the key is then not hashed
+        old = mlp_job(tmp_path, projection={**proj, "rest": "dense"})
+        made = old.fingerprint()
+        run_without_ray(old)
+    new = mlp_job(tmp_path, projection=proj)
+    assert new.projection.rest == "sketch" and new.fingerprint() == made
+    with pytest.raises(StoreMismatchError, match="rest: store 'dense', this config 'sketch'"):
+        run_without_ray(new)
+    resumed = run_without_ray(mlp_job(tmp_path, projection={**proj, "rest": "dense"}))
+    assert resumed.attrs["projection"]["rest"] == "dense"
 
 
 def test_refusals_name_the_dense_structure(tmp_path):
