@@ -161,6 +161,28 @@ class FirstCopy(nn.Module):
         return self.head(torch.tanh(x + self.offset[0]))
 
 
+class RawMatrix(nn.Module):
+    """A raw weight matrix in a matmul: per-sample copies would work, but their gradients
+    (``[samples, 8, 8]``) are bigger than the output's: the VJP per class takes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.head = nn.Linear(8, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.w))
+
+
+def test_parameters_bigger_than_a_samples_output_get_no_per_sample_copies():
+    model = RawMatrix().eval()
+    x = torch.randn(N, 8)
+    eng, got, ref = _rows(model, (x, _probe(x)))
+    _on_hooks(eng)
+    assert choices.PER_SAMPLE_LEAVES.get(model) is False
+    assert max_relative_error(got, ref) <= TOL
+
+
 def test_per_sample_copies_that_misattribute_are_caught_on_the_first_run():
     model = FirstCopy().eval()
     x = torch.randn(N, 8)

@@ -204,6 +204,13 @@ def _per_sample_leaves(
     if any(d != 0 for d in lay.cot_dims) or any(d not in (None, 0) for d in lay.in_dims):
         raise RuntimeError("samples not along dim 0")
     own, frozen = _split_params(module, kinds)
+    # The copies' gradients are per-sample: at most the size of what the run already holds per
+    # sample (its captured inputs, its output's gradient); a weight matrix's per-sample gradients
+    # are what the engines never form.
+    held = [c[0].numel() for c in lay.cots]
+    held += [t[0].numel() for t, d in zip(lay.leaves, lay.in_dims) if d == 0]
+    if any(p.numel() > max(held) for p in own.values()):
+        raise RuntimeError("a parameter bigger than a sample's output")
     out_dims = lay.cots[0].dim()
     copies = {n: _per_sample_view(p, grid.total, out_dims).requires_grad_() for n, p in own.items()}
     with torch.enable_grad():
