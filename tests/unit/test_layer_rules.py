@@ -216,12 +216,13 @@ def test_rules_compute_only_the_selected_parameters(case, params):
 )
 def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, dilation, padding):
     """The convolution rule's outer-product factors (what a projection inside the backward will
-    use) and its fast kernel (one grouped convolution backward) give the same per-class sums."""
+    use) and each of its fast kernels (a grouped convolution backward in either layout, a plain
+    one per class) give the same per-class sums."""
     torch.manual_seed(0)
     conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
     conv = conv_type(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
     x = torch.randn(6, 6, *(7, 8, 9)[:dims], dtype=torch.float64)
-    counts = torch.tensor([3, 1, 2])
+    counts = torch.tensor([3, 1, 0, 2])  # an empty class too
     g = torch.randn_like(conv(x))
     k, width = len(counts), int(counts.max())
     local = torch.repeat_interleave(torch.arange(k), counts)
@@ -233,12 +234,23 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
     }
     dim = conv.weight.numel() + conv.bias.numel()
 
-    class FromTokens(ConvFactors):
-        def direct_sums(self, want_weight: bool, want_bias: bool) -> None:
-            return None
+    class Route(ConvFactors):
+        """Every route of the rule forced: the timed choice, the grouped backward in either
+        layout, a plain backward per class, or the tokens (no direct kernel)."""
+
+        route = "timed"
+
+        def direct_sums(self, want_weight: bool, want_bias: bool):
+            if self.route == "timed":
+                return super().direct_sums(want_weight, want_bias)
+            if self.route == "per_class":
+                return self._per_class(want_weight, want_bias)
+            return None if self.route == "tokens" else self._grouped(self.route, want_weight, want_bias)
 
     results = []
-    for factors in (ConvFactors(conv, seen), FromTokens(conv, seen)):
+    for route in ("timed", "contiguous", "channels_last", "per_class", "tokens"):
+        factors = Route(conv, seen)
+        factors.route = route
         run = ClassRows(torch.full((k, dim), float("nan"), dtype=torch.float64))
         class_outer_sums(factors, LayerRows(run, slots))
         assert run.certainly_finite()
@@ -255,8 +267,8 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
         ]
     )
     # float64 sums of at most a few hundred products of O(1) numbers, in different orders.
-    torch.testing.assert_close(results[0], want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(results[1], want, rtol=1e-12, atol=1e-12)
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def _scale_model() -> nn.Module:

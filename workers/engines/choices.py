@@ -11,8 +11,9 @@ each measurement costs real runs; keys hold everything the choice depends on.
   precision)``. Settled from ``FORMAT_TRIALS`` timed real runs.
 - ``FORMAT_TIMES``: those runs while the format is still being measured, ``[format, seconds per
   sample]`` each; same key.
-- ``CONV_LAYOUT``: memory layout of each Conv2d's grouped weight-gradient computation (the
-  Conv2d layer rule); key: the layer's geometry and a sample's shapes, dtype, device and
+- ``CONV_LAYOUT``: the route of each convolution's weight-gradient computation (the conv layer
+  rule: a grouped backward in ``"contiguous"`` or ``"channels_last"`` layout, or on a CPU a
+  ``"per_class"`` backward); key: the layer's geometry and a sample's shapes, dtype, device and
   memory format of its input and output gradient (not the run's class count or width).
 - ``HOOKS_CHECKED``: models whose per-class sums from hooks passed the spot check against the
   plain single-class path, with the ``(selected parameters, precision, device, layer rules)``

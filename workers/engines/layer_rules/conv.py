@@ -8,11 +8,15 @@ padding given as numbers; grouped, strided and dilated convolutions are fine) an
 (every output position's input patch, any number of spatial dimensions).
 
 The memory layout of the grouped backward matters on a CPU (channels-last can be twice as fast,
-or slower once its copy is paid): the first call for each layer shape times both and keeps the
-faster (``choices.CONV_LAYOUT``).
+or slower once its copy is paid), and on a CPU a plain backward per class on its own unpadded
+samples can beat both (a 7x7 stem on 32x32 images: 2x; the grouped one wins on small 3x3 layers):
+the first call for each layer shape times every route and keeps the fastest
+(``choices.CONV_LAYOUT``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,7 @@ from torch import nn
 
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import choice_clock
+from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
@@ -67,40 +72,63 @@ class ConvFactors(OuterFactors):
 
     def __init__(self, module: ConvNd, seen: LayerCapture):
         self.module = module
-        self.G = seen.grads_by_class()
-        self.A = seen.inputs_by_class()
+        self.seen = seen
 
-    def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One convolution backward with the k classes as k times the layer's groups."""
-        module, G, A = self.module, self.G, self.A
-        k, m, cout = G.shape[:3]
-        # Only the weight's shape matters for its own gradient (the input's gradient is not
-        # asked for), so a zero-stride stand-in of the grouped shape; a copy of the weight per
-        # class (``repeat``) cost a ResNet-18 run 45M floats of writes with 4 classes.
-        weight = G.new_zeros(()).expand(k * cout, *module.weight.shape[1:])
+    @functools.cached_property
+    def G(self) -> torch.Tensor:
+        return self.seen.grads_by_class()
 
-        def run(layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            if layout == "channels_last":
-                gg, ag = grouped_channels_last(G), grouped_channels_last(A)
-            else:
-                gg = G.transpose(0, 1).reshape(m, k * cout, *G.shape[3:])
-                ag = A.transpose(0, 1).reshape(m, k * A.shape[2], *A.shape[3:])
-            _, gw, gb = torch.ops.aten.convolution_backward(
-                gg,
-                ag,
+    @functools.cached_property
+    def A(self) -> torch.Tensor:
+        return self.seen.inputs_by_class()
+
+    def _per_class(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One plain convolution backward per class on its own samples (no padding, no layout
+        copies; a CPU's route: on a GPU the launches add up)."""
+        module, seen = self.module, self.seen
+        dtype = seen.grid.dtype
+        G, A = seen.grads.to(dtype), seen.inputs.to(dtype)  # [total, ...], class after class
+        k, cout = seen.k, module.out_channels
+        weight = G.new_zeros(()).expand(module.weight.shape)  # only its shape is read
+        gw = G.new_zeros(k, *module.weight.shape) if want_weight else None
+        gb = G.new_zeros(k, cout) if want_bias else None
+        start = 0
+        for i, n in enumerate(seen.grid.counts(G.device).tolist()):
+            if n == 0:
+                continue
+            _, w, b = torch.ops.aten.convolution_backward(
+                G[start : start + n],
+                A[start : start + n],
                 weight,
-                [k * cout],
+                [cout],
                 module.stride,
                 module.padding,
                 module.dilation,
                 False,
                 [0] * len(module.stride),
-                k * module.groups,
+                module.groups,
                 [False, want_weight, want_bias],
             )
-            # An output masked off may still come back (uninitialised): only what was asked for.
-            return (gw if want_weight else None), (gb if want_bias else None)
+            if gw is not None:
+                gw[i] = w
+            if gb is not None:
+                gb[i] = b
+            start += n
+        return gw, gb
 
+    def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The fastest exact kernel for this layer shape: a grouped backward (the k classes as k
+        times the layer's groups) in either layout, or, on a CPU, a backward per class."""
+        module = self.module
+
+        def run(layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            return (
+                self._per_class(want_weight, want_bias)
+                if layout == "per_class"
+                else self._grouped(layout, want_weight, want_bias)
+            )
+
+        seen = self.seen
         key = (
             module.in_channels,
             module.out_channels,
@@ -110,26 +138,62 @@ class ConvFactors(OuterFactors):
             module.padding,
             module.dilation,
             # A sample's shapes, not the run's: runs differ in classes and width from one to
-            # the next, and timing both layouts again for each would cost a run 4 backwards.
-            tuple(G.shape[2:]),
-            tuple(A.shape[2:]),
-            G.dtype,
-            str(G.device),
-            G[0].is_contiguous(memory_format=torch.channels_last) if G.dim() == 5 else False,
+            # the next, and timing every route again for each would cost a run several backwards.
+            tuple(seen.grads.shape[1:]),
+            tuple(seen.inputs.shape[1:]),
+            seen.grid.dtype,
+            str(seen.grads.device),
+            seen.inputs.is_contiguous(memory_format=torch.channels_last) if seen.inputs.dim() == 4 else False,
         )
         layout = choices.CONV_LAYOUT.get(key)
-        if layout is None:
-            clock = choice_clock(G.device)
-            timings: dict[str, float] = {}
-            for candidate in ("contiguous", "channels_last", "contiguous", "channels_last"):
-                t0 = clock()
-                result = run(candidate)
-                if G.is_cuda:
-                    torch.cuda.synchronize(G.device)
-                timings[candidate] = min(timings.get(candidate, float("inf")), clock() - t0)
-            layout = choices.CONV_LAYOUT[key] = min(timings, key=timings.__getitem__)
-            return result if layout == "channels_last" else run(layout)
-        return run(layout)
+        if layout is not None:
+            return run(layout)
+        candidates = ["contiguous", "channels_last"]
+        if seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES:
+            candidates.append("per_class")
+        clock = choice_clock(seen.grads.device)
+        timings: dict[str, float] = {}
+        results = {}
+        for candidate in candidates * 2:
+            t0 = clock()
+            results[candidate] = run(candidate)
+            if seen.grads.is_cuda:
+                torch.cuda.synchronize(seen.grads.device)
+            timings[candidate] = min(timings.get(candidate, float("inf")), clock() - t0)
+        layout = choices.CONV_LAYOUT[key] = min(timings, key=timings.__getitem__)
+        return results[layout]
+
+    def _grouped(
+        self, layout: str, want_weight: bool, want_bias: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One convolution backward with the k classes as k times the layer's groups, its inputs
+        in ``layout``."""
+        module, G, A = self.module, self.G, self.A
+        k, m, cout = G.shape[:3]
+        # Only the weight's shape matters for its own gradient (the input's gradient is not
+        # asked for), so a zero-stride stand-in of the grouped shape; a copy of the weight per
+        # class (``repeat``) cost a ResNet-18 run 45M floats of writes with 4 classes.
+        weight = G.new_zeros(()).expand(k * cout, *module.weight.shape[1:])
+        if layout == "channels_last":
+            gg, ag = grouped_channels_last(G), grouped_channels_last(A)
+        else:
+            gg = G.transpose(0, 1).reshape(m, k * cout, *G.shape[3:])
+            ag = A.transpose(0, 1).reshape(m, k * A.shape[2], *A.shape[3:])
+        _, gw, gb = torch.ops.aten.convolution_backward(
+            gg,
+            ag,
+            weight,
+            [k * cout],
+            module.stride,
+            module.padding,
+            module.dilation,
+            False,
+            [0] * len(module.stride),
+            k * module.groups,
+            [False, want_weight, want_bias],
+        )
+        # An output masked off may still come back (uninitialised): only what was asked for.
+        return (gw if want_weight else None), (gb if want_bias else None)
 
     def grad_tokens(self) -> torch.Tensor:
         """``[k * groups, m * positions, cout / groups]``."""
