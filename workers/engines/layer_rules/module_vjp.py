@@ -219,14 +219,11 @@ def _per_sample_leaves(
         found = torch.autograd.grad(
             [o for o, _ in live], list(copies.values()), [c for _, c in live], allow_unused=True
         )
-    device = next(iter(own.values())).device
-    where = grid.sample_class(device)
     out = {}
     for (name, p), g in zip(own.items(), found):
         if g is None or g.shape[0] != grid.total:
             raise RuntimeError(f"no per-sample gradient for {name}")
-        sums = torch.zeros(grid.k, *g.shape[1:], dtype=g.dtype, device=device).index_add_(0, where, g)
-        out[name] = sums.view(grid.k, *p.shape)
+        out[name] = grid.class_sums(g).view(grid.k, *p.shape)
     return out
 
 
