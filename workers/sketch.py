@@ -1,7 +1,8 @@
 """Sparse sign Johnson-Lindenstrauss sketch of rows: each coordinate sent to a few columns with random signs.
 
 Holds ``SparseSignSketch`` (projects rows ``[n, D]`` to ``[n, k]`` by a scatter, no matrix: the
-``rest: sketch`` of a Kronecker projection, ``classgrad.workers.kronecker``), ``SKETCH_GROUP``
+``rest: sketch`` of a Kronecker projection, ``classgrad.workers.kronecker``), ``RowSketch`` (the
+same for whole finished rows, ``projection.structure: sketch``, with its store record), ``SKETCH_GROUP``
 (its stream group) and ``sketch_blocks`` (how the ``k`` columns are split into ``s`` blocks).
 
 The map (Kane and Nelson's sparse JL, "block" construction; CountSketch when ``s = 1``). The
@@ -123,4 +124,23 @@ class SparseSignSketch:
             "blocks": [list(b) for b in self.blocks],
             "scale": self.scale,
             "hash": HASH_NAME,
+        }
+
+
+class RowSketch(SparseSignSketch):
+    """``projection.structure: sketch``: whole finished rows sketched (in place of a dense
+    projection: ``s D`` additions per row instead of ``2 D k`` flops), with the store's record."""
+
+    @property
+    def out_dim(self) -> int:
+        return self.dim
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "structure": "sketch",
+            "kind": "sparse-sign",
+            "dim": self.dim,
+            "out_dim": self.dim,
+            "dim_in": self.dim_in,
+            **super().describe(),
         }

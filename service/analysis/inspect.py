@@ -184,6 +184,11 @@ def format_report(info: dict) -> str:
     proj = info["projection"]
     if proj and proj.get("structure") == "kronecker":
         lines += kronecker_lines(proj, D)
+    elif proj and proj.get("structure") == "sketch":
+        lines.append(
+            f"projection  sketch (sparse signs, {proj.get('nonzeros')} per entry) from {proj.get('dim_in')} to {D} "
+            f"dims (seed {proj.get('seed')}); no per-parameter layout"
+        )
     elif proj:
         lines.append(f"projection  {proj.get('kind')} to {D} dims (seed {proj.get('seed')}); no per-parameter layout")
     elif info["layout"]:

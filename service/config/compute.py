@@ -111,11 +111,14 @@ class ProjectionConfig(Section):
         False,
         description="Use a separate projection for each selected parameter instead of one over the whole row.",
     )
-    structure: Literal["dense", "kronecker"] = Field(
+    structure: Literal["dense", "kronecker", "sketch"] = Field(
         "dense",
         description="dense: each finished row times a k-column random matrix; kronecker: Linear and "
         "Conv2d layers projected as P_out W P_in^T inside the backward (the partitioned engine's "
-        "hook path; no full row is formed), the other parameters as `rest` says.",
+        "hook path; no full row is formed), the other parameters as `rest` says; sketch: each "
+        "finished row by a sparse sign sketch (each entry added with a random sign to "
+        "`sketch_nonzeros` columns: s D additions per row instead of 2 D k flops; `kind` does not "
+        "apply to it).",
     )
     rest: Literal["dense", "keep", "sketch"] = Field(
         "sketch",
@@ -128,8 +131,8 @@ class ProjectionConfig(Section):
     )
     sketch_nonzeros: StrictPositiveInt = Field(
         4,
-        description="rest=sketch: columns each parameter of the rest is sent to (s; at most the "
-        "rest's width). Cost grows as s, the error's tail for rows concentrated on few "
+        description="rest=sketch or structure=sketch: columns each entry is sent to (s; at most the "
+        "width it is sketched to). Cost grows as s, the error's tail for rows concentrated on few "
         "parameters shrinks with it.",
     )
     allocation: Literal["norm", "size"] = Field(
@@ -153,6 +156,8 @@ class ProjectionConfig(Section):
 
     @model_validator(mode="after")
     def _kronecker(self) -> ProjectionConfig:
-        if self.structure == "kronecker" and self.per_param:
-            raise ValueError("projection.per_param applies to structure=dense only (kronecker is per layer already)")
+        if self.structure != "dense" and self.per_param:
+            raise ValueError(
+                f"projection.per_param applies to structure=dense only ({self.structure} is not per parameter)"
+            )
         return self

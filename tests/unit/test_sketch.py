@@ -22,7 +22,7 @@ from classgrad.workers.kronecker import KroneckerMap, KroneckerUnit
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import mix32_int, stream_keys
 from classgrad.workers.runtime.factory import build_model, build_probe
-from classgrad.workers.sketch import SKETCH_GROUP, SparseSignSketch, sketch_blocks
+from classgrad.workers.sketch import SKETCH_GROUP, RowSketch, SparseSignSketch, sketch_blocks
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
@@ -174,3 +174,25 @@ def test_job_with_a_sketched_rest_stores_the_sketch_of_the_exact_rows(tmp_path):
     assert "rest (sparse sign sketch, 3 nonzeros per parameter): 40 cols at 0" in report
     assert verify_store(config.store.url).code == 0
     assert run_without_ray(config).attrs["projection"] == info  # a resume reuses the record
+
+
+def test_a_job_sketching_whole_rows_stores_the_sketch_of_the_exact_rows(tmp_path):
+    """``structure: sketch``: finished rows of any engine sketched as they come (no matrix to
+    generate, nothing gathered); the job, the Python API and a RowSketch of the exact rows agree."""
+    proj = {"structure": "sketch", "dim": 40, "seed": 2, "sketch_nonzeros": 3}
+    config = mlp_job(tmp_path, projection=proj)
+    store = run_without_ray(config)
+    info = store.attrs["projection"]
+    assert info["structure"] == "sketch" and info["out_dim"] == 40 and info["nonzeros"] == 3
+    model = build_model(config.model.factory, config.model.kwargs)
+    probe = build_probe(config.data.factory, config.data.kwargs)
+    full = per_class_gradients(model, probe, num_classes=MLP_JOB_CLASSES)
+    want = RowSketch(full.shape[1], 40, nonzeros=3, seed=2).project(full)
+    # The same sketch of rows summed in another grouping (shards of 8): 1e-5 relative.
+    assert max_relative_error(torch.from_numpy(store.rows(np.arange(MLP_JOB_CLASSES))), want) <= 1e-5
+    api = per_class_gradients(model, probe, num_classes=MLP_JOB_CLASSES, projection=proj)
+    assert max_relative_error(api, want) <= 1e-5
+    assert "projection  sketch (sparse signs, 3 per entry)" in format_report(inspect_store(store))
+    assert verify_store(config.store.url).code == 0
+    with pytest.raises(ValueError, match="per_param applies to structure=dense only"):
+        ProjectionConfig.model_validate({"dim": 8, "structure": "sketch", "per_param": True})

@@ -233,12 +233,9 @@ def per_class_gradients(
             pad_values=pad_values,
             kronecker=kronecker_options(proj),
         )
-        dense = None
-        if proj is not None and proj.dim is not None and proj.structure == "dense":
-            from classgrad.workers.projection import Projector
+        from classgrad.workers.row_projection import row_projector
 
-            groups = [(s.offset, s.size) for s in eng.layout.slots] if proj.per_param else None
-            dense = Projector(eng.layout.dim, proj.dim, kind=proj.kind, seed=proj.seed, groups=groups)
+        dense = row_projector(proj, eng.layout.slots, eng.layout.dim)  # of finished rows: dense or a sketch
         width = dense.out_dim if dense else (eng.stored_dim if isinstance(eng, KroneckerEngine) else eng.layout.dim)
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:

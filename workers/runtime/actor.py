@@ -29,30 +29,28 @@ from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
 from classgrad.workers.engines import GradientEngine, KroneckerEngine, RowBlock
 from classgrad.workers.projection import Projector
+from classgrad.workers.row_projection import row_projector
 from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.runtime.identity import check_same_build, engine_identity
 from classgrad.workers.runtime.writer import ShardWriter
+from classgrad.workers.sketch import RowSketch
 
 log = logging.getLogger(__name__)
 
 PROJECT_BYTES = 1 << 30
 
 
-def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | None:
-    """The job's projector of finished rows, or None when rows are stored whole or projected
-    inside the backward (``projection.structure: kronecker``, ``KroneckerEngine``)."""
-    p = config.projection
-    if p.dim is None or p.structure == "kronecker":
-        return None
-    groups = [(s.offset, s.size) for s in slots] if p.per_param else None
-    return Projector(dim_in, p.dim, kind=p.kind, seed=p.seed, groups=groups)
+def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | RowSketch | None:
+    """The job's projector of finished rows (dense, or a sketch), or None when rows are stored
+    whole or projected inside the backward (``projection.structure: kronecker``)."""
+    return row_projector(config.projection, slots, dim_in)
 
 
 def checked_engine(
     config: JobConfig,
     device: str | None = None,
     record: dict | None = None,
-) -> tuple[GradientEngine, Projector | None, int]:
+) -> tuple[GradientEngine, Projector | RowSketch | None, int]:
     """The job's engine, checked against its real model and data (``preflight``), its
     projector (None when rows are stored whole or projected by the engine) and the width of a
     stored row. ``record``: a store's Kronecker split to reuse (see ``build_job_engine``)."""
@@ -63,14 +61,14 @@ def checked_engine(
     return engine, projector, stored_width(engine, projector)
 
 
-def stored_width(engine: GradientEngine, projector: Projector | None) -> int:
+def stored_width(engine: GradientEngine, projector: Projector | RowSketch | None) -> int:
     """Columns of a stored row."""
     if projector is not None:
         return projector.out_dim
     return engine.stored_dim if isinstance(engine, KroneckerEngine) else engine.layout.dim
 
 
-def projection_record(engine: GradientEngine, projector: Projector | None) -> dict | None:
+def projection_record(engine: GradientEngine, projector: Projector | RowSketch | None) -> dict | None:
     """What the store records about the projection (None: full rows)."""
     if isinstance(engine, KroneckerEngine):
         return engine.describe()
@@ -84,7 +82,7 @@ def project_rows_for(dim: int) -> int:
 
 
 def stored_blocks(
-    engine: GradientEngine, projector: Projector | None, classes: list[int], project_rows: int
+    engine: GradientEngine, projector: Projector | RowSketch | None, classes: list[int], project_rows: int
 ) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
     """Engine blocks of ``classes`` with the rows to store: projected when the job projects.
 
@@ -92,9 +90,10 @@ def stored_blocks(
     gathered up to ``project_rows`` rows before each projection (bounded by a byte budget).
     What a worker stores, and what ``classgrad estimate`` times.
     """
-    if projector is None:
+    if projector is None or isinstance(projector, RowSketch):
+        # A sketch has no matrix to generate: each block is projected as it comes.
         for block in engine.iter_blocks(classes):
-            yield block, None
+            yield block, None if projector is None else projector.project(block.rows)
         return
     pending: list[RowBlock] = []
     gathered = 0
