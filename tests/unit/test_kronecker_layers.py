@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("fresh_choices")
 
 
 class Embedded(nn.Module):
-    """Token ids through two tables (one with a padding row), a Linear per token, a head."""
+    """Token ids through two tables (one with a padding row, called twice), a Linear per token, a head."""
 
     def __init__(self, vocab: int = 11, width: int = 6, length: int = 4):
         super().__init__()
@@ -36,7 +36,7 @@ class Embedded(nn.Module):
         self.head = nn.Linear(5 * length, C)
 
     def forward(self, ids):
-        h = torch.tanh(self.tok(ids) + 0.5 * self.pos(ids.flip(1)))
+        h = torch.tanh(self.tok(ids) + 0.5 * self.pos(ids.flip(1)) + 0.25 * self.tok(ids.roll(1, dims=1)))
         return self.head(torch.tanh(self.mix(h)).flatten(1))
 
 
@@ -117,3 +117,24 @@ def test_described_units_of_gpt2_and_the_one_token_layers_in_the_rest(monkeypatc
     # Linear units keep the record they had (no input_first key).
     linear = projected("embedding", "ragged", monkeypatch)[0].describe()["units"]
     assert [u["param"] for u in linear if "input_first" not in u] == ["mix.weight"]
+
+
+@pytest.mark.parametrize("route", ["ragged", "grid"])
+def test_a_table_read_at_one_token_per_sample_joins_the_rest_unless_low_rank_is_kronecker(route, monkeypatch):
+    """1-D ids: one token per sample, a per-class gradient of rank at most the class's samples."""
+    if route == "grid":
+        monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Embedding(13, 7), nn.Tanh(), nn.Linear(7, C)).eval()
+    _, (ids, y) = embedding_case()
+    ids = ids[:, 1]
+    for low_rank, units in (("dense", []), ("kronecker", ["0.weight", "2.weight"])):
+        proj = {"structure": "kronecker", "dim": 30, "seed": 1, "low_rank": low_rank}
+        eng = build_engine(model, (ids, y), num_classes=C, kronecker=kronecker_options(projection_options(proj)))
+        got = eng.compute(range(C)).rows
+        described = eng.describe()
+        assert [u["param"] for u in described["units"]] == units
+        assert described["dense_layers"] == (["0", "2"] if low_rank == "dense" else [])
+        ref = build_engine(copy.deepcopy(model).double(), (ids, y), num_classes=C, engine="reference")
+        # fp32 sums of products in another order than the float64 reference: 1e-5 relative.
+        assert max_relative_error(got, eng.kmap.project_full(ref.compute(range(C)).rows)) <= 1e-5
