@@ -5,19 +5,27 @@ Holds:
 
 - ``kronecker_factor`` — one factor ``[n, k]`` from the counter-based generator of
   ``classgrad.workers.projection`` (same bits on every device), entries of variance ``1/k``.
-- ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature) of stored
-  shape ``[a, b]`` projected to ``P_a W P_b^T``: ``k_out x k_in`` columns of the stored row.
+- ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature: a column
+  of ``M``, or a row where the input is the first axis) of stored shape ``[a, b]`` projected to
+  ``P_a M P_b^T``: ``k_out x k_in`` columns of the stored row.
 - ``KroneckerMap`` — the whole stored row: the units, then the parameters outside every unit
   ("rest": kept whole, projected densely or by a sparse sign sketch), with ``work_layout`` (where the hook path writes),
   ``work_rows`` / ``stored_rows`` / ``project_full`` (full rows to stored rows: the reference the
   tests compare with) and ``describe`` (what the store records).
-- ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` (module
-  types with a Kronecker structure and the ``[a, b]`` view of their weight).
+- ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` and
+  ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
+  weight; the second for types of optional libraries, by name, so nothing is imported for them)
+  and ``shape_for``.
 
 The factors. For a weight of stored shape ``[a, b]`` (Linear ``[out, in]``; Conv2d ``[cout, cin
-* kh * kw]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Its
+* kh * kw]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Where the
+stored matrix's first axis is the layer's input (``KroneckerUnit.input_first``: transformers'
+``Conv1D``, ``[in, out]``; ``nn.Embedding``, ``[V, H]``, whose input is a one-hot row, so its
+projection is a row of ``F_a``), the bias is a constant-1 input feature on that axis: ``M = [W;
+bias^T]`` (``(a + 1) x b``), and ``F_a`` gets the extra row instead of ``F_b``. Its
 projection is ``P_a M P_b^T`` with ``P_a = F_a^T``, ``P_b = F_b^T``, where ``F_a`` is ``[a,
-k_out]`` and ``F_b`` is ``[b + 1, k_in]``, generated like a ``Projector``'s ``R`` (kind and seed of
+k_out]`` and ``F_b`` is ``[b + 1, k_in]`` (``[a + 1, k_out]`` and ``[b, k_in]`` for
+``input_first``), generated like a ``Projector``'s ``R`` (kind and seed of
 the job) with stream group ``GROUP_BASE + 2 * i`` (``F_a``) and ``GROUP_BASE + 2 * i + 1``
 (``F_b``), ``i`` the index of the weight in the parameter layout. Entries are ``±1/sqrt(k_out)``
 and ``±1/sqrt(k_in)`` (rademacher), so the Kronecker product has entries of variance ``1/(k_out
@@ -43,9 +51,10 @@ the most short-changed ones, then one unit re-factored to take the last few), so
 width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken first; a sketched
 rest takes its share like a dense one (its variance is a dense projection's to the same width).
 
-What joins the rest besides the parameters without a Kronecker structure (norms, embeddings,
-grouped convolutions, layers without a hook rule are refused earlier): layers matching
-``projection.dense_layers``, and with ``low_rank: dense`` every layer whose gradient reaches at
+What joins the rest besides the parameters without a Kronecker structure (norms, raw parameters
+such as class tokens, grouped convolutions, embeddings the embedding rule refuses: ``max_norm``,
+``scale_grad_by_freq``, ``sparse``; layers without a hook rule are refused earlier): layers
+matching ``projection.dense_layers``, and with ``low_rank: dense`` every layer whose gradient reaches at
 most one token of a sample on the first block (``KroneckerUnit.positions``: a classifier head, a
 pooler, a last block read at the class token only). Their per-class gradients have rank at most
 the class's sample count, where a Kronecker projection's variance is about ``1/k_out + 1/k_in``

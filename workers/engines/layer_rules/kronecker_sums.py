@@ -1,15 +1,20 @@
 """Per-class sums of projected outer products: the Kronecker projection inside the backward.
 
 Holds ``projected_outer_sums``, which ``outer.class_outer_sums`` calls for a layer whose rows are
-projected (``LayerRows.projection``, a ``classgrad.workers.kronecker.KroneckerUnit``). Class i's
-part of the row is ``F_a^T [dW_i | db_i] F_b = sum_t (F_a^T g_t)(F_b^T [x_t; 1])^T``: both token
-factors are projected first (``[T, a] @ [a, k_out]`` and ``[T, b] @ [b, k_in]``), then one batched
-product ``[k_out, T] @ [T, k_in]`` per class, so the layer's full per-class gradient never exists.
-The bias is the constant-1 input feature: its row of ``F_b`` is added to every projected input
-token (padding tokens have ``g = 0`` and add nothing). On its first call it also notes how many tokens
-of a sample get a gradient (``unit.positions``, the most over the run's samples; one means the
-per-class gradient has rank at most the class's sample count: a head, a pooler, or a last block
-whose output is read at one token only).
+projected (``LayerRows.projection``, a ``classgrad.workers.kronecker.KroneckerUnit``), and
+``projected_embedding_sums``, which the embedding rule calls instead of forming the table.
+
+Class i's part of the row is ``F_a^T [dW_i | db_i] F_b = sum_t (F_a^T g_t)(F_b^T [x_t; 1])^T``:
+both token factors are projected first (``[T, a] @ [a, k_out]`` and ``[T, b] @ [b, k_in]``), then
+one batched product ``[k_out, T] @ [T, k_in]`` per class, so the layer's full per-class gradient
+never exists. The bias is the constant-1 input feature: its row of ``F_b`` is added to every
+projected input token (padding tokens have ``g = 0`` and add nothing). For transformers'
+``Conv1D`` the stored matrix is ``[in, out]``: its factors come with the input first
+(``hf_conv1d``), so the bias's row is ``F_a``'s (``KroneckerUnit.input_first``), added to the
+first projected factor, and the gradient is the second factor. On its first call it also notes
+how many tokens of a sample get a gradient (``unit.positions``, the most over the run's samples;
+one means the per-class gradient has rank at most the class's sample count: a head, a pooler, or
+a last block whose output is read at one token only).
 
 A Conv2d's input side applied to every patch is a convolution with ``F_b`` as its kernel
 (``[k_in, cin, kh, kw]``), so patches are never unfolded.
