@@ -138,3 +138,22 @@ def test_a_table_read_at_one_token_per_sample_joins_the_rest_unless_low_rank_is_
         ref = build_engine(copy.deepcopy(model).double(), (ids, y), num_classes=C, engine="reference")
         # fp32 sums of products in another order than the float64 reference: 1e-5 relative.
         assert max_relative_error(got, eng.kmap.project_full(ref.compute(range(C)).rows)) <= 1e-5
+
+
+@pytest.mark.parametrize("route", ["ragged", "grid"])
+def test_conv1d_units_without_their_bias_selected(route, monkeypatch):
+    """Weights only (biases excluded): the units' matrices are ``W`` alone, ``F_a`` of ``in`` rows."""
+    if route == "grid":
+        monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
+    model, data = gpt2_case()
+    params = ["*.weight", "transformer.h.0.attn.c_attn.bias"]  # one bias kept: a mixed layout
+    proj = {"structure": "kronecker", "dim": 60, "seed": 2}
+    eng = build_engine(model, data, num_classes=C, params=params, kronecker=kronecker_options(projection_options(proj)))
+    got = eng.compute(range(C)).rows
+    units = {u["param"]: u for u in eng.describe()["units"]}
+    assert units["transformer.h.0.mlp.c_fc.weight"]["bias"] is None
+    assert units["transformer.h.0.mlp.c_fc.weight"]["factor_shapes"][0][1] == 16  # in, no bias row
+    assert units["transformer.h.0.attn.c_attn.weight"]["factor_shapes"][0][1] == 17
+    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=C, params=params, engine="reference")
+    # fp32 sums of products in another order than the float64 reference: 1e-5 relative.
+    assert max_relative_error(got, eng.kmap.project_full(ref.compute(range(C)).rows)) <= 1e-5
