@@ -5,19 +5,27 @@ Holds:
 
 - ``kronecker_factor`` — one factor ``[n, k]`` from the counter-based generator of
   ``classgrad.workers.projection`` (same bits on every device), entries of variance ``1/k``.
-- ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature) of stored
-  shape ``[a, b]`` projected to ``P_a W P_b^T``: ``k_out x k_in`` columns of the stored row.
+- ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature: a column
+  of ``M``, or a row where the input is the first axis) of stored shape ``[a, b]`` projected to
+  ``P_a M P_b^T``: ``k_out x k_in`` columns of the stored row.
 - ``KroneckerMap`` — the whole stored row: the units, then the parameters outside every unit
   ("rest": kept whole, projected densely or by a sparse sign sketch), with ``work_layout`` (where the hook path writes),
   ``work_rows`` / ``stored_rows`` / ``project_full`` (full rows to stored rows: the reference the
   tests compare with) and ``describe`` (what the store records).
-- ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` (module
-  types with a Kronecker structure and the ``[a, b]`` view of their weight).
+- ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` and
+  ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
+  weight; the second for types of optional libraries, by name, so nothing is imported for them)
+  and ``shape_for``.
 
 The factors. For a weight of stored shape ``[a, b]`` (Linear ``[out, in]``; Conv2d ``[cout, cin
-* kh * kw]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Its
+* kh * kw]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Where the
+stored matrix's first axis is the layer's input (``KroneckerUnit.input_first``: transformers'
+``Conv1D``, ``[in, out]``; ``nn.Embedding``, ``[V, H]``, whose input is a one-hot row, so its
+projection is a row of ``F_a``), the bias is a constant-1 input feature on that axis: ``M = [W;
+bias^T]`` (``(a + 1) x b``), and ``F_a`` gets the extra row instead of ``F_b``. Its
 projection is ``P_a M P_b^T`` with ``P_a = F_a^T``, ``P_b = F_b^T``, where ``F_a`` is ``[a,
-k_out]`` and ``F_b`` is ``[b + 1, k_in]``, generated like a ``Projector``'s ``R`` (kind and seed of
+k_out]`` and ``F_b`` is ``[b + 1, k_in]`` (``[a + 1, k_out]`` and ``[b, k_in]`` for
+``input_first``), generated like a ``Projector``'s ``R`` (kind and seed of
 the job) with stream group ``GROUP_BASE + 2 * i`` (``F_a``) and ``GROUP_BASE + 2 * i + 1``
 (``F_b``), ``i`` the index of the weight in the parameter layout. Entries are ``±1/sqrt(k_out)``
 and ``±1/sqrt(k_in)`` (rademacher), so the Kronecker product has entries of variance ``1/(k_out
@@ -43,9 +51,10 @@ the most short-changed ones, then one unit re-factored to take the last few), so
 width is exactly ``dim``. With ``rest: keep`` the rest's full width is taken first; a sketched
 rest takes its share like a dense one (its variance is a dense projection's to the same width).
 
-What joins the rest besides the parameters without a Kronecker structure (norms, embeddings,
-grouped convolutions, layers without a hook rule are refused earlier): layers matching
-``projection.dense_layers``, and with ``low_rank: dense`` every layer whose gradient reaches at
+What joins the rest besides the parameters without a Kronecker structure (norms, raw parameters
+such as class tokens, grouped convolutions, embeddings the embedding rule refuses: ``max_norm``,
+``scale_grad_by_freq``, ``sparse``; layers without a hook rule are refused earlier): layers
+matching ``projection.dense_layers``, and with ``low_rank: dense`` every layer whose gradient reaches at
 most one token of a sample on the first block (``KroneckerUnit.positions``: a classifier head, a
 pooler, a last block read at the class token only). Their per-class gradients have rank at most
 the class's sample count, where a Kronecker projection's variance is about ``1/k_out + 1/k_in``
@@ -87,17 +96,44 @@ def kronecker_factor(
     return out[:, :k].contiguous()
 
 
-def _conv2d_shape(m: nn.Conv2d) -> tuple[int, int] | None:
+# [a, b] of a weight as the outer-product sums form it, and whether its first axis is the layer's
+# input (then a bias is a constant-1 row of the matrix, and the gradient is the second factor).
+UnitShape = tuple[int, int, bool]
+
+
+def _conv2d_shape(m: nn.Conv2d) -> UnitShape | None:
     if m.groups != 1:
         return None  # grouped/depthwise: no useful Kronecker structure (dense rest)
-    return m.out_channels, m.weight[0].numel()
+    return m.out_channels, m.weight[0].numel(), False
 
 
-# Module type -> [a, b] of its weight as the outer-product sums form it (None: not for this layer).
-KRONECKER_SHAPES: dict[type[nn.Module], Callable[[Any], tuple[int, int] | None]] = {
-    nn.Linear: lambda m: (m.out_features, m.in_features),
+def _embedding_shape(m: nn.Embedding) -> UnitShape | None:
+    if m.sparse or m.max_norm is not None or m.scale_grad_by_freq:
+        return None  # refused by the embedding rule: the layer is not on the hook path anyway
+    return m.num_embeddings, m.embedding_dim, True
+
+
+def _hf_conv1d_shape(m: Any) -> UnitShape | None:
+    rows, cols = m.weight.shape  # stored [in, out]
+    return int(rows), int(cols), True
+
+
+# Module type -> its UnitShape (None: not for this layer).
+KRONECKER_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {
+    nn.Linear: lambda m: (m.out_features, m.in_features, False),
     nn.Conv2d: _conv2d_shape,
+    nn.Embedding: _embedding_shape,
 }
+# The same for types of optional libraries, by (module, class name): nothing is imported for them.
+LAZY_SHAPES: dict[tuple[str, str], Callable[[Any], UnitShape | None]] = {
+    ("transformers.pytorch_utils", "Conv1D"): _hf_conv1d_shape,
+}
+
+
+def shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
+    """The ``UnitShape`` function for ``module``'s exact type, or None."""
+    kind = type(module)
+    return KRONECKER_SHAPES.get(kind) or LAZY_SHAPES.get((kind.__module__, kind.__qualname__))
 
 
 @dataclass
@@ -109,6 +145,7 @@ class KroneckerUnit:
     bias: ParamSlot | None
     a: int
     b: int
+    input_first: bool = False  # the first axis is the layer's input (Conv1D, Embedding): a bias row
     k_out: int = 1
     k_in: int = 1
     offset: int = 0
@@ -123,12 +160,18 @@ class KroneckerUnit:
         return self.k_out * self.k_in
 
     @property
+    def rows(self) -> int:
+        """Rows of ``M`` (and of ``F_a``): ``a``, plus the bias row of an ``input_first`` unit."""
+        return self.a + (self.bias is not None and self.input_first)
+
+    @property
     def cols_in(self) -> int:
-        return self.b + (self.bias is not None)
+        """Columns of ``M`` (and rows of ``F_b``): ``b``, plus the bias column of the others."""
+        return self.b + (self.bias is not None and not self.input_first)
 
     @property
     def full(self) -> int:
-        return self.a * self.cols_in
+        return self.rows * self.cols_in
 
     @property
     def groups(self) -> tuple[int, int]:
@@ -137,11 +180,11 @@ class KroneckerUnit:
     def factors(
         self, device: torch.device | str, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(F_a [a, k_out], F_b [b (+1), k_in])`` on ``device`` (generated once per device)."""
+        """``(F_a [rows, k_out], F_b [cols_in, k_in])`` on ``device`` (generated once per device)."""
         key = (str(device), dtype)
         if key not in self._cache:
             ga, gb = self.groups
-            fa = kronecker_factor(self.kind, self.seed, ga, self.a, self.k_out, device)
+            fa = kronecker_factor(self.kind, self.seed, ga, self.rows, self.k_out, device)
             fb = kronecker_factor(self.kind, self.seed, gb, self.cols_in, self.k_in, device)
             self._cache[key] = (fa.to(dtype), fb.to(dtype))
         return self._cache[key]
@@ -151,26 +194,32 @@ class KroneckerUnit:
         n = slots_rows.shape[0]
         w = self.weight
         m = slots_rows[:, w.offset : w.offset + w.size].reshape(n, self.a, self.b)
-        if self.bias is not None:
+        if self.bias is not None and self.input_first:  # [W; b^T]
+            bias = slots_rows[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, 1, self.b)
+            m = torch.cat([m, bias], dim=1)
+        elif self.bias is not None:  # [W | b]
             bias = slots_rows[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
             m = torch.cat([m, bias], dim=2)
         fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
         return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(n, self.width)
 
     def describe(self) -> dict[str, Any]:
-        return {
+        out = {
             "param": self.weight.name,
             "bias": self.bias.name if self.bias is not None else None,
             "shape": [self.a, self.b],
             "k_out": self.k_out,
             "k_in": self.k_in,
-            "factor_shapes": [[self.k_out, self.a], [self.k_in, self.cols_in]],
+            "factor_shapes": [[self.k_out, self.rows], [self.k_in, self.cols_in]],
             "width": self.width,
             "offset": self.offset,
             "groups": list(self.groups),
             "measured_sq_norm": self.measured,
             "tokens_per_sample": self.positions,
         }
+        if self.input_first:  # only then: the records of Linear and Conv2d units keep their keys
+            out["input_first"] = True
+        return out
 
 
 def _water_fill(budget: float, weights: Sequence[float], caps: Sequence[int]) -> list[float]:
@@ -216,7 +265,7 @@ def _refactor(units: list[KroneckerUnit], left: int) -> int:
     between them by up to 64); return what is still left (0 on success)."""
     ordered = sorted(units, key=lambda u: -u.width)
     for u in ordered:
-        pair = _exact_pair(u.width + left, u.a, u.cols_in, u.k_out / u.k_in)
+        pair = _exact_pair(u.width + left, u.rows, u.cols_in, u.k_out / u.k_in)
         if pair is not None:
             u.k_out, u.k_in = pair
             return 0
@@ -226,8 +275,8 @@ def _refactor(units: list[KroneckerUnit], left: int) -> int:
             for n in sorted(
                 range(max(1, u.width - 64), min(total, u.width + left + 64)), key=lambda n: abs(n - u.width)
             ):
-                pu = _exact_pair(n, u.a, u.cols_in, u.k_out / u.k_in)
-                pv = _exact_pair(total - n, v.a, v.cols_in, v.k_out / v.k_in) if pu else None
+                pu = _exact_pair(n, u.rows, u.cols_in, u.k_out / u.k_in)
+                pv = _exact_pair(total - n, v.rows, v.cols_in, v.k_out / v.k_in) if pu else None
                 if pu and pv:
                     (u.k_out, u.k_in), (v.k_out, v.k_in) = pu, pv
                     return 0
@@ -251,7 +300,7 @@ def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: st
     caps = [u.full for u in units] + ([rest_size] if dense_rest else [])
     targets = _water_fill(budget, list(weights[: len(units)]) + ([weights[-1]] if dense_rest else []), caps)
     for u, t in zip(units, targets):
-        u.k_out, u.k_in = _factor(t, u.a, u.cols_in)
+        u.k_out, u.k_in = _factor(t, u.rows, u.cols_in)
     rest_width = int(targets[-1]) if dense_rest else (rest_size if rest_mode == "keep" else 0)
     left = dim - sum(u.width for u in units) - (rest_width if rest_mode in PROJECTED_REST else rest_size)
     if dense_rest:
@@ -266,7 +315,7 @@ def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: st
                 u.k_in += 1
                 left -= u.k_out
                 stepped = True
-            elif u.k_in <= left and u.k_out < u.a:
+            elif u.k_in <= left and u.k_out < u.rows:
                 u.k_out += 1
                 left -= u.k_in
                 stepped = True
@@ -347,7 +396,7 @@ class KroneckerMap:
         for i, slot in enumerate(slots):
             owner, _, kind = slot.name.rpartition(".")
             module = modules.get(owner)
-            shape_of = KRONECKER_SHAPES.get(type(module)) if module is not None else None
+            shape_of = shape_for(module) if module is not None else None
             if kind != "weight" or owner not in hooked or shape_of is None:
                 continue
             if any(fnmatch.fnmatchcase(owner, pattern) for pattern in dense_layers):
@@ -356,7 +405,8 @@ class KroneckerMap:
             if shape is None:
                 continue
             bias = by_name.get(f"{owner}.bias" if owner else "bias")
-            units.append(KroneckerUnit(i, slot, bias[1] if bias else None, *shape))
+            a, b, input_first = shape
+            units.append(KroneckerUnit(i, slot, bias[1] if bias else None, a, b, input_first))
         return cls(slots, units, dense_layers=dense_layers, **options)
 
     def _take(self, record: dict[str, Any]) -> int:
@@ -382,7 +432,7 @@ class KroneckerMap:
 
     def remeasured(self, weights: Sequence[float]) -> KroneckerMap:
         """The same units split by ``weights`` (allocation: norm)."""
-        units = [KroneckerUnit(u.index, u.weight, u.bias, u.a, u.b) for u in self.units]
+        units = [KroneckerUnit(u.index, u.weight, u.bias, u.a, u.b, u.input_first) for u in self.units]
         out = KroneckerMap(
             self.slots,
             units,

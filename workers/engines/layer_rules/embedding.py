@@ -9,7 +9,9 @@ An embedding's weight gradient for class i is ``dW_i[v] = sum of g_t`` over the 
 class i's samples that looked up row v (a bag: its bag gradient, divided by the bag's size in
 mode ``mean``; in mode ``max``, per feature, the row that won the max). The rule adds them
 straight into the class's rows, viewed as ``[k, V, H]`` (one indexed accumulate, no per-class
-loop); the ``padding_idx`` row stays zero, as torch leaves it.
+loop); the ``padding_idx`` row stays zero, as torch leaves it. With Kronecker-projected rows
+(``LayerRows.projection``) an Embedding's table is projected as it is formed
+(``kronecker_sums.projected_embedding_sums``).
 
 Refused (``applies`` says why; the engine then takes another exact path): ``max_norm`` (the
 forward renormalises the looked-up rows of the weight in place), ``scale_grad_by_freq`` (the
@@ -26,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from classgrad.workers.engines.layer_rules.kronecker_sums import projected_embedding_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, peak
 
@@ -89,6 +92,10 @@ def _write_table(
 @register_rule(nn.Embedding, applies=embedding_refusal, kinds=("weight",))
 def embedding_sums(module: nn.Embedding, seen: LayerCapture, out: LayerRows) -> None:
     if not out.wants("weight"):
+        return
+    if out.projection is not None:  # Kronecker-projected rows (ids broadcast across the batch: raises)
+        sample_classes(seen)
+        projected_embedding_sums(module, seen, out, out.projection)
         return
     idx = seen.inputs
     H = module.weight.shape[1]

@@ -9,7 +9,9 @@ Class i's stored weight gradient is ``sum_t x_t g_t^T`` ([in, out]), the transpo
 ``outer.class_outer_sums`` forms ``grad_tokens^T @ input_tokens`` per class, so these factors
 hand it the inputs as the first factor and the output gradients as the second (a projection of
 the stored matrix's rows then applies to the inputs, as it should). The bias gradient, the sum of
-``g`` per class, is formed here.
+``g`` per class, is formed here, except with Kronecker-projected rows: the unit's matrix is then
+``[W; b^T]`` (``(in + 1) x out``, the bias a constant-1 input feature, ``KroneckerUnit.input_first``)
+and ``class_outer_sums`` forms both at once.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class TransposedLinearFactors(LinearFactors):
 
 
 def hf_conv1d_sums(module: nn.Module, seen: LayerCapture, out: LayerRows) -> None:
+    if out.projection is not None:  # Kronecker-projected: weight and bias at once (rows of [W; b^T])
+        class_outer_sums(TransposedLinearFactors(seen), out)
+        return
     if out.wants("weight"):
         # Only the weight through class_outer_sums: its bias sums would be of the inputs here.
         class_outer_sums(TransposedLinearFactors(seen), LayerRows(out.run, {"weight": out.slots["weight"]}))

@@ -1,15 +1,20 @@
 """Per-class sums of projected outer products: the Kronecker projection inside the backward.
 
 Holds ``projected_outer_sums``, which ``outer.class_outer_sums`` calls for a layer whose rows are
-projected (``LayerRows.projection``, a ``classgrad.workers.kronecker.KroneckerUnit``). Class i's
-part of the row is ``F_a^T [dW_i | db_i] F_b = sum_t (F_a^T g_t)(F_b^T [x_t; 1])^T``: both token
-factors are projected first (``[T, a] @ [a, k_out]`` and ``[T, b] @ [b, k_in]``), then one batched
-product ``[k_out, T] @ [T, k_in]`` per class, so the layer's full per-class gradient never exists.
-The bias is the constant-1 input feature: its row of ``F_b`` is added to every projected input
-token (padding tokens have ``g = 0`` and add nothing). On its first call it also notes how many tokens
-of a sample get a gradient (``unit.positions``, the most over the run's samples; one means the
-per-class gradient has rank at most the class's sample count: a head, a pooler, or a last block
-whose output is read at one token only).
+projected (``LayerRows.projection``, a ``classgrad.workers.kronecker.KroneckerUnit``), and
+``projected_embedding_sums``, which the embedding rule calls instead of forming the table.
+
+Class i's part of the row is ``F_a^T [dW_i | db_i] F_b = sum_t (F_a^T g_t)(F_b^T [x_t; 1])^T``:
+both token factors are projected first (``[T, a] @ [a, k_out]`` and ``[T, b] @ [b, k_in]``), then
+one batched product ``[k_out, T] @ [T, k_in]`` per class, so the layer's full per-class gradient
+never exists. The bias is the constant-1 input feature: its row of ``F_b`` is added to every
+projected input token (padding tokens have ``g = 0`` and add nothing). For transformers'
+``Conv1D`` the stored matrix is ``[in, out]``: its factors come with the input first
+(``hf_conv1d``), so the bias's row is ``F_a``'s (``KroneckerUnit.input_first``), added to the
+first projected factor, and the gradient is the second factor. On its first call it also notes
+how many tokens of a sample get a gradient (``unit.positions``, the most over the run's samples;
+one means the per-class gradient has rank at most the class's sample count: a head, a pooler, or
+a last block whose output is read at one token only).
 
 A Conv2d's input side applied to every patch is a convolution with ``F_b`` as its kernel
 (``[k_in, cin, kh, kw]``), so patches are never unfolded.
@@ -38,6 +43,21 @@ def _conv_projected_inputs(factors: Any, fb: torch.Tensor) -> torch.Tensor:
     return out.reshape(k, m, fb.shape[1], -1).permute(0, 1, 3, 2).reshape(k, -1, fb.shape[1])
 
 
+def _project_pair(
+    G: torch.Tensor, A: torch.Tensor, unit: Any, fa: torch.Tensor, fb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both token factors projected (``[..., a] @ F_a``, ``[..., b] @ F_b``), the bias's row of its
+    factor added on the input's side: the second factor's (Linear), or the first's when the stored
+    matrix's first axis is the input (``unit.input_first``: Conv1D's ``[in, out]``)."""
+    gp = G @ fa[: unit.a]
+    ap = A @ fb[: unit.b]
+    if unit.bias is not None and unit.input_first:
+        gp = gp + fa[unit.a]
+    elif unit.bias is not None:
+        ap = ap + fb[unit.b]
+    return gp, ap
+
+
 def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s projected ``[dW_i | db_i]`` (``unit.width`` columns) into ``out``'s weight columns."""
     conv = isinstance(getattr(factors, "module", None), nn.Conv2d)
@@ -46,21 +66,24 @@ def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
         _ragged_projected_sums(ragged, out, unit)
         return
     G = factors.grad_tokens()  # [k, T, a] (one block: units are never grouped layers)
+    A = None if conv else factors.input_tokens()
     if unit.positions is None:  # once: the tokens per sample with a gradient (1: low rank)
         seen = getattr(factors, "seen", None)  # Linear: samples per class in this run's grid
         width = seen.grid.width if seen is not None else factors.G.shape[1]
-        live = (G != 0).any(dim=-1).reshape(G.shape[0], width, -1)  # [k, samples, positions]
+        g = A if unit.input_first else G  # the output gradient's side (Conv1D: the second)
+        assert g is not None  # a Conv2d's first factor is its gradient
+        live = (g != 0).any(dim=-1).reshape(g.shape[0], width, -1)  # [k, samples, positions]
         unit.positions = int(live.sum(dim=-1).max())
     fa, fb = unit.factors(G.device, G.dtype)
-    gp = torch.matmul(G, fa)  # [k, T, k_out]
     # conv.ConvFactors (not imported: conv imports outer, which imports this module)
     if conv:
+        gp = torch.matmul(G, fa)  # [k, T, k_out]
         ap = _conv_projected_inputs(factors, fb)
+        if unit.bias is not None:
+            ap = ap + fb[unit.b]
     else:
-        A = factors.input_tokens()
-        ap = torch.matmul(A, fb[: unit.b])  # [k, T, k_in]
-    if unit.bias is not None:
-        ap = ap + fb[unit.b]
+        assert A is not None
+        gp, ap = _project_pair(G, A, unit, fa, fb)
     # Finite projected factors with |g'| * |x'| * terms far below the float range give finite rows.
     out.bound(peak(gp) * peak(ap).clamp(min=1) * gp.shape[1])
     target = out.fresh("weight")
@@ -75,17 +98,52 @@ def _ragged_projected_sums(ragged: Any, out: LayerRows, unit: Any) -> None:
     one product over the run's tokens, then one small product per class into its row."""
     G, A = ragged.grads, ragged.inputs
     if unit.positions is None:  # as in projected_outer_sums
-        live = (G != 0).any(dim=-1).reshape(-1, ragged.per_sample)  # [samples, positions]
+        g = A if unit.input_first else G
+        live = (g != 0).any(dim=-1).reshape(-1, ragged.per_sample)  # [samples, positions]
         unit.positions = int(live.sum(dim=-1).max())
     fa, fb = unit.factors(G.device, G.dtype)
-    gp = G @ fa  # [tokens, k_out]
-    ap = A @ fb[: unit.b]  # [tokens, k_in]
-    if unit.bias is not None:
-        ap = ap + fb[unit.b]
+    gp, ap = _project_pair(G, A, unit, fa, fb)  # [tokens, k_out], [tokens, k_in]
     out.bound(peak(gp) * peak(ap).clamp(min=1) * max(ragged.tokens))
     target = out.fresh("weight")
     shape = (out.k, unit.k_out, unit.k_in)
     sums = target.view(shape) if target is not None else gp.new_empty(shape)
     ragged.per_class_mm(gp, ap, sums)
+    if target is None:
+        out.put("weight", sums)
+
+
+def projected_embedding_sums(module: nn.Embedding, seen: Any, out: LayerRows, unit: Any) -> None:
+    """Class ``i``'s projected table gradient ``F_V^T dW_i F_H = sum_t F_V[id_t]^T (F_H^T g_t)``:
+    the one-hot input projected is a row of ``F_V`` (a lookup), the gradient a ``[H, k_in]``
+    product. Tokens of ``padding_idx`` add nothing (the exact rows leave that row zero)."""
+    idx = seen.inputs.reshape(seen.total, -1)  # [samples, positions]
+    grads = seen.grads.to(seen.grid.dtype).reshape(seen.total, idx.shape[1], -1)
+    fa, fb = unit.factors(grads.device, grads.dtype)
+    gp = fa[idx]  # [samples, positions, k_out]
+    if module.padding_idx is not None:
+        gp = gp * (idx != module.padding_idx).unsqueeze(-1).to(gp.dtype)
+    ap = grads @ fb  # [samples, positions, k_in]
+    if unit.positions is None:  # as in projected_outer_sums
+        unit.positions = int((grads != 0).any(dim=-1).sum(dim=-1).max()) if seen.total else 0
+    out.bound(peak(gp) * peak(ap).clamp(min=1) * (seen.grid.width * idx.shape[1]))
+    target = out.fresh("weight")
+    shape = (out.k, unit.k_out, unit.k_in)
+    sums = target.view(shape) if target is not None else gp.new_empty(shape)
+    grid = seen.grid
+    if grid.spots is not None and grads.device.type in rule_io.CPU_ROUTE_DEVICES:
+        # Unpadded: one product per class on its own samples (they come class after class).
+        counts = grid.counts(grads.device).tolist()
+        start = 0
+        for i, n in enumerate(counts):
+            if n == 0:
+                sums[i].zero_()
+            else:
+                first, second = gp[start : start + n], ap[start : start + n]
+                torch.mm(first.reshape(-1, unit.k_out).t(), second.reshape(-1, unit.k_in), out=sums[i])
+            start += n
+    else:  # the padded grid: one batched product
+        gk = seen.by_class(gp).reshape(out.k, -1, unit.k_out)
+        ak = seen.by_class(ap).reshape(out.k, -1, unit.k_in)
+        torch.bmm(gk.transpose(1, 2), ak, out=sums)
     if target is None:
         out.put("weight", sums)
