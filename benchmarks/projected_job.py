@@ -14,8 +14,9 @@ engine and with the floor on a Hugging Face ViT (hidden 192, 6 layers, D >= 2.7M
 parameter), classes of 1
 to 4 samples, one worker in one thread, no Ray: each measurement in its own process (its peak
 RSS is reported). ``floor``: one forward+backward over the probe set in the engine's batches;
-``engine``: the unprojected engine's rows (not stored); ``dense`` / ``kronecker``: the job's
-real worker writing the projected rows into a real store (compute only: the driver's
+``engine``: the unprojected engine's rows (not stored); ``dense`` / ``kronecker`` / ``sketch``
+(whole finished rows by the sparse sign sketch): the job's real worker writing the projected
+rows into a real store (compute only: the driver's
 preparation, which for ``kronecker`` measures the split on the first 32 classes, is reported
 apart). ``floor + write`` adds the kronecker job's own write time to the floor.
 
@@ -127,10 +128,12 @@ def measure_one(
 
     torch.set_num_threads(1)
     proj: dict[str, Any] = {"dim": None}
-    if what in ("dense", "kronecker"):
+    if what in ("dense", "kronecker", "sketch"):
         proj = {"dim": dim, "seed": 0, "structure": what}
         if what == "kronecker":
             proj.update(low_rank=low_rank, rest=rest, sketch_nonzeros=sketch_nonzeros)
+        if what == "sketch":
+            proj.update(sketch_nonzeros=sketch_nonzeros)
     config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj, hidden))
     out: dict[str, Any] = {"what": what, "rows": classes}
     if what in ("floor", "engine"):
@@ -176,6 +179,7 @@ def main_vit(args: argparse.Namespace) -> None:
         steps = [("floor", None), ("engine", None)]
         for rest in args.rest:  # one kronecker job per rest mode
             steps += [("prepare-kronecker", rest), ("kronecker", rest)]
+        steps += [("prepare-sketch", None), ("sketch", None)]  # whole finished rows sketched
         steps += [("prepare-dense", None), ("dense", None)]
         for what, rest in steps:
             if what.endswith("dense") and not args.dense_rows:
@@ -184,6 +188,7 @@ def main_vit(args: argparse.Namespace) -> None:
             cmd += ["--dim", str(dim), "--workdir", str(workdir), "--hidden", str(args.hidden)]
             if what.endswith("kronecker"):
                 cmd += ["--low-rank", args.low_rank, "--rest", str(rest)]
+            if what.endswith(("kronecker", "sketch")):
                 cmd += ["--sketch-nonzeros", str(args.sketch_nonzeros)]
             if what == "dense":
                 cmd += ["--max-rows", str(args.dense_rows)]

@@ -113,8 +113,9 @@ class ProjectionConfig(Section):
     )
     structure: Literal["dense", "kronecker", "sketch"] = Field(
         "dense",
-        description="dense: each finished row times a k-column random matrix; kronecker: Linear and "
-        "Conv2d layers projected as P_out W P_in^T inside the backward (the partitioned engine's "
+        description="dense: each finished row times a k-column random matrix; kronecker: Linear, "
+        "Conv2d, Embedding and transformers' Conv1D layers projected as P_out W P_in^T inside the "
+        "backward (the partitioned engine's "
         "hook path; no full row is formed), the other parameters as `rest` says; sketch: each "
         "finished row by a sparse sign sketch (each entry added with a random sign to "
         "`sketch_nonzeros` columns: s D additions per row instead of 2 D k flops; `kind` does not "
@@ -122,8 +123,8 @@ class ProjectionConfig(Section):
     )
     rest: Literal["dense", "keep", "sketch"] = Field(
         "sketch",
-        description="structure=kronecker: parameters outside the Kronecker layers (norms, embeddings, "
-        "grouped convolutions, low-rank layers) projected by a sparse sign sketch (sketch: each "
+        description="structure=kronecker: parameters outside the Kronecker layers (norms, position "
+        "embeddings, grouped convolutions, low-rank layers) projected by a sparse sign sketch (sketch: each "
         "parameter added with a random sign to `sketch_nonzeros` columns, one per block of the "
         "rest's columns; `kind` does not apply to it), densely (dense: 2 k flops per parameter, "
         "a thinner error tail where a head's bias dominates the rows), or stored whole (keep). "
