@@ -17,8 +17,8 @@ Holds:
   weight; the second for types of optional libraries, by name, so nothing is imported for them)
   and ``shape_for``.
 
-The factors. For a weight of stored shape ``[a, b]`` (Linear ``[out, in]``; Conv2d ``[cout, cin
-* kh * kw]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Where the
+The factors. For a weight of stored shape ``[a, b]`` (Linear ``[out, in]``; Conv1d/2d/3d ``[cout,
+cin * prod(kernel)]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Where the
 stored matrix's first axis is the layer's input (``KroneckerUnit.input_first``: transformers'
 ``Conv1D``, ``[in, out]``; ``nn.Embedding``, ``[V, H]``, whose input is a one-hot row, so its
 projection is a row of ``F_a``), the bias is a constant-1 input feature on that axis: ``M = [W;
@@ -101,7 +101,7 @@ def kronecker_factor(
 UnitShape = tuple[int, int, bool]
 
 
-def _conv2d_shape(m: nn.Conv2d) -> UnitShape | None:
+def _conv_shape(m: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> UnitShape | None:
     if m.groups != 1:
         return None  # grouped/depthwise: no useful Kronecker structure (dense rest)
     return m.out_channels, m.weight[0].numel(), False
@@ -121,7 +121,9 @@ def _hf_conv1d_shape(m: Any) -> UnitShape | None:
 # Module type -> its UnitShape (None: not for this layer).
 KRONECKER_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {
     nn.Linear: lambda m: (m.out_features, m.in_features, False),
-    nn.Conv2d: _conv2d_shape,
+    nn.Conv1d: _conv_shape,
+    nn.Conv2d: _conv_shape,
+    nn.Conv3d: _conv_shape,
     nn.Embedding: _embedding_shape,
 }
 # The same for types of optional libraries, by (module, class name): nothing is imported for them.

@@ -114,7 +114,7 @@ class ProjectionConfig(Section):
     structure: Literal["dense", "kronecker", "sketch"] = Field(
         "dense",
         description="dense: each finished row times a k-column random matrix; kronecker: Linear, "
-        "Conv2d, Embedding and transformers' Conv1D layers projected as P_out W P_in^T inside the "
+        "Conv1d/2d/3d, Embedding and transformers' Conv1D layers projected as P_out W P_in^T inside the "
         "backward (the partitioned engine's "
         "hook path; no full row is formed), the other parameters as `rest` says; sketch: each "
         "finished row by a sparse sign sketch (each entry added with a random sign to "

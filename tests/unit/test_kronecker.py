@@ -118,13 +118,30 @@ class NormUnits(nn.Module):
         return self.head(torch.tanh(h).flatten(1))
 
 
+class Conv1d3d(nn.Module):
+    """A Conv3d, then its output's channels and depth as the channels of a Conv1d."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.c3 = nn.Conv3d(3, 4, 2, padding=(1, 0, 0), stride=(2, 1, 1))
+        self.c1 = nn.Conv1d(12, 5, 3, dilation=2)
+        self.head = nn.Linear(5 * 5, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.c3(x))  # [N, 4, 3, 3, 3]
+        h = torch.tanh(self.c1(h.reshape(len(x), 12, 9)))  # [N, 5, 5]
+        return self.head(h.flatten(1))
+
+
 # rest kept whole, plus 40-50 projected columns
-KEEP_DIM = {"tokens": 200, "conv_bn": 200, "grouped": 720, "norm_units": 256}
+KEEP_DIM = {"tokens": 200, "conv_bn": 200, "grouped": 720, "norm_units": 256, "conv1d_3d": 200}
 CASES = {
     "tokens": (lambda: (torch.manual_seed(1), Seq())[1].eval(), (12,)),
     "conv_bn": (conv_bn, (3, 8, 8)),
     "grouped": (grouped, (3, 5, 5)),
     "norm_units": (lambda: (torch.manual_seed(2), NormUnits())[1].eval(), (12,)),
+    "conv1d_3d": (lambda: Conv1d3d().eval(), (3, 4, 4, 4)),
 }
 
 
@@ -164,6 +181,9 @@ def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
     elif case == "grouped":
         assert described["rest_params"] == ["2.weight", "2.bias", "6.weight", "6.bias"]
         assert [u["param"] for u in described["units"]] == ["0.weight", "4.weight"]
+    elif case == "conv1d_3d":  # Conv3d and Conv1d projected like Conv2d: one convolution per factor
+        assert described["rest_params"] == ["head.weight", "head.bias"]
+        assert [u["param"] for u in described["units"]] == ["c3.weight", "c1.weight"]
     elif case == "norm_units":  # the LayerNorm's rule and the Gate's unit fill the rest
         assert described["rest_params"] == ["norm.weight", "norm.bias", "gate.scale", "head.weight", "head.bias"]
         assert [(u["param"], u["tokens_per_sample"]) for u in described["units"]] == [("a.weight", 3)]

@@ -16,7 +16,7 @@ how many tokens of a sample get a gradient (``unit.positions``, the most over th
 one means the per-class gradient has rank at most the class's sample count: a head, a pooler, or
 a last block whose output is read at one token only).
 
-A Conv2d's input side applied to every patch is a convolution with ``F_b`` as its kernel
+A convolution's (1, 2 or 3-d) input side applied to every patch is a convolution with ``F_b`` as its kernel
 (``[k_in, cin, kh, kw]``), so patches are never unfolded.
 """
 
@@ -33,13 +33,14 @@ from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
 
 
 def _conv_projected_inputs(factors: Any, fb: torch.Tensor) -> torch.Tensor:
-    """``[k, m * ho * wo, k_in]``: every patch's projection, by one convolution."""
+    """``[k, m * positions, k_in]``: every patch's projection, by one convolution (1, 2 or 3-d)."""
     module, A = factors.module, factors.A
     assert not isinstance(module.padding, str)  # zero_padding: the rule takes numeric padding only
     k, m = A.shape[:2]
     b = module.weight[0].numel()
     kernel = fb[:b].t().reshape(fb.shape[1], *module.weight.shape[1:])
-    out = F.conv2d(A.reshape(k * m, *A.shape[2:]), kernel, None, module.stride, module.padding, module.dilation)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[A.dim() - 4]  # A: [k, m, cin, *spatial]
+    out = conv(A.reshape(k * m, *A.shape[2:]), kernel, None, module.stride, module.padding, module.dilation)
     return out.reshape(k, m, fb.shape[1], -1).permute(0, 1, 3, 2).reshape(k, -1, fb.shape[1])
 
 
@@ -60,7 +61,7 @@ def _project_pair(
 
 def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s projected ``[dW_i | db_i]`` (``unit.width`` columns) into ``out``'s weight columns."""
-    conv = isinstance(getattr(factors, "module", None), nn.Conv2d)
+    conv = isinstance(getattr(factors, "module", None), (nn.Conv1d, nn.Conv2d, nn.Conv3d))
     ragged = factors.ragged() if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
     if ragged is not None:
         _ragged_projected_sums(ragged, out, unit)
