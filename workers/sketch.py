@@ -43,7 +43,9 @@ from classgrad.workers.projection import HASH_NAME, stream_keys, stream_words
 
 SKETCH_GROUP = 1 << 30  # stream group of the sketch: far from a dense projection's 0, 1, ... and GROUP_BASE
 CHUNK = 2048  # coordinates transposed and scattered at once (measured: 1k-4k best on a CPU)
-CACHE_ENTRIES = 1 << 23  # indices (int32) kept per device when D * s is at most this; else regenerated
+# Indices (int32) kept per device when D * s is at most this (128 MiB), else regenerated per call:
+# hashing them costs several times the sketch itself (a 2.9M-entry row, s = 4: 57 ms against 9).
+CACHE_ENTRIES = 1 << 25
 
 
 def sketch_blocks(k: int, s: int) -> list[tuple[int, int]]:

@@ -86,14 +86,14 @@ def stored_blocks(
 ) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
     """Engine blocks of ``classes`` with the rows to store: projected when the job projects.
 
-    Generating R costs about as much as applying it to a few dozen rows, so blocks are
-    gathered up to ``project_rows`` rows before each projection (bounded by a byte budget).
+    Generating R costs about as much as applying it to a few dozen rows (a sketch's buckets,
+    when too many to keep, cost several times the sketch itself), so blocks are gathered up to
+    ``project_rows`` rows before each projection (bounded by a byte budget).
     What a worker stores, and what ``classgrad estimate`` times.
     """
-    if projector is None or isinstance(projector, RowSketch):
-        # A sketch has no matrix to generate: each block is projected as it comes.
+    if projector is None:
         for block in engine.iter_blocks(classes):
-            yield block, None if projector is None else projector.project(block.rows)
+            yield block, None
         return
     pending: list[RowBlock] = []
     gathered = 0
