@@ -107,7 +107,7 @@ def stored_blocks(
         yield _projected(projector, pending)
 
 
-def _projected(projector: Projector, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
+def _projected(projector: Projector | RowSketch, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
     merged = RowBlock.concat(blocks)
     return merged, projector.project(merged.rows)  # project() takes any float dtype
 
