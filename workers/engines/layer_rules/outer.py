@@ -8,8 +8,9 @@ For a layer whose output at token t is ``W x_t (+ b)`` (Linear: a token per samp
 Conv: a token per sample and output pixel, ``x_t`` its input patch), class i's gradients are
 ``dW_i = sum_t g_t x_t^T`` and ``db_i = sum_t g_t`` over its samples' tokens. On a GPU the sums
 are one batched product over a ``[k, T, ...]`` grid (short classes padded with zero tokens); on
-a CPU, when classes differ in size, one ``torch.mm`` per class on its own slice of the unpadded
-tokens, written straight into its row (no padded copies, no products of padding). Grouped layers give
+a CPU, when classes differ in size and samples have several tokens, one ``torch.mm`` per class on
+its own slice of the unpadded tokens, written straight into its row (no padded copies, no
+products of padding). Grouped layers give
 one product per class and group (``blocks``). A projection inside the backward goes into
 ``class_outer_sums`` for every such layer at once: ``P_out dW_i P_in^T = sum_t (P_out g_t)(P_in
 x_t)^T``, i.e. project both token factors first, then the same batched product
