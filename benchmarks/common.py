@@ -121,6 +121,24 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+def kernel_time(fn, device: torch.device) -> float | None:
+    """Sum of GPU kernel self times (seconds) recorded by torch.profiler over one call."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        total += us
+    return total / 1e6
+
+
 # --- cases -----------------------------------------------------------------------------------
 
 

@@ -59,24 +59,6 @@ def make_resnet_case(args, precision: str) -> Case:
     )
 
 
-def kernel_time(fn, device: torch.device) -> float | None:
-    """Sum of GPU kernel self times (seconds) recorded by torch.profiler over one call."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    total = 0.0
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:
-            us = getattr(evt, "self_cuda_time_total", 0.0)
-        total += us
-    return total / 1e6
-
-
 def run_precision(args, precision: str) -> dict[str, Any]:
     case = make_resnet_case(args, precision)
     rows = torch.unique(case.y).tolist()
@@ -136,7 +118,7 @@ def run_precision(args, precision: str) -> dict[str, Any]:
         # Wall time: the best of the timed runs above (the same callable, synchronised); the
         # profiled run only gives the kernel time (and is skipped off CUDA).
         wall = results[name]["seconds"]
-        k = kernel_time(m[name][0], case.device)
+        k = common.kernel_time(m[name][0], case.device)
         results[name]["profiled_wall_s"] = wall
         results[name]["kernel_s"] = k
         results[name]["kernel_over_wall"] = None if k is None else k / wall

@@ -36,6 +36,13 @@ class RealCase:
     model: nn.Module
     samples: list[Any]
     labels: torch.Tensor
+    device: torch.device = torch.device("cpu")  # where ``batch`` puts inputs and labels
+
+    def to(self, device: str | torch.device) -> RealCase:
+        """The model moved to ``device``, and batches put there from now on."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        return self
 
     @property
     def dict_inputs(self) -> bool:
@@ -46,8 +53,10 @@ class RealCase:
         items = [self.samples[i] for i in idx.tolist()]
         if self.dict_inputs:
             keys = [k for k in items[0] if k != "labels"]
-            return {k: torch.stack([it[k] for it in items]) for k in keys}, self.labels[idx]
-        return torch.stack([it[0] for it in items]), self.labels[idx]
+            return {k: torch.stack([it[k] for it in items]).to(self.device) for k in keys}, self.labels[idx].to(
+                self.device
+            )
+        return torch.stack([it[0] for it in items]).to(self.device), self.labels[idx].to(self.device)
 
     def logits(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         """How a user calls the model: keyword arguments for dicts, ``.logits`` of a ModelOutput."""
