@@ -23,6 +23,7 @@ apart). ``floor + write`` adds the kronecker job's own write time to the floor.
     .venv/bin/python -m benchmarks.projected_job --model vit --classes 1000 --dim 4096
     .venv/bin/python -m benchmarks.projected_job --model vit --rest dense sketch   # both rests
     .venv/bin/python -m benchmarks.projected_job --model vit --quick   # C = 200, k = 1,024
+    .venv/bin/python -m benchmarks.projected_job --model vit --device cuda   # the same on a GPU
 
 Prints a table and writes ``benchmarks/out/projected_job.json`` (``projected_vit.json``).
 """
@@ -82,9 +83,12 @@ def run(config: dict) -> dict[str, Any]:
     }
 
 
-def vit_job(classes: int, url: str, projection: dict[str, Any], hidden: int = 192) -> dict[str, Any]:
+def vit_job(
+    classes: int, url: str, projection: dict[str, Any], hidden: int = 192, device: str = "cpu"
+) -> dict[str, Any]:
     kwargs = {"num_classes": classes, "hidden": hidden, "intermediate": 4 * hidden}
     return {
+        "engine": {"device": device},
         "model": {"factory": "benchmarks.hf_models:vit", "kwargs": kwargs},
         "data": {
             "factory": "classgrad.workers.zoo:synthetic_probe",
@@ -111,6 +115,7 @@ def measure_one(
     hidden: int = 192,
     rest: str = "dense",
     sketch_nonzeros: int = 4,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One measurement of ``--model vit`` in this process (threads: 1). ``prepare-S``: the
     driver's preparation of structure S's store; ``S``: its worker on the first ``max_rows``
@@ -134,10 +139,10 @@ def measure_one(
             proj.update(low_rank=low_rank, rest=rest, sketch_nonzeros=sketch_nonzeros)
         if what == "sketch":
             proj.update(sketch_nonzeros=sketch_nonzeros)
-    config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj, hidden))
+    config = JobConfig.model_validate(vit_job(classes, str(Path(workdir) / f"{what}.zarr"), proj, hidden, device))
     out: dict[str, Any] = {"what": what, "rows": classes}
     if what in ("floor", "engine"):
-        engine = build_job_engine(config, device="cpu")
+        engine = build_job_engine(config, device=device)
         out["dim_in"] = engine.layout.dim
         t0 = time.perf_counter()
         if what == "engine":
@@ -150,6 +155,8 @@ def measure_one(
                     x, y = probe.batch(idx, engine.device, engine.compute_dtype)
                     value = loss.sample_losses(engine.io(x), loss.labels(y)).sum()
                     torch.autograd.grad(value, engine.params)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
         out["seconds"] = time.perf_counter() - t0
     elif prepare_only:  # the driver's side, in its own process (its memory is not the worker's)
         t0 = time.perf_counter()
@@ -185,7 +192,7 @@ def main_vit(args: argparse.Namespace) -> None:
             if what.endswith("dense") and not args.dense_rows:
                 continue
             cmd = [sys.executable, "-m", "benchmarks.projected_job", "--one", what, "--classes", str(classes)]
-            cmd += ["--dim", str(dim), "--workdir", str(workdir), "--hidden", str(args.hidden)]
+            cmd += ["--dim", str(dim), "--workdir", str(workdir), "--hidden", str(args.hidden), "--device", args.device]
             if what.endswith("kronecker"):
                 cmd += ["--low-rank", args.low_rank, "--rest", str(rest)]
             if what.endswith(("kronecker", "sketch")):
@@ -228,7 +235,8 @@ def main_vit(args: argparse.Namespace) -> None:
         )
     print(
         f"\n== ViT hidden {args.hidden} (D = {results['floor']['dim_in']:,}), C = {classes:,}, k = {dim:,}, "
-        f"low_rank {args.low_rank}, sketch_nonzeros {args.sketch_nonzeros} (rest sketch), 1 thread, no Ray"
+        f"low_rank {args.low_rank}, sketch_nonzeros {args.sketch_nonzeros} (rest sketch), {args.device}, "
+        "1 thread, no Ray"
     )
     headers = ["rows", "stored dim", "rows timed", "per row", "vs floor", "vs engine", "preparation", "peak RSS"]
     print_table(headers, table)
@@ -253,9 +261,14 @@ def main() -> None:
     )
     parser.add_argument("--hidden", type=int, default=192, help="vit: hidden size (intermediate 4x)")
     parser.add_argument(
-        "--rest", nargs="+", default=["dense"], choices=["dense", "keep", "sketch"], help="vit: projection.rest (each)"
+        "--rest",
+        nargs="+",
+        default=["sketch"],
+        choices=["dense", "keep", "sketch"],
+        help="vit: projection.rest (one kronecker job each; default the config's, sketch)",
     )
     parser.add_argument("--sketch-nonzeros", type=int, default=4, help="vit: projection.sketch_nonzeros")
+    parser.add_argument("--device", default="cpu", help="vit: engine.device (cuda: the issue's GPU comparison)")
     args = parser.parse_args()
     if args.one:
         logging.basicConfig(level=logging.WARNING)
@@ -269,6 +282,7 @@ def main() -> None:
             args.hidden,
             args.rest[0],
             args.sketch_nonzeros,
+            args.device,
         )
         print(json.dumps(found))
         return
