@@ -117,6 +117,19 @@ class PartitionedLoss(LossKind):
             )
         return losses
 
+    def run_losses(
+        self, outputs: torch.Tensor, targets: torch.Tensor, local: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A run of ``k`` classes in one pass: each sample's loss weighted by 1 / its class's size (a
+        class's weighted losses sum to its mean loss), and the ``[k]`` per-class losses (detached).
+        ``local``: each sample's position among the run's classes, on the outputs' device;
+        ``counts``: the run's samples per class."""
+        per_sample = self.sample_losses(outputs, self.labels(targets))
+        weights = (1.0 / counts.clamp(min=1).double()).to(per_sample.device, per_sample.dtype)[local]
+        weighted = per_sample * weights
+        values = torch.zeros(len(counts), dtype=weighted.dtype, device=weighted.device)
+        return weighted, values.index_add_(0, local, weighted.detach())
+
     def batch_losses(self, outputs: torch.Tensor, targets: torch.Tensor, norm: LossNorm) -> torch.Tensor:
         labels = self.labels(targets)
         per_sample = _upcast(self.sample_losses(outputs, labels))

@@ -139,11 +139,8 @@ class HookPath:
         loss = eng.loss
         assert isinstance(loss, PartitionedLoss)  # the partitioned engine takes no other loss
         loss.check_outputs(out)
-        per_sample = loss.sample_losses(out, loss.labels(y))
         dev_local = local.to(eng.device)
-        weights = (1.0 / counts.clamp(min=1).double()).to(eng.device, per_sample.dtype)[dev_local]
-        weighted = per_sample * weights
-        values = torch.zeros(k, dtype=weighted.dtype, device=eng.device).index_add_(0, dev_local, weighted.detach())
+        weighted, values = loss.run_losses(out, y, dev_local, counts)
         eng.check_finite_loss(values, cls)
         scaled = bool((scales != 1).any())
         objective = (weighted * scales.to(eng.device, weighted.dtype)[dev_local]).sum() if scaled else weighted.sum()

@@ -50,11 +50,7 @@ class LoopPath:
             out = eng.io(x)  # dict batches as keyword arguments, the logits out
         eng.stats.forwards += 1
         loss.check_outputs(out)
-        per_sample = loss.sample_losses(out, loss.labels(y))
-        dev_local = local.to(eng.device)
-        weights = (1.0 / counts.clamp(min=1).double()).to(eng.device, per_sample.dtype)[dev_local]
-        weighted = per_sample * weights
-        values = torch.zeros(k, dtype=weighted.dtype, device=eng.device).index_add_(0, dev_local, weighted.detach())
+        weighted, values = loss.run_losses(out, y, local.to(eng.device), counts)
         eng.check_finite_loss(values, cls)
         acc: list[torch.Tensor | None] = [None] * len(eng.params)
         starts = (torch.cumsum(counts, 0) - counts).tolist()
