@@ -81,6 +81,16 @@ def check_import_path(value: str) -> str:
     return value
 
 
+def check_name_or_import_path(value: str, names: tuple[str, ...], error: str, message: str) -> str:
+    """``value`` when it is one of ``names``, canonicalised when it is a ``module:function`` path;
+    else a ``PydanticCustomError`` of type ``error`` with ``message`` (``{value}``, ``{choices}``)."""
+    if ":" in value:
+        return check_import_path(value)
+    if value not in names:
+        raise PydanticCustomError(error, message, {"value": repr(value), "choices": ", ".join(names)})
+    return value
+
+
 class Section(BaseModel):
     """Base of every section: unknown keys are errors, values are fixed once validated."""
 

@@ -12,7 +12,7 @@ from annotated_types import Gt, Le
 from pydantic import Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
-from classgrad.service.config.fields import Section, StrictPositiveInt, check_import_path
+from classgrad.service.config.fields import Section, StrictPositiveInt, check_import_path, check_name_or_import_path
 
 __all__ = [
     "BUILTIN_LOSS_KINDS",
@@ -115,13 +115,8 @@ class DataConfig(Section):
     @field_validator("collate")
     @classmethod
     def _collate_kind(cls, value: str) -> str:
-        if ":" in value:
-            return check_import_path(value)
-        if value not in ("stack", "pad"):
-            raise PydanticCustomError(
-                "collate", "must be stack, pad or an import path 'module:function', got {value}", {"value": repr(value)}
-            )
-        return value
+        message = "must be stack, pad or an import path 'module:function', got {value}"
+        return check_name_or_import_path(value, ("stack", "pad"), "collate", message)
 
     @field_validator("factory")
     @classmethod
@@ -149,12 +144,5 @@ class LossConfig(Section):
     @field_validator("kind")
     @classmethod
     def _kind_name_or_path(cls, value: str) -> str:
-        if ":" in value:
-            return check_import_path(value)
-        if value not in BUILTIN_LOSS_KINDS:
-            raise PydanticCustomError(
-                "loss_kind",
-                "unknown loss kind {value} (choices: {choices}, or an import path 'module:function')",
-                {"value": repr(value), "choices": ", ".join(BUILTIN_LOSS_KINDS)},
-            )
-        return value
+        message = "unknown loss kind {value} (choices: {choices}, or an import path 'module:function')"
+        return check_name_or_import_path(value, tuple(BUILTIN_LOSS_KINDS), "loss_kind", message)
