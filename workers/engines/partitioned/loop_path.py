@@ -10,16 +10,12 @@ of the whole probe set, and fewer samples in the forward. Works for any model au
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import torch
 
 from classgrad.workers.engines.base import GradientEngine
 from classgrad.workers.engines.partitioned.packing import ClassSamples
+from classgrad.workers.engines.partitioned.vmap_path import WriteRows
 from classgrad.workers.losses import PartitionedLoss
-
-# Writes per-parameter gradients [k, *shape] at loss scales into dest[where]: whether each row is finite.
-WriteRows = Callable[[Sequence[torch.Tensor | None], torch.Tensor, torch.Tensor, "slice | torch.Tensor"], torch.Tensor]
 
 
 class LoopPath:
