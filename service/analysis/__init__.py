@@ -9,8 +9,8 @@
 - ``plot``: PNGs (similarity heatmap in clustered order, norm histogram, per-parameter bars).
 
 This package module holds what they share: ``BlockPlan`` and ``plan_blocks`` (how many rows and
-columns one read may hold, given a memory budget), ``iter_tiles`` (true float32 tiles in row and
-column order), ``done_ranges``, ``completion`` (shards and rows done, missing ranges),
+columns one read may hold, given a memory budget), ``spans`` (a range cut into blocks or bands),
+``iter_tiles`` (true float32 tiles in row and column order), ``done_ranges``, ``completion`` (shards and rows done, missing ranges),
 ``cosine_from_gram``, ``validated`` (options -> typed config, errors as one ``ConfigError``
 line) and small formatting helpers. Nothing here imports torch,
 Ray or matplotlib; the modules that need them import them inside the functions that use them.
@@ -42,10 +42,10 @@ class BlockPlan:
     band_cols: int
 
     def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
-        return [(a, min(a + self.block_rows, stop)) for a in range(start, stop, self.block_rows)]
+        return spans(start, stop, self.block_rows)
 
     def bands(self, dim: int) -> list[tuple[int, int]]:
-        return [(c, min(c + self.band_cols, dim)) for c in range(0, dim, self.band_cols)]
+        return spans(0, dim, self.band_cols)
 
 
 def _round_down(value: int, unit: int) -> int:
@@ -170,6 +170,11 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def spans(start: int, stop: int, step: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut into ``(a, b)`` pieces of ``step`` (the last one shorter)."""
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
+
+
 def validated(model: type[ModelT], what: str, **values: Any) -> ModelT:
     """``model(**values)``, a validation error turned into one ``ConfigError`` line naming the
     option both as a field and as its command-line flag."""
@@ -198,5 +203,6 @@ __all__ = [
     "fmt_bytes",
     "iter_tiles",
     "plan_blocks",
+    "spans",
     "validated",
 ]

@@ -54,7 +54,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, fmt_bytes, plan_blocks, validated
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, fmt_bytes, plan_blocks, spans, validated
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk_task
 from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
@@ -154,10 +154,10 @@ class SimilarityPlan:
     precision: str
 
     def blocks(self) -> list[tuple[int, int]]:
-        return [(a, min(a + self.block_rows, self.num_classes)) for a in range(0, self.num_classes, self.block_rows)]
+        return spans(0, self.num_classes, self.block_rows)
 
     def bands(self) -> list[tuple[int, int]]:
-        return [(c, min(c + self.band_cols, self.dim)) for c in range(0, self.dim, self.band_cols)]
+        return spans(0, self.dim, self.band_cols)
 
     def memory_bound(self) -> dict[str, int]:
         """Bytes one task may hold at its peak, by part, and their ``total``: two row blocks (one

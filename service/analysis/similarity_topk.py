@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from classgrad.service.analysis import MIB, ceil_div
+from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.errors import ConfigError
 
@@ -63,14 +63,13 @@ class TopKPlan:
     precision: str
 
     def blocks(self) -> list[tuple[int, int]]:
-        return [(a, min(a + self.block_rows, self.num_classes)) for a in range(0, self.num_classes, self.block_rows)]
+        return spans(0, self.num_classes, self.block_rows)
 
     def stream_blocks(self) -> list[tuple[int, int]]:
-        C = self.num_classes
-        return [(a, min(a + self.stream_rows, C)) for a in range(0, C, self.stream_rows)]
+        return spans(0, self.num_classes, self.stream_rows)
 
     def bands(self) -> list[tuple[int, int]]:
-        return [(c, min(c + self.band_cols, self.dim)) for c in range(0, self.dim, self.band_cols)]
+        return spans(0, self.dim, self.band_cols)
 
     def memory_bound(self) -> dict[str, int]:
         """Bytes one task may hold at its peak, by part, and their ``total``: the query block
