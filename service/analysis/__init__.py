@@ -10,10 +10,11 @@
 
 This package module holds what they share: ``BlockPlan`` and ``plan_blocks`` (how many rows and
 columns one read may hold, given a memory budget), ``spans`` (a range cut into blocks or bands),
-``iter_tiles`` (true float32 tiles in row and column order), ``done_ranges``, ``completion`` (shards and rows done, missing ranges),
-``cosine_from_gram``, ``validated`` (options -> typed config, errors as one ``ConfigError``
-line) and small formatting helpers. Nothing here imports torch,
-Ray or matplotlib; the modules that need them import them inside the functions that use them.
+``iter_tiles`` (true float32 tiles in row and column order), ``done_ranges``, ``completion``
+(shards and rows done, missing ranges), ``cosine_from_gram``, ``validated`` (options -> typed
+config, errors as one ``ConfigError`` line) and small formatting helpers. Nothing here imports
+torch, Ray or matplotlib; the modules that need them import them inside the functions that use
+them.
 """
 
 from __future__ import annotations
