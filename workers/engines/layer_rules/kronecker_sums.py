@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from classgrad.workers.engines.layer_rules import rule_io
-from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
+from classgrad.workers.engines.layer_rules.rule_io import LayerRows, Ragged, peak
 
 
 def _conv_projected_inputs(factors: Any, fb: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
 
 
 def _ragged_projected_sums(ragged: Any, out: LayerRows, unit: Any) -> None:
-    """``projected_outer_sums`` on unpadded tokens (``outer.Ragged``): both factors projected in
+    """``projected_outer_sums`` on unpadded tokens (``rule_io.Ragged``): both factors projected in
     one product over the run's tokens, then one small product per class into its row."""
     G, A = ragged.grads, ragged.inputs
     if unit.positions is None:  # as in projected_outer_sums
@@ -133,15 +133,10 @@ def projected_embedding_sums(module: nn.Embedding, seen: Any, out: LayerRows, un
     grid = seen.grid
     if grid.spots is not None and grads.device.type in rule_io.CPU_ROUTE_DEVICES:
         # Unpadded: one product per class on its own samples (they come class after class).
-        counts = grid.counts(grads.device).tolist()
-        start = 0
-        for i, n in enumerate(counts):
-            if n == 0:
-                sums[i].zero_()
-            else:
-                first, second = gp[start : start + n], ap[start : start + n]
-                torch.mm(first.reshape(-1, unit.k_out).t(), second.reshape(-1, unit.k_in), out=sums[i])
-            start += n
+        positions = idx.shape[1]
+        gp, ap = gp.reshape(-1, unit.k_out), ap.reshape(-1, unit.k_in)
+        tokens = [n * positions for n in grid.counts(grads.device).tolist()]
+        Ragged(gp, ap, tokens, positions).per_class_mm(gp, ap, sums)
     else:  # the padded grid: one batched product
         gk = seen.by_class(gp).reshape(out.k, -1, unit.k_out)
         ak = seen.by_class(ap).reshape(out.k, -1, unit.k_in)

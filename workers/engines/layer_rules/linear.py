@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from classgrad.workers.engines.layer_rules.outer import OuterFactors, Ragged, class_outer_sums
+from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
-from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, Ragged
 
 
 class LinearFactors(OuterFactors):

@@ -1,7 +1,7 @@
 """Per-class sums of outer products: the one place that forms weight gradients of Linear-like layers.
 
 Holds ``OuterFactors`` (how a layer describes its weight gradient as a sum of outer products over
-tokens), ``Ragged`` (the same tokens unpadded) and ``class_outer_sums`` (forms the per-class sums
+tokens; ``rule_io.Ragged``: the same tokens unpadded) and ``class_outer_sums`` (forms the per-class sums
 and bias sums and writes them).
 
 For a layer whose output at token t is ``W x_t (+ b)`` (Linear: a token per sample and position;
@@ -20,40 +20,11 @@ x_t)^T``, i.e. project both token factors first, then the same batched product
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
 from classgrad.workers.engines.layer_rules import rule_io
-from classgrad.workers.engines.layer_rules.rule_io import LayerRows, peak
-
-
-@dataclass(frozen=True)
-class Ragged:
-    """A run's tokens class after class, unpadded: ``grads`` ``[tokens, out]``, ``inputs``
-    ``[tokens, in]`` (each class's tokens a contiguous slice, each sample's ``per_sample`` tokens
-    in a row), ``tokens`` per class."""
-
-    grads: torch.Tensor
-    inputs: torch.Tensor
-    tokens: list[int]
-    per_sample: int
-
-    def starts(self) -> list[int]:
-        """Where each class's tokens begin, and the end."""
-        starts = [0]
-        for n in self.tokens:
-            starts.append(starts[-1] + n)
-        return starts
-
-    def per_class_mm(self, first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[i] = first_i^T @ second_i`` over class i's slice of tokens (zero for no tokens)."""
-        starts = self.starts()
-        for i, n in enumerate(self.tokens):
-            if n == 0:
-                out[i].zero_()
-            else:
-                torch.mm(first[starts[i] : starts[i + 1]].t(), second[starts[i] : starts[i + 1]], out=out[i])
+from classgrad.workers.engines.layer_rules.rule_io import LayerRows, Ragged, peak
 
 
 class OuterFactors(ABC):

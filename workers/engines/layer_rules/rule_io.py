@@ -5,7 +5,7 @@ Holds:
   grid by class, short classes padded with zero rows (or, ``copies``, with copies of their own
   last sample, for module VJPs that need real inputs there).
 - ``LayerCapture``: one layer's input and output gradient in one run, laid out by class on
-  request.
+  request; ``Ragged``: a layer's token factors of a run, unpadded, and the product per class.
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
 - ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``CPU_ROUTE_DEVICES``.
@@ -90,6 +90,34 @@ class ClassGrid:
             return t.reshape(self.k, self.width, *t.shape[1:])
         grid = t.new_zeros(self.k * self.width, *t.shape[1:])
         return grid.index_copy_(0, self.spots, t).view(self.k, self.width, *t.shape[1:])
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A run's tokens class after class, unpadded: ``grads`` ``[tokens, out]``, ``inputs``
+    ``[tokens, in]`` (each class's tokens a contiguous slice, each sample's ``per_sample`` tokens
+    in a row), ``tokens`` per class."""
+
+    grads: torch.Tensor
+    inputs: torch.Tensor
+    tokens: list[int]
+    per_sample: int
+
+    def starts(self) -> list[int]:
+        """Where each class's tokens begin, and the end."""
+        starts = [0]
+        for n in self.tokens:
+            starts.append(starts[-1] + n)
+        return starts
+
+    def per_class_mm(self, first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[i] = first_i^T @ second_i`` over class i's slice of tokens (zero for no tokens)."""
+        starts = self.starts()
+        for i, n in enumerate(self.tokens):
+            if n == 0:
+                out[i].zero_()
+            else:
+                torch.mm(first[starts[i] : starts[i + 1]].t(), second[starts[i] : starts[i + 1]], out=out[i])
 
 
 @dataclass(frozen=True)
