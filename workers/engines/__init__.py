@@ -7,7 +7,8 @@ Holds:
   the model treats samples independently, dense otherwise.
 - ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md, with an optional
   ``tqdm.auto`` progress bar (terminal or notebook) counting rows as blocks finish, and the
-  job's ``projection`` options (dense, or Kronecker inside the backward: ``KroneckerEngine``).
+  job's ``projection`` options (dense or a sketch of finished rows, or Kronecker inside the backward:
+  ``KroneckerEngine``).
 """
 
 from __future__ import annotations
@@ -235,14 +236,17 @@ def per_class_gradients(
         )
         from classgrad.workers.row_projection import row_projector
 
-        dense = row_projector(proj, eng.layout.slots, eng.layout.dim)  # of finished rows: dense or a sketch
-        width = dense.out_dim if dense else (eng.stored_dim if isinstance(eng, KroneckerEngine) else eng.layout.dim)
+        finished = row_projector(proj, eng.layout.slots, eng.layout.dim)  # of finished rows: dense or a sketch
+        if finished is not None:
+            width = finished.out_dim
+        else:
+            width = eng.stored_dim if isinstance(eng, KroneckerEngine) else eng.layout.dim
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:
             return torch.zeros(0, width)
         with _row_bar(len(wanted), progress) as advance:
             on_cpu = eng.row_dtype == torch.float32 and eng.device.type == "cpu"
-            if dense is None and on_cpu and type(eng) is PartitionedEngine:
+            if finished is None and on_cpu and type(eng) is PartitionedEngine:
                 # Rows written straight into the result: no second pass over C x D floats. (On a
                 # GPU blocks go to the host one at a time instead: C x D need not fit the device.)
                 out = torch.empty(len(wanted), width)
@@ -251,7 +255,7 @@ def per_class_gradients(
                 return out
             blocks = []
             for b in eng.iter_blocks(wanted):
-                blocks.append((dense.project(b.rows) if dense else b.rows).float().cpu())
+                blocks.append((finished.project(b.rows) if finished else b.rows).float().cpu())
                 advance(len(b))
         return torch.cat(blocks)
 
