@@ -1,0 +1,136 @@
+"""Rows of one training batch's classes: the two routes of ``PerClassGradScaler.step_batch``.
+
+Holds:
+- ``ambient_precision``: the precision of the autocast the caller runs under (fp32, fp16, bf16).
+- ``fast_rows``: the rows of the classes present in a batch through the partitioned engine's
+  hook path (``classgrad.workers.engines.partitioned``), about one forward+backward over the
+  batch, for a model that treats samples independently in its current mode; an overflow or a
+  non-finite loss is reported, not raised, so that the caller can skip the step as
+  ``GradScaler`` would.
+- ``batch_loss_vector``: the general route's per-class loss vector of a batch: one forward of
+  the batch as given (the caller's RNG draws the dropout masks; train-mode BatchNorm uses, and
+  updates, the batch's statistics, once, as the user's own step would), then the mean
+  cross-entropy of each class present, whose rows ``LossRows`` computes.
+
+Loss: mean cross-entropy over each class's samples in the batch, as the engines' ``cross_entropy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from classgrad.service.errors import InputError, RowOverflowError
+from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.losses import create_loss
+from classgrad.workers.model_io import ModelIO
+from classgrad.workers.probe import ProbeSet, tree_map_tensors
+
+AUTOCAST_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def ambient_precision(device: torch.device) -> str:
+    """fp16 or bf16 when the caller runs under ``torch.autocast`` for ``device``, else fp32."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return "fp32"
+    return AUTOCAST_NAMES.get(torch.get_autocast_dtype(kind), "fp32")
+
+
+def check_labels(labels: Any, num_classes: int, size: int | None) -> torch.Tensor:
+    """Integer class labels ``[N]`` in ``[0, num_classes)``; one line otherwise."""
+    if not isinstance(labels, torch.Tensor) or labels.ndim != 1 or labels.is_floating_point() or len(labels) == 0:
+        shown = list(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise InputError(f"labels must be integer class labels [N] (N > 0), got {shown}")
+    if size is not None and size != len(labels):
+        raise InputError(f"inputs hold {size} samples but labels {len(labels)}")
+    labels = labels.long()
+    bad = (labels < 0) | (labels >= num_classes)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise InputError(
+            f"labels outside [0, {num_classes}): sample {i} has label {int(labels[i])} ({int(bad.sum())} such samples)"
+        )
+    return labels
+
+
+def batch_size_of(inputs: Any) -> int | None:
+    """The leading size of the first tensor in ``inputs`` (a tensor or a nest of them)."""
+    found: list[int] = []
+    tree_map_tensors(lambda t: found.append(len(t)) if t.ndim else None, inputs)
+    return found[0] if found else None
+
+
+def fast_rows(
+    model: nn.Module,
+    inputs: Any,
+    labels: torch.Tensor,
+    *,
+    num_classes: int,
+    layout: ParamLayout,
+    precision: str,
+    scale: float,
+    output: str | int | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(rows, class_ids, found_inf)`` of the classes present in the batch, by the partitioned
+    engine; fp16 rows at loss scale ``scale`` (never a smaller one: an overflow is ``found_inf``)."""
+    device = next(model.parameters()).device
+    class_ids = torch.unique(labels.cpu())
+    # One run over the whole batch: the probe's batch size is the batch, and the group holds
+    # every class present.
+    probe = ProbeSet((inputs, labels), batch_size=len(labels), digest_now=False)
+    policy = PrecisionPolicy(precision, init_scale=scale, min_scale=scale) if precision == "fp16" else None
+    engine = PartitionedEngine(
+        model,
+        probe,
+        create_loss("cross_entropy", num_classes),
+        layout,
+        precision=policy or PrecisionPolicy(precision),
+        device=device,
+        group_rows=max(1, len(class_ids)),
+        output=output,
+    )
+    rows = out if out is not None else torch.empty(len(class_ids), layout.dim, device=device)
+    with torch.autocast(device.type, enabled=False):  # the engine's own autocast, forward only
+        try:
+            for _ in engine.iter_blocks(class_ids.tolist(), out=rows):
+                pass
+        except RowOverflowError:
+            rows.fill_(float("inf"))
+            return rows, class_ids, True
+        except InputError as exc:  # a non-finite loss or row (fp32, bf16): GradScaler would skip
+            if not str(exc).startswith("non-finite"):
+                raise
+            rows.fill_(float("nan"))
+            return rows, class_ids, True
+    return rows, class_ids, False
+
+
+def batch_loss_vector(
+    model: nn.Module, inputs: Any, labels: torch.Tensor, *, num_classes: int, output: str | int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, class_ids)``: the mean cross-entropy of each class present, with the graph of one
+    forward of the batch as given, under the caller's autocast and RNG."""
+    device = next(model.parameters()).device
+    x = tree_map_tensors(lambda t: t.to(device), inputs)
+    logits = ModelIO(model, output, device)(x)
+    if logits.ndim != 2 or logits.shape[1] != num_classes:
+        raise InputError(f"model output has shape {list(logits.shape)}, expected [N, num_classes={num_classes}]")
+    y = labels.to(device)
+    class_ids, local = torch.unique(y, return_inverse=True)
+    per_sample = F.cross_entropy(logits.float(), y, reduction="none")
+    counts = torch.bincount(local, minlength=len(class_ids)).to(per_sample.dtype)
+    loss = torch.zeros(len(class_ids), dtype=per_sample.dtype, device=device).index_add(0, local, per_sample)
+    return loss / counts, class_ids.cpu()
+
+
+def parameters_of(model: nn.Module, include: Sequence[str] | None) -> tuple[ParamLayout, list[nn.Parameter]]:
+    layout = ParamLayout.from_model(model, include=list(include or ()))
+    return layout, layout.parameters(model)

@@ -1,0 +1,404 @@
+"""``PerClassGradScaler``: the loss-scaler step of a training loop, with every class's gradient row.
+
+Holds ``PerClassGradScaler``, a drop-in for the ``GradScaler`` step of a training loop (the
+pattern of timm's ``NativeScaler``) whose loss is a vector of per-class losses:
+
+- ``rows = scaler(loss, optimizer, model=model)``: the rows ``d loss[c] / d params`` of any loss
+  vector with its graph (``classgrad.workers.training.loss_rows``: VJPs in blocks);
+- ``rows, class_ids = scaler.step_batch(model, inputs, labels, optimizer)``: the rows of the
+  classes present in a batch for the mean cross-entropy per class, by the partitioned engine's
+  hook path when the model treats samples independently in its current mode, else by one
+  forward of the batch and the VJP blocks (``classgrad.workers.training.batch_rows``);
+
+then, with ``update_grad=True``, the rows aggregated into ``.grad`` and the ``GradScaler``
+contract kept: the aggregate goes in at the scaler's scale and ``GradScaler.unscale_`` /
+``step`` / ``update`` do the rest, so a non-finite value in any row skips the step and lowers the
+scale exactly as ``GradScaler.step`` would (with a disabled scaler the step is skipped the same
+way and there is no scale to lower); ``clip_grad`` clips the total norm after unscaling.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from classgrad.service.errors import InputError
+from classgrad.service.store.params import ParamSlot
+from classgrad.workers.engines.base import samples_independent
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.training.batch_rows import (
+    ambient_precision,
+    batch_loss_vector,
+    batch_size_of,
+    check_labels,
+    fast_rows,
+    parameters_of,
+)
+from classgrad.workers.training.loss_rows import LossRows, check_loss_vector
+
+log = logging.getLogger(__name__)
+
+Aggregate = str | torch.Tensor | Sequence[float] | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+CREATE_GRAPH_REFUSAL = (
+    "create_graph=True is not supported: rows are written block by block into one float32 buffer and the "
+    "graph is freed after the last block, so they cannot be differentiated again (take "
+    "torch.autograd.grad(loss[c], params, create_graph=True) per class for that)"
+)
+
+
+class PerClassGradScaler:
+    """A ``torch.amp.GradScaler`` step that also gives every class's gradient row.
+
+    ``scaler``: the ``GradScaler`` to wrap; by default one is made at the first call for the
+    model's device, enabled only for fp16 (``precision="fp16"``, or a ``step_batch`` under an
+    fp16 autocast), disabled for fp32 and bf16. ``scaler_kwargs`` (``init_scale``,
+    ``growth_interval``, ...) go to that ``GradScaler``. ``block_rows``: rows per batched backward
+    of the general route (default: up to 32, fewer for wide rows).
+    """
+
+    def __init__(
+        self,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        precision: str | None = None,
+        num_classes: int | None = None,
+        block_rows: int | None = None,
+        **scaler_kwargs: Any,
+    ):
+        if precision not in (None, "fp32", "fp16", "bf16"):
+            raise InputError(f"precision must be fp32, fp16 or bf16, got {precision!r}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise InputError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if scaler is not None and scaler_kwargs:
+            raise InputError(f"scaler given: its options {sorted(scaler_kwargs)} belong to that GradScaler")
+        self._scaler = scaler
+        self.precision = precision
+        self.num_classes = num_classes
+        self.scaler_kwargs = scaler_kwargs
+        self._pending_state: dict[str, Any] | None = None
+        self._rows = LossRows(block_rows)
+        self.found_inf = False  # whether the last call found a non-finite row (its step was skipped)
+
+    # --- the wrapped GradScaler -----------------------------------------------------------------
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The wrapped ``GradScaler`` (None before the first call when none was given)."""
+        return self._scaler
+
+    def _scaler_for(self, device: torch.device, precision: str) -> torch.amp.GradScaler:
+        if self._scaler is None:
+            enabled = (self.precision or precision) == "fp16"
+            self._scaler = torch.amp.GradScaler(device.type, enabled=enabled, **self.scaler_kwargs)
+            if self._pending_state is not None:
+                self._scaler.load_state_dict(self._pending_state)
+                self._pending_state = None
+        return self._scaler
+
+    def get_scale(self) -> float:
+        """The loss scale rows are computed at (1.0 when disabled or not yet made)."""
+        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped scaler's state (``GradScaler.state_dict``), to checkpoint with the run."""
+        if self._scaler is None:
+            return dict(self._pending_state or {})
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the scale and growth tracker of a checkpoint (applied at the first call when the
+        scaler is made then)."""
+        if not isinstance(state, dict):
+            raise InputError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        if self._scaler is None:
+            self._pending_state = dict(state)
+        else:
+            self._scaler.load_state_dict(state)
+
+    # --- the general route ------------------------------------------------------------------------
+
+    def __call__(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        clip_grad: float | None = None,
+        update_grad: bool = True,
+        aggregate: Aggregate = "mean",
+        params: Sequence[str] | None = None,
+        create_graph: bool = False,
+        out: torch.Tensor | None = None,
+        class_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows ``[C, D]`` (float32, unscaled, or ``out``) of the per-class loss vector ``loss``;
+        with ``update_grad`` also the optimizer step on their aggregate.
+
+        Columns: ``params`` (name patterns of ``model``'s parameters) or every trainable
+        parameter of ``model`` in ``named_parameters()`` order, or, without ``model``, the
+        optimizer's parameters in its groups' order. ``aggregate``: ``"mean"`` over the loss's
+        entries, ``"sum"``, weights ``[C]``, or ``fn(rows, class_ids) -> [D]``. ``class_ids``:
+        what ``fn`` and weights see as each row's class (default ``0..C-1``).
+        """
+        if create_graph:
+            raise InputError(CREATE_GRAPH_REFUSAL)
+        loss = check_loss_vector(loss)
+        layout, tensors = _columns(model, params, optimizer)
+        _check_optimizer(optimizer, tensors, layout, update_grad)
+        device = tensors[0].device
+        scaler = self._scaler_for(device, "fp32")
+        n = loss.numel()
+        rows = _rows_buffer(out, n, layout.dim, device)
+        scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+        try:
+            self._rows.rows(loss, tensors, layout, rows, scale)
+        except RuntimeError as exc:
+            if "backward through the graph a second time" in str(exc):
+                raise InputError("loss: its graph was already freed (a backward ran on it before this call)") from None
+            raise
+        ids = torch.arange(n) if class_ids is None else class_ids
+        found = not bool(torch.isfinite(rows).all())
+        self._finish(rows, ids, optimizer, tensors, aggregate, clip_grad, update_grad, found, scaler)
+        return rows
+
+    # --- the batch route --------------------------------------------------------------------------
+
+    def step_batch(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        labels: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        *,
+        num_classes: int | None = None,
+        clip_grad: float | None = None,
+        update_grad: bool = True,
+        aggregate: Aggregate = "mean",
+        params: Sequence[str] | None = None,
+        route: str = "auto",
+        output: str | int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rows, class_ids)``: rows of the mean cross-entropy of each class present in the batch
+        (``class_ids``, ascending, int64), then, with ``update_grad``, the step on their aggregate
+        (``"mean"`` over the classes present, ``"sum"``, weights ``[num_classes]`` indexed by class,
+        or ``fn(rows, class_ids)``).
+
+        Runs in the model's current mode and under the caller's autocast. ``route``: ``"fast"``
+        (the partitioned engine's hook path: about one forward+backward; needs a model that treats
+        samples independently in its current mode), ``"general"`` (one forward of the batch as
+        given, then VJPs in blocks: dropout masks from the caller's RNG, train-mode BatchNorm with
+        the batch's statistics, running statistics updated once) or ``"auto"`` (fast when it
+        applies). ``inputs``: a tensor, or a dict of tensors passed as keyword arguments (a
+        tokenizer's output); ``output`` picks the logits of a ``ModelOutput``/dict/tuple.
+        """
+        if route not in ("auto", "fast", "general"):
+            raise InputError(f"route {route!r} is unknown (choices: auto, fast, general)")
+        if not isinstance(model, nn.Module):
+            raise InputError(f"model must be an nn.Module, got {type(model).__name__}")
+        classes = _num_classes(num_classes or self.num_classes, model)
+        labels = check_labels(labels, classes, batch_size_of(inputs))
+        layout, tensors = parameters_of(model, params)
+        _check_optimizer(optimizer, tensors, layout, update_grad)
+        device = tensors[0].device
+        precision = ambient_precision(device)
+        scaler = self._scaler_for(device, precision)
+        scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+        independent = samples_independent(model)
+        if route == "fast" and not independent:
+            raise InputError(
+                "route='fast' needs a model that treats samples independently in its current mode "
+                "(dropout or BatchNorm in train mode couple them): use route='general' or 'auto'"
+            )
+        if route == "general" or not independent:
+            loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=classes, output=output)
+            weights = _class_weights(aggregate, class_ids)
+            rows = self(
+                loss,
+                optimizer,
+                model=model,
+                clip_grad=clip_grad,
+                update_grad=update_grad,
+                aggregate=weights,
+                params=params,
+                out=out,
+                class_ids=class_ids,
+            )
+            return rows, class_ids
+        k = int(torch.unique(labels).numel())
+        buf = None if out is None else _rows_buffer(out, k, layout.dim, device)
+        rows, class_ids, found = fast_rows(
+            model,
+            inputs,
+            labels,
+            num_classes=classes,
+            layout=layout,
+            precision=precision,
+            scale=scale,
+            output=output,
+            out=buf,
+        )
+        found = found or not bool(torch.isfinite(rows).all())
+        weights = _class_weights(aggregate, class_ids)
+        self._finish(rows, class_ids, optimizer, tensors, weights, clip_grad, update_grad, found, scaler)
+        return rows, class_ids
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def _finish(
+        self,
+        rows: torch.Tensor,
+        class_ids: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor],
+        aggregate: Aggregate,
+        clip_grad: float | None,
+        update_grad: bool,
+        found: bool,
+        scaler: torch.amp.GradScaler,
+    ) -> None:
+        self.found_inf = found
+        if not update_grad:
+            return
+        # A sum of rows is non-finite wherever a row is: the scaler finds what is in the rows
+        # even when a weighting or a surgery function would have hidden it.
+        agg = rows.sum(0) if found else _aggregate(rows, class_ids, aggregate)
+        layout = ParamLayout(_slots(params))
+        enabled = scaler.is_enabled()
+        scale = float(scaler.get_scale()) if enabled else 1.0
+        for p, g in zip(params, layout.unflatten(agg).values()):
+            # At the scaler's scale, as a scaled backward leaves it: GradScaler unscales it below.
+            g = (g * scale if enabled else g.clone()).to(p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        if not enabled:
+            if found:
+                log.warning("training: a non-finite gradient row: optimizer step skipped")
+                return
+            if clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip_grad)
+            optimizer.step()
+            return
+        if clip_grad is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, clip_grad)
+        scaler.step(optimizer)
+        scaler.update()
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def _slots(params: Sequence[torch.Tensor]) -> list[ParamSlot]:
+    slots, offset = [], 0
+    for i, p in enumerate(params):
+        slots.append(ParamSlot(f"param{i}", tuple(p.shape), offset, p.numel()))
+        offset += p.numel()
+    return slots
+
+
+def _columns(
+    model: nn.Module | None, params: Sequence[str] | None, optimizer: torch.optim.Optimizer
+) -> tuple[ParamLayout, list[torch.Tensor]]:
+    """The rows' parameters and their layout: of ``model`` (all trainable, or ``params``
+    patterns), or, without a model, the optimizer's trainable parameters."""
+    if model is not None:
+        if not isinstance(model, nn.Module):
+            raise InputError(f"model must be an nn.Module, got {type(model).__name__}")
+        return parameters_of(model, params)
+    if params:
+        raise InputError("params (name patterns) need model=")
+    tensors = _unique(p for g in _groups(optimizer) for p in g["params"] if p.requires_grad)
+    if not tensors:
+        raise InputError("optimizer holds no parameter that requires grad: no rows to compute")
+    return ParamLayout(_slots(tensors)), tensors
+
+
+def _groups(optimizer: Any) -> list[dict]:
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(optimizer, torch.optim.Optimizer) or groups is None:
+        raise InputError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return groups
+
+
+def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor], layout: ParamLayout, update_grad: bool
+) -> None:
+    held = {id(p) for g in _groups(optimizer) for p in g["params"]}
+    if not update_grad:
+        return
+    missing = [s.name for s, p in zip(layout.slots, tensors) if id(p) not in held]
+    if missing:
+        raise InputError(
+            f"optimizer: does not hold {len(missing)} of the rows' {len(tensors)} parameters "
+            f"(e.g. {missing[0]!r}): build it over the same parameters, or pass update_grad=False"
+        )
+
+
+def _num_classes(given: int | None, model: nn.Module) -> int:
+    if given is None:
+        given = getattr(getattr(model, "config", None), "num_labels", None)
+    if not isinstance(given, int) or isinstance(given, bool) or given <= 0:
+        raise InputError(
+            f"num_classes must be a positive int (give num_classes= to step_batch or the scaler), got {given!r}"
+        )
+    return given
+
+
+def _rows_buffer(out: torch.Tensor | None, n: int, dim: int, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(n, dim, device=device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, dim) or out.dtype != torch.float32:
+        shown = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InputError(f"out must be a float32 tensor [{n}, {dim}], got {shown}")
+    if out.device != device:
+        raise InputError(f"out is on {out.device}, the rows' parameters on {device}")
+    return out
+
+
+def _class_weights(aggregate: Aggregate, class_ids: torch.Tensor) -> Aggregate:
+    """For the batch route: weights given per class (``[num_classes]``) picked for the classes present."""
+    if isinstance(aggregate, str) or callable(aggregate):
+        return aggregate
+    weights = torch.as_tensor(aggregate)
+    if weights.ndim != 1 or int(class_ids.max()) >= len(weights):
+        raise InputError(f"aggregate weights must be [num_classes], got shape {list(weights.shape)}")
+    return weights[class_ids.to(weights.device)]
+
+
+def _aggregate(rows: torch.Tensor, class_ids: torch.Tensor, aggregate: Aggregate) -> torch.Tensor:
+    """The ``[D]`` gradient the optimizer steps on."""
+    if isinstance(aggregate, str):
+        if aggregate == "mean":
+            return rows.mean(0)
+        if aggregate == "sum":
+            return rows.sum(0)
+        raise InputError(
+            f"aggregate {aggregate!r} is unknown (choices: mean, sum, weights [C], or fn(rows, class_ids))"
+        )
+    if callable(aggregate) and not isinstance(aggregate, torch.Tensor):
+        agg = aggregate(rows, class_ids)
+        if not isinstance(agg, torch.Tensor) or tuple(agg.shape) != (rows.shape[1],):
+            shown = list(agg.shape) if isinstance(agg, torch.Tensor) else type(agg).__name__
+            raise InputError(f"aggregate function must return a [D={rows.shape[1]}] tensor, got {shown}")
+        return agg.to(rows.dtype)
+    weights = torch.as_tensor(aggregate, dtype=rows.dtype, device=rows.device)
+    if tuple(weights.shape) != (rows.shape[0],):
+        raise InputError(f"aggregate weights must be [{rows.shape[0]}] (one per row), got {list(weights.shape)}")
+    return weights @ rows
