@@ -7,6 +7,7 @@ Holds the public Python API, the names DESIGN.md promises:
 - ``open_dataset(url)``: a store as a lazy xarray Dataset of float32 true values, with coordinates.
 - ``JobConfig`` and ``load_config(path, overrides)``: a job's typed config.
 - ``run_job(config)``: run a job on Ray from Python, as ``classgrad run`` does.
+- ``PerClassGradScaler``: the ``GradScaler`` step of a training loop, with every class's row.
 - ``__version__``.
 
 The package is small on purpose: the driver side is ``classgrad.service``, the compute side
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from classgrad.service.runtime.driver import run_job
     from classgrad.service.store import open_dataset, open_store
     from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.training import PerClassGradScaler
 
 # public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
 _EXPORTS = {
@@ -35,9 +37,19 @@ _EXPORTS = {
     "JobConfig": "classgrad.service.config",
     "load_config": "classgrad.service.config",
     "run_job": "classgrad.service.runtime.driver",
+    "PerClassGradScaler": "classgrad.workers.training",
 }
 
-__all__ = ["JobConfig", "__version__", "load_config", "open_dataset", "open_store", "per_class_gradients", "run_job"]
+__all__ = [
+    "JobConfig",
+    "PerClassGradScaler",
+    "__version__",
+    "load_config",
+    "open_dataset",
+    "open_store",
+    "per_class_gradients",
+    "run_job",
+]
 
 
 def __getattr__(name: str) -> Any:
