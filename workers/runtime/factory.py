@@ -4,7 +4,9 @@ Holds ``build_model`` (factory by import path, checkpoint loaded without pickle,
 ``build_probe`` (each factory runs from a fresh random seed, so that one that is not seeded
 builds differently in every process, which the run's identity check refuses), and
 ``build_job_engine``, which the Ray actor, the driver's preflight check, ``classgrad estimate``
-and the benchmarks all use, so they can never disagree on what a config means.
+and the benchmarks all use, so they can never disagree on what a config means; it builds on
+``engine_from_parts`` (a config's engine over a given model, probe set and loss), which the
+query side of ``classgrad score`` uses too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from classgrad.workers.devices import check_device
 from classgrad.workers.engines import GradientEngine, create_engine, kronecker_options
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.losses import create_loss
+from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.probe import ProbeSet
 
 if TYPE_CHECKING:
@@ -145,10 +147,27 @@ def build_job_engine(config: JobConfig, device: str | None = None, record: dict 
         pad_values=data.pad_values,
     )
     loss = create_loss(config.loss.kind, config.loss.num_classes)
+    return engine_from_parts(config, model, probe, loss, device=device, record=record)
+
+
+def engine_from_parts(
+    config: JobConfig,
+    model: nn.Module,
+    probe: ProbeSet,
+    loss: LossKind,
+    *,
+    device: str,
+    record: dict | None = None,
+    kind: str | None = None,
+) -> GradientEngine:
+    """The engine a job's config defines (its parameters, precision, projection, engine options)
+    over a given model, probe set and loss: ``build_job_engine``'s, and the query side's
+    (``classgrad score``: the store's row definition over query examples). ``kind`` replaces
+    ``engine.kind``."""
     layout = ParamLayout.from_model(model, include=config.params.include, exclude=config.params.exclude)
     policy = PrecisionPolicy(config.precision.dtype, config.precision.init_scale, config.precision.min_scale)
     return create_engine(
-        config.engine.kind,
+        kind or config.engine.kind,
         model,
         probe,
         loss,
