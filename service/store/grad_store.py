@@ -10,8 +10,8 @@ the row writer (``write_rows``, ``mark_shard_done``, ``durable``), completeness 
 format 3 (``consolidate``, rewritten after each of those), the chunk
 scan (``scan_chunks``, ``verify_chunks``) and the similarity reader (``similarity``...). The
 work is done by the objects it holds: ``StoreArrays`` (arrays, reads with a diagnosis),
-``RowWriter``, ``RowReader``, and, public, ``lease`` (``StoreLease``) and
-``similarity_arrays`` (``SimilarityArrays``).
+``RowWriter``, ``RowReader``, and, public, ``lease`` (``StoreLease``),
+``similarity_arrays`` (``SimilarityArrays``) and ``preconditioner`` (``Preconditioners``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from classgrad.service.store.indexing import col_range, row_ids
 from classgrad.service.store.lease import StoreLease
 from classgrad.service.store.location import Location
 from classgrad.service.store.params import ParamSlot
+from classgrad.service.store.preconditioner import Preconditioners, rows_digest
 from classgrad.service.store.reader import RowReader
 from classgrad.service.store.records import ShardRecord, list_sizes, record_key, record_problems
 from classgrad.service.store.retry import io_error, retry_transient
@@ -89,6 +90,12 @@ class GradStore:
         self._writer = RowWriter(self._arrays, self._spec, self._class_ids, records=self.format_version >= 2)
         self.lease = StoreLease(loc, writable=mode != "r")
         self.similarity_arrays = SimilarityArrays(self._arrays, self._spec)
+        # ``classgrad score --method trak``'s saved Gram matrix, tied to the rows by their digest.
+        self.preconditioner = Preconditioners(
+            self._arrays,
+            self._spec,
+            lambda: rows_digest(self._loc, self._spec, self.shard_done, self._meta.get("metadata_digest")),
+        )
 
     def __repr__(self) -> str:
         return f"GradStore({self.url!r}, {self.num_classes} x {self.dim} {self.dtype}, mode={self._mode!r})"
