@@ -82,7 +82,8 @@ class PerClassGradScaler:
         self.scaler_kwargs = scaler_kwargs
         self._pending_state: dict[str, Any] | None = None
         self._rows = LossRows(block_rows)
-        self.found_inf = False  # whether the last call found a non-finite row (its step was skipped)
+        # Whether the last call with update_grad found a non-finite row (and so skipped its step).
+        self.found_inf = False
 
     # --- the wrapped GradScaler -----------------------------------------------------------------
 
@@ -98,6 +99,10 @@ class PerClassGradScaler:
             if self._pending_state is not None:
                 self._scaler.load_state_dict(self._pending_state)
                 self._pending_state = None
+        if self._scaler.is_enabled():
+            # GradScaler makes its scale tensor at its first scale(): made here the same way, so
+            # that unscale_/step/update find it (a multiply of one number).
+            self._scaler.scale(torch.ones((), device=device))
         return self._scaler
 
     def get_scale(self) -> float:
@@ -146,6 +151,7 @@ class PerClassGradScaler:
         """
         if create_graph:
             raise InputError(CREATE_GRAPH_REFUSAL)
+        _check_aggregate(aggregate)
         loss = check_loss_vector(loss)
         layout, tensors = _columns(model, params, optimizer)
         _check_optimizer(optimizer, tensors, layout, update_grad)
@@ -161,8 +167,7 @@ class PerClassGradScaler:
                 raise InputError("loss: its graph was already freed (a backward ran on it before this call)") from None
             raise
         ids = torch.arange(n) if class_ids is None else class_ids
-        found = not bool(torch.isfinite(rows).all())
-        self._finish(rows, ids, optimizer, tensors, aggregate, clip_grad, update_grad, found, scaler)
+        self._finish(rows, ids, optimizer, tensors, aggregate, clip_grad, update_grad, False, scaler)
         return rows
 
     # --- the batch route --------------------------------------------------------------------------
@@ -200,7 +205,8 @@ class PerClassGradScaler:
             raise InputError(f"route {route!r} is unknown (choices: auto, fast, general)")
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be an nn.Module, got {type(model).__name__}")
-        classes = _num_classes(num_classes or self.num_classes, model)
+        _check_aggregate(aggregate)
+        classes = _num_classes(self.num_classes if num_classes is None else num_classes, model)
         labels = check_labels(labels, classes, batch_size_of(inputs))
         layout, tensors = parameters_of(model, params)
         _check_optimizer(optimizer, tensors, layout, update_grad)
@@ -242,7 +248,6 @@ class PerClassGradScaler:
             output=output,
             out=buf,
         )
-        found = found or not bool(torch.isfinite(rows).all())
         weights = _class_weights(aggregate, class_ids)
         self._finish(rows, class_ids, optimizer, tensors, weights, clip_grad, update_grad, found, scaler)
         return rows, class_ids
@@ -264,9 +269,19 @@ class PerClassGradScaler:
         self.found_inf = found
         if not update_grad:
             return
-        # A sum of rows is non-finite wherever a row is: the scaler finds what is in the rows
-        # even when a weighting or a surgery function would have hidden it.
-        agg = rows.sum(0) if found else _aggregate(rows, class_ids, aggregate)
+        # One read of the rows: their sum is non-finite wherever a row is (inf + x = inf,
+        # inf - inf = NaN), so it is both the check and, for "mean" and "sum", the aggregate; and
+        # with it in .grad the scaler finds what is in the rows even when a weighting or a surgery
+        # function would have hidden it.
+        total = rows.sum(0)
+        found = self.found_inf = found or not bool(torch.isfinite(total).all())
+        named = aggregate if isinstance(aggregate, str) else None
+        if found or named == "sum":
+            agg = total
+        elif named == "mean":
+            agg = total.div_(rows.shape[0])
+        else:
+            agg = _aggregate(rows, class_ids, aggregate)
         layout = ParamLayout(_slots(params))
         enabled = scaler.is_enabled()
         scale = float(scaler.get_scale()) if enabled else 1.0
@@ -380,6 +395,13 @@ def _class_weights(aggregate: Aggregate, class_ids: torch.Tensor) -> Aggregate:
     if weights.ndim != 1 or int(class_ids.max()) >= len(weights):
         raise InputError(f"aggregate weights must be [num_classes], got shape {list(weights.shape)}")
     return weights[class_ids.to(weights.device)]
+
+
+def _check_aggregate(aggregate: Aggregate) -> None:
+    if isinstance(aggregate, str) and aggregate not in ("mean", "sum"):
+        raise InputError(
+            f"aggregate {aggregate!r} is unknown (choices: mean, sum, weights [C], or fn(rows, class_ids))"
+        )
 
 
 def _aggregate(rows: torch.Tensor, class_ids: torch.Tensor, aggregate: Aggregate) -> torch.Tensor:

@@ -1,0 +1,349 @@
+"""PerClassGradScaler (workers/training): rows against a float64 per-class loop and the seed's
+retain_graph loop, the GradScaler contract (skipped steps, scale, state_dict), both routes of
+step_batch in eval and train mode, and one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from classgrad import PerClassGradScaler
+from classgrad.service.errors import InputError
+
+REPO = Path(__file__).resolve().parents[2]
+C = 6
+
+
+def mlp(seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Dropout(dropout), nn.Linear(12, C))
+
+
+def cnn(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, C),
+    )
+
+
+def batch(seed: int = 1, n: int = 20, image: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, 4, 4, generator=g) if image else torch.randn(n, 5, generator=g)
+    y = torch.randint(0, C, (n,), generator=g)
+    return x, y
+
+
+def class_losses(logits: torch.Tensor, y: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each class in ``classes`` (the loss vector of the tests)."""
+    per = F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, y, reduction="none")
+    return torch.stack([per[y == c].mean() for c in classes.tolist()])
+
+
+def loop_rows(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """The seed's loop: one backward(retain_graph=True) per class, .grad copied and zeroed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for c in range(len(loss)):
+        for p in params:
+            p.grad = None
+        loss[c].backward(retain_graph=True)
+        rows.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]))
+    for p in params:
+        p.grad = None
+    return torch.stack(rows)
+
+
+def reference64(model: nn.Module, x: torch.Tensor, y: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+    """Rows in float64 from a copy of the model (its current mode), a fresh forward per class."""
+    m = copy.deepcopy(model).double()
+    params = [p for p in m.parameters() if p.requires_grad]
+    rows = []
+    for c in classes.tolist():
+        loss = class_losses(m(x.double()), y, torch.tensor([c]))[0]
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max()) <= rel * float(b.abs().max())
+
+
+# --- rows -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_rows", [None, 4, 1])
+def test_call_rows_equal_the_float64_reference(block_rows):
+    model = mlp()
+    x, y = batch()
+    classes = torch.arange(C)
+    scaler = PerClassGradScaler(block_rows=block_rows)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = scaler(class_losses(model(x), y, classes), opt, model=model, update_grad=False)
+    assert rows.shape == (C, sum(p.numel() for p in model.parameters())) and rows.dtype == torch.float32
+    # fp32 rows against float64: a few roundings of float32 sums, far below 1e-5 of the largest entry.
+    assert close(rows, reference64(model, x, y, classes), 1e-5)
+    assert all(p.grad is None for p in model.parameters())  # update_grad=False only returns rows
+
+
+def test_call_without_batching_rule_falls_back_to_one_backward_per_row():
+    model = mlp()
+    x, y = batch()
+    scaler = PerClassGradScaler(block_rows=4)
+    scaler._rows.batched = False  # as after a graph refused is_grads_batched
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = torch.empty(C, sum(p.numel() for p in model.parameters()))
+    rows = scaler(class_losses(model(x), y, torch.arange(C)), opt, model=model, update_grad=False, out=out)
+    assert rows is out
+    assert close(rows, reference64(model, x, y, torch.arange(C)), 1e-5)  # fp32 vs float64, as above
+
+
+def test_the_graph_is_freed_after_the_last_block():
+    model = mlp()
+    x, y = batch()
+    scaler = PerClassGradScaler(block_rows=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler(class_losses(model(x), y, torch.arange(C)), opt, model=model, update_grad=False)  # batched known to work
+    loss = class_losses(model(x), y, torch.arange(C))
+    scaler(loss, opt, model=model, update_grad=False)
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.sum().backward()
+
+
+@pytest.mark.parametrize("image", [False, True])
+def test_step_batch_fast_route_rows_equal_the_reference(image):
+    model = cnn() if image else mlp()
+    model.eval()
+    x, y = batch(image=image)
+    scaler = PerClassGradScaler(num_classes=C)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows, ids = scaler.step_batch(model, x, y, opt, update_grad=False)
+    assert ids.dtype == torch.int64 and ids.tolist() == sorted(set(y.tolist()))
+    assert close(rows, reference64(model, x, y, ids), 1e-5)  # fp32 vs float64, as above
+    general, ids2 = scaler.step_batch(model, x, y, opt, update_grad=False, route="general")
+    assert torch.equal(ids, ids2) and close(general, rows, 1e-5)  # two fp32 routes, same rows
+
+
+def test_step_batch_bf16_rows_within_the_engines_bf16_tolerance():
+    model = mlp()
+    x, y = batch()
+    scaler = PerClassGradScaler(num_classes=C)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows, ids = scaler.step_batch(model, x, y, opt, update_grad=False)
+    # bf16 keeps 8 bits of mantissa: the engine tests allow 5e-2 of the largest entry.
+    assert close(rows, reference64(model, x, y, ids), 5e-2)
+    assert not scaler.scaler.is_enabled()  # bf16: no loss scaling
+
+
+def test_train_mode_dropout_and_batchnorm_rows_follow_the_batch_as_given():
+    for model in (mlp(dropout=0.5).train(), cnn().train()):
+        x, y = batch(image=isinstance(model[0], nn.Conv2d))
+        scaler = PerClassGradScaler(num_classes=C)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        twin = copy.deepcopy(model)
+        torch.manual_seed(7)
+        rows, ids = scaler.step_batch(model, x, y, opt, update_grad=False)
+        torch.manual_seed(7)  # the same dropout masks, the same batch statistics
+        want = loop_rows(twin, class_losses(twin(x), y, ids))
+        assert close(rows, want, 1e-5)  # two fp32 computations of the same gradients
+        for a, b in zip(model.buffers(), twin.buffers()):  # BatchNorm statistics moved once, as in a step
+            assert torch.equal(a, b)
+
+
+# --- the training loop ----------------------------------------------------------------------------
+
+
+def seed_step(model, opt, x, y):
+    """The seed's step: rows by the retain_graph loop, their mean into .grad, then the step."""
+    opt.zero_grad()
+    loss = class_losses(model(x), y, torch.unique(y))
+    rows = loop_rows(model, loss)
+    mean, offset = rows.mean(0), 0
+    for p in model.parameters():
+        p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
+        offset += p.numel()
+    opt.step()
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("how", ["call", "batch"])
+def test_twenty_steps_give_the_seed_loops_parameters(optim, how):
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    }[optim]
+    ours, seed = mlp(), mlp()
+    opt_ours, opt_seed = make(ours.parameters()), make(seed.parameters())
+    scaler = PerClassGradScaler(num_classes=C)
+    for step in range(20):
+        x, y = batch(seed=step)
+        seed_step(seed, opt_seed, x, y)
+        opt_ours.zero_grad()
+        if how == "call":
+            scaler(class_losses(ours(x), y, torch.unique(y)), opt_ours, model=ours)
+        else:
+            scaler.step_batch(ours, x, y, opt_ours)
+    for a, b in zip(ours.parameters(), seed.parameters()):
+        # fp32 rows summed in another order over 20 steps (Adam divides by sqrt(v): roundings grow
+        # a little): well within 1e-5 of the parameters' size.
+        assert close(a, b, 1e-5)
+
+
+def test_aggregate_sum_weights_function_and_clip():
+    model = mlp()
+    x, y = batch()
+    ids = torch.unique(y)
+    weights = torch.linspace(0.5, 2.0, C)
+    seen = {}
+
+    def surgery(rows, class_ids):
+        seen["ids"] = class_ids
+        return rows[0] * 3
+
+    for aggregate, want in (
+        ("sum", lambda r: r.sum(0)),
+        (weights, lambda r: weights[ids] @ r),
+        (surgery, lambda r: r[0] * 3),
+    ):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=1.0)
+        before = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        rows, got_ids = PerClassGradScaler(num_classes=C).step_batch(m, x, y, opt, aggregate=aggregate)
+        after = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        assert close(before - after, want(rows), 1e-5)  # lr=1: the step is the aggregate (fp32 roundings)
+    assert torch.equal(seen["ids"], ids)
+    m = copy.deepcopy(model)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    rows, _ = PerClassGradScaler(num_classes=C).step_batch(m, x, y, opt, clip_grad=1e-3)
+    total = float(torch.cat([p.grad.reshape(-1) for p in m.parameters()]).norm())
+    assert abs(total - 1e-3) < 1e-7  # clipped to the total norm 1e-3 (float32 rounding of the norm)
+
+
+def poisoned(step: int, x: torch.Tensor) -> torch.Tensor:
+    """Inputs that overflow at steps 3, 4 and 11: the forced overflows."""
+    return x * float("inf") if step in (3, 4, 11) else x
+
+
+@pytest.mark.parametrize("how", ["call", "batch"])
+def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how):
+    ours, plain = mlp(), mlp()
+    opt_ours, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, plain))
+    scaler = PerClassGradScaler(precision="fp16", num_classes=C, init_scale=2.0**10, growth_interval=3)
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    skipped_ours, skipped_plain = [], []
+    for step in range(16):
+        x, y = batch(seed=step)
+        x = poisoned(step, x)
+        ids = torch.unique(y)
+        before = [p.detach().clone() for p in plain.parameters()]
+        opt_plain.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = class_losses(plain(x), y, ids)
+        gs.scale(loss.mean()).backward()
+        gs.step(opt_plain)
+        gs.update()
+        skipped_plain.append(all(torch.equal(a, b) for a, b in zip(before, plain.parameters())))
+        opt_ours.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            if how == "call":
+                loss = class_losses(ours(x), y, ids)
+            else:
+                scaler.step_batch(ours, x, y, opt_ours)
+        if how == "call":
+            scaler(loss, opt_ours, model=ours)
+        skipped_ours.append(scaler.found_inf)
+        assert scaler.get_scale() == gs.get_scale()
+    assert skipped_ours == skipped_plain and sum(skipped_ours) == 3
+    assert scaler.state_dict() == gs.state_dict()
+    for a, b in zip(ours.parameters(), plain.parameters()):
+        # fp16 forwards: per-class rows then their mean vs one backward of the mean loss differ by
+        # fp16 roundings (the engine tests' fp16 tolerance, 5e-2 of the largest entry).
+        assert close(a, b, 5e-2)
+
+
+def test_state_dict_mid_run_resumes_the_same_trajectory():
+    def run(steps, model, opt, scaler):
+        for step in steps:
+            x, y = batch(seed=step)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = class_losses(model(poisoned(step, x)), y, torch.unique(y))
+            scaler(loss, opt, model=model)
+
+    kw = {"precision": "fp16", "init_scale": 2.0**8, "growth_interval": 2}
+    whole, opt_whole = mlp(), None
+    opt_whole = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    s_whole = PerClassGradScaler(**kw)
+    run(range(12), whole, opt_whole, s_whole)
+
+    first = mlp()
+    opt_first = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    s_first = PerClassGradScaler(**kw)
+    run(range(6), first, opt_first, s_first)
+    state = {"model": first.state_dict(), "opt": opt_first.state_dict(), "scaler": s_first.state_dict()}
+    assert state["scaler"]["scale"] != 2.0**8  # the scale moved: the round trip carries something
+
+    second = mlp(seed=5)
+    opt_second = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    s_second = PerClassGradScaler(**kw)
+    s_second.load_state_dict(state["scaler"])  # before the first call: applied when it is made
+    second.load_state_dict(state["model"])
+    opt_second.load_state_dict(state["opt"])
+    run(range(6, 12), second, opt_second, s_second)
+    assert s_second.state_dict() == s_whole.state_dict()
+    for a, b in zip(second.parameters(), whole.parameters()):
+        assert torch.equal(a, b)  # the same computations in the same order: bit for bit
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_one_line():
+    model = mlp()
+    x, y = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = PerClassGradScaler(num_classes=C)
+    loss = class_losses(model(x), y, torch.unique(y))
+    cases = [
+        (lambda: scaler(loss.sum(), opt, model=model), "vector"),
+        (lambda: scaler(loss.detach(), opt, model=model), "no graph"),
+        (lambda: scaler(loss, opt, model=model, create_graph=True), "create_graph=True is not supported"),
+        (lambda: scaler(loss, torch.optim.SGD(mlp().parameters(), lr=1), model=model), "optimizer: does not hold"),
+        (lambda: scaler.step_batch(model, x, y + C, opt), "labels outside"),
+        (lambda: scaler.step_batch(model, x, y[:3], opt), "20 samples but labels 3"),
+        (lambda: scaler.step_batch(model, x, y, opt, num_classes=0), "num_classes"),
+        (lambda: scaler.step_batch(model, x, y, opt, aggregate="median"), "aggregate"),
+        (
+            lambda: scaler.step_batch(mlp(dropout=0.5).train(), x, y, opt, update_grad=False, route="fast"),
+            "route='fast'",
+        ),
+    ]
+    frozen = mlp()
+    frozen.requires_grad_(False)
+    cases.append((lambda: scaler.step_batch(frozen, x, y, opt), "select no parameters"))
+    for call, words in cases:
+        with pytest.raises(InputError) as info:
+            call()
+        assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_readme_training_loop_runs():
+    """The README's "In a training loop" snippet, as written."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## In a training loop", 1)[1].split("\n## ", 1)[0]
+    blocks = [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+    assert blocks
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - our own docs
+    assert namespace["rows"].shape[0] == len(namespace["class_ids"])
