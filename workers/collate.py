@@ -8,9 +8,10 @@ Holds:
   model's inputs, the label key taken out).
 - ``stack`` and ``pad_stack``: the built-in ways to collate (``data.collate``: ``stack`` needs
   every sample's tensors of one shape; ``pad`` pads variable-length tensors of a batch to the
-  longest, at the end of each dimension, with ``data.pad_values`` per dict key, default 0: the
-  pad value of ``input_ids`` does not matter where ``attention_mask`` hides it, and 0 is the
-  mask's "hidden"). Strings (raw text) are kept as lists and numbers become tensors.
+  longest, at the end of each dimension, with ``data.pad_values`` per dict key, default 0, the
+  mask's "hidden"; the engines pad ``input_ids`` with the model's pad id, which a GPT-2-style
+  model reads to find each sample's last token: ``model_io.input_pad_values``). Strings (raw
+  text) are kept as lists and numbers become tensors.
 - ``resolve_collate``: a collate setting (``stack``, ``pad``, a callable or an import path
   ``module:function`` taking a list of samples) as a function.
 """

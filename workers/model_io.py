@@ -16,6 +16,11 @@ Holds:
 - ``call_errors``: the model's own failures that are user input problems (tensors on another
   device than the engine's, a GPT-2-style model without a pad token given several samples),
   turned into one-line ``InputError``s.
+- ``input_pad_values``: the pad values of ``data.collate: pad`` for this model: ``input_ids`` by
+  default padded with the tokenizer's pad id (when one is given) or the model's
+  ``config.pad_token_id``, and any other pad id of ``input_ids`` refused in one line (a
+  GPT-2-style model takes each sample's last token that is not its pad id: pads of another id
+  would be read as tokens, and the rows would be silently wrong).
 
 The label key of a dict dataset never reaches the model: the probe set takes it out of the
 inputs (Hugging Face models compute their own loss when given ``labels``).
@@ -37,7 +42,7 @@ from classgrad.service.errors import InputError, first_line
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelIO", "call_errors", "class_names_of", "logits_of"]
+__all__ = ["ModelIO", "call_errors", "class_names_of", "input_pad_values", "logits_of", "pad_token_id_of"]
 
 # Fragments of PyTorch's messages for tensors of one operation on different devices.
 _DEVICE_ERRORS = ("same device", "expected device", "meta tensor", "Expected object of device type")
@@ -197,3 +202,40 @@ def class_names_of(model: nn.Module, num_classes: int) -> tuple[str, ...] | None
     if all(_PLACEHOLDER.fullmatch(n) for n in names):
         return None
     return names
+
+
+# The dict key of token ids, the one input whose pad value the model reads.
+INPUT_IDS = "input_ids"
+
+
+def pad_token_id_of(model: nn.Module) -> int | None:
+    """``model.config.pad_token_id`` (a Hugging Face model's) when it is an integer; None otherwise."""
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+
+
+def input_pad_values(
+    model: nn.Module, collate: Any, pad_values: Mapping[str, float] | None = None, tokenizer: Any = None
+) -> dict[str, float]:
+    """The pad values ``collate: pad`` uses for ``model`` (see the module docstring); other collate
+    settings get ``pad_values`` as they are (a collate function pads its own way)."""
+    pads = dict(pad_values or {})
+    if collate != "pad":
+        return pads
+    model_pad = pad_token_id_of(model)
+    tokenizer_pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if INPUT_IDS in pads:
+        used, source = pads[INPUT_IDS], "data.pad_values.input_ids"
+    elif isinstance(tokenizer_pad, int):
+        used, source = tokenizer_pad, "the tokenizer's pad_token_id"
+    elif model_pad is not None:
+        return {**pads, INPUT_IDS: model_pad}
+    else:
+        return pads  # no pad id anywhere: 0, hidden by the attention mask (GPT-2 style: refused when called)
+    if model_pad is not None and float(used) != float(model_pad):
+        raise InputError(
+            f"data: input_ids would be padded with {used:g} ({source}) but the model's config.pad_token_id is "
+            f"{model_pad}: the model would read those pads as tokens; pad with the model's id (the default "
+            "of collate=pad) or set model.config.pad_token_id to the pad id used"
+        )
+    return {**pads, INPUT_IDS: used}

@@ -109,7 +109,8 @@ class DataConfig(Section):
     pad_values: dict[str, float] = Field(
         default_factory=dict,
         description="With `collate: pad`, the pad value per dict key (default 0, which "
-        "`attention_mask` reads as hidden).",
+        "`attention_mask` reads as hidden; `input_ids` by default the model's "
+        "`config.pad_token_id`, and another pad id for it is refused).",
     )
 
     @field_validator("collate")

@@ -31,6 +31,7 @@ from classgrad.workers.engines.partitioned.kronecker_engine import REFUSAL, Kron
 from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
+from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ def build_engine(
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
     kronecker: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> GradientEngine:
     """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again.
 
@@ -132,7 +134,7 @@ def build_engine(
             batch_size=batch_size,
             label_field=label_field,
             collate=collate,
-            pad_values=pad_values,
+            pad_values=input_pad_values(model, collate, pad_values, tokenizer),  # input_ids: the model's pad id
             digest_now=False,  # nothing records the digest here
         )
     )
@@ -195,6 +197,7 @@ def per_class_gradients(
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
     projection: dict[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.
 
@@ -202,7 +205,9 @@ def per_class_gradients(
     ``label_field``: default the first of ``labels``, ``label``), a Hugging Face ``datasets.Dataset``,
     a ``DataLoader`` (its dataset and collate_fn; not its sampler or shuffling), or a pair of
     tensors; ``collate`` is ``"stack"`` (default), ``"pad"`` (variable-length fields padded per
-    batch with ``pad_values``, default 0) or a function of a list of samples. A dict batch goes to
+    batch with ``pad_values``, default 0; ``input_ids`` by default with the pad id of ``tokenizer``
+    when given, else of ``model.config``, and another pad id of ``input_ids`` than the model's is
+    refused) or a function of a list of samples. A dict batch goes to
     the model as keyword arguments (the keys its ``forward`` takes; never the label); of a
     ``ModelOutput``, dict or tuple output the logits are ``.logits`` or the first tensor, unless
     ``output`` (a key or an index) says otherwise. ``params`` are name
@@ -233,6 +238,7 @@ def per_class_gradients(
             collate=collate,
             pad_values=pad_values,
             kronecker=kronecker_options(proj),
+            tokenizer=tokenizer,
         )
         from classgrad.workers.row_projection import row_projector
 

@@ -27,6 +27,7 @@ from classgrad.workers.engines import GradientEngine, create_engine, kronecker_o
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
+from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def build_job_engine(config: JobConfig, device: str | None = None, record: dict 
         data.batch_size,
         label_field=data.label_field,
         collate=data.collate,
-        pad_values=data.pad_values,
+        pad_values=input_pad_values(model, data.collate, data.pad_values),  # input_ids: the model's pad id
     )
     loss = create_loss(config.loss.kind, config.loss.num_classes)
     return engine_from_parts(config, model, probe, loss, device=device, record=record)
