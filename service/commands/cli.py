@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "classgrad.service.commands.inspect",
     "verify": "classgrad.service.commands.verify",
     "similarity": "classgrad.service.commands.similarity",
+    "score": "classgrad.service.commands.score",
     "aggregate": "classgrad.service.commands.aggregate",
     "plot": "classgrad.service.commands.plot",
     "submit": "classgrad.service.commands.submit",

@@ -8,6 +8,8 @@ Holds the public Python API, the names DESIGN.md promises:
 - ``JobConfig`` and ``load_config(path, overrides)``: a job's typed config.
 - ``run_job(config)``: run a job on Ray from Python, as ``classgrad run`` does.
 - ``PerClassGradScaler``: the ``GradScaler`` step of a training loop, with every class's row.
+- ``score(store, model, data, method="trak", top_k=10)``: the classes each query example leans
+  on (query rows in the store's space scored against every class's row), as ``classgrad score``.
 - ``__version__``.
 
 The package is small on purpose: the driver side is ``classgrad.service``, the compute side
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from classgrad.service.version import __version__
 
 if TYPE_CHECKING:
+    from classgrad.service.analysis.score_api import score
     from classgrad.service.config import JobConfig, load_config
     from classgrad.service.runtime.driver import run_job
     from classgrad.service.store import open_dataset, open_store
@@ -38,6 +41,7 @@ _EXPORTS = {
     "load_config": "classgrad.service.config",
     "run_job": "classgrad.service.runtime.driver",
     "PerClassGradScaler": "classgrad.workers.training",
+    "score": "classgrad.service.analysis.score_api",
 }
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "open_store",
     "per_class_gradients",
     "run_job",
+    "score",
 ]
 
 

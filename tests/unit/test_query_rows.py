@@ -1,0 +1,159 @@
+"""``classgrad.workers.runtime.query``: query rows in a store's space. Rows of the store's own
+probe examples (one per class) come out as the store's rows under every projection structure,
+and as ``per_class_gradients``' rows of one-example classes; groups are their examples' mean;
+the margin is the gradient of TRAK's margin; ``classgrad.score`` over each structure's store
+equals a float64 brute force of every method; a model of another layout, a store without its
+projection record and an unknown query function are refused in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from classgrad.service.analysis.score_api import score
+from classgrad.service.errors import InputError, StoreError
+from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.runtime.query import query_rows
+from classgrad.workers.zoo import mlp, synthetic_probe
+from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
+
+C = MLP_JOB_CLASSES
+ONE_PER_CLASS = {"num_classes": C, "samples_per_class": 1, "kind": "vector", "input_shape": [8]}
+STRUCTURES = {
+    "full": None,
+    "default": {"dim": 16},  # the default structure, recorded as such (tensorsketch)
+    "dense": {"dim": 16, "structure": "dense"},
+    "sketch": {"dim": 16, "structure": "sketch"},
+    "kronecker": {"dim": 16, "structure": "kronecker"},
+}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """One store per projection structure, each of the same one-example-per-class probe set."""
+    out = {}
+    for name, projection in STRUCTURES.items():
+        path = tmp_path_factory.mktemp(name)
+        sections = {"data": {"kwargs": ONE_PER_CLASS}}
+        if projection is not None:
+            sections["projection"] = projection
+        out[name] = run_without_ray(mlp_job(path, **sections))
+    return out
+
+
+def _probe():
+    return synthetic_probe(**ONE_PER_CLASS)
+
+
+@pytest.mark.parametrize("name", list(STRUCTURES))
+def test_query_rows_of_the_probe_examples_are_the_store_rows(stores, name):
+    store = stores[name]
+    x, y = _probe()
+    q = query_rows(store, (x, y))
+    want = store.rows(np.searchsorted(store.class_ids, y.numpy()))
+    # The same engine and projection code over the same examples; only the grouping of classes
+    # into blocks differs, which may reorder float32 sums: a few ulps of the largest entry.
+    assert q.rows.shape == want.shape
+    np.testing.assert_allclose(q.rows.numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["full", "dense", "sketch"])
+def test_query_rows_equal_per_class_gradients_of_one_example_classes(stores, name):
+    store = stores[name]
+    data = synthetic_probe(**{**ONE_PER_CLASS, "seed": 7})  # other examples than the store's
+    q = query_rows(store, data)
+    model = mlp(num_classes=C, in_features=8, hidden=16)
+    want = per_class_gradients(model, data, num_classes=C, classes=data[1].tolist(), projection=STRUCTURES[name])
+    # Same arithmetic per example (one class each); block boundaries may reorder float32 sums.
+    np.testing.assert_allclose(q.rows.numpy(), want.numpy(), rtol=0, atol=1e-6 * float(want.abs().max()))
+
+
+def test_group_rows_are_the_mean_of_their_examples(stores):
+    store = stores["dense"]
+    data = _probe()
+    single = query_rows(store, data).rows
+    groups = np.arange(C) // 3 * 10  # eight groups of three examples
+    grouped = query_rows(store, data, groups=groups)
+    assert grouped.rows.shape == (C // 3, 16) and grouped.groups.tolist() == list(range(0, 80, 10))
+    want = single.reshape(C // 3, 3, 16).double().mean(dim=1)
+    # A float64 mean of float32 rows, rounded once to float32.
+    np.testing.assert_allclose(grouped.rows.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_the_margin_is_the_gradient_of_the_negated_logit_margin(stores):
+    store = stores["full"]
+    x, y = _probe()
+    q = query_rows(store, (x[:3], y[:3]), fn="margin").rows
+    model = mlp(num_classes=C, in_features=8, hidden=16).eval()
+    for i in range(3):
+        z = model(x[i : i + 1])[0]
+        others = torch.cat([z[: y[i]], z[y[i] + 1 :]])
+        margin = torch.logsumexp(others, 0) - z[y[i]]
+        grads = torch.autograd.grad(margin, list(model.parameters()))
+        want = torch.cat([g.reshape(-1) for g in grads])
+        # One example, the same float32 forward and backward: rounding differences only.
+        torch.testing.assert_close(q[i], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_of_another_layout_is_refused(stores):
+    wider = mlp(num_classes=C, in_features=8, hidden=12)
+    for name in ("full", "dense"):
+        with pytest.raises(InputError, match="does not match"):
+            query_rows(stores[name], _probe(), model=wider)
+
+
+class _WithoutRecord:
+    """A projected store whose ``projection`` attribute is gone."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    @property
+    def attrs(self):
+        return {k: v for k, v in self._store.attrs.items() if k != "projection"}
+
+
+def test_a_store_without_its_projection_record_is_refused(stores):
+    with pytest.raises(StoreError, match="no record of its rows' projection"):
+        query_rows(_WithoutRecord(stores["kronecker"]), _probe())
+
+
+def test_an_unknown_query_function_is_refused(stores):
+    with pytest.raises(InputError, match="unknown"):
+        query_rows(stores["full"], _probe(), fn="hinge")
+
+
+def _brute_force(q: np.ndarray, phi: np.ndarray, method: str, fraction: float = 0.1) -> np.ndarray:
+    """Every query x class score in float64, all at once."""
+    if method == "dot":
+        return q @ phi.T
+    if method == "cosine":
+        qn = np.linalg.norm(q, axis=1)[:, None]
+        pn = np.linalg.norm(phi, axis=1)[:, None]
+        return (q / qn) @ np.divide(phi, pn, out=np.zeros_like(phi), where=pn > 0).T
+    C, D = phi.shape
+    gram = phi.T @ phi
+    lam = fraction * np.trace(gram) / min(C, D)
+    return q @ np.linalg.solve(gram + lam * np.eye(D), phi.T)
+
+
+@pytest.mark.parametrize("method", ["dot", "cosine", "trak"])
+@pytest.mark.parametrize("name", list(STRUCTURES))
+def test_scores_of_every_structure_equal_a_float64_brute_force(stores, name, method):
+    store = stores[name]
+    data = synthetic_probe(**{**ONE_PER_CLASS, "samples_per_class": 2, "seed": 3})
+    got = score(store, None, data, method=method, top_k=5, executor="local")
+    q = query_rows(store, data).rows.double().numpy()
+    full = _brute_force(q, store.rows(np.arange(C)).astype(np.float64), method)
+    want = -np.sort(-full, axis=1)[:, :5]
+    # float32 products over k <= 824 terms (trak: float64 inverse, float32 transformed rows):
+    # within 1e-5 of the largest score; the ids are those of the brute force's best scores.
+    scale = np.abs(full).max()
+    np.testing.assert_allclose(got.scores.double().numpy(), want, rtol=0, atol=1e-5 * scale)
+    picked = np.take_along_axis(full, got.rows.numpy(), axis=1)
+    np.testing.assert_allclose(picked, want, rtol=0, atol=1e-5 * scale)
+    assert got.class_ids.tolist() == store.class_ids[got.rows.numpy()].tolist()
