@@ -1,4 +1,5 @@
-"""Progress of a long job: a bar on a terminal, periodic log lines elsewhere (Ray job logs).
+"""Progress of a long job: a bar on a terminal or in a notebook (a text bar without ipywidgets),
+periodic log lines elsewhere (Ray job logs).
 
 Holds ``Progress``: ``update(rows)`` as shards finish, ``tick()`` from the driver's loop (for
 the log lines), ``close()`` at the end. Rows/s and ETA come from the rows done in this run.
@@ -10,7 +11,7 @@ import logging
 import sys
 import time
 
-from tqdm import tqdm
+from classgrad.service.progress_bar import in_notebook, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class Progress:
     def __init__(self, total_rows: int, mode: str = "auto", log_every_s: float = 10.0, label: str = ""):
         if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() else "log"
+            mode = "bar" if sys.stderr.isatty() or in_notebook() else "log"
         self.mode = mode
         self.total = total_rows
         self.done = 0
@@ -26,7 +27,7 @@ class Progress:
         self.log_every_s = log_every_s
         self._t0 = time.monotonic()
         self._last_log = self._t0
-        self._bar = tqdm(total=total_rows, unit="row", desc=label, dynamic_ncols=True) if mode == "bar" else None
+        self._bar = progress_bar(total_rows, desc=label, unit="row", show=True) if mode == "bar" else None
 
     def update(self, rows: int) -> None:
         self.done += rows

@@ -6,7 +6,7 @@ Holds:
 - ``resolve_engine_kind``: ``auto`` means partitioned when the loss is class-partitioned and
   the model treats samples independently, dense otherwise.
 - ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md, with an optional
-  ``tqdm.auto`` progress bar (terminal or notebook) counting rows as blocks finish, and the
+  progress bar (terminal; notebook: a widget, or text without ipywidgets) counting rows as blocks finish, and the
   job's ``projection`` options (dense or a sketch of finished rows, or Kronecker inside the backward:
   ``KroneckerEngine``).
 """
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from classgrad.service.errors import ConfigError, InputError
+from classgrad.service.progress_bar import progress_bar
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
@@ -215,7 +216,8 @@ def per_class_gradients(
     ``model.named_parameters()`` order. ``mode`` is the module mode the rows are computed in,
     ``"eval"`` as in a job's config (a model fresh from a factory is often in train mode, where
     dropout and batch statistics change the rows); every module's own mode is put back afterwards.
-    ``progress`` shows a bar counting rows (``tqdm.auto``: a notebook widget or a terminal bar):
+    ``progress`` shows a bar counting rows (a terminal bar, or in a notebook a widget, or a text bar
+    without ipywidgets):
     ``None`` only when the call lasts over ``PROGRESS_DELAY_S`` and stderr is a terminal (or in a
     notebook), ``True`` always, ``False`` never. ``projection``: the keys of a job's
     ``projection`` section (``{"dim": 4096, "structure": "kronecker", "seed": 0}``): rows come
@@ -271,21 +273,17 @@ PROGRESS_DELAY_S = 2.0  # progress=None: a call shorter than this never shows a 
 
 @contextlib.contextmanager
 def _row_bar(total: int, progress: bool | None) -> Iterator[Callable[[int], object]]:
-    """``advance(rows)`` for the block: a ``tqdm.auto`` bar of ``total`` rows, or a no-op when off."""
+    """``advance(rows)`` for the block: a bar of ``total`` rows (``progress_bar``: a terminal's, a
+    notebook's widget or text bar), or a no-op when off."""
     if progress is False:
         yield lambda rows: None
         return
-    # Imported here: tqdm.auto pulls in asyncio (~0.1 s), which ``import classgrad`` does not need.
-    from tqdm.auto import tqdm
-
-    # disable=None is tqdm's own "off unless stderr is a terminal" (the notebook bar treats it as on).
-    bar = tqdm(
-        total=total,
-        unit="rows",
+    bar = progress_bar(
+        total,
         desc="per_class_gradients",
-        disable=None if progress is None else False,
+        unit="rows",
+        show=progress,
         delay=PROGRESS_DELAY_S if progress is None else 0.0,
-        dynamic_ncols=True,
     )
     try:
         yield bar.update
