@@ -1,0 +1,173 @@
+"""``classgrad.service.analysis.scoring`` / ``score_driver`` / ``score_precondition`` and the store's
+``preconditioner`` and score output, in this process (no Ray), on synthetic rows: scores equal a
+float64 brute force for each method and form, over several query blocks, class blocks and column
+bands; several checkpoints add up with their weights and stores of other rows are refused; the
+preconditioner is saved once, reused, and refused once the rows change or its bytes do; every
+score goes to a chunked, xarray-readable output; a run killed part-way resumes; and bad inputs
+end in one line with nothing written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+
+import classgrad.service.analysis.score_precondition as precondition
+from classgrad.service.analysis import scoring
+from classgrad.service.analysis.score_driver import score_rows
+from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import ConfigError, InputError, StoreMismatchError
+from classgrad.service.store import open_store
+from tests.support.stores import synthetic_store, write_all
+
+
+def _store(path, num_classes=200, dim=24, seed=0, **spec):
+    store, rows = synthetic_store(path, num_classes=num_classes, dim=dim, projected=True, seed=seed, **spec)
+    return open_store(str(path), mode="r+"), rows.astype(np.float64)
+
+
+def _queries(n, dim, seed=1):
+    return np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+
+
+def brute_force(q, phi, method, lam=None, fraction=0.1):
+    q = q.astype(np.float64)
+    if method == "dot":
+        return q @ phi.T
+    if method == "cosine":
+        pn = np.linalg.norm(phi, axis=1)[:, None]
+        return (q / np.linalg.norm(q, axis=1)[:, None]) @ np.divide(phi, pn, out=np.zeros_like(phi), where=pn > 0).T
+    C, D = phi.shape
+    gram = phi.T @ phi
+    lam = fraction * np.trace(gram) / min(C, D) if lam is None else lam
+    return q @ np.linalg.solve(gram + lam * np.eye(D), phi.T)
+
+
+def _check_topk(result, full, k):
+    want = -np.sort(-full, axis=1)[:, :k]
+    # float32 products over D <= 24 terms (trak: float64 inverse, float32 transformed rows):
+    # within 1e-5 of the largest score, and the rows picked carry the brute force's best scores.
+    atol = 1e-5 * np.abs(full).max()
+    np.testing.assert_allclose(result.scores.double().numpy(), want, rtol=0, atol=atol)
+    np.testing.assert_allclose(np.take_along_axis(full, result.rows.numpy(), axis=1), want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("method", ["dot", "cosine", "trak"])
+def test_features_form_over_blocks_and_bands_equals_the_brute_force(tmp_path, method):
+    store, phi = _store(tmp_path / "s", col_chunk=8)  # C = 200 > D = 24: trak in the features form
+    q = _queries(70, 24)
+    full = brute_force(q, phi, method)
+    for options in ({"block_rows": 16}, {"block_rows": 70}, {"block_rows": 32, "task_mb": 32.03}):
+        result = score_rows([store], [q], method=method, top_k=7, executor="local", **options)
+        assert result.info["tasks"] == -(-70 // result.info["block_rows"])
+        _check_topk(result, full, 7)
+    assert result.info["band_cols"] < 24  # the last budget holds no full rows: column bands
+    assert result.info["form"] == ("features" if method == "trak" else None)
+
+
+def test_kernel_form_equals_the_brute_force_and_a_given_damping_is_used(tmp_path):
+    store, phi = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)  # C < D: kernel
+    q = _queries(30, 96)
+    for damping, lam in ((None, None), (0.5, 0.5)):
+        result = score_rows([store], [q], method="trak", top_k=5, damping=damping, block_rows=8, executor="local")
+        assert result.info["form"] == "kernel"
+        _check_topk(result, brute_force(q, phi, "trak", lam=lam), 5)
+    assert result.info["damping"] == [0.5]
+
+
+def test_several_checkpoints_add_up_with_their_weights(tmp_path):
+    a, phi_a = _store(tmp_path / "a", seed=0)
+    b, phi_b = _store(tmp_path / "b", seed=4)
+    qa, qb = _queries(20, 24, 1), _queries(20, 24, 2)
+    result = score_rows([a, b], [qa, qb], method="trak", weights=[0.5, 2.0], top_k=6, executor="local")
+    full = 0.5 * brute_force(qa, phi_a, "trak") + 2.0 * brute_force(qb, phi_b, "trak")
+    _check_topk(result, full, 6)
+
+
+def test_stores_of_other_rows_are_refused(tmp_path):
+    a, _ = _store(tmp_path / "a")
+    other, _ = _store(tmp_path / "b", num_classes=100)
+    q = _queries(4, 24)
+    with pytest.raises(InputError, match="define their rows differently .*class_ids"):
+        score_rows([a, other], [q, q], method="dot", executor="local")
+    with pytest.raises(ConfigError, match="2 stores"):
+        score_rows([a, a], [q, q], method="dot", weights=[1.0], executor="local")
+
+
+def test_the_preconditioner_is_saved_once_and_refused_once_the_rows_change(tmp_path, monkeypatch):
+    store, phi = _store(tmp_path / "s")
+    q = _queries(10, 24)
+    calls = []
+    real = precondition.gram_matrix
+    monkeypatch.setattr(precondition, "gram_matrix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    score_rows([store], [q], method="trak", executor="local")
+    score_rows([store], [q], method="trak", damping_fraction=0.3, executor="local")
+    assert len(calls) == 1  # computed once, reused with another damping
+    info = store.preconditioner.info()
+    assert info["state"] == "ready" and info["form"] == "features" and info["n"] == 24
+    write_all(store, (phi * 2).astype(np.float32), shards=[0])  # shard 0 recomputed: other rows
+    with pytest.raises(StoreMismatchError, match="changed since its preconditioner"):
+        score_rows([store], [q], method="trak", executor="local")
+    result = score_rows([store], [q], method="trak", recompute_preconditioner=True, executor="local")
+    assert len(calls) == 2
+    _check_topk(result, brute_force(q, store.rows(np.arange(200)).astype(np.float64), "trak"), 10)
+    arr = zarr.open_array(str(tmp_path / "s" / "score_preconditioner"), mode="r+")
+    arr[0, 0] = arr[0, 0] + 1.0  # damaged bytes
+    with pytest.raises(StoreMismatchError, match="checksum"):
+        score_rows([store], [q], method="trak", executor="local")
+
+
+def test_every_score_goes_to_a_chunked_xarray_readable_output(tmp_path):
+    xr = pytest.importorskip("xarray")
+    store, phi = _store(tmp_path / "s")
+    q = _queries(40, 24)
+    out = str(tmp_path / "scores.zarr")
+    result = score_rows([store], [q], method="cosine", top_k=4, full=True, out=out, block_rows=16, executor="local")
+    ds = xr.open_zarr(out)
+    assert ds["scores"].dims == ("query", "class_id") and ds["scores"].shape == (40, 200)
+    assert ds["scores"].data.chunksize[0] == 16
+    full = brute_force(q, phi, "cosine")
+    # float32 products of unit rows over 24 terms.
+    np.testing.assert_allclose(ds["scores"].values, full, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(ds["topk_class_id"].values, result.class_ids.numpy())
+    assert result.to_xarray()["topk_score"].dims == ("query", "rank")
+
+
+def test_a_killed_run_resumes_and_another_request_is_refused(tmp_path, monkeypatch):
+    store, phi = _store(tmp_path / "s")
+    q = _queries(48, 24)
+    out = str(tmp_path / "scores.zarr")
+    real = scoring.score_task
+
+    def dies_at_block_2(*args):
+        if args[-1] == 2:
+            raise KeyboardInterrupt  # a kill while block 2 is computed
+        return real(*args)
+
+    import classgrad.service.analysis.score_driver as driver
+
+    monkeypatch.setattr(driver, "score_task", dies_at_block_2)
+    with pytest.raises(KeyboardInterrupt):
+        score_rows([store], [q], method="dot", out=out, block_rows=8, full=True, executor="local")
+    monkeypatch.setattr(driver, "score_task", real)
+    result = score_rows([store], [q], method="dot", out=out, block_rows=8, full=True, executor="local")
+    assert result.info["blocks_skipped"] == 2 and result.info["tasks"] == 4
+    _check_topk(result, brute_force(q, phi, "dot"), 10)
+    with pytest.raises(StoreMismatchError, match="another request"):
+        score_rows([store], [q], method="cosine", out=out, executor="local")
+
+
+def test_bad_inputs_end_in_one_line_with_nothing_written(tmp_path, capsys):
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
+    q = _queries(5, 96)
+    out = tmp_path / "scores.zarr"
+    with pytest.raises(ConfigError, match="projection.dim"):
+        score_rows([store], [q], method="trak", precond_mb=0.001, out=str(out), executor="local")
+    with pytest.raises(InputError, match="query rows of shape"):
+        score_rows([store], [q[:, :10]], method="dot", out=str(out), executor="local")
+    assert not out.exists() and store.preconditioner.info() is None
+    missing = tmp_path / "missing.yaml"
+    assert cli_main(["score", str(tmp_path / "s"), "--queries", str(missing), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such file" in err[0]
+    assert not out.exists()
