@@ -4,8 +4,12 @@ Holds ``store_dataset`` (the Dataset of an open ``GradStore``, behind ``GradStor
 and ``open_dataset`` in ``create``). ``grads`` is float32
 true values whatever the stored dtype (bfloat16 bits and float16 decoded, row_scale applied,
 chunk by chunk through dask), NaN in rows of shards not marked done; coordinates and dimension
-names are those of format 3 for stores of every format (``format`` describes them). Needs
-xarray and dask (``pip install 'classgrad[read]'``).
+names are those of format 3 for stores of every format (``format`` describes them), except the
+parameters: ``param`` is each column's parameter name (along ``column``, indexed, a pandas
+categorical: a byte or two a column), so ``ds["grads"].sel(param="fc1.weight")`` gives that
+parameter's columns, and the layout table is along ``parameter`` (``PARAMETER_DIM``: its names,
+with ``param_offset``, ``param_size`` and ``param_shape`` as a tuple of ints). Needs xarray and
+dask (``pip install 'classgrad[read]'``).
 """
 
 from __future__ import annotations
@@ -17,11 +21,19 @@ from classgrad.service.store.coords import array_attributes, coordinate_values
 from classgrad.service.store.format import (
     ARRAY_DIMS,
     CLASS_ID,
+    COL_DIM,
     OTHER_ROW_DIM,
+    PARAM,
     PARAM_ID,
+    PARAM_OFFSET,
+    PARAM_SHAPE,
+    PARAM_SIZE,
     RESULT_ARRAYS,
     SIM,
 )
+
+# The dimension of the layout table in the Dataset (``param`` is each column's parameter there).
+PARAMETER_DIM = "parameter"
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -35,10 +47,10 @@ def store_dataset(
 ) -> xr.Dataset:
     """The Dataset of an open store: ``grads`` (class_id, column) of float32 true values,
     ``loss`` and ``count`` (class_id), ``shard_done`` (shard), and the finished results of
-    ``classgrad similarity`` if any; coordinates ``class_id``, ``class_name`` (when known),
-    ``param`` with ``param_offset``, ``param_size``, ``param_shape``, and ``param_id`` (column)
-    unless the rows are projected. ``grads`` is the store's lazy true values (``to_dask``),
-    ``similarity`` its similarity's attributes (or None)."""
+    ``classgrad similarity`` if any; coordinates ``class_id``, ``class_name`` (when known), and
+    unless the rows are projected ``param`` and ``param_id`` (column) and ``parameter`` with
+    ``param_offset``, ``param_size``, ``param_shape`` (parameter). ``grads`` is the store's lazy
+    true values (``to_dask``), ``similarity`` its similarity's attributes (or None)."""
     try:
         import dask.array as da
         import xarray as xr
@@ -50,12 +62,22 @@ def store_dataset(
         "true_values": f"float32 true values, decoded by classgrad (stored as {spec.dtype})",
         "missing": "NaN in rows of shards not marked done when the Dataset was opened",
     }
+    if spec.layout:
+        grads_attrs["columns"] = (
+            "the selected parameters, flattened and concatenated in row order: grads.sel(param=name) "
+            "gives one parameter's columns; its shape is param_shape.sel(parameter=name).item()"
+        )
     data: dict[str, Any] = {"grads": (ARRAY_DIMS["grads"], grads, grads_attrs)}
     for name in ("loss", "count", "shard_done"):
         arr = arrays[name]
         data[name] = (ARRAY_DIMS[name], da.from_zarr(arr, chunks=arr.chunks), attrs[name])
     coords: dict[str, Any] = {}
-    for name, values in coordinate_values(spec).items():
+    values_of = coordinate_values(spec)
+    if spec.layout:
+        coords.update(_parameter_coords(spec, values_of, attrs))
+    for name, values in values_of.items():
+        if name in _TABLE:
+            continue  # above
         if name == PARAM_ID:
             stored = arrays.result(PARAM_ID)  # format 3 keeps it; older stores: made here
             lazy = da.from_zarr(stored) if stored is not None else da.from_array(values, chunks=spec.col_chunk)
@@ -71,6 +93,8 @@ def store_dataset(
         if SIM in data:
             coords[OTHER_ROW_DIM] = ((OTHER_ROW_DIM,), coords[CLASS_ID][1], {"long_name": "class id of the column"})
     ds = xr.Dataset(data, coords=coords)
+    if spec.layout:
+        ds = ds.set_xindex(PARAM)  # sel(param=name): a slice of the columns (they are contiguous)
     ds.attrs.update(
         {
             "url": arrays.url,
@@ -82,3 +106,31 @@ def store_dataset(
         }
     )
     return ds
+
+
+_TABLE = (PARAM, PARAM_OFFSET, PARAM_SIZE, PARAM_SHAPE)
+
+
+def _parameter_coords(spec: StoreSpec, values: dict, attrs: dict[str, dict]) -> dict[str, Any]:
+    """``param`` along ``column`` (each column's parameter name: a categorical over the layout's
+    names, from the column's position in it) and the layout table along ``parameter``."""
+    import numpy as np
+    import pandas as pd
+
+    names = [str(n) for n in values[PARAM]]
+    codes = np.repeat(np.arange(len(names), dtype=np.int32), values[PARAM_SIZE])
+    per_column = pd.Categorical.from_codes(codes, categories=pd.Index(names, dtype=object))
+    shapes = np.empty(len(spec.layout), dtype=object)
+    shapes[:] = [tuple(int(n) for n in slot.shape) for slot in spec.layout]
+    table = (PARAMETER_DIM,)
+    return {
+        PARAM: (
+            (COL_DIM,),
+            per_column,
+            {"long_name": "parameter of the column", "description": "each column's parameter: grads.sel(param=name)"},
+        ),
+        PARAMETER_DIM: (table, np.array(names, dtype=str), attrs[PARAM]),
+        PARAM_OFFSET: (table, values[PARAM_OFFSET], attrs[PARAM_OFFSET]),
+        PARAM_SIZE: (table, values[PARAM_SIZE], attrs[PARAM_SIZE]),
+        PARAM_SHAPE: (table, shapes, {**attrs[PARAM_SHAPE], "description": "each parameter's shape, a tuple of ints"}),
+    }

@@ -151,6 +151,7 @@ def test_docs_reading_snippets_run_as_written(ray_local, tmp_path, monkeypatch, 
     assert namespace["S"].shape == (2, 300) and namespace["index"].shape == (1, 10)
     assert namespace["lazy"].dims == ("class_id", "other_class_id")
     assert namespace["row"].shape == (1056,) and namespace["cols"].shape == (300, 1024)
+    assert namespace["by_name"].shape == (300, 1024) and namespace["shape"] == (32, 32)
     assert namespace["true"]["grads"].dtype == np.float32
     assert namespace["mean"] == pytest.approx(namespace["grads"].mean(axis=0).values)
     assert sorted(os.listdir(tmp_path / "plots")) == ["class_norms.png", "param_norms.png", "similarity_heatmap.png"]

@@ -53,6 +53,25 @@ def test_open_zarr_on_a_finished_store_selects_by_class_id_and_parameter_name(tm
     assert_consolidated_fresh(tmp_path / "m")
 
 
+def test_open_dataset_selects_a_parameters_columns_by_name_with_its_shape_in_integers(tmp_path):
+    store, _, rows = model_store(tmp_path / "m", num_classes=50)
+    ds = classgrad.open_dataset(str(tmp_path / "m"))
+    for slot in store.layout:
+        cols = ds["grads"].sel(param=slot.name)  # lazily: the parameter's columns, a slice
+        shape = ds["param_shape"].sel(parameter=slot.name).item()
+        assert shape == tuple(slot.shape) and all(type(n) is int for n in shape)
+        assert cols.dims == ("class_id", "column") and cols.chunks is not None
+        np.testing.assert_array_equal(cols.values.reshape(50, *shape), store.param(slot.name, np.arange(50)))
+        want = rows[[3, 4], slot.offset : slot.offset + slot.size]
+        np.testing.assert_array_equal(cols.sel(class_id=[3, 4]).values, want)
+        offset = int(ds["param_offset"].sel(parameter=slot.name))
+        assert (offset, int(ds["param_size"].sel(parameter=slot.name))) == (slot.offset, slot.size)
+    assert ds["param"].dims == ("column",) and "param" in ds["grads"].coords  # what sel(param=...) reads
+    assert list(ds["parameter"].values) == [slot.name for slot in store.layout]
+    with pytest.raises(KeyError):
+        ds["grads"].sel(param="no.such.parameter")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_open_dataset_gives_float32_true_values_equal_to_the_reader(tmp_path, dtype):
     store, _, rows = model_store(tmp_path / "m", num_classes=100, dtype=dtype)
@@ -154,9 +173,9 @@ def test_older_formats_are_read_by_open_store_and_open_dataset(name, version):
     assert ds["grads"].dims == ("class_id", "column") and ds["grads"].dtype == np.float32
     np.testing.assert_array_equal(ds["grads"].values, rows)
     first = store.layout[0]
-    p = ds.sel(param=first.name)
-    assert int(p["param_size"]) == first.size
+    assert int(ds["param_size"].sel(parameter=first.name)) == first.size
     np.testing.assert_array_equal(ds["grads"].values[:, ds["param_id"].values == 0], rows[:, : first.size])
+    np.testing.assert_array_equal(ds["grads"].sel(param=first.name).values, rows[:, : first.size])
     legacy = xr.open_zarr(url, consolidated=False)  # as written: no coordinates, old names
     assert legacy["grads"].dims == ("class", "param")
 
