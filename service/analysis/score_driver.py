@@ -278,6 +278,8 @@ def score_rows(
         "band_cols": plan.band_cols,
         "seconds": seconds,
         "memory_bound_bytes": bound["total"],
+        "task_cpu_seconds": float(sum(r["cpu_seconds"] for r in reports)),
+        "task_pids": sorted({int(r["pid"]) for r in reports}),
         "peak_task_rss_added_bytes": int(max((r["rss_added"] for r in reports), default=0)),
         "peak_task_rss_bytes": int(max((r["rss_peak"] for r in reports), default=0)),
         "out": out,

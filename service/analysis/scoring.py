@@ -114,7 +114,7 @@ class ScorePlan:
         )
         kernel = self.form == "kernel"
         parts = {
-            "queries": S * B * D * 4 + (B * W * 4 if W < D else 0),
+            "queries": 2 * S * B * D * 4 + (B * W * 4 if W < D else 0),  # as received, and a copy
             "stream": M * W * (4 + 4 + 4),  # decoded chunks, the gathered block, its contiguous copy
             "scores": 2 * B * M * 4,  # the block's sum and one store's product
             "topk": B * 8 * self.top_k * 12,
@@ -133,7 +133,7 @@ def plan_scores(
     k = min(config.top_k, C)
     budget = int(config.task_mb * MIB) - _SLACK_BYTES
     kernel_fixed = C * C * 8 if form == "kernel" else 0
-    per_query = num_stores * D * 4 + 96 * k + (num_stores * C * 8 + C * 8 if form == "kernel" else 0)
+    per_query = 2 * num_stores * D * 4 + 96 * k + (num_stores * C * 8 + C * 8 if form == "kernel" else 0)
     avail = budget - kernel_fixed
     if config.block_rows is not None:
         rows = min(config.block_rows, Q)
@@ -186,7 +186,8 @@ def score_block(readers: list[Any], queries: np.ndarray, weights: list[float], p
     best_val = torch.full((n, k), float("-inf"), dtype=torch.float32)
     best_idx = torch.full((n, k), C, dtype=torch.int64)
     bands = plan.bands()
-    q = torch.from_numpy(np.ascontiguousarray(queries))
+    # A Ray argument arrives read-only (shared memory): a copy that torch may own.
+    q = torch.from_numpy(np.array(queries, dtype=np.float32, order="C", copy=not queries.flags.writeable))
     kernel = plan.form == "kernel"
     dots = np.zeros((len(readers), n, C), dtype=np.float64) if kernel else None
     for j0, j1 in plan.stream_blocks():

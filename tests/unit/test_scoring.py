@@ -171,3 +171,27 @@ def test_bad_inputs_end_in_one_line_with_nothing_written(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such file" in err[0]
     assert not out.exists()
+
+
+def test_the_readme_score_snippet_runs(tmp_path):
+    """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
+    from pathlib import Path
+
+    from classgrad.service.config import load_config
+    from tests.support.jobs import run_without_ray
+
+    repo = Path(__file__).resolve().parents[2]
+    url = str(tmp_path / "demo.zarr")
+    C = 200
+    overrides = [f"model.kwargs.num_classes={C}", f"data.kwargs.num_classes={C}", f"loss.num_classes={C}"]
+    run_without_ray(
+        load_config(repo / "configs" / "demo.yaml", [*overrides, "sharding.shard_rows=64", f"store.url={url}"])
+    )
+    text = (repo / "README.md").read_text()
+    section = text.split("## Which classes a prediction leans on", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"stores/demo.zarr"' in block
+    namespace: dict = {}
+    exec(compile(block.replace('"stores/demo.zarr"', repr(url)), "README.md", "exec"), namespace)  # noqa: S102
+    result = namespace["result"]
+    assert tuple(result.class_ids.shape) == (100, 5) and namespace["ds"]["topk_score"].shape == (100, 5)
