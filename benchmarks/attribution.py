@@ -12,8 +12,9 @@ in this process (full rows, and with ``--dim`` a projected store too); held-out 
 The checks, per method:
 
 - ``own first``: of the correctly classified queries, how many rank their own class first;
-- ``pair partner``: for the queries of planted-pair classes, how often the best class other than
-  their own is the planted partner (chance: 1 / 99);
+- ``pair partner``: for the queries of planted-pair classes, how often the class of largest score
+  in magnitude other than their own is the planted partner (chance: 1 / 99), and the partner's
+  mean sign (a confusable class is an opponent: its row pushes the query's own logit down);
 - ``LDS`` (class-level linear datamodeling score): ``--subsets`` random halves of the classes are
   kept and the model retrained from the same initialisation on their samples only; for each
   query, the Spearman correlation over the subsets between the predicted change of its loss
@@ -68,7 +69,17 @@ def cnn(num_classes: int = 100) -> torch.nn.Module:
 
 
 def train(x, y, num_classes: int, epochs: int, seed: int = 0) -> torch.nn.Module:
-    """``cnn`` trained from its fixed initialisation (Adam, batches of 64, a fixed order per seed)."""
+    """``cnn`` trained from its fixed initialisation (Adam, batches of 64, a fixed order per seed),
+    on one thread (the model is tiny: more threads only add overhead on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(x, y, num_classes, epochs, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(x, y, num_classes: int, epochs: int, seed: int) -> torch.nn.Module:
     model = cnn(num_classes)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(seed)
@@ -137,15 +148,19 @@ def full_scores(result, C: int) -> np.ndarray:
 
 def evaluate(S: np.ndarray, yq: np.ndarray, correct: np.ndarray, pairs: int, kept: np.ndarray, measured: np.ndarray):
     own_first = float((S.argmax(axis=1) == yq)[correct].mean())
-    others = S.copy()
+    # A confusable class is the strongest *opponent* of a query (its rows push the query's own
+    # logit down): the partner is looked for as the largest score in magnitude besides its own.
+    others = np.abs(S)
     others[np.arange(len(yq)), yq] = -np.inf
     partner = yq ^ 1  # (2i, 2i + 1)
     in_pair = yq < 2 * pairs
-    pair_rate = float((others.argmax(axis=1) == partner)[in_pair].mean()) if in_pair.any() else float("nan")
+    top = others.argmax(axis=1)
+    pair_rate = float((top == partner)[in_pair].mean()) if in_pair.any() else float("nan")
+    partner_sign = float(np.sign(S[np.arange(len(yq)), partner])[in_pair].mean()) if in_pair.any() else float("nan")
     # predicted change of each query's loss for each subset: its scores summed over the removed classes
     predicted = S @ (~kept).T.astype(np.float64)  # [Q, subsets]
     lds = float(np.mean([spearman(predicted[q], measured[:, q]) for q in range(len(yq))]))
-    return {"own_first": own_first, "pair_partner": pair_rate, "lds": lds}
+    return {"own_first": own_first, "pair_partner": pair_rate, "partner_sign": partner_sign, "lds": lds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(yq)} queries, accuracy {report['accuracy']:.3f}; LDS over {subsets} retrained halves "
         f"(train {t_train:.1f} s, retrain {t_retrain:.1f} s)"
     )
-    print(f"{'store':<10} {'method':<7} {'own first':>9} {'pair partner':>12} {'LDS':>7}")
+    print(f"{'store':<10} {'method':<7} {'own first':>9} {'pair partner':>12} {'partner sign':>12} {'LDS':>7}")
     for name, rows in report["stores"].items():
         for method, r in rows.items():
-            print(f"{name:<10} {method:<7} {r['own_first']:>9.3f} {r['pair_partner']:>12.3f} {r['lds']:>7.3f}")
+            print(
+                f"{name:<10} {method:<7} {r['own_first']:>9.3f} {r['pair_partner']:>12.3f} "
+                f"{r['partner_sign']:>12.2f} {r['lds']:>7.3f}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
