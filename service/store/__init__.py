@@ -11,9 +11,10 @@ writer for local uncompressed stores), ``lease`` (the driver's lease, ``store_le
 ``lease_files`` (its atomic files), ``store_keys`` (the keys a store holds, their deletion),
 ``retry`` (transient I/O errors sent again with backoff), ``records`` (per-shard records),
 ``similarity_arrays`` (the similarity results), ``preconditioner`` (``classgrad score``'s saved
-Gram matrix), ``score_output`` (the output of ``classgrad score --out``), ``scan`` (chunk scanning, ``ChunkProblem``) and ``checks``
-(``check_metadata``). It needs numpy, zarr and fsspec only (s3fs for ``s3://``; dask for
-``to_dask``, xarray too for ``open_dataset``), never torch or Ray.
+Gram matrix), ``score_output`` (the output of ``classgrad score --out``), ``scan`` (chunk
+scanning, ``ChunkProblem``) and ``checks`` (``check_metadata``). It needs numpy, zarr and
+fsspec only (s3fs for ``s3://``; dask for ``to_dask``, xarray too for ``open_dataset``), never
+torch or Ray.
 """
 
 from classgrad.service.store.checks import check_metadata
