@@ -507,7 +507,11 @@ def compute_similarity(
                     "tasks": len(plan.blocks()),
                     "executor": config.executor,
                     "memory_bound_bytes": bound["total"],
-                    **({} if isinstance(plan, SimilarityPlan) else {"stream_rows": plan.stream_rows}),
+                    **(
+                        {}
+                        if isinstance(plan, SimilarityPlan)
+                        else {"stream_rows": plan.stream_rows, "window_rows": plan.window, "passes": plan.passes()}
+                    ),
                 },
             )
             # A local path made absolute: a Ray worker's working directory is not the driver's.
@@ -546,6 +550,9 @@ def _summary(
         "dim": plan.dim,
         "block_rows": plan.block_rows,
         "stream_rows": stream_rows,
+        "window_rows": plan.window if isinstance(plan, TopKPlan) else None,
+        # how many times each row was read (dense: once per task, its own block included)
+        "passes": plan.passes() if isinstance(plan, TopKPlan) else len(plan.blocks()),
         "band_cols": plan.band_cols,
         "chunk_rows": plan.chunk_rows,
         "precision": plan.precision,

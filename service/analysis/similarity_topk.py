@@ -1,22 +1,29 @@
 """Top-k class similarity without the C x C matrix: each class's k most similar classes (cosine
 or dot), streamed block by block, for stores whose dense matrix would be too large to keep.
 
-Holds ``TopKPlan`` (query blocks, stream blocks, column bands, the table's chunk rows and the
-memory bound of one task), ``plan_topk`` (sizes from a per-task memory budget),
-``merge_topk`` (one block of scores merged into the running top-k: the unit the unit tests
-check), ``streamed_topk`` (one query block's top-k from any row reader) and ``topk_task`` (the
-unit of work Ray or this process runs: read, compute, write the block's neighbours, report).
+Holds ``TopKPlan`` (query blocks, score windows, stream reads, column bands, the table's chunk
+rows, the memory bound of one task and how many times each row is read), ``plan_topk`` (sizes
+from a per-task memory budget), ``merge_topk`` (one block of scores merged into the running
+top-k: the unit the unit tests check), ``streamed_topk`` (one query block's top-k from any row
+reader) and ``topk_task`` (the unit of work Ray or this process runs: read, compute, write the
+block's neighbours, report).
 
-How it works. Task i holds the rows of its query block Q (block_rows x D, normalised for
-cosine) and streams every row of the store past it in stream blocks S of stream_rows rows (read
-in column bands when a block of full rows would not fit): scores = Q S^T (block_rows x
-stream_rows; for cosine scaled by 1 / |s| per column), then ``merge_topk`` keeps each query
-row's k best of (its running k best, this block's candidates). Nothing C-wide exists in a
-task: it holds Q, one stream block, one score block and k neighbours per query row, whatever C
-is, so query blocks can be far larger than the dense path's strips and each row is read about
-C / block_rows times instead of C / (a strip's rows). Self is excluded (its score set to -inf);
-equal scores go to the lower row index, as in the dense path, so the table is deterministic.
-Products are float32 (``precision="float64"`` computes in float64); values are stored float32.
+How it works. Task i owns query block Q (block_rows rows) and computes its scores against every
+row of the store, one window of window_rows rows at a time: scores = Q S^T (block_rows x
+window_rows), summed over column bands when rows are read in bands; then ``merge_topk`` keeps
+each query row's k best of (its running k best, the window's candidates). The window's rows are
+read in stream reads of stream_rows rows x one band, each into one reused buffer; Q is read
+once (full rows) or once per window and band (banded), in reads of the same size. So a task
+holds Q or one band of it, one stream buffer, one read in flight (zarr's decoded chunks and the
+values as returned), one window of scores and k neighbours per query row, whatever C is; and
+each row of the store is read ``passes`` times in all (once by each task, and its own block's
+query read: ``TopKPlan.passes``). A window of scores costs block_rows x window_rows while a
+band of Q costs block_rows x band_cols: for wide rows (many parameters, few classes) bands let
+the query block, and so each task's share of the rows, be far larger than full rows would, and
+the number of passes far smaller. Self is excluded (its score set to -inf); equal scores go to
+the lower row index, as in the dense path, so the table is deterministic. For cosine the scores
+are scaled by 1 / (|q| |s|) (norms summed in float64; rows of norm 0 score 0). Products are
+float32 (``precision="float64"`` computes in float64); values are stored float32.
 """
 
 from __future__ import annotations
@@ -36,21 +43,36 @@ from classgrad.service.errors import ConfigError
 
 # A neighbour-table chunk (chunk_rows x k int64) stays below this many bytes.
 _TABLE_CHUNK_BYTES = 8 * MIB
-# The interpreter's own small allocations, torch's and zarr's buffers for small arrays.
-_SLACK_BYTES = 16 * MIB
+# The interpreter's own small allocations, torch's and zarr's buffers for small arrays, and what
+# opening the store and its first reads and writes cost in a fresh process (zarr's codec
+# pipeline, its threads and their allocator arenas): 17.5 MiB measured for a task of 480 rows of
+# 100 columns, the fixed part of tests/unit/test_topk_memory.py's first task.
+_SLACK_BYTES = 24 * MIB
+# One read in flight holds about this many copies of what it decodes: zarr's compressed and
+# decoded chunks and the float32 values it returns (measured: tests/unit/test_topk_memory.py).
+_READ_COPIES = 3
+# Stream reads take at most this share of the budget (more only buys fewer, larger reads).
+_STREAM_SHARE = 8
+# The float64 scratch of summing squared norms (a copy of a few rows and its square).
+_NORM_SCRATCH_BYTES = 1 * MIB
+# Columns of a band when the store's column chunk holds every column (any width then decodes
+# the whole chunk, so bands are only for a query block that would not fit otherwise).
+_BAND_UNIT = 256
 
 Reader = Callable[[int, int, tuple[int, int]], np.ndarray]
 
 
 def _topk_row_bytes(k: int) -> int:
     """Scratch of the running top-k per query row: the running k best, a block's k candidates,
-    their 2k concatenation, its two orderings and the argsort indices (values and int64)."""
-    return 8 * k * 12
+    their 2k concatenation, its two orderings and the argsort indices (values and int64), and
+    the row's squared norm and scale."""
+    return 8 * k * 12 + 16
 
 
 @dataclass(frozen=True)
 class TopKPlan:
-    """What every top-k task needs to know; plain data, so it travels to Ray tasks as a dict."""
+    """What every top-k task needs to know; plain data, so it travels to Ray tasks as a dict.
+    ``window_rows`` 0 means one window of every row; ``read_cols`` 0 means ``band_cols``."""
 
     num_classes: int
     dim: int
@@ -61,30 +83,50 @@ class TopKPlan:
     metric: str
     top_k: int
     precision: str
+    window_rows: int = 0
+    read_cols: int = 0  # columns one read decodes (whole column chunks): its in-flight memory
+
+    @property
+    def window(self) -> int:
+        return self.window_rows or self.num_classes
 
     def blocks(self) -> list[tuple[int, int]]:
         return spans(0, self.num_classes, self.block_rows)
 
+    def windows(self) -> list[tuple[int, int]]:
+        return spans(0, self.num_classes, self.window)
+
     def stream_blocks(self) -> list[tuple[int, int]]:
-        return spans(0, self.num_classes, self.stream_rows)
+        return [s for w0, w1 in self.windows() for s in spans(w0, w1, self.stream_rows)]
 
     def bands(self) -> list[tuple[int, int]]:
         return spans(0, self.dim, self.band_cols)
 
+    def passes(self) -> int:
+        """How many times each row is read in all (values of every column; a banded query block
+        is read again for each window)."""
+        banded = self.band_cols < self.dim
+        return len(self.blocks()) + (len(self.windows()) if banded else 1)
+
     def memory_bound(self) -> dict[str, int]:
         """Bytes one task may hold at its peak, by part, and their ``total``: the query block
-        (and its float32 read when computing in float64), one stream block as read and in the
-        arithmetic's dtype (plus a contiguous copy of the query's band when banded), one block
-        of scores, the running top-k and a fixed slack (which also covers the stable sort of
-        one row of scores where ties straddle the k-th place)."""
+        (full rows, or one band of them), the stream buffer, one read in flight (``_READ_COPIES``
+        copies of what it decodes), one product of the query block and a stream read when a
+        window takes several reads, one window of scores (twice: ``torch.topk`` works on a
+        copy), the running top-k, the float64 scratch of the squared norms and a fixed slack
+        (which also covers the stable sort of one row of scores where ties straddle the k-th
+        place)."""
         B, M, W, D = self.block_rows, self.stream_rows, self.band_cols, self.dim
         item = 8 if self.precision == "float64" else 4
+        window = min(self.window, self.num_classes)
         parts = {
-            "query": B * D * item + (B * D * 4 if item == 8 else 0),
-            "stream": M * W * (4 + 4 + item),  # decoded chunks, the gathered block, its cast
-            "query_band": B * W * item if W < D else 0,
-            "scores": B * M * item,
+            "query": B * (D if W >= D else W) * item,
+            "stream": M * W * item,
+            "read_in_flight": _READ_COPIES * M * (self.read_cols or W) * 4,
+            "product": B * M * item if M < window else 0,
+            "scores": 2 * B * window * item + window * 16,  # the window and torch.topk's working copy
             "topk": B * _topk_row_bytes(self.top_k),
+            "norm_scratch": 16 * (D if W >= D else W) * min(_norm_rows(D if W >= D else W), max(B, M)),
             "slack": _SLACK_BYTES,
         }
         parts["total"] = sum(parts.values())
@@ -105,50 +147,91 @@ def _table_chunk_rows(block_rows: int, row_chunk: int, k: int) -> int:
     return best
 
 
+def _read_cols(width: int, dim: int, col_chunk: int) -> int:
+    """Columns a read of ``width`` columns decodes: whole column chunks (one more when the band
+    does not start on a chunk boundary), at most every column."""
+    if col_chunk >= dim:
+        return dim
+    return min(dim, ceil_div(width, col_chunk) * col_chunk + (col_chunk if width % col_chunk else 0))
+
+
+def _fit(avail: int, C: int, D: int, rc: int, cc: int, k: int, item: int, cap: int, width: int):
+    """(block_rows, window_rows, stream_rows, read_cols) for bands of ``width`` columns within
+    ``avail`` bytes, or None when not even one row chunk fits. Stream reads take at most
+    1 / _STREAM_SHARE of the budget; the query block is as large as it may be (up to ``cap``)
+    with one window of every row, else half of what is left, the rest for the scores' window."""
+    all_rows = ceil_div(C, rc) * rc
+    read_cols = _read_cols(width, D, cc)
+    query_cols = D if width >= D else width
+    avail -= _NORM_SCRATCH_BYTES + 16 * query_cols
+    per_stream = width * item + _READ_COPIES * read_cols * 4
+    stream = min(all_rows, _round_down(avail // _STREAM_SHARE // per_stream, rc))
+    if stream < rc:
+        stream = rc
+    rest = avail - stream * per_stream
+    per_query = query_cols * item + _topk_row_bytes(k) + stream * item  # + its product
+    rows = min(cap, _round_down(max(rest - all_rows * 16, 0) // (per_query + 2 * all_rows * item), rc))
+    if rows >= min(cap, rc) and rows > 0:
+        return rows, 0, stream, read_cols
+    rows = min(cap, _round_down(max(rest, 0) // 2 // per_query, rc))
+    if rows < rc:
+        return None
+    window = _round_down(max(rest - rows * per_query, 0) // (2 * rows * item + 16), rc)
+    if window < stream:
+        return None
+    return rows, window, stream, read_cols
+
+
 def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
-    """Query rows, stream rows and column bands for ``store`` within ``config.task_mb`` MiB per
-    task (``config`` is a ``SimilarityConfig``): the query block takes at most half of the
-    budget and is capped so that there are ``tasks_per_cpu`` tasks per worker; stream blocks
-    take what is left. A given ``block_rows`` (a multiple of the store's row_chunk) or
-    ``band_cols`` is used as given."""
+    """Query rows, score windows, stream reads and column bands for ``store`` within
+    ``config.task_mb`` MiB per task (``config`` is a ``SimilarityConfig``). The query block is
+    capped so that there are ``tasks_per_cpu`` tasks per worker; full rows are read unless
+    column bands (whole column chunks) allow a larger query block, and so fewer passes over
+    the store, or full rows do not fit at all. A given ``block_rows`` (a multiple of the
+    store's row_chunk) or ``band_cols`` is used as given."""
     C, D, rc, cc = store.num_classes, store.dim, store.row_chunk, store.col_chunk
     k = min(config.top_k, C - 1)
     item = 8 if config.precision == "float64" else 4
     budget = int(config.task_mb * MIB)
     avail = budget - _SLACK_BYTES
-    per_query = D * item + (D * 4 if item == 8 else 0) + _topk_row_bytes(k)
     all_rows = ceil_div(C, rc) * rc
     if config.block_rows is not None:
         if config.block_rows < 1 or config.block_rows % rc:
             raise ConfigError(
                 f"--block-rows must be a positive multiple of the store's row_chunk ({rc}), got {config.block_rows}"
             )
-        rows = min(config.block_rows, all_rows)
+        cap = min(config.block_rows, all_rows)
     else:
-        parallel = ceil_div(ceil_div(C, config.tasks_per_cpu * workers), rc) * rc if workers > 1 else all_rows
-        rows = max(rc, min(parallel, _round_down(max(avail // 2, 0) // per_query, rc)))
-    rest = avail - rows * per_query
-
-    def stream_for(w: int) -> int:
-        """Stream rows that fit beside the query block when read in bands of w columns."""
-        left = rest - (rows * w * item if w < D else 0)  # the query's band copy
-        per_stream = w * (8 + item) + rows * item
-        return min(all_rows, _round_down(max(left, 0) // per_stream, rc))
-
-    width = min(config.band_cols, D) if config.band_cols is not None else D
-    stream = stream_for(width)
-    if stream < rc and config.band_cols is None:
-        # Full rows do not fit: stream row_chunk rows at a time, in bands of whole column chunks.
-        spare = rest - rc * rows * item
-        width = min(D, _round_down(max(spare, 0) // (rc * (8 + item) + rows * item), cc))
-        stream = stream_for(width) if width > 0 else 0
-    if stream < rc or width < 1:
-        need = _SLACK_BYTES + rows * per_query + rc * rows * item + min(D, cc) * (rc * (8 + item) + rows * item)
+        cap = ceil_div(ceil_div(C, config.tasks_per_cpu * workers), rc) * rc if workers > 1 else all_rows
+    unit = cc if cc < D else _BAND_UNIT
+    if config.band_cols is not None:
+        widths = [min(config.band_cols, D)]
+    else:
+        widths = [D] + [w for w in (_round_down(D // n, unit) for n in (2, 4, 8, 16, 32, 64, 128)) if 0 < w < D]
+        widths += [unit] if unit < D else []
+    fits = [(w, f) for w in dict.fromkeys(widths) if (f := _fit(avail, C, D, rc, cc, k, item, cap, w)) is not None]
+    if config.block_rows is not None:
+        fits = [(w, f) for w, f in fits if f[0] == cap]
+    if not fits:
+        rows = cap if config.block_rows is not None else rc
+        width = min(D, cc)
+        need = (
+            _SLACK_BYTES
+            + _NORM_SCRATCH_BYTES
+            + 16 * D
+            + rows * (width * item + _topk_row_bytes(k) + rc * item)
+            + all_rows * 16
+        )
+        need += rc * (width * item + _READ_COPIES * _read_cols(width, D, cc) * 4) + rows * rc * item
         raise ConfigError(
             f"top-k similarity: --task-mb {config.task_mb:g} cannot hold a query block of {rows} rows x "
             f"{D} columns beside a stream block of {rc} rows; raise --task-mb to at least "
             f"{ceil_div(need, MIB)} or lower --block-rows"
         )
+    # The widest bands that fit; with column chunks narrower than a row, the bands that give the
+    # largest query block (fewest passes), the widest of those.
+    best = fits[0] if cc >= D else max(fits, key=lambda wf: wf[1][0])
+    width, (rows, window, stream, read_cols) = best
     return TopKPlan(
         num_classes=C,
         dim=D,
@@ -159,6 +242,8 @@ def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
         metric=config.metric,
         top_k=k,
         precision=config.precision,
+        window_rows=0 if window == 0 or window >= C else window,
+        read_cols=read_cols,
     )
 
 
@@ -199,14 +284,41 @@ def merge_topk(best_val, best_idx, scores, col0: int, row0: int, k: int):
     return merged_val.gather(1, by_value), merged_idx.gather(1, by_value)
 
 
+def _norm_rows(width: int) -> int:
+    """Rows whose float64 copy and its square stay within ``_NORM_SCRATCH_BYTES``."""
+    return max(1, _NORM_SCRATCH_BYTES // (16 * max(width, 1)))
+
+
 def _squared_norms(x) -> Any:
-    """|row|^2 in float64, summed a few rows at a time (bounds the float64 copy)."""
+    """|row|^2 in float64, summed a few rows at a time: the float64 copy and its square never
+    exceed ``_NORM_SCRATCH_BYTES`` (plus one row), however wide the rows are."""
     import torch
 
     sq = torch.zeros(x.shape[0], dtype=torch.float64)
-    for r in range(0, x.shape[0], 256):
-        sq[r : r + 256] = x[r : r + 256].double().square().sum(dim=1)
+    step = _norm_rows(x.shape[1])
+    for r in range(0, x.shape[0], step):
+        sq[r : r + step] = x[r : r + step].double().square().sum(dim=1)
     return sq
+
+
+def _read_into(read: Reader, buffer, a: int, b: int, cols: tuple[int, int], rows_per_read: int):
+    """Rows [a, b) x ``cols`` read ``rows_per_read`` rows at a time into ``buffer`` (flat, reused):
+    returns the [b - a, width] view. One read is in flight at a time, so its decoding never
+    holds more than one read's worth beside the buffer."""
+    import torch
+
+    width = cols[1] - cols[0]
+    out = buffer[: (b - a) * width].view(b - a, width)
+    for r0 in range(a, b, rows_per_read):
+        r1 = min(r0 + rows_per_read, b)
+        out[r0 - a : r1 - a].copy_(torch.from_numpy(read(r0, r1, cols)))
+    return out
+
+
+def _inverse_norms(sq):
+    import torch
+
+    return torch.where(sq > 0, sq.rsqrt(), torch.zeros_like(sq))
 
 
 def streamed_topk(read: Reader, plan: TopKPlan, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -216,37 +328,62 @@ def streamed_topk(read: Reader, plan: TopKPlan, start: int, stop: int) -> tuple[
     import torch
 
     dtype = torch.float64 if plan.precision == "float64" else torch.float32
-    C, D, k = plan.num_classes, plan.dim, plan.top_k
+    C, D, k, M = plan.num_classes, plan.dim, plan.top_k, plan.stream_rows
     cosine = plan.metric == "cosine"
-    q = torch.from_numpy(read(start, stop, (0, D))).to(dtype)
-    read_bytes = q.shape[0] * D * 4
-    if cosine:
-        sq = _squared_norms(q)
-        inv = torch.where(sq > 0, sq.rsqrt(), torch.zeros_like(sq))
-        q.mul_(inv.to(dtype)[:, None])
     n = stop - start
+    bands = plan.bands()
+    banded = len(bands) > 1
+    read_bytes = 0
+    query_buffer = torch.empty(n * (bands[0][1] - bands[0][0]), dtype=dtype)
+    stream_buffer = torch.empty(M * (bands[0][1] - bands[0][0]), dtype=dtype)
+    windows = plan.windows()
+    scores_buffer = torch.empty(n * min(plan.window, C), dtype=dtype)
+    product_buffer = torch.empty(n * M, dtype=dtype) if M < plan.window else None
+    q = None
+    q_inv = None
+    if not banded:  # full rows: the query block is read once and normalised in place
+        q = _read_into(read, query_buffer, start, stop, (0, D), M)
+        read_bytes += n * D * 4
+        if cosine:
+            q.mul_(_inverse_norms(_squared_norms(q)).to(dtype)[:, None])
     best_val = torch.full((n, k), float("-inf"), dtype=dtype)
     best_idx = torch.full((n, k), C, dtype=torch.int64)
-    buffer = torch.empty(n * plan.stream_rows, dtype=dtype)  # one block of scores, reused
-    bands = plan.bands()
-    for j0, j1 in plan.stream_blocks():
-        scores = buffer[: n * (j1 - j0)].view(n, j1 - j0)
-        ssq = torch.zeros(j1 - j0, dtype=torch.float64) if cosine else None
+    for w, (w0, w1) in enumerate(windows):
+        scores = scores_buffer[: n * (w1 - w0)].view(n, w1 - w0)
+        s_sq = torch.zeros(w1 - w0, dtype=torch.float64) if cosine else None
+        q_sq = torch.zeros(n, dtype=torch.float64) if cosine and banded and w == 0 else None
         for b, (c0, c1) in enumerate(bands):
-            s = torch.from_numpy(read(j0, j1, (c0, c1))).to(dtype)
-            read_bytes += s.shape[0] * (c1 - c0) * 4
-            if ssq is not None:
-                ssq += _squared_norms(s)
-            qb = q if len(bands) == 1 else q[:, c0:c1].contiguous()
-            if b == 0:
-                torch.mm(qb, s.T, out=scores)
-            else:
-                scores.addmm_(qb, s.T)
-            del s, qb
-        if ssq is not None:
-            inv_s = torch.where(ssq > 0, ssq.rsqrt(), torch.zeros_like(ssq))
-            scores.mul_(inv_s.to(dtype)[None, :])
-        best_val, best_idx = merge_topk(best_val, best_idx, scores, j0, start, k)
+            if banded:
+                q = _read_into(read, query_buffer, start, stop, (c0, c1), M)
+                read_bytes += n * (c1 - c0) * 4
+                if q_sq is not None:
+                    q_sq += _squared_norms(q)
+            assert q is not None
+            for j0, j1 in spans(w0, w1, M):
+                s = _read_into(read, stream_buffer, j0, j1, (c0, c1), M)
+                read_bytes += (j1 - j0) * (c1 - c0) * 4
+                if s_sq is not None:
+                    s_sq[j0 - w0 : j1 - w0] += _squared_norms(s)
+                target = scores[:, j0 - w0 : j1 - w0]
+                if product_buffer is None:  # one read per window: straight into the scores
+                    if b == 0:
+                        torch.mm(q, s.T, out=scores)
+                    else:
+                        scores.addmm_(q, s.T)
+                    continue
+                product = product_buffer[: n * (j1 - j0)].view(n, j1 - j0)
+                torch.mm(q, s.T, out=product)
+                if b == 0:
+                    target.copy_(product)
+                else:
+                    target.add_(product)
+        if q_sq is not None:
+            q_inv = _inverse_norms(q_sq).to(dtype)
+        if q_inv is not None:
+            scores.mul_(q_inv[:, None])
+        if s_sq is not None:
+            scores.mul_(_inverse_norms(s_sq).to(dtype)[None, :])
+        best_val, best_idx = merge_topk(best_val, best_idx, scores, w0, start, k)
     return best_idx.numpy(), best_val.to(torch.float32).numpy(), read_bytes
 
 

@@ -140,7 +140,11 @@ def main(args: argparse.Namespace) -> int:
         else f"the top-{summary['top_k']} neighbours per class (top-k only: no {C:,} x {C:,} matrix)"
     )
     print(f"similarity  {summary['metric']} of {C} classes x {summary['dim']}: {what}, written to {summary['store']}")
-    stream = "" if summary["dense"] else f", streamed {summary['stream_rows']} rows at a time"
+    stream = (
+        ""
+        if summary["dense"]
+        else f", streamed {summary['stream_rows']} rows at a time, each row read {summary['passes']} times"
+    )
     print(
         f"tasks       {summary['tasks']} of <= {summary['block_rows']} rows{stream}, bands of "
         f"{summary['band_cols']} columns, {summary['executor']}, {summary['seconds']:.1f} s, "

@@ -68,9 +68,19 @@ def test_merge_breaks_ties_by_the_lower_index_across_and_within_blocks():
 
 
 def plan_for(
-    C: int, D: int, *, block: int, stream: int, band: int | None = None, metric="cosine", k=5, precision="float32"
+    C: int,
+    D: int,
+    *,
+    block: int,
+    stream: int,
+    band: int | None = None,
+    metric="cosine",
+    k=5,
+    precision="float32",
+    window: int = 0,
 ):
     return TopKPlan(
+        window_rows=window,
         num_classes=C,
         dim=D,
         block_rows=block,
@@ -105,19 +115,23 @@ def check_against_dense(rows: np.ndarray, index: np.ndarray, value: np.ndarray, 
 
 
 @pytest.mark.parametrize(
-    "metric, block, stream, band, precision",
+    "metric, block, stream, band, precision, window",
     [
-        ("cosine", 64, 48, None, "float32"),
-        ("cosine", 128, 16, 40, "float32"),  # column bands: D = 96 in three
-        ("dot", 32, 100, None, "float32"),
-        ("dot", 64, 64, 32, "float64"),
+        ("cosine", 64, 48, None, "float32", 0),
+        ("cosine", 128, 16, 40, "float32", 0),  # column bands: D = 96 in three
+        ("dot", 32, 100, None, "float32", 0),
+        ("dot", 64, 64, 32, "float64", 0),
+        ("cosine", 64, 16, 40, "float32", 48),  # windows of 48 score columns, read 16 rows at a time
+        ("dot", 32, 16, None, "float32", 80),
     ],
 )
-def test_streamed_topk_equals_the_dense_reference(metric, block, stream, band, precision):
+def test_streamed_topk_equals_the_dense_reference(metric, block, stream, band, precision, window):
     from tests.support.stores import synthetic_rows
 
     rows = synthetic_rows(300, 96, seed=2)
-    plan = plan_for(300, 96, block=block, stream=stream, band=band, metric=metric, k=8, precision=precision)
+    plan = plan_for(
+        300, 96, block=block, stream=stream, band=band, metric=metric, k=8, precision=precision, window=window
+    )
 
     def read(a: int, b: int, cols: tuple[int, int]) -> np.ndarray:
         return rows[a:b, cols[0] : cols[1]].copy()
@@ -132,7 +146,12 @@ def test_streamed_topk_equals_the_dense_reference(metric, block, stream, band, p
     n = np.linalg.norm(rows.astype(np.float64), axis=1)
     tol = terms * U * (np.ones((300, 300)) if metric == "cosine" else np.outer(n, n))
     check_against_dense(rows, index, value, metric, 8, tol)
-    assert all(p[2] == (b - a) * 96 * 4 + 300 * 96 * 4 for p, (a, b) in zip(parts, plan.blocks(), strict=True))
+    # Each task reads every row once, and its own block once (once per window when banded).
+    query_reads = len(plan.windows()) if band else 1
+    assert all(
+        p[2] == query_reads * (b - a) * 96 * 4 + 300 * 96 * 4 for p, (a, b) in zip(parts, plan.blocks(), strict=True)
+    )
+    assert sum(p[2] for p in parts) == plan.passes() * 300 * 96 * 4
 
 
 def test_top_k_only_run_writes_no_matrix_and_equals_the_dense_run(tmp_path):
@@ -182,20 +201,25 @@ def test_dense_or_top_k_only_and_the_one_line_refusals(tmp_path, monkeypatch):
 
 def test_plan_stays_within_the_budget_and_bands_wide_rows(tmp_path):
     store, _ = synthetic_store(tmp_path / "s", num_classes=500, dim=4096, col_chunk=512)
-    plan = plan_topk(store, SimilarityConfig(task_mb=32), workers=1)
+    plan = plan_topk(store, SimilarityConfig(task_mb=40), workers=1)
     bound = plan.memory_bound()
-    assert bound["total"] <= 32 << 20 and bound["total"] == sum(v for k, v in bound.items() if k != "total")
+    assert bound["total"] <= 40 << 20 and bound["total"] == sum(v for k, v in bound.items() if k != "total")
     assert plan.block_rows % 16 == 0 and plan.stream_rows % 16 == 0 and plan.band_cols == 4096
-    assert plan.chunk_rows % 16 == 0 and plan.block_rows % plan.chunk_rows == 0
+    # One block may hold every row (the table is then one chunk of all 500 rows).
+    assert plan.chunk_rows == 500 if len(plan.blocks()) == 1 else plan.chunk_rows % 16 == 0
+    assert len(plan.blocks()) == 1 or plan.block_rows % plan.chunk_rows == 0
     # Two workers: at least two tasks each; the query block never takes more than half.
     two = plan_topk(store, SimilarityConfig(task_mb=512), workers=2)
     assert len(two.blocks()) >= 4 and two.block_rows * 4096 * 4 <= 256 << 20
     # A budget too small for full stream rows beside the query block: bands of column chunks.
-    tight = plan_topk(store, SimilarityConfig(task_mb=18, block_rows=96), workers=1)
+    tight = plan_topk(store, SimilarityConfig(task_mb=26, block_rows=96), workers=1)
     assert tight.band_cols < 4096 and tight.band_cols % 512 == 0
-    assert tight.memory_bound()["total"] <= 18 << 20
-    with pytest.raises(ConfigError, match=r"--task-mb 17 cannot hold .* raise --task-mb to at least \d+"):
-        plan_topk(store, SimilarityConfig(task_mb=17, block_rows=496), workers=1)
+    assert tight.memory_bound()["total"] <= 26 << 20
+    with pytest.raises(ConfigError, match=r"--task-mb 25 cannot hold .* raise --task-mb to at least \d+"):
+        plan_topk(store, SimilarityConfig(task_mb=25, block_rows=496), workers=1)
+    # Left to itself with that budget, it bands the rows so that one task holds every query row.
+    banded = plan_topk(store, SimilarityConfig(task_mb=32), workers=1)
+    assert banded.band_cols < 4096 and len(banded.blocks()) == 1 and banded.passes() == 2
 
 
 def test_cli_prints_a_sample_with_class_names_and_writes_no_matrix(tmp_path, capsys):
