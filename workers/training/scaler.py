@@ -327,7 +327,8 @@ def _columns(
     if model is not None:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be an nn.Module, got {type(model).__name__}")
-        return parameters_of(model, params)
+        layout, chosen = parameters_of(model, params)
+        return layout, list(chosen)
     if params:
         raise InputError("params (name patterns) need model=")
     tensors = _unique(p for g in _groups(optimizer) for p in g["params"] if p.requires_grad)
