@@ -55,7 +55,7 @@ class PerClassGradScaler:
     """A ``torch.amp.GradScaler`` step that also gives every class's gradient row.
 
     ``scaler``: the ``GradScaler`` to wrap; by default one is made at the first call for the
-    model's device, enabled only for fp16 (``precision="fp16"``, or a ``step_batch`` under an
+    model's device, enabled only for fp16 (``precision="fp16"``, or a first call made under an
     fp16 autocast), disabled for fp32 and bf16. ``scaler_kwargs`` (``init_scale``,
     ``growth_interval``, ...) go to that ``GradScaler``. ``block_rows``: rows per batched backward
     of the general route (default: 1, 4, 16 or 32, whichever the first calls measure fastest per
@@ -157,7 +157,7 @@ class PerClassGradScaler:
         layout, tensors = _columns(model, params, optimizer)
         _check_optimizer(optimizer, tensors, layout, update_grad)
         device = tensors[0].device
-        scaler = self._scaler_for(device, "fp32")
+        scaler = self._scaler_for(device, ambient_precision(device))
         n = loss.numel()
         rows = _rows_buffer(out, n, layout.dim, device)
         scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
