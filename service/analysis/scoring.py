@@ -187,7 +187,7 @@ def score_block(readers: list[Any], queries: np.ndarray, weights: list[float], p
     best_idx = torch.full((n, k), C, dtype=torch.int64)
     bands = plan.bands()
     # A Ray argument arrives read-only (shared memory): a copy that torch may own.
-    q = torch.from_numpy(np.array(queries, dtype=np.float32, order="C", copy=not queries.flags.writeable))
+    q = torch.from_numpy(np.ascontiguousarray(queries if queries.flags.writeable else queries.copy(), dtype=np.float32))
     kernel = plan.form == "kernel"
     dots = np.zeros((len(readers), n, C), dtype=np.float64) if kernel else None
     for j0, j1 in plan.stream_blocks():

@@ -79,7 +79,7 @@ def test_several_checkpoints_add_up_with_their_weights(tmp_path):
     a, phi_a = _store(tmp_path / "a", seed=0)
     b, phi_b = _store(tmp_path / "b", seed=4)
     qa, qb = _queries(20, 24, 1), _queries(20, 24, 2)
-    result = score_rows([a, b], [qa, qb], method="trak", weights=[0.5, 2.0], top_k=6, executor="local")
+    result = score_rows([a, b], [qa, qb], method="trak", weights=[0.5, 2.0], top_k=6, block_rows=8, executor="local")
     full = 0.5 * brute_force(qa, phi_a, "trak") + 2.0 * brute_force(qb, phi_b, "trak")
     _check_topk(result, full, 6)
 
