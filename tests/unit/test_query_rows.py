@@ -103,6 +103,13 @@ def test_a_model_of_another_layout_is_refused(stores):
             query_rows(stores[name], _probe(), model=wider)
 
 
+def test_query_data_the_model_cannot_take_is_refused_in_one_line(stores):
+    x, y = _probe()
+    with pytest.raises(InputError, match="forward failed") as info:
+        query_rows(stores["full"], (x[:, :5], y))  # 5 features for a model of 8
+    assert "\n" not in str(info.value)
+
+
 class _WithoutRecord:
     """A projected store whose ``projection`` attribute is gone."""
 

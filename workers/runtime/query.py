@@ -39,7 +39,7 @@ from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import PartitionedLoss, create_loss
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.runtime.actor import build_projector, project_rows_for, projection_record, stored_blocks
-from classgrad.workers.runtime.factory import build_model, engine_from_parts
+from classgrad.workers.runtime.factory import build_model, engine_from_parts, preflight
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,7 @@ def query_rows(
             selected = ParamLayout.from_model(model, include=config.params.include, exclude=config.params.exclude)
             _check_layout(store, selected.slots, record)
             engine = engine_from_parts(config, model, probe, loss, device=dev, record=record, kind="partitioned")
+            preflight(engine)  # query data the model cannot take: one line, before any backward
             projector = build_projector(config, engine=engine, record=record)
             mine = projection_record(engine, projector)
             if _normalised(mine) != _normalised(record or None):
