@@ -164,3 +164,49 @@ def test_scores_of_every_structure_equal_a_float64_brute_force(stores, name, met
     picked = np.take_along_axis(full, got.rows.numpy(), axis=1)
     np.testing.assert_allclose(picked, want, rtol=0, atol=1e-5 * scale)
     assert got.class_ids.tolist() == store.class_ids[got.rows.numpy()].tolist()
+
+
+def test_a_logit_store_takes_the_query_s_own_logit(tmp_path):
+    store = run_without_ray(mlp_job(tmp_path, loss={"kind": "logit"}, data={"kwargs": ONE_PER_CLASS}))
+    x, y = _probe()
+    q = query_rows(store, (x[:4], y[:4]))
+    model = mlp(num_classes=C, in_features=8, hidden=16)
+    for i in range(4):
+        want = per_class_gradients(
+            model, (x[i : i + 1], y[i : i + 1]), num_classes=C, loss="logit", classes=[int(y[i])]
+        )
+        # One example's d z_y / d theta, by the partitioned engine and by the dense engine's head path.
+        torch.testing.assert_close(q.rows[i], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_command_prints_a_sample_resumes_and_refuses_another_request(stores, tmp_path, capsys):
+    from classgrad.service.commands.cli import main as cli_main
+
+    queries = tmp_path / "queries.yaml"
+    queries.write_text(
+        "data:\n  factory: classgrad.workers.zoo:synthetic_probe\n"
+        f"  kwargs: {{num_classes: {C}, samples_per_class: 1, kind: vector, input_shape: [8], seed: 3}}\n"
+    )
+    out = str(tmp_path / "scores.zarr")
+    args = ["score", stores["dense"].url, "--queries", str(queries), "--method", "dot", "--top-k", "3", "--local"]
+    assert cli_main([*args, "--out", out]) == 0
+    printed = capsys.readouterr().out
+    assert "24 queries x 24 classes" in printed and "query 0:" in printed
+    assert cli_main([*args, "--out", out]) == 0
+    assert "1 done before (resumed)" in capsys.readouterr().out
+    assert cli_main([*args, "--out", out, "--top-k", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another request" in err[0]
+
+
+def test_a_query_file_s_group_field_gives_each_example_s_group():
+    from classgrad.service.analysis.score_api import QueryFile, query_data
+
+    spec = QueryFile(
+        data={"factory": "tests.support.hf_jobs:job_vector_rows", "kwargs": {"num_classes": 3, "per_class": 2}},
+        group_field="labels",
+    )
+    data, groups = query_data(spec)
+    assert len(data) == 6 and groups == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(InputError, match="group_field 'nope'"):
+        query_data(QueryFile(data=spec.data, group_field="nope"))
