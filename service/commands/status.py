@@ -11,6 +11,7 @@ import json
 import time
 
 from classgrad.service.commands import add_store_arguments, storage_options
+from classgrad.service.errors import first_line
 
 HELP = "show a store's progress: shards done, missing rows, last runs"
 SHOWN_NOTES = 3  # engine notes in the text; --json has every one the run recorded
@@ -70,8 +71,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"          engine: {note}")
         if len(notes) > SHOWN_NOTES:
             print(f"          engine: +{len(notes) - SHOWN_NOTES} more notes (--json)")
-        if run.get("error"):
-            print(f"          error: {run['error']}")
+        if run.get("error"):  # one line: a record of an older classgrad may hold a whole dump
+            print(f"          error: {first_line(run['error'], limit=400)}")
     if info["lease"]:
         lease = info["lease"]
         print(f"lease     held by run {lease.get('run_id')} on {lease.get('host')} (pid {lease.get('pid')})")

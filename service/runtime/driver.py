@@ -39,6 +39,7 @@ from classgrad.service.errors import (
     StoreError,
     first_line,
 )
+from classgrad.service.runtime.actor_deaths import actor_lost, out_of_memory_failure, out_of_memory_line
 from classgrad.service.runtime.plan import Shard, dispatch_order
 from classgrad.service.runtime.preparation import check_identity, check_job, prepare_store
 from classgrad.service.runtime.progress import Progress
@@ -126,6 +127,8 @@ class _Slot:
 
 class JobDriver:
     """Runs one job to completion on Ray, resuming whatever a previous run left done."""
+
+    _oom_kills = 0  # actors of this run that Ray killed because their node ran low on memory
 
     def __init__(self, config: JobConfig, *, run_id: str | None = None):
         self.config = config
@@ -250,22 +253,35 @@ class JobDriver:
                 slot = waiting.pop(ref)
                 try:
                     infos.append(ray.get(ref))
-                except ray.exceptions.RayActorError as exc:
-                    self._replace_actor(slot, exc)
+                except actor_lost(ray) as exc:
+                    cause = self._replace_actor(slot, exc)
+                    log.warning("actor %d died while starting (%s); a replacement is starting", slot.index, cause)
                     waiting[slot.actor.ready.remote()] = slot
         self.summary.nodes = sorted({i["node"] for i in infos})
         log.info("%d actors ready on %d node(s)", len(infos), len(self.summary.nodes))
 
     def _replace_actor(self, slot: _Slot, exc: Exception) -> str:
-        """Start a new actor in ``slot`` after its actor died; returns why it died."""
+        """Start a new actor in ``slot`` after its actor died; returns why it died, in one line.
+        An actor that Ray killed because its node ran low on memory is replaced too, after a
+        pause (1, 2, 4 ... s, at most 10 s: memory another process took may come back); every
+        replacement counts against one bound, and a job whose actors are still being killed for
+        memory past it stops with one line that says so."""
         user_error = _creation_error(exc)
         if user_error is not None:
             raise user_error  # the actor cannot be built from this config: replacing cannot help
-        cause = _cause_line(exc)
+        oom = out_of_memory_line(exc)  # Ray's own text is some 40 lines: never stored or shown
+        cause = oom or _cause_line(exc)
         self.summary.actors_replaced += 1
+        if oom is not None:
+            self._oom_kills += 1
         limit = self.config.cluster.num_workers * self.config.sharding.max_attempts
         if self.summary.actors_replaced > limit:
+            if oom is not None:
+                saved = self.summary.shards_done + self.summary.shards_skipped
+                raise ClassgradError(out_of_memory_failure(self._oom_kills, oom, saved, self.summary.shards_total))
             raise ClassgradError(f"actors keep dying ({self.summary.actors_replaced} replaced); last: {cause}")
+        if oom is not None:
+            time.sleep(min(2.0 ** (self._oom_kills - 1), 10.0))  # the caller logs the death
         self._start_actor(slot)
         return cause
 
@@ -323,7 +339,8 @@ class JobDriver:
                     raise
                 except BaseException as exc:
                     self.summary.status = "failed"
-                    self.summary.error = redact_text(f"{type(exc).__name__}: {exc}")
+                    # One line: a library's message can be a whole dump (Ray's are 40 lines).
+                    self.summary.error = redact_text(first_line(exc, with_type=True))
                     raise
                 finally:
                     self.summary.ended = _now()
@@ -383,7 +400,7 @@ class JobDriver:
                     slot, shard = where.pop(ref)
                     try:
                         report = ray.get(ref)
-                    except ray.exceptions.RayActorError as exc:
+                    except actor_lost(ray) as exc:
                         self._actor_died(slot, exc, queue, attempts, where)
                         continue
                     except ray.exceptions.RayTaskError as exc:

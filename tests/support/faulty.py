@@ -6,7 +6,8 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
 (which has no such variable) never sees a fault in its preflight check. The directory holds
 ``plan.json``::
 
-    {"fail_class": 9, "fail_times": 2, "delay_s": 0.1, "hold_file": null}
+    {"fail_class": 9, "fail_times": 2, "delay_s": 0.1, "hold_file": null,
+     "oom_class": null, "oom_times": 0, "oom_max_bytes": 0}
 
 - ``flaky_cross_entropy`` (``loss.kind: tests.support.faulty:flaky_cross_entropy``): the
   per-sample cross-entropy of ``loss.kind: cross_entropy`` (the same rows, bit for bit), which
@@ -15,7 +16,11 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
   ``hold_file`` exists (a gate the test opens with ``release``). Every fault leaves
   a file ``raised-<n>`` in the directory (created with O_EXCL, so two actors cannot both count
   as fault n); a raise aborts the shard attempt that computes that class, so the count of those
-  files is the number of failed attempts of that shard.
+  files is the number of failed attempts of that shard. Likewise, handed a sample of
+  ``oom_class`` (-1: any) while fewer than ``oom_times`` such faults have been claimed (files
+  ``oom-<n>``), it takes memory, 64 MiB at a time up to ``oom_max_bytes``, until Ray's memory
+  monitor kills its process (a test cluster started with a ``memory_usage_threshold`` that this
+  crosses: ``oom_threshold``); not killed by then, it raises ``InjectedFault``.
 - ``unhooked_mlp``: ``classgrad.workers.zoo.mlp`` with a no-op forward pre-hook on its first layer
   and on the model itself. The partitioned engine retries anything that fails in its fast paths
   (per-class sums from hooks, then vmap) with a slower one that gives the same rows, so an error
@@ -35,7 +40,7 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
 - ``unseeded_mlp`` (initialised from its process's random state), ``noisy_dataset`` (a random
   transform on every read) and ``scaled_mlp`` (``zoo.mlp``'s weights, another forward), for the
   run-identity tests.
-- ``write_plan`` and ``faults_raised`` for the tests.
+- ``write_plan``, ``faults_raised``, ``memory_faults`` and ``oom_threshold`` for the tests.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ def write_plan(
     fail_times: int = 0,
     delay_s: float = 0.0,
     hold: bool = False,
+    oom_class: int | None = None,
+    oom_times: int = 0,
+    oom_max_bytes: int = 0,
 ) -> str:
     """Write a fault plan into ``directory`` (created); returns the directory as a string.
     ``hold``: the loss waits while ``<directory>/hold`` exists (``release`` removes it), after
@@ -85,6 +93,9 @@ def write_plan(
                 "fail_times": fail_times,
                 "delay_s": delay_s,
                 "hold_file": str(hold_file) if hold else None,
+                "oom_class": oom_class,
+                "oom_times": oom_times,
+                "oom_max_bytes": oom_max_bytes,
             }
         )
     )
@@ -103,6 +114,36 @@ def faults_raised(directory: str | Path) -> int:
     return len(list(Path(directory).glob("raised-*")))
 
 
+def memory_faults(directory: str | Path) -> int:
+    """Out-of-memory faults claimed so far (each one an actor that took memory until killed)."""
+    return len(list(Path(directory).glob("oom-*")))
+
+
+def oom_threshold(margin_bytes: int) -> float:
+    """A ``memory_usage_threshold`` for a Ray started now that ``margin_bytes`` more memory in
+    use on this machine crosses: its used fraction now (as Ray's memory monitor counts it,
+    total minus available) plus the margin."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return min(0.99, (vm.total - vm.available + margin_bytes) / vm.total)
+
+
+def _hog_memory(max_bytes: int) -> None:
+    """Take memory (touched, so resident) until this process is killed, or give up."""
+    import numpy as np
+
+    held = []
+    step = 64 << 20
+    while len(held) * step < max_bytes:
+        held.append(np.ones(step // 8))
+        time.sleep(0.05)  # the monitor samples every memory_monitor_refresh_ms
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    raise InjectedFault(f"took {max_bytes >> 20} MiB and Ray's memory monitor did not kill pid {os.getpid()}")
+
+
 def _plan() -> tuple[Path, dict] | None:
     directory = os.environ.get(ENV)
     if not directory:
@@ -113,11 +154,11 @@ def _plan() -> tuple[Path, dict] | None:
         return None
 
 
-def _count_fault(directory: Path, fail_times: int, label: int) -> bool:
+def _count_fault(directory: Path, fail_times: int, label: int, prefix: str = "raised") -> bool:
     """Claim the next fault number below ``fail_times``; False when the budget is spent."""
     for n in range(fail_times):
         try:
-            fd = os.open(directory / f"raised-{n}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(directory / f"{prefix}-{n}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             continue
         with os.fdopen(fd, "w") as fh:
@@ -139,6 +180,10 @@ def flaky_cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Te
             deadline = time.monotonic() + HOLD_MAX_S
             while os.path.exists(hold) and time.monotonic() < deadline:
                 time.sleep(0.05)
+        hog = plan.get("oom_class")  # -1: any class
+        if hog is not None and (hog == -1 or bool((labels == hog).any())):
+            if _count_fault(directory, int(plan.get("oom_times", 0)), int(hog), prefix="oom"):
+                _hog_memory(int(plan.get("oom_max_bytes", 0)))
         target = plan.get("fail_class")
         if target is not None and bool((labels == target).any()):
             if _count_fault(directory, int(plan.get("fail_times", 0)), int(target)):

@@ -1,0 +1,71 @@
+"""Why a job's actor died, in one line, and whether the node ran out of memory.
+
+Holds:
+- ``ACTOR_LOST``: the names of the Ray exceptions that mean "the actor is gone, its shards
+  must be requeued" (``RayActorError`` and ``OutOfMemoryError``: Ray fails the tasks of an actor
+  that its memory monitor killed with ``OutOfMemoryError``, which is not a ``RayActorError``);
+  ``actor_lost(ray)`` gives them as a tuple of classes for ``except``.
+- ``out_of_memory_line``: for an actor killed by Ray's memory monitor (or by the kernel's OOM
+  killer, as Ray reports it), one line such as ``out of memory: Ray's memory monitor killed the
+  actor (node 10.0.0.3: 29.80 GB used of 31.30 GB, 95%)``; None for any other death. Ray's own
+  message is some 40 lines (the policy, the top 10 memory users, how to tune the monitor):
+  never stored in a run record nor printed by ``status``.
+- ``out_of_memory_failure``: the one line a job fails with when memory stays short after its
+  bounded replacements.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+ACTOR_LOST = ("RayActorError", "OutOfMemoryError")
+
+# Ray 2.60's memory monitor: "Memory on the node (IP: 10.0.0.3, ID: 5f..) was 29.80GB used /
+# 31.30GB limit (0.952...)". Older Rays: "... where the task (...) was running was 29.80GB / 31.30GB
+# (0.952...), which exceeds the memory usage threshold of 0.95".
+_NODE_MEMORY = re.compile(
+    r"Memory on the node \(IP: (?P<ip>[^,)]+)[^)]*\).*? was (?P<used>[0-9.]+)\s*GB(?: used)?\s*/\s*"
+    r"(?P<total>[0-9.]+)\s*GB(?: limit)?\s*\((?P<fraction>[0-9.]+)"
+)
+_OOM_MARKERS = (
+    "running low on memory",
+    "NODE_OUT_OF_MEMORY",
+    "killed due to memory pressure",
+)
+
+
+def actor_lost(ray: Any) -> tuple[type[BaseException], ...]:
+    """The Ray exception classes of ``ACTOR_LOST`` (Ray imported by the caller)."""
+    return tuple(getattr(ray.exceptions, name) for name in ACTOR_LOST if hasattr(ray.exceptions, name))
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    if type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return any(marker in text for marker in _OOM_MARKERS)
+
+
+def out_of_memory_line(exc: BaseException) -> str | None:
+    """One line for an actor that Ray killed because its node ran low on memory, else None."""
+    if not _is_out_of_memory(exc):
+        return None
+    match = _NODE_MEMORY.search(str(exc))
+    if match is None:
+        return "out of memory: Ray's memory monitor killed the actor (its node ran low on memory)"
+    fraction = float(match["fraction"])
+    return (
+        f"out of memory: Ray's memory monitor killed the actor (node {match['ip'].strip()}: "
+        f"{float(match['used']):.2f} GB used of {float(match['total']):.2f} GB, {fraction:.0%})"
+    )
+
+
+def out_of_memory_failure(kills: int, last: str, saved: int, total: int) -> str:
+    """The job's one line when its actors keep being killed for memory."""
+    return (
+        f"{last}; memory stayed short: Ray killed {kills} actors of this job for memory, so it stops "
+        f"({saved} of {total} shards are saved). Free memory on the nodes, or give each actor more "
+        f"of a node (fewer cluster.num_workers, more cluster.num_cpus_per_worker, smaller "
+        f"engine.block_rows), and rerun to resume"
+    )
