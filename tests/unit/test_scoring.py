@@ -52,12 +52,26 @@ def _check_topk(result, full, k):
     np.testing.assert_allclose(np.take_along_axis(full, result.rows.numpy(), axis=1), want, rtol=0, atol=atol)
 
 
+def _banded_task_mb(store, num_queries: int) -> float:
+    """A task budget just too small for full rows beside 32 queries: the plan reads column bands."""
+    base = scoring._SLACK_BYTES
+    for extra in range(500, 200_000, 250):
+        config = scoring.ScoreConfig(task_mb=(base + extra) / (1 << 20), block_rows=32, method="dot", top_k=7)
+        try:
+            plan = scoring.plan_scores(num_queries, store, config, num_stores=1, form=None)
+        except ConfigError:
+            continue
+        if plan.band_cols < store.dim:
+            return config.task_mb
+    raise AssertionError("no budget gives column bands")
+
+
 @pytest.mark.parametrize("method", ["dot", "cosine", "trak"])
 def test_features_form_over_blocks_and_bands_equals_the_brute_force(tmp_path, method):
     store, phi = _store(tmp_path / "s", col_chunk=8)  # C = 200 > D = 24: trak in the features form
     q = _queries(70, 24)
     full = brute_force(q, phi, method)
-    for options in ({"block_rows": 16}, {"block_rows": 70}, {"block_rows": 32, "task_mb": 32.03}):
+    for options in ({"block_rows": 16}, {"block_rows": 70}, {"block_rows": 32, "task_mb": _banded_task_mb(store, 70)}):
         result = score_rows([store], [q], method=method, top_k=7, executor="local", **options)
         assert result.info["tasks"] == -(-70 // result.info["block_rows"])
         _check_topk(result, full, 7)
