@@ -119,13 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     info = result.info
     # A sample of queries against a float64 brute force over every row (read in blocks).
     sample = np.linspace(0, Q - 1, min(args.check, Q)).astype(int)
+    q = queries[sample].astype(np.float64)
+    if args.method == "cosine":
+        q /= np.linalg.norm(q, axis=1)[:, None]
+    if args.method == "trak":  # the saved Gram matrix is checked here by its own checksum
+        gram, attrs = store.preconditioner.load(form="features")
+        q = np.linalg.solve(gram + info["damping"][0] * np.eye(D), q.T).T
     exact = np.empty((len(sample), C))
     for a in range(0, C, 8192):
         block = store.block(a, min(a + 8192, C), (0, D)).astype(np.float64)
-        exact[:, a : a + len(block)] = queries[sample].astype(np.float64) @ block.T
+        if args.method == "cosine":
+            block /= np.maximum(np.linalg.norm(block, axis=1), 1e-300)[:, None]
+        exact[:, a : a + len(block)] = q @ block.T
     best = -np.sort(-exact, axis=1)[:, : args.top_k]
     err = float(np.abs(result.scores.numpy()[sample] - best).max() / np.abs(exact).max())
     report = {
+        "method": args.method,
         "queries": Q,
         "classes": C,
         "dim": D,
@@ -133,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "build_s": build_s,
         "seconds": seconds,
         "check_max_rel_err": err,
+        "preconditioner": None if args.method != "trak" else store.preconditioner.info(),
         "driver_rss_added_bytes": driver_peak - driver.start,
         "load_average": os.getloadavg(),
-        **{k: v for k, v in info.items() if k not in ("stores",)},
+        **{k: v for k, v in info.items() if k not in ("stores", "method")},
     }
     print(
         f"score {args.method}: {Q:,} queries x {C:,} classes x {D:,} (store {fmt_bytes(C * D * 4)}) in "
