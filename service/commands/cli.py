@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from classgrad.service.config.redaction import RedactingFilter, redact_text
-from classgrad.service.errors import ClassgradError
+from classgrad.service.errors import ClassgradError, first_line
 from classgrad.service.version import __version__
 
 # name -> module under classgrad.service.commands; each defines HELP, add_arguments(parser), main(args).
@@ -92,15 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"classgrad: error: {redact_text(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("classgrad: interrupted; finished shards are saved, rerun the same command to resume", file=sys.stderr)
+        from classgrad.service.runtime.stopping import INTERRUPTED_LINE  # jobs stop --wait looks for it
+
+        print(INTERRUPTED_LINE, file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - a bug: one line unless --debug
         if args.debug:
             raise
-        print(
-            redact_text(f"classgrad: internal error: {type(exc).__name__}: {exc} (rerun with --debug for details)"),
-            file=sys.stderr,
-        )
+        line = first_line(exc, with_type=True)  # a library's message can be a whole dump (Ray's: 40 lines)
+        print(redact_text(f"classgrad: internal error: {line} (rerun with --debug for details)"), file=sys.stderr)
         return 1
 
 

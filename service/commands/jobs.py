@@ -135,13 +135,39 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(submit.job_logs(client, job_id))
         return 0
     if action == "stop":
-        stopped = submit.stop_job(client, job_id)
-        if args.wait:
-            while str(submit.job_info(client, job_id).status) not in submit.TERMINAL:
-                time.sleep(1.0)
-        print(
-            f"job {job_id}: {'stop requested' if stopped else 'had already ended'}"
-            f"{' and stopped' if stopped and args.wait else ''}"
-        )
+        if not submit.stop_job(client, job_id):
+            print(f"job {job_id}: had already ended")
+            return 0
+        if not args.wait:
+            print(
+                f"job {job_id}: stop requested (its driver gets SIGINT, and SIGKILL if still running "
+                f"{submit.STOP_ENV['RAY_JOB_STOP_WAIT_TIME_S']} s later); "
+                f"`classgrad jobs stop {job_id} --wait` waits until it has stopped"
+            )
+            return 0
+        print(stop_outcome(client, job_id))
         return 0
     raise AssertionError(action)
+
+
+def stop_outcome(client, job_id: str) -> str:
+    """Wait until a job asked to stop has ended (Ray marks it STOPPED once every process of its
+    driver has exited, on the signal or by SIGKILL), and say which: "stopped" only when the
+    driver stopped itself, having recorded the run and released the store's lease."""
+    from classgrad.service.runtime import submit
+    from classgrad.service.runtime.stopping import INTERRUPTED_LINE
+
+    while (status := str(submit.job_info(client, job_id).status)) not in submit.TERMINAL:
+        time.sleep(1.0)
+    if status != "STOPPED":
+        return f"job {job_id}: ended {status} before it stopped"
+    if INTERRUPTED_LINE in submit.job_logs(client, job_id)[-20_000:]:
+        return (
+            f"job {job_id}: stopped: its driver recorded the run as interrupted and released the store's "
+            f"lease; submit the same job again to resume"
+        )
+    return (
+        f"job {job_id}: stopped by force: its driver did not stop on SIGINT within "
+        f"{submit.STOP_ENV['RAY_JOB_STOP_WAIT_TIME_S']} s and was killed, so the run is not recorded and the "
+        f"store's lease stays until it expires (run.lease_ttl_s); a resubmitted job takes it over then"
+    )

@@ -23,19 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def _stop_like_ctrl_c(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(args: argparse.Namespace) -> int:
-    import signal
-
     from classgrad.service.config import load_config
     from classgrad.service.runtime.driver import JobDriver
+    from classgrad.service.runtime.stopping import install_stop_handlers
 
-    # Pod deletion, `ray job stop` and `kill` send SIGTERM: stop as cleanly as on Ctrl-C, so the
-    # run is recorded as interrupted and its lease released.
-    signal.signal(signal.SIGTERM, _stop_like_ctrl_c)
+    # `classgrad jobs stop` (SIGINT), pod deletion and `kill` (SIGTERM): stop as cleanly as on
+    # Ctrl-C, so the run is recorded as interrupted and its lease released, also in a driver that
+    # inherited SIGINT ignored or blocked (see classgrad.service.runtime.stopping).
+    install_stop_handlers()
     config = load_config(args.config, args.overrides)
     summary = JobDriver(config).run()
     print("\n".join(summary.lines()))

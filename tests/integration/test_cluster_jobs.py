@@ -93,7 +93,7 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     # `jobs stop` reaches the driver as SIGINT (service/submit.py STOP_ENV): it records the run
     # as interrupted and releases the store's lease before Ray's SIGKILL.
     stop = classgrad_cli("jobs", "stop", job_id, "--wait", "--address", cluster.dashboard_url, env=env, timeout=90)
-    assert stop.returncode == 0 and "stop requested" in stop.stdout, stop.stdout + stop.stderr
+    assert stop.returncode == 0 and "stopped: its driver recorded the run" in stop.stdout, stop.stdout + stop.stderr
     status = classgrad_cli("jobs", "status", job_id, "--json", "--address", cluster.dashboard_url, env=env, timeout=60)
     assert status.returncode == 0 and '"status": "STOPPED"' in status.stdout, status.stdout + status.stderr
     # The entrypoint is the module form, joining the cluster it runs in (see service/submit.py).

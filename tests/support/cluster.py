@@ -85,6 +85,10 @@ def free_port() -> int:
             return port
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _ray_executable() -> str:
     """The ``ray`` CLI of the interpreter running the tests (the venv), not whatever is on PATH."""
     candidate = Path(sys.executable).with_name("ray")
@@ -132,6 +136,9 @@ class LocalRayCluster:
             entrypoints.
         system_config: Ray system config for the head (``ray start --system-config``), e.g.
             ``{"health_check_period_ms": 1000}`` to notice crashed nodes sooner.
+        ignore_sigint: start every node with SIGINT ignored, as a script that starts Ray in the
+            background (``setsid ray start ... &``) does: every process Ray starts inherits it,
+            job drivers too.
 
     The root (logs included) is removed on shutdown unless ``CLASSGRAD_KEEP_RAY_LOGS=1`` is set,
     for looking at a failed test's nodes afterwards.
@@ -148,7 +155,9 @@ class LocalRayCluster:
         system_config: Mapping[str, Any] | None = None,
         object_store_bytes: int = OBJECT_STORE_BYTES,
         start_timeout_s: float = NODE_START_TIMEOUT_S,
+        ignore_sigint: bool = False,
     ) -> None:
+        self.ignore_sigint = ignore_sigint
         self._own_root = root is None
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="cgray-", dir="/tmp"))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -309,6 +318,7 @@ class LocalRayCluster:
                 env=self.node_env(),
                 cwd=self.root,
                 start_new_session=True,
+                preexec_fn=_ignore_sigint if self.ignore_sigint else None,
             )
         log.info("started Ray node %d (%s), pid %d, log %s", index, name, node.proc.pid, node.log_path)
         return node
