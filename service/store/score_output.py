@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import zarr
@@ -49,6 +49,12 @@ def request_digest(request: dict) -> str:
     return hashlib.sha256(json.dumps(request, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _attrs(group: zarr.Group) -> dict:
+    """The group's ``classgrad_scores`` attributes (empty when it has none)."""
+    raw = group.attrs.get(ATTR)
+    return dict(raw) if isinstance(raw, dict) else {}
+
+
 def _fail(url: str, what: str, exc: Exception) -> StoreError:
     return StoreError(f"cannot {what} {url}: {first_line(exc, with_type=True)}")
 
@@ -59,14 +65,14 @@ class ScoreOutput:
     def __init__(self, loc: Location, group: zarr.Group) -> None:
         self._loc = loc
         self._group = group
-        self.info: dict = dict(group.attrs.get(ATTR) or {})
+        self.info: dict = _attrs(group)
 
     @property
     def url(self) -> str:
         return self._loc.url
 
     @classmethod
-    def open(cls, url: str, storage_options: dict | None = None, mode: str = "r") -> ScoreOutput:
+    def open(cls, url: str, storage_options: dict | None = None, mode: Literal["r", "r+"] = "r") -> ScoreOutput:
         loc = Location(url, storage_options)
         try:
             group = zarr.open_group(
@@ -203,13 +209,13 @@ class ScoreOutput:
 
     def block_done(self) -> np.ndarray:
         try:
-            return np.asarray(self._group[BLOCK_DONE][...], dtype=bool)
+            return np.asarray(self._array(BLOCK_DONE)[...], dtype=bool)
         except Exception as exc:
             raise _fail(self.url, "read the done marks of", exc) from None
 
     def query_rows(self, a: int, b: int) -> np.ndarray:
         """float32 [stores, b - a, width]: the query rows of queries [a, b)."""
-        return np.asarray(self._group[QUERY_ROWS][:, a:b], dtype=np.float32)
+        return np.asarray(self._array(QUERY_ROWS)[:, a:b], dtype=np.float32)
 
     def _array(self, name: str) -> Any:
         return self._group[name]
@@ -236,7 +242,7 @@ class ScoreOutput:
             raise _fail(self.url, f"mark query block {block} done in", exc) from None
 
     def finish(self, summary: dict) -> None:
-        info = dict(self._group.attrs.get(ATTR) or {})
+        info = _attrs(self._group)
         info.update(json.loads(json.dumps(summary, default=str)))
         info.update(state="ready", finished=time.time())
         try:
