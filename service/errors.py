@@ -62,6 +62,11 @@ class LeaseHeldError(StoreError):
     """Another driver holds the store's lease; the message names that run."""
 
 
+class ResourceError(ClassgradError):
+    """A job that cannot fit the memory, GPU memory or disk it would run on (the resource preflight);
+    the message names the numbers and the key to change."""
+
+
 class RowOverflowError(ClassgradError):
     """A row stayed non-finite at the smallest fp16 loss scale; the message names the class."""
 

@@ -168,6 +168,11 @@ class ProbeSet:
             )
         if len(self.targets) == 0:
             raise InputError("data: the probe set is empty")
+        if self.batch_size > len(self.targets):
+            # A batch larger than the probe set is the probe set: said once by the driver's preflight,
+            # and no absurd batch size reaches an allocation or a C long (2^63 and up overflow one).
+            log.debug("data.batch_size %d clamped to the probe set's %d samples", self.batch_size, len(self.targets))
+            self.batch_size = len(self.targets)
 
     def __len__(self) -> int:
         return len(self.targets)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from classgrad.service.commands.run import add_config_arguments
+from classgrad.service.commands.run import add_config_arguments, add_preflight_argument
 
 HELP = "estimate a job's store size, memory per actor, rows/s (with actors sharing cores) and wall time with start-up"
 
@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device", default=None, help="measure on this torch device instead of the job's (e.g. cpu on a laptop)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_preflight_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -33,6 +34,6 @@ def main(args: argparse.Namespace) -> int:
     if args.sample_rows is not None and args.sample_rows <= 0:
         raise ConfigError(f"--sample-rows must be > 0, got {args.sample_rows}")
     config = load_config(args.config, args.overrides)
-    result = estimate_job(config, sample_rows=args.sample_rows, device=args.device)
+    result = estimate_job(config, sample_rows=args.sample_rows, device=args.device, preflight=not args.no_preflight)
     print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(result.lines()))
     return 0

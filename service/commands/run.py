@@ -19,8 +19,19 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_preflight_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the resource preflight (each actor's and the driver's memory, the GPU's, the store's "
+        "disk space, checked on this node before the store is created): for clusters whose nodes differ "
+        "from this one",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    add_preflight_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -33,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     # inherited SIGINT ignored or blocked (see classgrad.service.runtime.stopping).
     install_stop_handlers()
     config = load_config(args.config, args.overrides)
-    summary = JobDriver(config).run()
+    summary = JobDriver(config, preflight=not args.no_preflight).run()
     print("\n".join(summary.lines()))
     print(f"store: {config.store.url}")
     return 0

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from classgrad.service.commands.jobs import add_address_argument, finish_followed, quiet_ray_logging
-from classgrad.service.commands.run import add_config_arguments
+from classgrad.service.commands.run import add_config_arguments, add_preflight_argument
 
 HELP = "submit a job file to a Ray cluster as a Ray job (prints the job id)"
 
@@ -21,6 +21,7 @@ HELP = "submit a job file to a Ray cluster as a Ray job (prints the job id)"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_address_argument(parser)
+    add_preflight_argument(parser)  # the job's `classgrad run` on the head node runs the preflight there
     parser.add_argument(
         "--follow", "-f", action="store_true", help="print the job's logs until it ends; exit 3 if it did not succeed"
     )
@@ -56,7 +57,12 @@ def main(args: argparse.Namespace) -> int:
     from classgrad.service.runtime import submit
 
     submission = submit.prepare_submission(
-        args.config, args.overrides, working_dir=args.working_dir, excludes=args.exclude, python=args.python
+        args.config,
+        args.overrides,
+        working_dir=args.working_dir,
+        excludes=args.exclude,
+        python=args.python,
+        preflight=not args.no_preflight,
     )
     quiet_ray_logging(args)
     client = submit.connect(args.address)

@@ -1,7 +1,10 @@
 """``classgrad estimate``: what a job will cost, from its config and a short measured run.
 
-Holds ``Estimate`` and ``estimate_job``: the store's size (from the shapes alone), and the
-rows/s and peak memory of one actor, measured by running the job's own engine (and projection,
+Holds ``Estimate`` and ``estimate_job``: the store's size and the peak memory of one actor and of
+the driver from the model that the resource preflight of ``classgrad run`` checks
+(``footprint``: one code path, the same preflight run here, so a job ``run`` would refuse is
+refused here too, before anything is measured), beside the peak memory this process reached; and
+the rows/s of one actor, measured by running the job's own engine (and projection,
 batched as a worker batches it: ``classgrad.workers.runtime.actor.stored_blocks``) on a sample of classes spread
 over the whole range, after a short warm-up that absorbs one-off
 costs (tracing, block-size measurement), with the actor's torch thread count
@@ -27,10 +30,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from classgrad.service.config import JobConfig
+from classgrad.service.runtime.footprint import BuildMeter, Part, parts_text
 
-_ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# row_scale + loss (float32) + count (int64) per row.
-_PER_ROW_BYTES = 4 + 4 + 8
 # Starting a local Ray and one actor process until it answers a call (its imports included, the
 # engine build excluded: that is timed per job). Measured once, 2026-12-01, on the shared 2-core
 # dev machine (other test runs going) with `.venv/bin/python -m benchmarks.ray_startup --repeats 2`:
@@ -43,14 +44,17 @@ class Estimate:
     num_classes: int
     dim: int
     store_dtype: str
-    store_bytes: int
+    store_bytes: int  # exact: grads, row_scale, loss and count (footprint)
+    store_disk_bytes: int  # the same in whole chunks, uncompressed
     engine: str
     device: str
     sample_rows: int
     sample_seconds: float
     rows_per_s_per_actor: float
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # the model's (footprint): one actor's peak RSS on a CPU, its GPU memory on a GPU
     memory_kind: str  # "peak RSS" on CPU, "peak CUDA memory" on a GPU
+    measured_peak_memory_bytes: int  # what this process reached measuring (same kind)
+    driver_memory_bytes: int  # the model's peak RSS of the driver
     num_workers: int
     num_cpus_per_worker: int
     cores: int | None  # cores the actors share (os.cpu_count() for a local Ray); None: a cluster's, unknown
@@ -61,6 +65,8 @@ class Estimate:
     ray_startup_seconds: float  # RAY_STARTUP_ALLOWANCE_S: Ray and actor processes
     startup_seconds: float  # engine_build_seconds + ray_startup_seconds
     wall_seconds: float  # startup_seconds + job_seconds
+    footprint: dict  # Footprint.to_dict(): every part, with the key that changes it
+    preflight_notes: list[str]  # clamps and warnings near a limit, as run would say them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,11 +74,16 @@ class Estimate:
     def lines(self) -> list[str]:
         mb = 1e-6
         return [
-            f"store      {self.num_classes} x {self.dim} {self.store_dtype} = {self.store_bytes * mb:,.1f} MB",
+            f"store      {self.num_classes} x {self.dim} {self.store_dtype} = {self.store_bytes * mb:,.1f} MB "
+            f"({self.store_disk_bytes * mb:,.1f} MB in whole chunks)",
             f"engine     {self.engine} on {self.device}: {self.sample_rows} sample rows in "
             f"{self.sample_seconds:.2f} s (after a warm-up)",
             f"per actor  {self.rows_per_s_per_actor:,.1f} rows/s, "
-            f"{self.memory_kind} {self.peak_memory_bytes * mb:,.0f} MB",
+            f"{self.memory_kind} ~{self.peak_memory_bytes * mb:,.0f} MB (the preflight's model; "
+            f"{self.measured_peak_memory_bytes * mb:,.0f} MB reached here)",
+            f"memory     {parts_text([Part(**p) for p in self.footprint['actor']])}",
+            f"driver     peak RSS ~{self.driver_memory_bytes * mb:,.0f} MB",
+            *(f"preflight  {n.removeprefix('preflight: ')}" for n in self.preflight_notes),
             f"cores      {sharing_line(self.num_workers, self.num_cpus_per_worker, self.cores)}",
             f"job        {self.num_workers} actors: ~{self.rows_per_s_job:,.1f} rows/s "
             f"(per actor x {self.actors_in_parallel:g}), ~{self.job_seconds:,.0f} s for {self.num_classes} rows",
@@ -116,26 +127,34 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def estimate_job(config: JobConfig, sample_rows: int | None = None, device: str | None = None) -> Estimate:
+def estimate_job(
+    config: JobConfig, sample_rows: int | None = None, device: str | None = None, *, preflight: bool = True
+) -> Estimate:
+    """``preflight``: False skips the checks against this node (the figures are reported either way)."""
     import torch
 
     # Measure as an actor runs: with its thread count (GradientWorker sets it before building).
     threads = torch.get_num_threads()
     torch.set_num_threads(config.cluster.num_cpus_per_worker)
     try:
-        return _measure(config, sample_rows, device)
+        return _measure(config, sample_rows, device, preflight)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(config: JobConfig, sample_rows: int | None, device: str | None) -> Estimate:
+def _measure(config: JobConfig, sample_rows: int | None, device: str | None, preflight: bool) -> Estimate:
     import torch
 
+    from classgrad.service.runtime.preflight import preflight_job
     from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
     t_build = time.perf_counter()
+    meter = BuildMeter.started()
     engine, projector, dim = checked_engine(config, device=device)
     build_seconds = time.perf_counter() - t_build
+    footprint, notes = preflight_job(
+        config, engine, projector, dim, build_bytes=meter.stop(), check=preflight, device=str(engine.device)
+    )
     project_rows = project_rows_for(engine.layout.dim)
     C = config.loss.num_classes
     n = min(C, sample_rows or max(2 * config.store.row_chunk, 64))
@@ -158,9 +177,9 @@ def _measure(config: JobConfig, sample_rows: int | None, device: str | None) -> 
         torch.cuda.synchronize(engine.device)
     seconds = time.perf_counter() - t0
     if engine.device.type == "cuda":
-        peak, kind = torch.cuda.max_memory_allocated(engine.device), "peak CUDA memory"
+        peak, kind, model = torch.cuda.max_memory_allocated(engine.device), "peak CUDA memory", footprint.device_bytes
     else:
-        peak, kind = _peak_rss_bytes(), "peak RSS"
+        peak, kind, model = _peak_rss_bytes(), "peak RSS", footprint.actor_bytes
     rate = len(sample) / seconds if seconds > 0 else float("inf")
     cluster = config.cluster
     cores = local_cores(config)
@@ -171,14 +190,17 @@ def _measure(config: JobConfig, sample_rows: int | None, device: str | None) -> 
         num_classes=C,
         dim=dim,
         store_dtype=config.store.dtype,
-        store_bytes=C * dim * _ITEM_BYTES[config.store.dtype] + C * _PER_ROW_BYTES,
+        store_bytes=footprint.store_bytes,
+        store_disk_bytes=footprint.store_disk_bytes,
         engine=engine.name,
         device=str(engine.device),
         sample_rows=len(sample),
         sample_seconds=seconds,
         rows_per_s_per_actor=rate,
-        peak_memory_bytes=int(peak),
+        peak_memory_bytes=model,
         memory_kind=kind,
+        measured_peak_memory_bytes=int(peak),
+        driver_memory_bytes=footprint.driver_bytes,
         num_workers=cluster.num_workers,
         num_cpus_per_worker=cluster.num_cpus_per_worker,
         cores=cores,
@@ -189,4 +211,6 @@ def _measure(config: JobConfig, sample_rows: int | None, device: str | None) -> 
         ray_startup_seconds=RAY_STARTUP_ALLOWANCE_S,
         startup_seconds=startup,
         wall_seconds=startup + job_seconds,
+        footprint=footprint.to_dict(),
+        preflight_notes=notes,
     )

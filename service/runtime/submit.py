@@ -278,8 +278,10 @@ def prepare_submission(
     working_dir: str | os.PathLike = ".",
     excludes: Sequence[str] = (),
     python: str = "python",
+    preflight: bool = True,
 ) -> Submission:
-    """Validate the job file with its overrides and build the entrypoint and runtime env.
+    """Validate the job file with its overrides and build the entrypoint and runtime env
+    (``preflight``: False passes ``--no-preflight`` to the job's ``classgrad run``).
 
     The config must lie inside ``working_dir`` (it travels with it); its store must be usable
     from every node (object storage, or an absolute path on a shared filesystem).
@@ -300,7 +302,7 @@ def prepare_submission(
             f"(move it in, or pass --working-dir)"
         ) from None
     _check_overrides_hold_no_secret(overrides)
-    args = [python, "-m", "classgrad", "run", rel]
+    args = [python, "-m", "classgrad", "run", rel, *([] if preflight else ["--no-preflight"])]
     for item in overrides:
         args += ["--set", item]
     if not any(o.split("=", 1)[0].strip() == "cluster.address" for o in overrides):

@@ -24,6 +24,7 @@ from classgrad.workers.engines.layer_rules.module_vjp import (
     unit_computer_for,
 )
 from classgrad.workers.engines.layer_rules.recurrent import recurrent_unit
+from classgrad.workers.engines.partitioned.engine import FALLBACK
 from tests.support.engine_cases import TiedMLP, WeightUsedOutside, fell_back, max_relative_error
 from tests.support.hf_models import HF_BUILDERS, hf_probe
 from tests.support.rule_cases import Scale
@@ -592,9 +593,13 @@ def test_the_last_resort_does_one_forward_per_pack_and_a_backward_per_class(capl
     assert max_relative_error(got, ref) <= TOL
     # One line for the whole engine (its groups of 2 rows included), with the short reason.
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partitioned")]
-    assert lines == eng.stats.notes and len(lines) == 1, lines
+    path_notes = [n for n in eng.stats.notes if not n.startswith(FALLBACK)]
+    assert lines == path_notes and len(lines) == 1, lines
     assert "one forward per pack" in lines[0] and "vmap abandoned (" in lines[0]
     assert len(lines[0]) <= 300 and "\n" not in lines[0]
+    # Each fallback also said once on its own, with how much slower its path is (issue 25).
+    fallbacks = [n for n in eng.stats.notes if n.startswith(FALLBACK)]
+    assert len(fallbacks) == 2 and all("x slower" in n for n in fallbacks), fallbacks
 
 
 def test_a_layer_its_rule_does_not_apply_to_is_a_unit_and_the_line_says_why():

@@ -21,8 +21,9 @@ classes are small, several classes go through one pass and are split apart again
 Classes larger than half a batch are done alone, micro-batch by micro-batch. If a fast path
 fails for a model (anything it cannot do exactly), the engine falls back: hooks to vmap, vmap to
 the loop (same rows, slower). Which path each parameter took, and why, is logged once per engine
-in one short line (also in ``stats.notes``). Rows always come back in the order asked for, a
-group at a time. Speed choices measured on the way live in ``choices``.
+in one short line (also in ``stats.notes``); each fallback is also said once on its own,
+plainly, with how much slower its path is (a ``FALLBACK``-prefixed note, which the run summary
+lists). Rows always come back in the order asked for, a group at a time. Speed choices measured on the way live in ``choices``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ log = logging.getLogger(__name__)
 # slower than the write itself (not reproduced since: benchmarks/diagnostics.py --sections
 # page-faults). Harmless either way.
 GROUP_BYTES = 32 << 20
+FALLBACK = "fallback: "  # the prefix of the notes that say a fallback (the run summary lists them apart)
+# How much slower the path a fallback leads to is, as the notes say it: per-sample gradients by vmap
+# cost about 2.5x the hooks' per-class sums (DESIGN.md: a small CNN, 128 classes, on a CPU); the
+# loop pays one backward per class of a pack instead of one per pack.
+VMAP_SLOWER = 2.5
 
 
 class PartitionedEngine(GradientEngine):
@@ -83,9 +89,11 @@ class PartitionedEngine(GradientEngine):
         self._hooked: HookPath | None = None if plan is None else HookPath(self, plan, samples, self._single)
         # Paths given up on, and why (in the path line); the paths already described.
         self._abandoned: list[str] = []
+        self._described: set[str] = set()
+        self._pack = 1  # classes in the pack at hand: a fallback to the loop costs a backward each
         if plan is None:
             self._abandoned.append("hooks abandoned (forward hooks on every module, or on the model)")
-        self._described: set[str] = set()
+            self._say_fallback("hooks abandoned: forward hooks on every module, or on the model")
 
     # --- where rows go ---------------------------------------------------------------------------
     #
@@ -162,12 +170,23 @@ class PartitionedEngine(GradientEngine):
         """Give up a path for this engine: why goes in the next path line (or its own short
         note when a path line was already written)."""
         why = f"{what} abandoned ({first_line(exc, with_type=True, limit=120)})"
+        self._say_fallback(f"{what} abandoned: {first_line(exc, with_type=True, limit=120)}", what)
         if self._described:
             note = f"partitioned: {why}"
             log.warning(note)
             self.stats.notes.append(note)
         else:
             self._abandoned.append(why)
+
+    def _say_fallback(self, what: str, path: str = "hooks") -> None:
+        """Say a fallback once, plainly, with how much slower the path it leads to is."""
+        if path == "hooks" and self._vmap is not None:
+            slower = f"the vmap path, about {VMAP_SLOWER:g}x slower"
+        else:
+            slower = f"one backward per class (the loop path), up to {max(2, self._pack)}x slower"
+        note = f"{FALLBACK}{what}; {slower}"
+        log.warning(note)
+        self.stats.notes.append(note)
 
     def _describe(self, path: str) -> None:
         """Once per path: one line saying which path the parameters took, and why."""
@@ -191,6 +210,7 @@ class PartitionedEngine(GradientEngine):
         self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
+        self._pack = len(classes)
         if self._hooked is not None and isinstance(where, slice):
             try:
                 result = self._hooked.rows(classes, scales, dest, where)
