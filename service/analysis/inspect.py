@@ -184,6 +184,14 @@ def format_report(info: dict) -> str:
     proj = info["projection"]
     if proj and proj.get("structure") == "kronecker":
         lines += kronecker_lines(proj, D)
+    elif proj and proj.get("structure") == "tensorsketch":
+        units = proj.get("units") or []
+        lines.append(
+            f"projection  tensorsketch (one CountSketch of the row, {proj.get('nonzeros')} signed entries per "
+            f"coordinate) from {proj.get('dim_in')} to {D} dims (seed {proj.get('seed')}): {len(units)} layers "
+            f"sketched in the backward, {len(proj.get('rest_params') or [])} other parameters sketched after; "
+            "no per-parameter layout"
+        )
     elif proj and proj.get("structure") == "sketch":
         lines.append(
             f"projection  sketch (sparse signs, {proj.get('nonzeros')} per entry) from {proj.get('dim_in')} to {D} "

@@ -111,15 +111,20 @@ class ProjectionConfig(Section):
         False,
         description="Use a separate projection for each selected parameter instead of one over the whole row.",
     )
-    structure: Literal["dense", "kronecker", "sketch"] = Field(
-        "dense",
-        description="dense: each finished row times a k-column random matrix; kronecker: Linear, "
-        "Conv1d/2d/3d, Embedding and transformers' Conv1D layers projected as P_out W P_in^T inside the "
-        "backward (the partitioned engine's "
-        "hook path; no full row is formed), the other parameters as `rest` says; sketch: each "
-        "finished row by a sparse sign sketch (each entry added with a random sign to "
-        "`sketch_nonzeros` columns: s D additions per row instead of 2 D k flops; `kind` does not "
-        "apply to it).",
+    structure: Literal["tensorsketch", "dense", "kronecker", "sketch"] | None = Field(
+        None,
+        description="null (the default): tensorsketch for a new store where the partitioned engine's "
+        "hook path takes the job (else sketch, said in the run's notes), and what the store recorded "
+        "when it resumes one (a store made before this default, with only `dim`, is dense). "
+        "tensorsketch: one CountSketch of the whole row whose hash follows each layer's outer product, "
+        "formed inside the backward: Linear, Conv1d/2d/3d, Embedding, EmbeddingBag and transformers' "
+        "Conv1D layers (the classifier head above all) never form a full row; the other parameters "
+        "sketched into the same columns (`sketch_nonzeros` per entry); its error is a CountSketch's "
+        "of the exact rows at every class size. dense: each finished row times a k-column random "
+        "matrix (2 D k flops per row). kronecker: those layers projected as P_out W P_in^T inside the "
+        "backward, the other parameters as `rest` says (fast, but far noisier where a class's "
+        "gradient has low rank: heads, few samples). sketch: each finished row by a sparse sign "
+        "sketch (s D additions per row; `kind` does not apply to it).",
     )
     rest: Literal["dense", "keep", "sketch"] = Field(
         "sketch",
@@ -132,7 +137,7 @@ class ProjectionConfig(Section):
     )
     sketch_nonzeros: StrictPositiveInt = Field(
         4,
-        description="rest=sketch or structure=sketch: columns each entry is sent to (s; at most the "
+        description="structure=tensorsketch, sketch, or rest=sketch: columns each entry is sent to (s; at most the "
         "width it is sketched to). Cost grows as s, the error's tail for rows concentrated on few "
         "parameters shrinks with it.",
     )
@@ -157,7 +162,7 @@ class ProjectionConfig(Section):
 
     @model_validator(mode="after")
     def _kronecker(self) -> ProjectionConfig:
-        if self.structure != "dense" and self.per_param:
+        if self.structure not in ("dense", None) and self.per_param:
             raise ValueError(
                 f"projection.per_param applies to structure=dense only ({self.structure} is not per parameter)"
             )

@@ -17,7 +17,9 @@ of what existing fingerprints mean: bump ``FINGERPRINT_VERSION`` when doing it, 
 store's structure check already refuses every store the change would misread (``projection.rest``
 went from dense to sketch that way: a Kronecker store records its projection, and the refusal
 names the setting that resumes it; the key means nothing to other stores, which a bump would
-all have refused).
+all have refused), or unless a resume runs what the store records (``projection.structure`` went
+from dense to unset that way: unset means tensorsketch for a new store and the recorded
+structure on a resume, ``preparation.recorded_projection``).
 """
 
 from __future__ import annotations

@@ -71,10 +71,12 @@ class JobConfig(BaseModel):
                 f"engine.kind 'partitioned' needs a class-partitioned loss, but loss.kind "
                 f"{self.loss.kind!r} is dense (use engine.kind 'dense' or 'auto')"
             )
-        if self.projection.structure == "kronecker" and self.projection.dim is not None:
+        in_backward = self.projection.structure in ("kronecker", "tensorsketch")
+        if in_backward and self.projection.dim is not None:
             if self.loss.kind in DENSE_LOSS_KINDS or self.engine.kind in ("dense", "reference"):
                 problems.append(
-                    f"projection.structure 'kronecker' projects inside the partitioned engine's hook path; "
+                    f"projection.structure {self.projection.structure!r} projects inside the partitioned "
+                    f"engine's hook path; "
                     f"loss.kind {self.loss.kind!r} / engine.kind {self.engine.kind!r} never take it "
                     f"(use projection.structure 'dense')"
                 )

@@ -4,11 +4,13 @@ Holds:
 - ``check_job``: builds the job's engine once on the driver (on the CPU) to check the config
   against the real model and data before anything is written, and takes the run's identity
   from that build (what the rows are computed from: ``classgrad.workers.runtime.identity``);
-  returns a ``CheckedJob`` (the store spec and the planned shards). ``recorded_split``: a
-  Kronecker-projected job's existing store's split among layers, reused on a resume.
+  returns a ``CheckedJob`` (the store spec and the planned shards). ``recorded_projection``: a
+  projected job's existing store's record (its structure and map), reused on a resume.
 - ``prepare_store``: creates or reopens the store (same fingerprint required; a store of the same
   job under an older fingerprint scheme, ``resumable_fingerprint``) with all of its metadata,
   under the lease that ``JobDriver.run`` takes first; returns a ``PreparedJob``.
+- the resource preflight, in ``check_job``: its build of the job is measured and the job's
+  footprint checked against this node (``classgrad.service.runtime.preflight``).
 - ``check_identity``: before any done shard is trusted, the store's recorded identity must be
   this run's (a checkpoint, data or factory code changed at the same path is refused).
 - ``library_versions``: what the store records of the software that wrote it.
@@ -50,6 +52,8 @@ class CheckedJob:
     dim: int
     identity: dict  # RunIdentity.to_dict() of the driver's build: the actors' builds must match it
     engine_notes: list[str] = field(default_factory=list)  # the driver's build: the path it took, and why
+    footprint: dict | None = None  # Footprint.to_dict(): the estimate the run history records
+    preflight_notes: list[str] = field(default_factory=list)  # clamps and warnings near a limit
 
 
 @dataclass
@@ -78,10 +82,12 @@ def resumable_fingerprint(config: JobConfig) -> str:
     return fingerprint
 
 
-def recorded_split(config: JobConfig) -> dict | None:
-    """The Kronecker split recorded in the job's existing store, when this job made it (a resume
-    reuses it rather than measuring again, which on another machine could round differently)."""
-    if config.projection.structure != "kronecker" or config.projection.dim is None:
+def recorded_projection(config: JobConfig) -> dict | None:
+    """The ``projection`` attribute of the job's existing store, when this job made it: a resume
+    runs the structure it records (an unset ``projection.structure`` included: a store made under
+    an earlier default keeps its map) and reuses its map rather than measuring again (a Kronecker
+    split, which on another machine could round differently)."""
+    if config.projection.dim is None:
         return None
     if config.store.overwrite or config.store.recompute:
         return None
@@ -90,22 +96,31 @@ def recorded_split(config: JobConfig) -> dict | None:
     except StoreError:
         return None
     record = attrs.get("projection")
-    if not isinstance(record, dict) or record.get("structure") != "kronecker":
+    if not isinstance(record, dict):
         return None
-    return record if config.same_job(attrs.get("config")) else None
+    # Its own fingerprint first: a store made when an unset structure meant dense records
+    # `structure: dense` in its config, which today's schema hashes (unset is the default now).
+    same = attrs.get("fingerprint") == config.fingerprint() or config.same_job(attrs.get("config"))
+    return record if same else None
 
 
-def check_job(config: JobConfig) -> CheckedJob:
+def check_job(config: JobConfig, *, preflight: bool = True) -> CheckedJob:
     """Check the job against its real model and data, and say what store it needs.
 
     Every user error (bad factory, wrong output width, labels out of range, patterns that
-    select nothing) is raised here, before the store's lease is taken or a store exists.
+    select nothing) is raised here, before the store's lease is taken or a store exists, and
+    so is a job that cannot fit this node's memory or disk (``preflight``: False skips that).
     """
+    from classgrad.service.runtime.footprint import BuildMeter
+    from classgrad.service.runtime.preflight import preflight_job
     from classgrad.workers.model_io import class_names_of
     from classgrad.workers.runtime.actor import checked_engine, projection_record
     from classgrad.workers.runtime.identity import engine_identity
 
-    engine, projector, dim = checked_engine(config, device="cpu", record=recorded_split(config))
+    meter = BuildMeter.started()  # what each actor's build of the same model and data will take
+    engine, projector, dim = checked_engine(config, device="cpu", record=recorded_projection(config))
+    built = meter.stop()
+    footprint, notes = preflight_job(config, engine, projector, dim, build_bytes=built, check=preflight)
     identity = engine_identity(engine).to_dict()
     layout = engine.layout
     projection = projection_record(engine, projector)
@@ -137,6 +152,8 @@ def check_job(config: JobConfig) -> CheckedJob:
         dim=dim,
         identity=identity,
         engine_notes=list(engine.stats.notes),
+        footprint=footprint.to_dict(),
+        preflight_notes=notes,
     )
 
 

@@ -20,10 +20,10 @@ from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import ConfigError
-from classgrad.service.runtime.preparation import recorded_split
+from classgrad.service.runtime.preparation import recorded_projection
 from classgrad.service.store import open_store
-from classgrad.workers.engines import build_engine, kronecker_options, per_class_gradients, projection_options
-from classgrad.workers.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
+from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
+from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector
 from classgrad.workers.runtime.factory import build_model, build_probe
@@ -159,7 +159,7 @@ def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
         "rest": rest,
     }
     eng = build_engine(
-        model, (x, y), num_classes=C, batch_size=12, kronecker=kronecker_options(projection_options(proj))
+        model, (x, y), num_classes=C, batch_size=12, projected=projected_options(projection_options(proj))
     )
     assert eng._hooked is not None and eng.kmap.units, "the hook path projects the rows"
     got = eng.compute(range(C)).rows
@@ -204,7 +204,7 @@ def test_the_gpu_route_of_the_projected_sums_equals_the_reference(case, monkeypa
     model, (x, y) = make(), data(shape)
     proj = {"structure": "kronecker", "dim": 40, "seed": 5}
     eng = build_engine(
-        model, (x, y), num_classes=C, batch_size=12, kronecker=kronecker_options(projection_options(proj))
+        model, (x, y), num_classes=C, batch_size=12, projected=projected_options(projection_options(proj))
     )
     got = eng.compute(range(C)).rows
     ref = build_engine(copy.deepcopy(model).double(), (x.double(), y), num_classes=C, engine="reference")
@@ -288,9 +288,9 @@ def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_pat
     assert "4.weight" in report and "->" in report
     assert verify_store(config.store.url).code == 0
     # A resume reuses the recorded split (no new measurement), and finds every shard done.
-    assert recorded_split(config) == info
+    assert recorded_projection(config) == info
     assert (
-        recorded_split(config.model_copy(update={"store": config.store.model_copy(update={"overwrite": True})})) is None
+        recorded_projection(config.model_copy(update={"store": config.store.model_copy(update={"overwrite": True})})) is None
     )
     assert run_without_ray(config).attrs["projection"] == info
     compute_similarity(config.store.url, executor="local", metric="cosine")

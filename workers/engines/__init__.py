@@ -7,8 +7,9 @@ Holds:
   the model treats samples independently, dense otherwise.
 - ``per_class_gradients``: the one-call Python API (no Ray) from DESIGN.md, with an optional
   progress bar (terminal; notebook: a widget, or text without ipywidgets) counting rows as blocks finish, and the
-  job's ``projection`` options (dense or a sketch of finished rows, or Kronecker inside the backward:
-  ``KroneckerEngine``).
+  job's ``projection`` options (dense or a sketch of finished rows, or inside the backward: a
+  ``ProjectedEngine`` of ``PROJECTED_ENGINES``, by structure; ``projected_options`` and
+  ``finished_projector`` turn a ``ProjectionConfig`` into either).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent
 from classgrad.workers.engines.dense import DenseEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
-from classgrad.workers.engines.partitioned.kronecker_engine import REFUSAL, KroneckerEngine
+from classgrad.workers.engines.partitioned.kronecker_engine import KroneckerEngine
+from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine, TensorSketchEngine, refusal
 from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
+from classgrad.workers.projection import FALLBACK_STRUCTURE, get_structure, resolve_structure, row_projector
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,11 @@ __all__ = [
     "resolve_engine_kind",
     "build_engine",
     "KroneckerEngine",
-    "kronecker_options",
+    "PROJECTED_ENGINES",
+    "ProjectedEngine",
+    "TensorSketchEngine",
+    "finished_projector",
+    "projected_options",
     "projection_options",
 ]
 
@@ -64,6 +71,9 @@ def register_engine(cls: type[GradientEngine]) -> type[GradientEngine]:
 
 for _cls in (PartitionedEngine, DenseEngine, ReferenceEngine):
     register_engine(_cls)
+
+# Projection structure -> the engine that projects its rows inside the backward.
+PROJECTED_ENGINES: dict[str, type[ProjectedEngine]] = {"kronecker": KroneckerEngine, "tensorsketch": TensorSketchEngine}
 
 
 def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
@@ -81,21 +91,38 @@ def create_engine(
     probe: ProbeSet,
     loss: LossKind,
     layout: ParamLayout,
-    kronecker: dict[str, Any] | None = None,
+    projected: dict[str, Any] | None = None,
     **options: Any,
 ) -> GradientEngine:
-    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with ``kronecker``
-    (``kronecker_options``) a ``KroneckerEngine``, or a one-line refusal when ``kind`` is not the
-    partitioned engine."""
+    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with ``projected``
+    (``projected_options``: rows projected inside the backward) the structure's ``ProjectedEngine``,
+    or a one-line refusal when the job cannot take it. For the default structure (``projected``
+    with ``default: True``) such a job gets the plain engine instead, with a note saying so: its
+    finished rows are then sketched (``projection.rows.row_projector``)."""
     resolved = resolve_engine_kind(kind, model, loss)
-    if kronecker is None:
+    if projected is None:
         return ENGINES[resolved](model, probe, loss, layout, **options)
+    structure = projected["structure"]
+    why = None
     if resolved != "partitioned":
-        raise ConfigError(
-            f"{REFUSAL}; this job takes the {resolved} engine ({loss.name} loss"
-            f"{'' if loss.partitioned else ', dense'}): use projection.structure=dense"
+        why = (
+            f"{refusal(structure)}; this job takes the {resolved} engine ({loss.name} loss"
+            f"{'' if loss.partitioned else ', dense'})"
         )
-    return KroneckerEngine(model, probe, loss, layout, projection=kronecker, **options)
+    else:
+        try:
+            return PROJECTED_ENGINES[structure](model, probe, loss, layout, projection=projected, **options)
+        except ConfigError as exc:
+            if not projected.get("default"):
+                raise
+            why = str(exc).split(": use projection.structure")[0]
+    if not projected.get("default"):
+        raise ConfigError(f"{why}: use projection.structure=dense")
+    engine = ENGINES[resolved](model, probe, loss, layout, **options)
+    note = f"projection: {why}; finished rows sketched instead (structure: {FALLBACK_STRUCTURE})"
+    log.warning(note)
+    engine.stats.notes.append(note)
+    return engine
 
 
 def build_engine(
@@ -116,13 +143,13 @@ def build_engine(
     label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
-    kronecker: dict[str, Any] | None = None,
+    projected: dict[str, Any] | None = None,
     tokenizer: Any = None,
 ) -> GradientEngine:
     """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again.
 
-    ``kronecker``: the projection options of a ``KroneckerEngine`` (rows projected inside the
-    backward), or None for full rows."""
+    ``projected``: the options of a ``ProjectedEngine`` (rows projected inside the backward,
+    ``projected_options``), or None for full rows."""
     check_device(device)  # before the probe set is read: a missing GPU is named in one line
     loss_kind = create_loss(loss, num_classes)
     policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)
@@ -145,7 +172,7 @@ def build_engine(
         probe,
         loss_kind,
         layout,
-        kronecker,
+        projected,
         precision=policy,
         device=device,
         block_rows=block_rows,
@@ -168,15 +195,29 @@ def projection_options(projection: Any) -> Any:
         raise ConfigError(f"projection: {exc}".splitlines()[0] + f" ({projection!r})") from None
 
 
-def kronecker_options(p: Any, record: dict | None = None) -> dict[str, Any] | None:
-    """The ``KroneckerEngine`` options of a ``ProjectionConfig`` (None unless structure=kronecker)."""
-    if p is None or p.dim is None or p.structure != "kronecker":
+def projected_options(p: Any, record: dict | None = None) -> dict[str, Any] | None:
+    """The ``ProjectedEngine`` options of a ``ProjectionConfig`` (None unless its structure, resolved
+    against ``record`` — a store's ``projection`` attribute — projects inside the backward)."""
+    if p is None or p.dim is None:
         return None
-    out = {"dim": p.dim, "kind": p.kind, "seed": p.seed, "rest": p.rest, "allocation": p.allocation}
-    out["dense_layers"] = list(p.dense_layers)
-    out["low_rank"] = p.low_rank
-    out["sketch_nonzeros"] = p.sketch_nonzeros
-    return {**out, "record": record} if record is not None else out
+    structure = resolve_structure(p.structure, record, per_param=p.per_param)
+    if not get_structure(structure).in_backward:
+        return None
+    out: dict[str, Any] = {"structure": structure, "dim": p.dim, "kind": p.kind, "seed": p.seed}
+    out |= {"rest": p.rest, "allocation": p.allocation, "dense_layers": list(p.dense_layers)}
+    out |= {"low_rank": p.low_rank, "sketch_nonzeros": p.sketch_nonzeros}
+    out["default"] = p.structure is None and record is None  # a new store's default: may fall back
+    if isinstance(record, dict) and record.get("structure") == structure:
+        out["record"] = record
+    return out
+
+
+def finished_projector(p: Any, engine: GradientEngine, record: dict | None = None) -> Any:
+    """The projector of ``engine``'s finished rows (None: stored whole, or projected by the engine)."""
+    if p is None or p.dim is None or isinstance(engine, ProjectedEngine):
+        return None
+    structure = resolve_structure(p.structure, record, per_param=p.per_param)
+    return row_projector(p, engine.layout.slots, engine.layout.dim, structure=structure)
 
 
 def per_class_gradients(
@@ -239,16 +280,14 @@ def per_class_gradients(
             label_field=label_field,
             collate=collate,
             pad_values=pad_values,
-            kronecker=kronecker_options(proj),
+            projected=projected_options(proj),
             tokenizer=tokenizer,
         )
-        from classgrad.workers.row_projection import row_projector
-
-        finished = row_projector(proj, eng.layout.slots, eng.layout.dim)  # of finished rows: dense or a sketch
+        finished = finished_projector(proj, eng)  # of finished rows: dense or a sketch
         if finished is not None:
             width = finished.out_dim
         else:
-            width = eng.stored_dim if isinstance(eng, KroneckerEngine) else eng.layout.dim
+            width = eng.stored_dim if isinstance(eng, ProjectedEngine) else eng.layout.dim
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:
             return torch.zeros(0, width)

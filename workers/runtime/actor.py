@@ -27,23 +27,38 @@ import torch
 from classgrad.service.config import JobConfig
 from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
-from classgrad.workers.engines import GradientEngine, KroneckerEngine, RowBlock
-from classgrad.workers.projection import Projector
-from classgrad.workers.row_projection import row_projector
+from classgrad.workers.engines import GradientEngine, ProjectedEngine, RowBlock, finished_projector
+from classgrad.workers.projection import Projector, get_structure, resolve_structure, row_projector
 from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.runtime.identity import check_same_build, engine_identity
 from classgrad.workers.runtime.writer import ShardWriter
-from classgrad.workers.sketch import RowSketch
+from classgrad.workers.projection.sketch import RowSketch
 
 log = logging.getLogger(__name__)
 
 PROJECT_BYTES = 1 << 30
 
 
-def build_projector(config: JobConfig, slots, dim_in: int) -> Projector | RowSketch | None:
-    """The job's projector of finished rows (dense, or a sketch), or None when rows are stored
-    whole or projected inside the backward (``projection.structure: kronecker``)."""
-    return row_projector(config.projection, slots, dim_in)
+def build_projector(
+    config: JobConfig,
+    slots=None,
+    dim_in: int | None = None,
+    *,
+    engine: GradientEngine | None = None,
+    record: dict | None = None,
+) -> Projector | RowSketch | None:
+    """The job's projector of ``engine``'s finished rows (dense, or a sketch), or None when rows
+    are stored whole or projected inside the backward (a ``ProjectedEngine``). ``record``: the
+    store's ``projection`` attribute (an unset ``projection.structure`` resumes with it). Without
+    ``engine``, the finished rows of ``slots`` (``dim_in`` wide) for a structure that projects
+    finished rows; None for one that projects in the backward."""
+    if engine is not None:
+        return finished_projector(config.projection, engine, record)
+    p = config.projection
+    if p.dim is None or slots is None or dim_in is None:
+        return None
+    structure = resolve_structure(p.structure, record, per_param=p.per_param)
+    return None if get_structure(structure).in_backward else row_projector(p, slots, dim_in, structure=structure)
 
 
 def checked_engine(
@@ -53,11 +68,10 @@ def checked_engine(
 ) -> tuple[GradientEngine, Projector | RowSketch | None, int]:
     """The job's engine, checked against its real model and data (``preflight``), its
     projector (None when rows are stored whole or projected by the engine) and the width of a
-    stored row. ``record``: a store's Kronecker split to reuse (see ``build_job_engine``)."""
+    stored row. ``record``: a store's ``projection`` attribute to resume with (see ``build_job_engine``)."""
     engine = build_job_engine(config, device=device, record=record)
     preflight(engine)
-    layout = engine.layout
-    projector = build_projector(config, layout.slots, layout.dim)
+    projector = build_projector(config, engine=engine, record=record)
     return engine, projector, stored_width(engine, projector)
 
 
@@ -65,12 +79,12 @@ def stored_width(engine: GradientEngine, projector: Projector | RowSketch | None
     """Columns of a stored row."""
     if projector is not None:
         return projector.out_dim
-    return engine.stored_dim if isinstance(engine, KroneckerEngine) else engine.layout.dim
+    return engine.stored_dim if isinstance(engine, ProjectedEngine) else engine.layout.dim
 
 
 def projection_record(engine: GradientEngine, projector: Projector | RowSketch | None) -> dict | None:
     """What the store records about the projection (None: full rows)."""
-    if isinstance(engine, KroneckerEngine):
+    if isinstance(engine, ProjectedEngine):
         return engine.describe()
     return projector.describe() if projector else None
 
@@ -129,12 +143,13 @@ class GradientWorker:
             torch.set_num_threads(num_threads)
         store_cfg = self.config.store
         self.store = open_store(store_cfg.url, storage_options=store_cfg.storage_options, mode="r+")
-        # A Kronecker job's split among layers was measured once by the driver: reuse it.
-        record = self.store.attrs.get("projection") if self.config.projection.structure == "kronecker" else None
+        # The store's projection record: the structure an unset projection.structure runs with,
+        # and the map the driver fixed (a Kronecker split measured once): every worker reuses it.
+        record = self.store.attrs.get("projection") if self.config.projection.dim is not None else None
         self.engine = build_job_engine(self.config, record=record)
         if identity is not None:  # the driver's: this build must compute the same rows, or write none
             check_same_build(identity, engine_identity(self.engine))
-        self.projector = build_projector(self.config, self.engine.layout.slots, self.engine.layout.dim)
+        self.projector = build_projector(self.config, engine=self.engine, record=record)
         self.project_rows = project_rows_for(self.engine.layout.dim)
         self.class_ids = self.store.class_ids
         self.identity = {
@@ -174,6 +189,7 @@ class GradientWorker:
             "bytes": written.bytes,
             "recomputed_rows": self.engine.stats.recomputed_rows - recomputed_before,
             "engine_notes": list(self.engine.stats.notes),  # the path it took, and why; the driver dedupes
+            **peak_memory(self.engine.device),  # the driver records it beside its estimate
             **self.identity,
         }
 
@@ -191,6 +207,27 @@ class GradientWorker:
                 f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "
                 f"shard {shard} is not marked done"
             )
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """This process's peak resident memory so far (``peak_rss_bytes``: the kernel's high-water
+    mark on Linux, else ``ru_maxrss``) and, on a GPU, the peak memory allocated there."""
+    peak = None
+    try:
+        with open("/proc/self/status") as fh:
+            peak = next((int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:")), None)
+    except (OSError, ValueError):
+        pass
+    if peak is None:
+        import resource
+        import sys
+
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = maxrss if sys.platform == "darwin" else maxrss * 1024  # Linux reports KiB
+    out = {"peak_rss_bytes": int(peak)}
+    if device.type == "cuda":
+        out["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(device))
+    return out
 
 
 def _node_id() -> str:

@@ -23,7 +23,7 @@ from torch import nn
 from classgrad.service.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
-from classgrad.workers.engines import GradientEngine, create_engine, kronecker_options
+from classgrad.workers.engines import GradientEngine, create_engine, projected_options
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
@@ -133,8 +133,9 @@ def build_probe(
 def build_job_engine(config: JobConfig, device: str | None = None, record: dict | None = None) -> GradientEngine:
     """Model, probe set, loss, parameter layout and engine for a job config (the device checked first).
 
-    ``record``: the store's ``projection`` attribute, whose Kronecker split a worker reuses
-    (``projection.structure: kronecker``; the driver measures it, see ``KroneckerEngine``)."""
+    ``record``: the store's ``projection`` attribute: the structure an unset
+    ``projection.structure`` resumes with, and the map a worker reuses (a Kronecker split, measured
+    by the driver, see ``KroneckerEngine``; a TensorSketch map, checked)."""
     device = device or config.resolved_device()
     check_device(device)
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
@@ -173,7 +174,7 @@ def engine_from_parts(
         probe,
         loss,
         layout,
-        kronecker_options(config.projection, record),
+        projected_options(config.projection, record),
         precision=policy,
         device=device,
         block_rows=config.engine.block_rows,

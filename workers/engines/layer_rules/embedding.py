@@ -11,7 +11,8 @@ mode ``mean``; in mode ``max``, per feature, the row that won the max). The rule
 straight into the class's rows, viewed as ``[k, V, H]`` (one indexed accumulate, no per-class
 loop); the ``padding_idx`` row stays zero, as torch leaves it. With Kronecker-projected rows
 (``LayerRows.projection``) an Embedding's table is projected as it is formed
-(``kronecker_sums.projected_embedding_sums``).
+(``kronecker_sums.projected_embedding_sums``); with TensorSketch-projected rows every lookup is
+added to its buckets instead (``sketch_sums``), and no table is formed either.
 
 Refused (``applies`` says why; the engine then takes another exact path): ``max_norm`` (the
 forward renormalises the looked-up rows of the weight in place), ``scale_grad_by_freq`` (the
@@ -31,6 +32,7 @@ from torch import nn
 from classgrad.workers.engines.layer_rules.kronecker_sums import projected_embedding_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, peak
+from classgrad.workers.engines.layer_rules.sketch_sums import sketch_entries, sketched_embedding_sums
 
 BAG_MODES = {"sum": 0, "mean": 1, "max": 2}  # torch.embedding_bag's mode numbers
 
@@ -93,8 +95,8 @@ def _write_table(
 def embedding_sums(module: nn.Embedding, seen: LayerCapture, out: LayerRows) -> None:
     if not out.wants("weight"):
         return
-    if out.projection is not None:  # Kronecker-projected rows (ids broadcast across the batch: raises)
-        sample_classes(seen)
+    if out.projection is not None and out.projection.structure == "kronecker":
+        sample_classes(seen)  # ids broadcast across the batch: raises
         projected_embedding_sums(module, seen, out, out.projection)
         return
     idx = seen.inputs
@@ -102,6 +104,11 @@ def embedding_sums(module: nn.Embedding, seen: LayerCapture, out: LayerRows) -> 
     positions = idx[0].numel() if idx.dim() > 1 else 1
     grads = seen.grads.to(seen.grid.dtype).reshape(-1, H)
     classes = sample_classes(seen).view(-1, *[1] * (idx.dim() - 1)).expand_as(idx).reshape(-1)
+    if out.projection is not None:  # TensorSketch-projected rows: each lookup into its buckets
+        ids = idx.reshape(-1)
+        keep = None if module.padding_idx is None else (ids != module.padding_idx).to(grads.dtype)
+        sketched_embedding_sums(out, out.projection, classes, ids, grads, keep)
+        return
     # Each entry is a sum of at most width * positions token gradients.
     out.bound(peak(grads) * (seen.grid.width * positions))
     _write_table(module, seen, out, lambda table: table.index_put_((classes, idx.reshape(-1)), grads, accumulate=True))
@@ -138,6 +145,21 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
         found = winners >= 0
         features = torch.arange(H, device=idx.device).expand(total, H)
 
+        if out.projection is not None:  # TensorSketch: each winning entry into its buckets
+            if module.padding_idx is not None:  # the padding row stays zero, as in the table
+                found = found & (winners != module.padding_idx)
+            rows = sketch_entries(
+                out.projection,
+                out.k,
+                classes.view(-1, 1).expand(total, H).reshape(-1),
+                winners.clamp(min=0).reshape(-1),
+                features.reshape(-1),
+                (grads * found).reshape(-1),
+            )
+            out.check_sums(rows)
+            out.put("weight", rows)
+            return
+
         def fill(table: torch.Tensor) -> None:
             where = (classes.view(-1, 1).expand(total, H), winners.clamp(min=0), features)
             table.index_put_(where, grads * found, accumulate=True)
@@ -145,6 +167,16 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
     else:  # mean: each entry's share of its bag's gradient (padding entries count for nothing)
         keep = (idx != module.padding_idx) if module.padding_idx is not None else torch.ones_like(idx, dtype=torch.bool)
         share = keep.to(grads.dtype) / keep.sum(dim=1, keepdim=True).clamp(min=1).to(grads.dtype)
+        if out.projection is not None:  # TensorSketch: each entry's share into its buckets
+            sketched_embedding_sums(
+                out,
+                out.projection,
+                classes.repeat_interleave(length),
+                idx.reshape(-1),
+                grads.repeat_interleave(length, dim=0),
+                share.reshape(-1),
+            )
+            return
 
         def fill(table: torch.Tensor) -> None:
             values = (grads.unsqueeze(1) * share.unsqueeze(2)).reshape(-1, H)

@@ -158,15 +158,30 @@ class ClassRows:
 
     def __init__(self, rows: torch.Tensor, projections: dict[str, Any] | None = None):
         self.rows = rows
-        # Weight name -> its Kronecker unit (``classgrad.workers.kronecker``) when rows are projected.
+        # Weight name -> its Kronecker unit (``classgrad.workers.projection.kronecker``) when rows are projected.
         self.projections = projections or {}
         self.k = rows.shape[0]
         self.written: set[str] = set()
         self.bounds: list[torch.Tensor] = []
         self.sums: list[torch.Tensor] = []
 
-    def for_layer(self, slots: dict[str, ParamSlot]) -> LayerRows:
-        return LayerRows(self, slots)
+    def for_layer(self, slots: dict[str, ParamSlot], full: bool = False) -> LayerRows:
+        """``full``: the values put are whole per-class gradients (a module VJP's), mapped here
+        when a parameter belongs to a projected layer."""
+        return LayerRows(self, slots, full)
+
+    def mapped(self, slot: ParamSlot, value: torch.Tensor) -> tuple[ParamSlot, torch.Tensor]:
+        """``(slot, value)`` to write for a whole per-class gradient ``value`` ``[k, size]`` of the
+        parameter ``slot`` names: itself, or, for a weight or bias of a projected layer (whose
+        gradient another path formed whole), that layer's projected columns and its share of them
+        (the maps are linear: the weight's and the bias's shares add up)."""
+        for unit in self.projections.values():
+            for part in ("weight", "bias"):
+                param = getattr(unit, part)
+                if param is not None and param.name == slot.name:
+                    work = ParamSlot(unit.weight.name, (unit.width,), unit.offset, unit.width)
+                    return work, unit.map_part(part, value)
+        return slot, value
 
     def columns(self, slot: ParamSlot) -> torch.Tensor:
         return self.rows[:, slot.offset : slot.offset + slot.size]
@@ -187,11 +202,12 @@ class ClassRows:
 class LayerRows:
     """One layer's part of a run's rows: per-class gradients by parameter kind (``weight``, ...)."""
 
-    def __init__(self, run: ClassRows, slots: dict[str, ParamSlot]):
+    def __init__(self, run: ClassRows, slots: dict[str, ParamSlot], full: bool = False):
         self.run = run
         self.slots = slots
-        # The layer's Kronecker unit (``outer.class_outer_sums`` projects inside the backward), or None.
-        self.projection = run.projections.get(slots["weight"].name) if "weight" in slots else None
+        self.full = full
+        # The layer's projection unit (a rule projects inside the backward), or None.
+        self.projection = run.projections.get(slots["weight"].name) if "weight" in slots and not full else None
 
     @property
     def k(self) -> int:
@@ -204,6 +220,8 @@ class LayerRows:
     def put(self, kind: str, value: torch.Tensor) -> None:
         """Per-class gradients ``[k, *shape]`` (any shape of ``k * size`` entries) of ``kind``."""
         slot = self.slots[kind]
+        if self.full and self.run.projections:
+            slot, value = self.run.mapped(slot, value.reshape(self.k, -1))
         target = self.run.columns(slot)
         if slot.name in self.run.written:
             target.add_(value.reshape(self.k, slot.size))

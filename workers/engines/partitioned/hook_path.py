@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from classgrad.service.errors import ClassgradError, first_line
 from classgrad.workers.engines import choices
-from classgrad.workers.engines.base import GradientEngine, NormInFloat32, choice_clock
+from classgrad.workers.engines.base import GradientEngine, NormInFloat32
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
 from classgrad.workers.engines.layer_rules.module_vjp import batch_dim, check_layout
 from classgrad.workers.engines.partitioned.capture import Captured, NotLocal, UnitCall, forward_capturing
@@ -64,7 +64,7 @@ class HookPath:
         # the modules whose outputs were expanded in the current run.
         self.expand = True
         self.expanded: list[nn.Module] = []
-        self.formats = ImageFormat(engine.model, engine.device, engine.precision.dtype, engine.stats)
+        self.formats = ImageFormat(engine.model)
         self.projections: dict = {}  # weight name -> Kronecker unit: rows projected inside the backward
 
     def summary(self) -> str:
@@ -115,9 +115,7 @@ class HookPath:
         # The run's samples, class after class, with no padding.
         indices, local, within = self.samples.consecutive(cls)
         x, y = eng.probe.batch(indices, eng.device, eng.compute_dtype, memory_format=self.formats.gather)
-        x, trying = self.formats.apply(x)
-        clock = choice_clock(eng.device)
-        t_start = clock()
+        x = self.formats.apply(x)
 
         plan = self.plan
         seen = forward_capturing(
@@ -173,10 +171,6 @@ class HookPath:
                 self._unit_grads(c, found, grid, sink, inv, total)
         sink.zero_unwritten(eng.layout.slots)  # no path to the loss in this run
         ok = sink.certainly_finite()
-        if trying is not None:
-            if eng.device.type == "cuda":
-                torch.cuda.synchronize(eng.device)
-            trying.append((clock() - t_start) / total)
         return values.detach(), torch.full((k,), ok, dtype=torch.bool)
 
     def _rule_sums(
@@ -225,7 +219,7 @@ class HookPath:
             if not check_layout(c.module, args, kwargs, outputs, total):
                 raise NotLocal(c.module, f"{type(c.module).__name__} alone on one sample gives other outputs")
             grads = self.plan.units[c.module](c.module, args, kwargs, c.grad_outputs(mine), grid, tuple(slots))
-        out = sink.for_layer(slots)
+        out = sink.for_layer(slots, full=True)
         for name, value in grads.items():
             value = value.to(grid.dtype)
             if inv is not None:

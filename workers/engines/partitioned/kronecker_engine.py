@@ -1,42 +1,29 @@
-"""The partitioned engine with Kronecker-projected rows: every row is projected inside the backward.
+"""The partitioned engine with Kronecker-projected rows (``projection.structure: kronecker``).
 
-Holds ``KroneckerEngine``, a ``PartitionedEngine`` whose rows are ``projection.dim`` wide: the hook
-path writes each Kronecker layer's projected part (``layer_rules.kronecker_sums``) and every other
-selected parameter whole into a "work" row (units, then the rest), and each finished block's rest
-is kept, projected densely or sketched with sparse signs
-(``classgrad.workers.kronecker.KroneckerMap``). No full row is formed, except the two rows of the
-hook path's one-off spot check (computed whole by the plain single-class path and projected with
-the same factors).
-
-Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
-dense loss, a model that couples samples, a hook path that fails) is refused with one line that
-points to ``projection.structure: dense``: never a silent detour through full rows.
+Holds ``KroneckerEngine``, a ``ProjectedEngine`` (see ``projected_engine``) whose map is a
+``classgrad.workers.projection.KroneckerMap``: each Kronecker layer projected as ``P_a M P_b^T``
+(``layer_rules.kronecker_sums``), the rest kept, projected densely or sketched; the split of
+``dim`` among layers measured on the first block of classes (``allocation: norm``) and recorded.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
+from torch import nn
 
-from classgrad.service.errors import ConfigError, first_line
 from classgrad.workers.engines.base import RowBlock
 from classgrad.workers.engines.partitioned.engine import PartitionedEngine
-from classgrad.workers.kronecker import MEASURE_CLASSES, KroneckerMap
-from classgrad.workers.layout import ParamLayout
+from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine, refusal
+from classgrad.workers.projection.kronecker import MEASURE_CLASSES, KroneckerMap
 
 log = logging.getLogger(__name__)
 
-REST_ROWS = 256  # rows gathered per dense projection of the rest
-REST_BYTES = 256 << 20  # at most this much of rest columns held for it
-
-REFUSAL = "projection.structure=kronecker projects inside the partitioned engine's hook path"
+REFUSAL = refusal("kronecker")
 
 
-class KroneckerEngine(PartitionedEngine):
+class KroneckerEngine(ProjectedEngine):
     """Rows of ``dim`` columns: Kronecker layers projected in the backward, the rest kept or dense.
 
     ``projection``: ``dim``, ``kind``, ``seed``, ``rest`` (keep|dense|sketch), ``sketch_nonzeros``
@@ -46,18 +33,9 @@ class KroneckerEngine(PartitionedEngine):
     worker of a job projects the same way).
     """
 
-    def __init__(self, *args: Any, projection: dict[str, Any], **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        if self._hooked is None:
-            raise ConfigError(
-                f"{REFUSAL}, which this model does not take (a selected parameter is outside the layer "
-                "rules, shared, or hooked): use projection.structure=dense"
-            )
-        self.full_layout = self.layout
-        hooked = self._hooked
-        names = {m: n for n, m in self.model.named_modules()}
-        modules = dict(self.model.named_modules())
-        covered = {names[m] for m in hooked.plan.layers}
+    structure = "kronecker"
+
+    def _plan(self, projection: dict[str, Any], modules: dict[str, nn.Module], covered: set[str]) -> KroneckerMap:
         record = projection.get("record")
         options: dict[str, Any] = {
             "dim": int(projection["dim"]),
@@ -72,13 +50,13 @@ class KroneckerEngine(PartitionedEngine):
             options["dense_layers"] = tuple(record.get("dense_layers") or ())
         low_rank = projection.get("low_rank", "dense")
         kmap = KroneckerMap.plan(self.full_layout.slots, modules, covered, fixed=record, low_rank=low_rank, **options)
-        self._install(kmap)
+        self._install(kmap)  # the first block below runs through it
         if record is None and kmap.units:
             # The first block of classes, projected with the split by size: the layers whose
             # gradient reaches one token per sample (low_rank: dense) and every part's squared
             # norm (allocation: norm).
             first = list(range(min(MEASURE_CLASSES, self.loss.num_classes)))
-            work = RowBlock.concat(list(super().iter_blocks(first))).rows
+            work = RowBlock.concat(list(PartitionedEngine.iter_blocks(self, first))).rows  # work rows
             self.stats.rows = 0  # the measurement is not part of the rows asked for
             measured = kmap.measure(work)
             is_low = [low_rank == "dense" and u.positions is not None and u.positions <= 1 for u in kmap.units]
@@ -93,76 +71,12 @@ class KroneckerEngine(PartitionedEngine):
                     u.positions = positions[u.weight.name]
             if options["allocation"] == "norm":
                 kmap = kmap.remeasured(measured)
-            self._install(kmap)
         log.info(
             "kronecker projection: %d layers in %d columns, rest %s (%d parameters) in %d",
-            len(self.kmap.units),
-            self.kmap.units_width,
-            self.kmap.rest_mode,
-            self.kmap.rest_size,
-            self.kmap.dim - self.kmap.units_width,
+            len(kmap.units),
+            kmap.units_width,
+            kmap.rest_mode,
+            kmap.rest_size,
+            kmap.dim - kmap.units_width,
         )
-
-    def _install(self, kmap: KroneckerMap) -> None:
-        """Point the hook path at ``kmap``'s work row."""
-        assert self._hooked is not None
-        self.kmap = kmap
-        work = kmap.work_slots()
-        self.layout = ParamLayout(work)
-        by_name = {s.name: s for s in work}
-        plan = self._hooked.plan
-        layers = {m: {kind: by_name[s.name] for kind, s in slots.items()} for m, slots in plan.layers.items()}
-        self._hooked.plan = dataclasses.replace(plan, layers=layers)
-        self._hooked.projections = {u.weight.name: u for u in kmap.units}
-        self._hooked.single = self._single_projected
-        self._vmap = None  # vmap forms full rows: never taken here
-
-    @property
-    def stored_dim(self) -> int:
-        return self.kmap.dim
-
-    def describe(self) -> dict[str, Any]:
-        return self.kmap.describe()
-
-    def _fallback(self, what: str, exc: Exception) -> None:
-        raise ConfigError(
-            f"{REFUSAL}, which failed here ({what}: {first_line(exc, with_type=True, limit=120)}): "
-            "use projection.structure=dense"
-        ) from exc
-
-    def _single_projected(
-        self, c: int, scale: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Class ``c``'s work row by the plain path (a full row, projected): the spot check only."""
-        full = torch.empty(1, self.full_layout.dim, dtype=self.row_dtype, device=self.device)
-        work, self.layout = self.layout, self.full_layout
-        try:
-            value, finite = PartitionedEngine._single(self, c, scale, full, slice(0, 1))
-        finally:
-            self.layout = work
-        dest[where] = self.kmap.work_rows(full).to(dest.dtype)
-        return value, finite
-
-    def iter_blocks(self, classes: Sequence[int], out: torch.Tensor | None = None) -> Iterator[RowBlock]:
-        """Stored rows. A projected rest is projected over gathered blocks (up to ``REST_ROWS`` rows
-        or ``REST_BYTES`` of rest columns): generating a dense rest's random matrix costs the same
-        for 16 rows as for 256 (a sketch's fixed cost per call is smaller: a few small kernels per
-        chunk of coordinates), and the engine's groups of wide work rows are small. (``out`` is not
-        taken: the work rows are wider than the stored ones.)"""
-        if out is not None:
-            raise ValueError("a KroneckerEngine's blocks are formed from work rows: out is not supported")
-        if self.kmap.rest_projector is None:
-            for block in super().iter_blocks(classes):
-                yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
-            return
-        gather = max(1, min(REST_ROWS, REST_BYTES // (4 * self.kmap.rest_size)))
-        pending: list[RowBlock] = []
-        for block in super().iter_blocks(classes):
-            pending.append(block)
-            if sum(len(b) for b in pending) >= gather:
-                merged = RowBlock.concat(pending)
-                pending = []
-                yield dataclasses.replace(merged, rows=self.kmap.stored_rows(merged.rows))
-        if pending:
-            merged = RowBlock.concat(pending)
-            yield dataclasses.replace(merged, rows=self.kmap.stored_rows(merged.rows))
+        return kmap

@@ -1,7 +1,7 @@
 """Sparse sign Johnson-Lindenstrauss sketch of rows: each coordinate sent to a few columns with random signs.
 
-Holds ``SparseSignSketch`` (projects rows ``[n, D]`` to ``[n, k]`` by a scatter, no matrix: the
-``rest: sketch`` of a Kronecker projection, ``classgrad.workers.kronecker``), ``RowSketch`` (the
+Holds ``signed_scatter`` (the scatter every sparse sign map of this package runs), ``SparseSignSketch`` (projects rows ``[n, D]`` to ``[n, k]`` by a scatter, no matrix: the
+``rest: sketch`` of a Kronecker projection, ``classgrad.workers.projection.kronecker``), ``RowSketch`` (the
 same for whole finished rows, ``projection.structure: sketch``, with its store record), ``SKETCH_GROUP``
 (its stream group) and ``sketch_blocks`` (how the ``k`` columns are split into ``s`` blocks).
 
@@ -34,12 +34,14 @@ subtracted at the end) and the row is transposed in chunks of ``CHUNK`` coordina
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from classgrad.service.errors import ConfigError, InputError
-from classgrad.workers.projection import HASH_NAME, stream_keys, stream_words
+from classgrad.workers.projection.dense import HASH_NAME, stream_keys, stream_words
 
 SKETCH_GROUP = 1 << 30  # stream group of the sketch: far from a dense projection's 0, 1, ... and GROUP_BASE
 CHUNK = 2048  # coordinates transposed and scattered at once (measured: 1k-4k best on a CPU)
@@ -47,11 +49,53 @@ CHUNK = 2048  # coordinates transposed and scattered at once (measured: 1k-4k be
 # hashing them costs more than the sketch itself (whole ViT rows of 2.9M entries, s = 4, sketched
 # 16 rows at a time with the indices regenerated: 57 ms per row; kept and gathered: 23 ms).
 CACHE_ENTRIES = 1 << 25
+SPARSE_DTYPES = (torch.float32, torch.float64)  # what torch's sparse product takes on every device
 
 
 def sketch_blocks(k: int, s: int) -> list[tuple[int, int]]:
     """``(start, size)`` of each of the ``s`` blocks of ``k`` columns (sizes differ by at most one)."""
     return [(k * b // s, k * (b + 1) // s - k * b // s) for b in range(s)]
+
+
+IndexFn = Callable[[int, int, torch.device], torch.Tensor]
+
+
+def signed_scatter(rows: torch.Tensor, index_of: IndexFn, dim: int, nonzeros: int, scale: float) -> torch.Tensor:
+    """``[n, D]`` -> ``[n, dim]``: coordinate ``j`` of every row added, times ``scale``, to the
+    ``nonzeros`` accumulator columns ``index_of(c0, c1, device)[j - c0]`` (int32 ``[c1 - c0, s]``;
+    a column plus ``dim`` is subtracted instead). In chunks of ``CHUNK`` coordinates, transposed so
+    that every coordinate adds one contiguous run of ``n`` values (see the module docstring)."""
+    rows = rows.detach()
+    n, width, device = rows.shape[0], rows.shape[1], rows.device
+    acc = torch.zeros(2 * dim, n, dtype=rows.dtype, device=device)
+    with torch.no_grad():
+        for c0 in range(0, width, CHUNK):
+            c1 = min(width, c0 + CHUNK)
+            index = index_of(c0, c1, device)
+            part = rows[:, c0:c1].t().contiguous()  # [chunk, n]: one contiguous run per coordinate
+            for b in range(nonzeros):
+                acc.index_add_(0, index[:, b], part)
+        out = (acc[:dim] - acc[dim:]).mul_(scale)
+    return out.t().contiguous()
+
+
+def sign_matrix(cols: torch.Tensor, negative: torch.Tensor, dim: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The map as a sparse CSR ``[dim, D]`` matrix (``cols``, ``negative``: ``[D, s]``, distinct
+    columns per coordinate): ``S @ rows^T`` is the sketch. One sparse product reads each row
+    once; the scatter reads it ``s`` times (measured ~4x faster on a 2-core CPU)."""
+    D, s = cols.shape
+    coords = torch.arange(D, device=cols.device).repeat_interleave(s)
+    values = torch.full((D * s,), scale, dtype=dtype, device=cols.device).masked_fill_(negative.reshape(-1), -scale)
+    coo = torch.sparse_coo_tensor(torch.stack([cols.reshape(-1), coords]), values, (dim, D), check_invariants=False)
+    with warnings.catch_warnings():  # torch's "CSR support is in beta": products with dense are stable
+        warnings.simplefilter("ignore", UserWarning)
+        return coo.coalesce().to_sparse_csr()
+
+
+def sparse_apply(matrix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[n, D]`` rows through a CSR ``[dim, D]`` matrix: ``[n, dim]``."""
+    with torch.no_grad():
+        return torch.sparse.mm(matrix, rows.detach().t().contiguous()).t().contiguous()
 
 
 class SparseSignSketch:
@@ -89,33 +133,20 @@ class SparseSignSketch:
 
     def _indices(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
         """Accumulator rows ``[stop - start, s]`` (int32): the column, plus ``dim`` when negative."""
-        cached = self._cache.get(str(device))
-        if cached is not None:
-            return cached[start:stop]
         cols, neg = self.columns(start, stop, device)
-        index = (cols + neg.long() * self.dim).to(torch.int32)
-        if self.dim_in * self.nonzeros <= CACHE_ENTRIES and (start, stop) == (0, self.dim_in):
-            self._cache[str(device)] = index
-        return index
+        return (cols + neg.long() * self.dim).to(torch.int32)
 
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """``[n, dim_in]`` -> ``[n, dim]`` in ``rows``' dtype and device (not differentiable)."""
         if rows.dim() != 2 or rows.shape[1] != self.dim_in:
             raise InputError(f"rows must have shape [n, {self.dim_in}], got {list(rows.shape)}")
-        rows = rows.detach()
-        n, device = rows.shape[0], rows.device
-        acc = torch.zeros(2 * self.dim, n, dtype=rows.dtype, device=device)
-        whole = self.dim_in * self.nonzeros <= CACHE_ENTRIES
-        index_all = self._indices(0, self.dim_in, device) if whole else None
-        with torch.no_grad():
-            for c0 in range(0, self.dim_in, CHUNK):
-                c1 = min(self.dim_in, c0 + CHUNK)
-                index = index_all[c0:c1] if index_all is not None else self._indices(c0, c1, device)
-                part = rows[:, c0:c1].t().contiguous()  # [chunk, n]: one contiguous run per coordinate
-                for b in range(self.nonzeros):
-                    acc.index_add_(0, index[:, b], part)
-            out = (acc[: self.dim] - acc[self.dim :]).mul_(self.scale)
-        return out.t().contiguous()
+        if self.dim_in * self.nonzeros <= CACHE_ENTRIES and rows.dtype in SPARSE_DTYPES:
+            key = f"csr:{rows.device}:{rows.dtype}"
+            if key not in self._cache:
+                cols, neg = self.columns(0, self.dim_in, rows.device)
+                self._cache[key] = sign_matrix(cols, neg, self.dim, self.scale, rows.dtype)
+            return sparse_apply(self._cache[key], rows)
+        return signed_scatter(rows, self._indices, self.dim, self.nonzeros, self.scale)
 
     def describe(self) -> dict[str, Any]:
         """What a store records: enough to regenerate every bucket and sign."""

@@ -33,7 +33,7 @@ k_in)`` and preserves inner products in expectation, like a dense projection. Th
 ``[k_out, k_in]`` result (row-major) is the unit's part of the stored row. The rest, projected
 densely, uses a ``Projector`` over the rest's columns (concatenated in layout order) with the
 job's seed (stream group 0, far from ``GROUP_BASE``); ``rest: sketch`` uses a
-``classgrad.workers.sketch.SparseSignSketch`` over the same columns instead (stream group
+``classgrad.workers.projection.sketch.SparseSignSketch`` over the same columns instead (stream group
 ``SKETCH_GROUP``, ``s`` signed nonzeros per column of the rest: ``s`` additions per parameter and
 row instead of ``2 k_rest`` flops).
 
@@ -75,8 +75,8 @@ from torch import nn
 
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
-from classgrad.workers.projection import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
-from classgrad.workers.sketch import SparseSignSketch
+from classgrad.workers.projection.dense import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
+from classgrad.workers.projection.sketch import SparseSignSketch
 
 GROUP_BASE = 1 << 31  # stream groups of the factors: far above the dense projection's 0, 1, ...
 MEASURE_CLASSES = 32  # classes of the first block whose rows measure the gradient norms
@@ -155,6 +155,7 @@ class KroneckerUnit:
     positions: int | None = None  # most tokens of a sample with a gradient (1: rank <= the class's samples)
     kind: str = "rademacher"
     seed: int = 0
+    structure: str = "kronecker"  # what layer_rules dispatch on
     _cache: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
@@ -204,6 +205,15 @@ class KroneckerUnit:
             m = torch.cat([m, bias], dim=2)
         fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
         return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(n, self.width)
+
+    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
+        """``[k, width]``: ``F_a^T M F_b`` of per-class gradients ``value`` of the weight or the
+        bias alone (the other zero), for a gradient another path formed whole."""
+        from classgrad.workers.projection.tensor_sketch import _part_matrix
+
+        m = _part_matrix(self, part, value)
+        fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
+        return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(m.shape[0], self.width)
 
     def describe(self) -> dict[str, Any]:
         out = {

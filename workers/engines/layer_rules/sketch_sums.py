@@ -1,0 +1,167 @@
+"""Per-class TensorSketches of outer-product layers: the default projection inside the backward.
+
+Holds ``sketched_outer_sums`` (``outer.class_outer_sums`` calls it for a layer whose rows are
+TensorSketch-projected: ``LayerRows.projection`` a ``classgrad.workers.projection.SketchUnit``),
+``sketched_embedding_sums`` (the embedding rules call it instead of forming the table) and
+``ROUTE_COST`` (the cost model that picks a route per call).
+
+Class i's part of the row is the unit's sketch of ``M_i = sum_t u_t v_t^T`` (``u`` the first
+token factor, ``v`` the second, the bias a constant-1 feature on the input's side). Two routes
+give the same numbers up to float32 rounding (both are the map ``SketchUnit.sketch``):
+
+- ``fft``: per token, both factors CountSketched (``[T, rows] -> [T, dim]``), each block's
+  ``rfft`` multiplied, summed over the class's tokens in the frequency domain, one ``irfft``
+  per class and block. ``M_i`` never exists: for a C-wide classifier head (``rows = C``) its
+  cost is ``C s`` additions and two FFTs per sample, not ``C x hidden`` per class.
+- ``form``: ``M_i`` formed exactly (the layer's own product per class, or a convolution's
+  grouped backward), then sketched (``rows x cols_in x s`` additions per class). Cheaper where
+  a class has many tokens and the layer is small (convolutions, attention on sequences).
+
+The route is the cheaper by ``ROUTE_COST`` for this call's token and class counts: a pure
+function of the shapes, never a timing, so every worker and every run takes the same one.
+Embedding tables (one-hot inputs) take a third, ``direct``: each looked-up entry added to its
+bucket (``H s`` additions per token), never a ``[V, H]`` table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from classgrad.workers.engines.layer_rules import rule_io
+from classgrad.workers.engines.layer_rules.rule_io import LayerRows
+
+# Seconds per unit of work, by device type, measured on a 2-core CPU (torch 2.13, float32):
+# ``fft_column``: one rfft/irfft column of a 1k-4k-wide block (log factor included);
+# ``scatter``: one signed addition of a sparse sign sketch; ``mac``: one multiply-add of a
+# batched product. Only their ratios matter (they choose a route, never change a row); the GPU
+# figures are the CPU's until measured there.
+ROUTE_COST = {"cpu": {"fft_column": 4e-9, "scatter": 2.2e-9, "mac": 1.5e-11}}
+FORCED_ROUTE: str | None = None  # tests: "fft" or "form" for every layer
+
+
+def _costs(device: torch.device) -> dict[str, float]:
+    return ROUTE_COST.get(device.type, ROUTE_COST["cpu"])
+
+
+def route_for(unit: Any, tokens: int, classes: int, device: torch.device) -> str:
+    """``fft`` or ``form``: the cheaper for ``tokens`` tokens of ``classes`` classes."""
+    if FORCED_ROUTE is not None:
+        return FORCED_ROUTE
+    c = _costs(device)
+    s, dim = unit.nonzeros, unit.dim
+    fft = tokens * ((unit.rows + unit.cols_in) * s * c["scatter"] + 3 * dim * c["fft_column"])
+    fft += classes * dim * c["fft_column"]
+    form = tokens * unit.full * c["mac"] + classes * unit.full * s * c["scatter"]
+    return "fft" if fft < form else "form"
+
+
+def _with_bias(first: torch.Tensor, second: torch.Tensor, unit: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token factors with the bias's constant-1 feature on the input's side: the second
+    factor's (Linear, Conv), or the first's when the matrix's first axis is the input (Conv1D)."""
+    if unit.bias is None:
+        return first, second
+    if unit.input_first:
+        return torch.cat([first, first.new_ones(*first.shape[:-1], 1)], dim=-1), second
+    return first, torch.cat([second, second.new_ones(*second.shape[:-1], 1)], dim=-1)
+
+
+def _fft_sketch(first: torch.Tensor, second: torch.Tensor, owner: torch.Tensor | None, k: int, unit: Any) -> torch.Tensor:
+    """``[k, dim]`` from token factors ``[T, rows]``, ``[T, cols_in]`` (``owner``: each token's
+    class; None: ``T = k * tokens`` class-major, padding tokens zero)."""
+    dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
+    sk1, sk2 = unit.factor_sketches()
+    p = sk1.project(first.to(dtype))
+    q = sk2.project(second.to(dtype))
+    out = p.new_empty(k, unit.dim)
+    for b0, m in unit.blocks:
+        prod = torch.fft.rfft(p[:, b0 : b0 + m], dim=1).mul_(torch.fft.rfft(q[:, b0 : b0 + m], dim=1))
+        if owner is None:
+            sums = prod.view(k, -1, prod.shape[1]).sum(dim=1)
+        else:
+            real = torch.view_as_real(prod)
+            sums = torch.view_as_complex(real.new_zeros(k, *real.shape[1:]).index_add_(0, owner, real))
+        out[:, b0 : b0 + m] = torch.fft.irfft(sums, n=m, dim=1)
+    # Each factor's sketch carries 1/sqrt(s); the map carries it once.
+    return out.mul_(math.sqrt(unit.nonzeros))
+
+
+def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
+    """Class ``i``'s sketch of ``[dW_i | db_i]`` (``unit.dim`` columns) into ``out``'s weight columns."""
+    conv = isinstance(getattr(factors, "module", None), (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+    device = out.run.rows.device
+    ragged = factors.ragged() if device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
+    k = out.k
+    if ragged is not None:
+        first, second = ragged.grads, ragged.inputs
+        tokens = first.shape[0]
+        owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(ragged.tokens, device=device))
+        if route_for(unit, tokens, k, device) == "fft":
+            rows = _fft_sketch(*_with_bias(first, second, unit), owner, k, unit)
+        else:
+            f, s = _with_bias(first, second, unit)
+            matrices = f.new_empty(k, unit.rows, unit.cols_in)
+            ragged.per_class_mm(f, s, matrices)
+            rows = unit.sketch(matrices)
+    else:
+        G = factors.grad_tokens()  # [k, T, rows]: one block (units are never grouped layers)
+        if route_for(unit, G.shape[0] * G.shape[1], k, device) == "fft":
+            f, s = _with_bias(G, factors.input_tokens(), unit)
+            rows = _fft_sketch(f.reshape(-1, f.shape[-1]), s.reshape(-1, s.shape[-1]), None, k, unit)
+        else:
+            rows = unit.sketch(_formed(factors, G, unit))
+    out.check_sums(rows)
+    out.put("weight", rows)
+
+
+def _formed(factors: Any, G: torch.Tensor, unit: Any) -> torch.Tensor:
+    """``[k, rows, cols_in]``: each class's ``M_i`` exactly (a convolution's grouped backward, or
+    the batched product of the token factors)."""
+    k = G.shape[0]
+    if not unit.input_first:
+        direct = factors.direct_sums(True, unit.bias is not None)
+        if direct is not None:
+            gw, gb = direct
+            assert gw is not None
+            m = gw.reshape(k, unit.a, unit.b).to(G.dtype)
+            return m if gb is None else torch.cat([m, gb.reshape(k, unit.a, 1).to(G.dtype)], dim=2)
+    f, s = _with_bias(G, factors.input_tokens(), unit)
+    return torch.bmm(f.transpose(1, 2), s)
+
+
+def sketch_entries(
+    unit: Any, k: int, cls: torch.Tensor, i: torch.Tensor, j: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """``[k, dim]``: entries ``values`` at ``(i, j)`` of class ``cls``'s matrix, each added to its
+    bucket of every block (the ``direct`` route; equal to ``unit.sketch`` of the summed matrices)."""
+    device = values.device
+    h1, n1, h2, n2 = unit.hashes(device)
+    dim = unit.dim
+    acc = values.new_zeros(k * 2 * dim)
+    base = cls * (2 * dim)
+    for b, (b0, m) in enumerate(unit.blocks):
+        col = (h1[i, b] + h2[j, b]) % m + b0 + (n1[i, b] ^ n2[j, b]).long() * dim
+        acc.index_add_(0, base + col, values)
+    both = acc.view(k, 2, dim)
+    return (both[:, 0] - both[:, 1]).mul_(1.0 / math.sqrt(unit.nonzeros))
+
+
+def sketched_embedding_sums(
+    out: LayerRows, unit: Any, cls: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor, weight: torch.Tensor | None
+) -> None:
+    """An embedding table's per-class sketch from its lookups: token ``t`` of class ``cls[t]``
+    looked up row ``ids[t]`` with output gradient ``grads[t]`` (``[T, H]``), times ``weight[t]``
+    (a bag's share; None: 1). Padding tokens must come with a zero weight."""
+    H = grads.shape[1]
+    if weight is not None:
+        grads = grads * weight.unsqueeze(1)
+    T = grads.shape[0]
+    j = torch.arange(H, device=grads.device).repeat(T)
+    rows = sketch_entries(
+        unit, out.k, cls.repeat_interleave(H), ids.repeat_interleave(H), j, grads.reshape(-1).to(out.run.rows.dtype)
+    )
+    out.check_sums(rows)
+    out.put("weight", rows)

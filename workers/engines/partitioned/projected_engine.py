@@ -1,0 +1,157 @@
+"""The partitioned engine with rows projected inside the backward, whatever the structure.
+
+Holds ``ProjectedEngine``, a ``PartitionedEngine`` whose rows are ``projection.dim`` wide: the hook
+path writes each projected layer's part (``layer_rules.kronecker_sums`` or ``sketch_sums``, by the
+unit's structure) and every other selected parameter whole into a "work" row (units, then the
+rest), and each finished block's rest is projected into the stored row by the structure's map
+(``classgrad.workers.projection``: ``KroneckerMap``, ``TensorSketchMap``). No full row is formed,
+except the two rows of the hook path's one-off spot check (computed whole by the plain
+single-class path and mapped the same way). Subclasses plan the map (``_plan``); and
+``TensorSketchEngine``, the default structure's engine (nothing to measure: the map is fixed by
+the layout and the seed).
+
+Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
+dense loss, a model that couples samples, a hook path that fails) is refused with one line
+(``refusal``); for the default structure, ``create_engine`` then takes a sketch of finished rows
+instead and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from classgrad.service.errors import ConfigError, first_line
+from classgrad.workers.engines.base import RowBlock
+from classgrad.workers.engines.partitioned.engine import PartitionedEngine
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.projection import TensorSketchMap
+
+log = logging.getLogger(__name__)
+
+REST_ROWS = 256  # rows gathered per projection of the rest
+REST_BYTES = 256 << 20  # at most this much of rest columns held for it
+
+
+def refusal(structure: str) -> str:
+    return f"projection.structure={structure} projects inside the partitioned engine's hook path"
+
+
+class ProjectedEngine(PartitionedEngine):
+    """Rows of ``dim`` columns, projected in the backward by a structure's map (``self.kmap``).
+
+    ``projection``: the structure's options (``dim``, ``seed``, ...) and optionally ``record`` (a
+    store's ``projection`` attribute: reused or checked, so every worker projects the same way).
+    """
+
+    structure = ""
+
+    def __init__(self, *args: Any, projection: dict[str, Any], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self._hooked is None:
+            raise ConfigError(
+                f"{refusal(self.structure)}, which this model does not take (a selected parameter is outside "
+                "the layer rules, shared, or hooked): use projection.structure=dense"
+            )
+        self.full_layout = self.layout
+        names = {m: n for n, m in self.model.named_modules()}
+        modules = dict(self.model.named_modules())
+        covered = {names[m] for m in self._hooked.plan.layers}
+        self._install(self._plan(projection, modules, covered))
+
+    def _plan(self, projection: dict[str, Any], modules: dict[str, nn.Module], covered: set[str]) -> Any:
+        raise NotImplementedError
+
+    def _install(self, kmap: Any) -> None:
+        """Point the hook path at ``kmap``'s work row."""
+        assert self._hooked is not None
+        self.kmap = kmap
+        work = kmap.work_slots()
+        self.layout = ParamLayout(work)
+        by_name = {s.name: s for s in work}
+        plan = self._hooked.plan
+        layers = {m: {kind: by_name[s.name] for kind, s in slots.items()} for m, slots in plan.layers.items()}
+        self._hooked.plan = dataclasses.replace(plan, layers=layers)
+        self._hooked.projections = {u.weight.name: u for u in kmap.units}
+        self._hooked.single = self._single_projected
+        self._vmap = None  # vmap forms full rows: never taken here
+
+    @property
+    def stored_dim(self) -> int:
+        return int(self.kmap.dim)
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.kmap.describe())
+
+    def _fallback(self, what: str, exc: Exception) -> None:
+        raise ConfigError(
+            f"{refusal(self.structure)}, which failed here ({what}: {first_line(exc, with_type=True, limit=120)}): "
+            "use projection.structure=dense"
+        ) from exc
+
+    def _single_projected(
+        self, c: int, scale: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class ``c``'s work row by the plain path (a full row, mapped): the spot check only."""
+        full = torch.empty(1, self.full_layout.dim, dtype=self.row_dtype, device=self.device)
+        work, self.layout = self.layout, self.full_layout
+        try:
+            value, finite = PartitionedEngine._single(self, c, scale, full, slice(0, 1))
+        finally:
+            self.layout = work
+        dest[where] = self.kmap.work_rows(full).to(dest.dtype)
+        return value, finite
+
+    def iter_blocks(self, classes: Sequence[int], out: torch.Tensor | None = None) -> Iterator[RowBlock]:
+        """Stored rows. A projected rest is projected over gathered blocks (up to ``REST_ROWS`` rows
+        or ``REST_BYTES`` of rest columns): generating a dense rest's random matrix costs the same
+        for 16 rows as for 256 (a sketch's fixed cost per call is smaller: a few small kernels per
+        chunk of coordinates), and the engine's groups of wide work rows are small. (``out`` is not
+        taken: the work rows are wider than the stored ones.)"""
+        if out is not None:
+            raise ValueError("a projected engine's blocks are formed from work rows: out is not supported")
+        if self.kmap.rest_projector is None:
+            for block in super().iter_blocks(classes):
+                yield dataclasses.replace(block, rows=self.kmap.stored_rows(block.rows))
+            return
+        gather = max(1, min(REST_ROWS, REST_BYTES // (4 * self.kmap.rest_size)))
+        pending: list[RowBlock] = []
+        for block in super().iter_blocks(classes):
+            pending.append(block)
+            if sum(len(b) for b in pending) >= gather:
+                merged = RowBlock.concat(pending)
+                pending = []
+                yield dataclasses.replace(merged, rows=self.kmap.stored_rows(merged.rows))
+        if pending:
+            merged = RowBlock.concat(pending)
+            yield dataclasses.replace(merged, rows=self.kmap.stored_rows(merged.rows))
+
+
+class TensorSketchEngine(ProjectedEngine):
+    """``projection.structure: tensorsketch``: every outer-product layer sketched in the backward
+    into one shared ``dim``-wide CountSketch of the row (``TensorSketchMap``), the rest sketched."""
+
+    structure = "tensorsketch"
+
+    def _plan(self, projection: dict[str, Any], modules: dict[str, nn.Module], covered: set[str]) -> TensorSketchMap:
+        kmap = TensorSketchMap.plan(
+            self.full_layout.slots,
+            modules,
+            covered,
+            dim=int(projection["dim"]),
+            seed=int(projection.get("seed", 0)),
+            nonzeros=int(projection.get("sketch_nonzeros", 4)),
+            record=projection.get("record"),
+        )
+        log.info(
+            "tensorsketch projection: %d layers sketched in the backward, rest of %d parameters, into %d columns",
+            len(kmap.units),
+            kmap.rest_size,
+            kmap.dim,
+        )
+        return kmap

@@ -1,0 +1,341 @@
+"""TensorSketch projection of gradient rows (``projection.structure: tensorsketch``, the default):
+one CountSketch of the whole row with a hash that follows each layer's outer-product structure.
+
+Holds:
+
+- ``SketchUnit`` — one outer-product layer's weight (and bias, as a constant-1 input feature, as
+  in ``kronecker.KroneckerUnit``) of matrix ``M`` (``rows x cols_in``), with the two hashes of its
+  axes and ``sketch(M)``, the unit's share of the stored row from its per-class matrices (the
+  reference, and the "form" route of ``layer_rules.sketch_sums``).
+- ``TensorSketchMap`` — the whole stored row: every unit, then the parameters outside every unit
+  (the "rest", sketched by a ``SparseSignSketch``), all added into the same ``dim`` columns; its
+  ``work_slots`` (where the hook path writes: ``dim`` columns per unit, then the rest whole),
+  ``stored_rows`` (work rows to stored rows), ``work_rows`` / ``project_full`` (full rows to the
+  same numbers: what the tests compare with) and ``describe`` (what the store records).
+- ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``) and ``TS_GROUP_BASE``.
+
+The map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a unit
+``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b`` (``m_b`` columns from ``start_b``), row
+coordinate ``i`` of ``M`` has a bucket ``h1_b(i)`` in ``[0, m_b)`` and a sign ``s1_b(i)``, column
+coordinate ``j`` has ``h2_b(j)`` and ``s2_b(j)``: the buckets and signs of two
+``SparseSignSketch`` maps (stream groups ``TS_GROUP_BASE + 2 u`` and ``+ 1``, ``u`` the weight's
+index in the parameter layout). Entry ``M[i, j]`` is added to column ``start_b + (h1_b(i) +
+h2_b(j)) mod m_b`` of every block with sign ``s1_b(i) s2_b(j) / sqrt(s)``. That is a sparse JL
+map of the whole row (each coordinate to one column per block, a random sign each), so its
+inner-product variance is a CountSketch's, whatever the rank of a class's gradient. Because the
+hash is a sum, the block of a rank-one ``M = g x^T`` is the circular convolution of the two
+factors' CountSketches, ``irfft(rfft(CS1 g) * rfft(CS2 x))`` (Pham and Pagh, KDD 2013), and a
+class's sum over its tokens is a sum in the frequency domain: the layer's per-class matrix need
+never exist (``layer_rules.sketch_sums``). The rest's parameters (norms, raw parameters, layers
+without a unit) are one ``SparseSignSketch`` over their concatenated columns (stream group
+``sketch.SKETCH_GROUP``), added into the same columns. No split of ``dim`` among layers, nothing
+measured: the map is a pure function of the layout, the model's layer types, ``dim``, ``s`` and
+the seed, the same on every worker and device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from classgrad.service.errors import ConfigError
+from classgrad.service.store.params import ParamSlot
+from classgrad.workers.projection.dense import HASH_NAME
+from classgrad.workers.projection.kronecker import UnitShape, shape_for
+from classgrad.workers.projection.sketch import (
+    CACHE_ENTRIES,
+    SPARSE_DTYPES,
+    SparseSignSketch,
+    sign_matrix,
+    signed_scatter,
+    sparse_apply,
+)
+
+STRUCTURE = "tensorsketch"
+# Buckets per coordinate of a layer's matrix: one (the plain TensorSketch). Its inner-product
+# variance is a CountSketch's whatever s is; more buckets only thin the tail of rows whose mass
+# sits on a few coordinates, which a layer's gradient rarely has (measured: bag_text at C = 300,
+# cosine error median/p99 0.0102/0.0409 with 1, 0.0107/0.0423 with 4, CountSketch s = 4 of the
+# exact rows 0.0108/0.0403), and each costs a bucket more per entry on both routes. The rest
+# (norms, raw parameters: small, sometimes concentrated) keeps ``sketch_nonzeros``.
+UNIT_NONZEROS = 1
+TS_GROUP_BASE = 3 << 29  # stream groups of the units' hashes: clear of 0.., SKETCH_GROUP (2^30) and 2^31..
+
+
+def _bag_shape(m: nn.EmbeddingBag) -> UnitShape | None:
+    if m.sparse or m.max_norm is not None or m.scale_grad_by_freq:
+        return None  # refused by the embedding rule: the layer is not on the hook path anyway
+    return m.num_embeddings, m.embedding_dim, True
+
+
+SKETCH_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {nn.EmbeddingBag: _bag_shape}
+
+
+def sketch_shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
+    """The ``UnitShape`` function of ``module``'s type for a sketch unit, or None."""
+    return SKETCH_SHAPES.get(type(module)) or shape_for(module)
+
+
+@dataclass
+class SketchUnit:
+    """One layer's weight (+ bias) sketched into ``dim`` work columns at ``offset``."""
+
+    index: int
+    weight: ParamSlot
+    bias: ParamSlot | None
+    a: int
+    b: int
+    input_first: bool
+    dim: int
+    nonzeros: int
+    seed: int
+    offset: int = 0
+    structure: str = STRUCTURE  # what layer_rules dispatch on
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rows(self) -> int:
+        return self.a + (self.bias is not None and self.input_first)
+
+    @property
+    def cols_in(self) -> int:
+        return self.b + (self.bias is not None and not self.input_first)
+
+    @property
+    def full(self) -> int:
+        return self.rows * self.cols_in
+
+    @property
+    def width(self) -> int:
+        return self.dim
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        return TS_GROUP_BASE + 2 * self.index, TS_GROUP_BASE + 2 * self.index + 1
+
+    def factor_sketches(self) -> tuple[SparseSignSketch, SparseSignSketch]:
+        """The CountSketches of ``M``'s row and column coordinates (``[n, rows]`` -> ``[n, dim]``)."""
+        if "sketches" not in self._cache:
+            g1, g2 = self.groups
+            self._cache["sketches"] = (
+                SparseSignSketch(self.rows, self.dim, nonzeros=self.nonzeros, seed=self.seed, group=g1),
+                SparseSignSketch(self.cols_in, self.dim, nonzeros=self.nonzeros, seed=self.seed, group=g2),
+            )
+        return self._cache["sketches"]
+
+    @property
+    def blocks(self) -> list[tuple[int, int]]:
+        return self.factor_sketches()[0].blocks
+
+    def hashes(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(h1, neg1, h2, neg2)``: buckets within each block (int64 ``[rows, s]``, ``[cols_in, s]``)
+        and signs (True: -1) of the row and column coordinates, on ``device``."""
+        key = f"hashes:{device}"
+        if key not in self._cache:
+            sk1, sk2 = self.factor_sketches()
+            starts = torch.tensor([b0 for b0, _ in sk1.blocks], dtype=torch.int64, device=device)
+            c1, n1 = sk1.columns(0, self.rows, device)
+            c2, n2 = sk2.columns(0, self.cols_in, device)
+            self._cache[key] = (c1 - starts, n1, c2 - starts, n2)
+        return self._cache[key]
+
+    def _flat_index(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        """Accumulator rows ``[stop - start, s]`` (int32) of flat coordinates ``[start, stop)`` of
+        ``M`` (row-major): the column, plus ``dim`` when the sign is negative."""
+        h1, n1, h2, n2 = self.hashes(device)
+        flat = torch.arange(start, stop, device=device)
+        i, j = flat // self.cols_in, flat % self.cols_in
+        sizes = torch.tensor([m for _, m in self.blocks], dtype=torch.int64, device=device)
+        starts = torch.tensor([b0 for b0, _ in self.blocks], dtype=torch.int64, device=device)
+        cols = (h1[i] + h2[j]) % sizes + starts
+        return (cols + (n1[i] ^ n2[j]).long() * self.dim).to(torch.int32)
+
+    def sketch(self, matrices: torch.Tensor) -> torch.Tensor:
+        """``[n, rows, cols_in]`` (or ``[n, rows * cols_in]``) per-class matrices -> ``[n, dim]``."""
+        flat = matrices.reshape(matrices.shape[0], self.full)
+        scale = 1.0 / math.sqrt(self.nonzeros)
+        if self.full * self.nonzeros <= CACHE_ENTRIES and flat.dtype in SPARSE_DTYPES:
+            key = f"csr:{flat.device}:{flat.dtype}"
+            if key not in self._cache:
+                index = self._flat_index(0, self.full, flat.device).long()
+                self._cache[key] = sign_matrix(index % self.dim, index >= self.dim, self.dim, scale, flat.dtype)
+            return sparse_apply(self._cache[key], flat)
+        return signed_scatter(flat, self._flat_index, self.dim, self.nonzeros, scale)
+
+    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
+        """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias
+        alone (the other zero), for a gradient another path formed whole."""
+        return self.sketch(_part_matrix(self, part, value))
+
+    def matrices(self, full: torch.Tensor) -> torch.Tensor:
+        """``[n, rows, cols_in]``: the unit's ``M`` from full rows (layout order)."""
+        n = full.shape[0]
+        w = self.weight
+        m = full[:, w.offset : w.offset + w.size].reshape(n, self.a, self.b)
+        if self.bias is not None and self.input_first:  # [W; b^T]
+            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, 1, self.b)
+            m = torch.cat([m, bias], dim=1)
+        elif self.bias is not None:  # [W | b]
+            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
+            m = torch.cat([m, bias], dim=2)
+        return m
+
+    def describe(self) -> dict[str, Any]:
+        out = {
+            "param": self.weight.name,
+            "bias": self.bias.name if self.bias is not None else None,
+            "shape": [self.a, self.b],
+            "matrix_shape": [self.rows, self.cols_in],
+            "groups": list(self.groups),
+            "offset": self.offset,
+        }
+        if self.input_first:
+            out["input_first"] = True
+        return out
+
+
+def _part_matrix(unit: Any, part: str, value: torch.Tensor) -> torch.Tensor:
+    """``[k, rows, cols_in]``: a unit's matrix with only its weight, or only its bias, filled."""
+    k = value.shape[0]
+    m = value.new_zeros(k, unit.rows, unit.cols_in)
+    if part == "weight":
+        m[:, : unit.a, : unit.b] = value.reshape(k, unit.a, unit.b)
+    elif unit.input_first:  # [W; b^T]
+        m[:, unit.a, :] = value.reshape(k, unit.b)
+    else:  # [W | b]
+        m[:, :, unit.b] = value.reshape(k, unit.a)
+    return m
+
+
+class TensorSketchMap:
+    """The stored row of a TensorSketch-projected job (see the module docstring)."""
+
+    structure = STRUCTURE
+
+    def __init__(self, slots: Sequence[ParamSlot], units: list[SketchUnit], *, dim: int, seed: int, nonzeros: int):
+        self.slots = tuple(slots)
+        self.units = units
+        self.dim = dim
+        self.seed = seed
+        self.nonzeros = min(nonzeros, dim)
+        in_unit = {u.weight.name for u in units} | {u.bias.name for u in units if u.bias is not None}
+        self.rest = [s for s in self.slots if s.name not in in_unit]
+        self.rest_size = sum(s.size for s in self.rest)
+        for i, u in enumerate(units):
+            u.offset = i * dim
+        self.units_width = len(units) * dim
+        self.rest_projector = (
+            SparseSignSketch(self.rest_size, dim, nonzeros=self.nonzeros, seed=seed) if self.rest_size else None
+        )
+
+    @classmethod
+    def plan(
+        cls,
+        slots: Sequence[ParamSlot],
+        modules: dict[str, nn.Module],
+        hooked: set[str],
+        *,
+        dim: int,
+        seed: int,
+        nonzeros: int,
+        record: dict[str, Any] | None = None,
+    ) -> TensorSketchMap:
+        """A unit for every hooked layer of a sketchable type whose weight is selected (``hooked``:
+        the modules the hook path covers); ``record``: a store's ``describe()``, checked to match."""
+        full = sum(s.size for s in slots)
+        if dim > full:
+            raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
+        nonzeros = min(nonzeros, dim)
+        by_name = {s.name: s for s in slots}
+        units: list[SketchUnit] = []
+        for i, slot in enumerate(slots):
+            owner, _, kind = slot.name.rpartition(".")
+            module = modules.get(owner)
+            shape_of = sketch_shape_for(module) if module is not None else None
+            shape = shape_of(module) if shape_of is not None and kind == "weight" and owner in hooked else None
+            if shape is None:
+                continue
+            bias = by_name.get(f"{owner}.bias" if owner else "bias")
+            a, b, input_first = shape
+            units.append(SketchUnit(i, slot, bias, a, b, input_first, dim, UNIT_NONZEROS, seed))
+        out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros)
+        if record is not None:
+            out.check_record(record)
+        return out
+
+    def check_record(self, record: dict[str, Any]) -> None:
+        """Refuse a store whose recorded map is not this one (another model, layout or setting)."""
+        mine = self.describe()
+        for key in ("dim", "seed", "nonzeros", "unit_nonzeros", "dim_in", "rest_params"):
+            if record.get(key) != mine[key]:
+                raise ConfigError(
+                    f"projection: the store's tensorsketch {key} is {record.get(key)!r}, this job's {mine[key]!r}"
+                )
+        if [u.get("param") for u in record.get("units", [])] != [u["param"] for u in mine["units"]]:
+            raise ConfigError("projection: the store's tensorsketch layers differ from this model's")
+
+    # --- the hook path's row: dim columns per unit, then the rest whole -------------------------
+
+    @property
+    def work_dim(self) -> int:
+        return self.units_width + self.rest_size
+
+    def work_slots(self) -> list[ParamSlot]:
+        """Where the hook path writes: a unit's weight gets its ``dim`` columns, its bias none (it
+        joined the weight), every other parameter its full columns after the units."""
+        place: dict[str, ParamSlot] = {}
+        for u in self.units:
+            place[u.weight.name] = ParamSlot(u.weight.name, (self.dim,), u.offset, self.dim)
+            if u.bias is not None:
+                place[u.bias.name] = ParamSlot(u.bias.name, (0,), u.offset + self.dim, 0)
+        offset = self.units_width
+        for s in self.rest:
+            place[s.name] = ParamSlot(s.name, s.shape, offset, s.size)
+            offset += s.size
+        return [place[s.name] for s in self.slots]
+
+    def stored_rows(self, work: torch.Tensor) -> torch.Tensor:
+        """Work rows ``[n, work_dim]`` -> stored rows ``[n, dim]``: the units' columns and the
+        rest's sketch added up."""
+        n = work.shape[0]
+        if self.units:
+            out = work[:, : self.units_width].reshape(n, len(self.units), self.dim).sum(dim=1)
+        else:
+            out = work.new_zeros(n, self.dim)
+        if self.rest_projector is not None:
+            out += self.rest_projector.project(work[:, self.units_width :])
+        return out
+
+    def work_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """Full rows ``[n, D]`` (layout order) -> work rows, by the same map."""
+        parts = [u.sketch(u.matrices(full)) for u in self.units]
+        parts += [full[:, s.offset : s.offset + s.size] for s in self.rest]
+        return torch.cat(parts, dim=1) if parts else full[:, :0]
+
+    def project_full(self, full: torch.Tensor) -> torch.Tensor:
+        """Full rows -> the stored rows a job writes (for checks and the quality benchmark)."""
+        return self.stored_rows(self.work_rows(full))
+
+    def describe(self) -> dict[str, Any]:
+        """What a store records: enough to regenerate every hash and find every part."""
+        out: dict[str, Any] = {
+            "structure": STRUCTURE,
+            "kind": "sparse-sign",
+            "dim": self.dim,
+            "out_dim": self.dim,
+            "seed": self.seed,
+            "nonzeros": self.nonzeros,
+            "unit_nonzeros": UNIT_NONZEROS,
+            "hash": HASH_NAME,
+            "dim_in": sum(s.size for s in self.slots),
+            "units": [u.describe() for u in self.units],
+            "rest_params": [s.name for s in self.rest],
+        }
+        if self.rest_projector is not None:
+            out["rest_sketch"] = self.rest_projector.describe()
+        return out
