@@ -40,6 +40,7 @@ from classgrad.service.errors import (
     first_line,
 )
 from classgrad.service.runtime.actor_deaths import actor_lost, out_of_memory_failure, out_of_memory_line
+from classgrad.service.runtime.footprint import estimate_record, record_peak, summary_lines
 from classgrad.service.runtime.plan import Shard, dispatch_order
 from classgrad.service.runtime.preparation import check_identity, check_job, prepare_store
 from classgrad.service.runtime.progress import Progress
@@ -82,12 +83,19 @@ class RunSummary:
     actors_replaced: int = 0
     nodes: list[str] = field(default_factory=list)
     engine_notes: list[str] = field(default_factory=list)  # the path the engine took, and why (deduped, short)
+    fallbacks: list[str] = field(default_factory=list)  # paths given up for slower ones, said plainly (deduped)
+    preflight: list[str] = field(default_factory=list)  # the preflight's notes: clamps, warnings near a limit
+    memory: dict[str, Any] = field(default_factory=dict)  # the preflight's estimate beside each actor's peak
     error: str | None = None
 
     def add_engine_notes(self, notes: list[str]) -> None:
         """Add ``notes`` not already held, each cut to one short line, up to ``MAX_ENGINE_NOTES``."""
+        from classgrad.service.runtime.footprint import add_fallback
+
         for note in notes:
             line = first_line(note, limit=ENGINE_NOTE_CHARS)
+            if add_fallback(self.fallbacks, line):  # a fallback: said apart, once
+                continue
             if line and line not in self.engine_notes and len(self.engine_notes) < MAX_ENGINE_NOTES:
                 self.engine_notes.append(line)
 
@@ -111,6 +119,7 @@ class RunSummary:
             f"  start-up    {self.startup_s:.1f} s (Ray, store, actors); {self.seconds:.1f} s in all",
             f"  engine      {self.engine}; recomputed rows (fp16 overflow): {self.recomputed_rows}",
             *(f"              {note}" for note in self.engine_notes),
+            *summary_lines(self.fallbacks, self.preflight, self.memory),
             f"  faults      {self.retries} shard retries, {self.actors_replaced} actors replaced",
         ] + ([f"  error       {self.error}"] if self.error else [])
 
@@ -130,8 +139,9 @@ class JobDriver:
 
     _oom_kills = 0  # actors of this run that Ray killed because their node ran low on memory
 
-    def __init__(self, config: JobConfig, *, run_id: str | None = None):
+    def __init__(self, config: JobConfig, *, run_id: str | None = None, preflight: bool = True):
         self.config = config
+        self.preflight = preflight  # False: --no-preflight (the resource checks of check_job skipped)
         self.run_id = run_id or new_run_id()
         self.summary = RunSummary(run_id=self.run_id)
         self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
@@ -301,8 +311,10 @@ class JobDriver:
         store_cfg = self.config.store
         lease_of_store = store_lease(store_cfg.url, storage_options=store_cfg.storage_options)
         lease_of_store.check_free(self.run_id)  # a store in use is refused before the model is built
-        checked = check_job(self.config)
+        checked = check_job(self.config, preflight=self.preflight)
         self.summary.add_engine_notes(checked.engine_notes)
+        self.summary.preflight = list(checked.preflight_notes)
+        self.summary.memory = {"estimate": estimate_record(checked.footprint), "peak_rss_per_actor": {}}
         # The lease is taken before the store is created, reopened or deleted, so that two drivers
         # never both touch it. It is released on the way out of the ``with`` (also when the record
         # failed: a stale lease would refuse the rerun), after the record and before the actors stop.
@@ -414,6 +426,7 @@ class JobDriver:
                     self.summary.bytes += report["bytes"]
                     self.summary.recomputed_rows += report["recomputed_rows"]
                     self.summary.add_engine_notes(report.get("engine_notes", []))
+                    record_peak(self.summary.memory, report)
                     if report["node"] not in self.summary.nodes:
                         self.summary.nodes.append(report["node"])
                     progress.update(report["rows"])
@@ -523,6 +536,6 @@ def _creation_error(exc: BaseException) -> ClassgradError | None:
     return kind(match["msg"] or "an actor failed to start")
 
 
-def run_job(config: JobConfig) -> RunSummary:
-    """``classgrad run``: the whole job, as one call."""
-    return JobDriver(config).run()
+def run_job(config: JobConfig, *, preflight: bool = True) -> RunSummary:
+    """``classgrad run``: the whole job, as one call (``preflight``: False is ``--no-preflight``)."""
+    return JobDriver(config, preflight=preflight).run()
