@@ -274,3 +274,21 @@ def test_the_estimate_is_within_1_5x_of_the_measured_peak_rss(tmp_path):
         # probe set, row groups, saved activations per sample) and allowances measured once
         # (a process with torch imported), not from this run.
         assert measured / 1.5 <= estimate <= 1.5 * measured, (job["model"]["factory"], estimate, measured, result)
+
+
+def test_the_run_summary_says_each_fallback_once_and_the_estimate_beside_the_peaks():
+    from classgrad.service.runtime.driver import RunSummary
+    from classgrad.service.runtime.footprint import estimate_record, record_peak
+
+    summary = RunSummary(run_id="r")
+    why = "fallback: hooks abandoned: ValueError: Overflow when unpacking long long"
+    summary.add_engine_notes(["partitioned: vmap for all 6 params; hooks abandoned (...)", f"{why}; the vmap path, 2.5x"])
+    summary.add_engine_notes([f"{why}; the vmap path, 2.5x"])  # a second actor says the same
+    summary.memory = {"estimate": estimate_record({"actor_bytes": 3 * 10**8, "actor": []}), "peak_rss_per_actor": {}}
+    record_peak(summary.memory, {"host": "h", "pid": 1, "peak_rss_bytes": 2 * 10**8})
+    record_peak(summary.memory, {"host": "h", "pid": 1, "peak_rss_bytes": 10**8})  # a later, lower report
+    text = "\n".join(summary.lines())
+    assert summary.fallbacks == [f"{why}; the vmap path, 2.5x"] and text.count("Overflow when unpacking") == 1
+    assert "  fallback    hooks abandoned: ValueError" in text
+    assert "estimate ~300 MB per actor; measured peak RSS 200 MB (highest of 1 actors)" in text
+    assert summary.to_dict()["memory"]["peak_rss_per_actor"] == {"h:1": 2 * 10**8}
