@@ -11,12 +11,16 @@ pyplot, so no display is needed and the caller's backend is left alone; fixed pi
 
 - ``similarity_heatmap.png``: the top-N classes by gradient norm, in clustered order, with the
   dendrogram above; class names (or ids) as tick labels up to ``MAX_LABELS`` classes, else none
-  and the count in the axis label;
+  and the count in the axis label; margins sized to the labels shown; one symmetric colour scale
+  from the largest off-diagonal value (cosine too: a +-1 scale showed typical gradient cosines as
+  white);
 - ``class_norms.png``: a histogram of per-class gradient norms (log-spaced bins when they span
   more than two decades);
 - ``param_norms.png``: each parameter's gradient size per element over all classes,
   |g_p| / sqrt(size_p) (so big tensors do not win by size alone), the largest ``MAX_BARS`` as
-  horizontal bars with a "+N more" note; absent for projected stores, which have no parameters.
+  horizontal bars with a "+N more" note, each with its share of the squared norm
+  |g_p|^2 / sum |g_q|^2 at its end, the share ``classgrad inspect`` ranks by (the title says
+  which ranking the bars follow); absent for projected stores, which have no parameters.
 
 Text is at least ``TICK_FONT`` points and axes are placed in inches, so every figure reads at its
 default size whatever the dpi.
@@ -199,23 +203,31 @@ def _heatmap(
     clustered; ``sim`` and ``rows`` are already in leaf order); return what was
     drawn: tick labels per axis, whether the dendrogram is there, the number of axes."""
     fig = _figure(HEATMAP_SIZE, dpi)
-    side, left, bottom = 5.0, 1.9, 1.95  # inches: square heatmap, room for labels left and below
+    n = len(rows)
+    labels = _labels(store, rows) if n <= MAX_LABELS else []
+    # Margins in inches from what they hold: the longest tick label (about 0.07 in a character at
+    # TICK_FONT) and the axis label; the square heatmap takes what is left, so no figure has a
+    # margin reserved for labels it does not show.
+    margin = 0.5 + 0.07 * max((len(label) for label in labels), default=0)
+    left, bottom = margin, margin + 0.05
+    above = (0.65 if tree is not None else 0.0) + 0.6  # the dendrogram and the two-line title
+    side = min(HEATMAP_SIZE[1] - bottom - above - 0.05, HEATMAP_SIZE[0] - left - 1.6)
+    left += (HEATMAP_SIZE[0] - left - 1.6 - side) / 2  # centred in the room beside the colour bar
     ax = _inches(fig, left, bottom, side, side)
     cax = _inches(fig, left + side + 0.3, bottom, 0.2, side)
-    if metric == "cosine":
-        vmax = 1.0
-    else:
-        off = sim[~np.eye(len(sim), dtype=bool)]
-        vmax = float(np.abs(off).max()) if off.size and np.abs(off).max() > 0 else 1.0
+    # One symmetric scale from the largest off-diagonal value, for cosine too: gradient cosines
+    # between classes are often within +-0.2, which a +-1 scale shows as white; the diagonal
+    # (each class with itself, 1 for cosine) is then drawn at the darkest colour.
+    off = np.abs(sim[~np.eye(n, dtype=bool)])
+    vmax = float(off.max()) if off.size and np.isfinite(off).all() and off.max() > 0 else 1.0
     image = ax.imshow(sim, cmap="RdBu_r", vmin=-vmax, vmax=vmax, interpolation="nearest", aspect="auto")
     bar = fig.colorbar(image, cax=cax)
-    bar.set_label("cosine similarity" if metric == "cosine" else "dot product of gradients", fontsize=FONT)
+    what_value = "cosine similarity" if metric == "cosine" else "dot product of gradients"
+    bar.set_label(f"{what_value} (scale: the largest between two classes)", fontsize=FONT)
     bar.ax.tick_params(labelsize=FONT)
-    n = len(rows)
     named = store.class_names is not None
     what = "class name" if named else "class id"
-    if n <= MAX_LABELS:
-        labels = _labels(store, rows)
+    if labels:
         ax.set_xticks(range(n), labels, rotation=90, fontsize=TICK_FONT)
         ax.set_yticks(range(n), labels, fontsize=TICK_FONT)
         ax.set_xlabel(what, fontsize=FONT)
@@ -226,7 +238,12 @@ def _heatmap(
         ax.set_xlabel(f"{n} classes ({what}s not shown: too many to read)", fontsize=FONT)
         ax.set_ylabel(f"{n} classes", fontsize=FONT)
     ax.tick_params(length=2)
-    drawn = {"tick_labels": len(ax.get_xticklabels()) if n <= MAX_LABELS else 0, "dendrogram": tree is not None}
+    drawn = {
+        "tick_labels": len(ax.get_xticklabels()) if labels else 0,
+        "dendrogram": tree is not None,
+        "vmax": vmax,
+        "side_in": side,
+    }
     order = "average-linkage order, dendrogram above" if tree is not None else "stored order"
     top = bottom + side
     if tree is not None:
@@ -243,7 +260,7 @@ def _heatmap(
         top += 0.65
     fig.text(
         (left + side / 2) / HEATMAP_SIZE[0],
-        (top + 0.06) / HEATMAP_SIZE[1],
+        (top + 0.04) / HEATMAP_SIZE[1],
         f"{metric} similarity of the {n} classes with the largest gradient norms\n({order}; {source})",
         ha="center",
         va="bottom",
@@ -284,14 +301,18 @@ def param_rms(norms, sizes: np.ndarray) -> np.ndarray:
     return norms.param_total / np.sqrt(np.asarray(sizes, dtype=np.float64))
 
 
-def _bars(names: list[str], values: np.ndarray, path: Path, dpi: int) -> dict:
-    """Horizontal bars of the largest ``MAX_BARS`` values, largest on top; return what was drawn."""
+def _bars(names: list[str], values: np.ndarray, shares: np.ndarray, path: Path, dpi: int) -> dict:
+    """Horizontal bars of the largest ``MAX_BARS`` values, largest on top, each with its share of
+    the squared norm (what ``classgrad inspect`` ranks by) at its end; return what was drawn."""
     fig = _figure(BARS_SIZE, dpi)
     ax = fig.add_axes((2.7 / BARS_SIZE[0], 0.75 / BARS_SIZE[1], 5.9 / BARS_SIZE[0], 4.65 / BARS_SIZE[1]))
     order = np.argsort(-values, kind="stable")[:MAX_BARS]
     more = len(names) - len(order)
     shown = [names[i] for i in order]
     ax.barh(range(len(order)), values[order], color="tab:orange")
+    for y, i in enumerate(order):
+        share = f"{shares[i]:.1%}"
+        ax.annotate(share, (values[i], y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=TICK_FONT)
     labels = [_short(m, NAME_CHARS, keep="end") for m in shown]
     if more:  # one more row without a bar, its label saying how many are left out
         labels.append(f"+{more} more (smaller)")
@@ -306,9 +327,20 @@ def _bars(names: list[str], values: np.ndarray, path: Path, dpi: int) -> dict:
     which = (
         f"the {len(order)} largest of {len(names)} parameters" if more else f"{len(names)} parameters, largest first"
     )
-    ax.set_title(f"per-parameter gradient size ({which})", fontsize=FONT + 1)
+    ax.set_title(
+        f"per-parameter gradient size, ranked by RMS per element ({which})\n"
+        "at each bar: its share of the squared norm, what `classgrad inspect` ranks by",
+        fontsize=FONT,
+    )
+    ax.margins(x=0.12)  # room for the share at the end of the longest bar
     _save(fig, path, dpi)
-    return {"names": shown, "rms": values[order].tolist(), "more": more}
+    return {
+        "names": shown,
+        "rms": values[order].tolist(),
+        "share": shares[order].tolist(),
+        "ranking": "rms_per_element",
+        "more": more,
+    }
 
 
 def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, **options) -> dict:
@@ -352,7 +384,9 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
     if norms.names:
         path = out / "param_norms.png"
         rms = param_rms(norms, np.array([e.size for e in store.layout]))
-        result["param_norms"] = _bars(norms.names, rms, path, config.dpi)
+        squares = np.square(norms.param_total.astype(np.float64))
+        shares = squares / squares.sum() if squares.sum() > 0 else np.zeros_like(squares)
+        result["param_norms"] = _bars(norms.names, rms, shares, path, config.dpi)
         written["param_norms"] = str(path)
     else:
         result["note"] = "projected store: no per-parameter norms"

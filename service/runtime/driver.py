@@ -56,6 +56,12 @@ MAX_ENGINE_NOTES = 5  # a summary line each; the engine's log has them all
 ENGINE_NOTE_CHARS = 200
 
 
+def _note_key(note: str) -> str:
+    """A note without the figures in its parentheses ("(seconds per sample: 1.2e-03)"): two notes
+    that differ only in those say the same thing."""
+    return re.sub(r"\([^()]*\)", lambda m: re.sub(r"[0-9][0-9.eE+-]*", "#", m.group()), note)
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -96,7 +102,10 @@ class RunSummary:
             line = first_line(note, limit=ENGINE_NOTE_CHARS)
             if add_fallback(self.fallbacks, line):  # a fallback: said apart, once
                 continue
-            if line and line not in self.engine_notes and len(self.engine_notes) < MAX_ENGINE_NOTES:
+            # Once per kind: each actor reports its own measured figures ("image inputs
+            # channels_last (seconds per sample: ...)"), which differ only in their numbers.
+            seen = {_note_key(n) for n in self.engine_notes}
+            if line and _note_key(line) not in seen and len(self.engine_notes) < MAX_ENGINE_NOTES:
                 self.engine_notes.append(line)
 
     def finish(self, seconds: float, ready_after_s: float | None) -> None:

@@ -10,8 +10,12 @@ Holds:
   resolved address, or starts a local Ray with the given CPUs and GPUs; it shuts down only a
   session it opened itself.
 
-Ray's token authentication is left to Ray: ``ray.init`` reads ``RAY_AUTH_MODE`` and the token
-from the environment as usual, and nothing here sets or logs them.
+Ray's token authentication stays on and is left to Ray: ``ray.init`` reads ``RAY_AUTH_MODE`` and
+the token from the environment as usual, and nothing here sets or logs them. For a new local
+Ray with ``RAY_AUTH_MODE`` unset, Ray turns token auth on and logs, on every run, "Token
+authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out ...":
+that one line is filtered out (``_quiet_token_notice``), since it is what we want and nothing
+the user must act on; every other Ray warning, the one about auth being disabled included, stays.
 """
 
 from __future__ import annotations
@@ -57,6 +61,21 @@ def check_reachable(address: str, source: str, timeout_s: float = 10.0) -> None:
         raise ClassgradError(f"cannot reach the Ray cluster at {address} ({source}): {first_line(exc)}") from None
 
 
+_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_TOKEN_NOTICE)
+
+
+def _quiet_token_notice() -> None:
+    """Drop Ray's notice that it enabled token auth for a new local Ray (once per process)."""
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
+        logger.addFilter(_DropTokenNotice())
+
+
 @contextmanager
 def ray_session(
     address: str | None = None,
@@ -79,6 +98,9 @@ def ray_session(
     target, source = resolve_ray_address(address, option)
     if target is None:
         cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+        # Ray turns token auth on for a new local Ray (RAY_AUTH_MODE unset) and warns on every run
+        # that it did: the warning is dropped, the token auth kept.
+        _quiet_token_notice()
         ray.init(
             num_cpus=cpus,
             num_gpus=num_gpus,

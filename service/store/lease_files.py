@@ -6,7 +6,8 @@ and its three kinds, each offering ``read`` -> (bytes or None, version), ``creat
 writer got there first (the version read is no longer the current one):
 
 - ``LocalLeaseFile``: every change under an fcntl lock (``flock``) of a sibling lock file, so
-  that read-compare-write is one step between processes; creation is exclusive (``link`` of a
+  that read-compare-write is one step between processes (the lock file is removed with the
+  lease, so none is left beside a deleted store); creation is exclusive (``link`` of a
   complete temporary file, which fails if the name exists, as ``O_CREAT|O_EXCL`` does, and
   shows readers a whole file; ``O_CREAT|O_EXCL`` where links are not supported).
 - ``S3LeaseFile``: conditional PUTs (``If-None-Match: *`` creates only if absent, ``If-Match:
@@ -73,13 +74,25 @@ class LocalLeaseFile:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """Hold the lock file's flock. ``delete`` removes the lock file (no ``.lock`` is left
+        beside a store once its lease is gone), so a lock taken on a file that was removed while
+        waiting for it is dropped and taken again on the file now at the path: every holder
+        holds the one file there is."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
-            yield
-        finally:
-            os.close(fd)
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file is closed
+                try:
+                    current = os.stat(self.lock_path).st_ino
+                except FileNotFoundError:
+                    current = None
+                if current != os.fstat(fd).st_ino:
+                    continue  # removed (or replaced) while we waited: lock the one there now
+                yield
+                return
+            finally:
+                os.close(fd)
 
     def _read(self) -> bytes | None:
         try:
@@ -138,6 +151,10 @@ class LocalLeaseFile:
             if self._read() != version or version is None:
                 return False
             os.remove(self.path)
+            # The lock file goes too, while still held: a waiter then finds it gone and locks a
+            # new one (``_locked``).
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.lock_path)
             return True
 
 

@@ -58,6 +58,8 @@ def settled_shards_done(url: str, quiet_s: float = 3.0, timeout: float = 60.0) -
 def run_to_end(config: str) -> subprocess.CompletedProcess:
     proc = classgrad_cli("run", config, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The local Ray it starts keeps token auth on without Ray's warning on every run (issue 29).
+    assert "Token authentication is enabled" not in proc.stderr, proc.stderr[-3000:]
     return proc
 
 

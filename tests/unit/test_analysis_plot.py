@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from classgrad.service.analysis.inspect import inspect_store
 from classgrad.service.analysis.plot import (
     average_linkage,
     average_linkage_order,
@@ -18,6 +19,7 @@ from classgrad.service.analysis.plot import (
 )
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.store import open_store
 from tests.support.stores import dense_similarity, synthetic_store
 
 
@@ -137,9 +139,34 @@ def test_heatmap_labels_and_dendrogram(tmp_path):
     many_params_store(tmp_path / "s", num_params=3)
     few = plot_store(str(tmp_path / "s"), str(tmp_path / "a"), top_n=12, dpi=40)
     # Heatmap, colorbar and the dendrogram above: three axes.
-    assert few["heatmap"] == {"tick_labels": 12, "dendrogram": True, "axes": 3}
+    drawn = {k: few["heatmap"][k] for k in ("tick_labels", "dendrogram", "axes")}
+    assert drawn == {"tick_labels": 12, "dendrogram": True, "axes": 3}
     many = plot_store(str(tmp_path / "s"), str(tmp_path / "b"), top_n=50, dpi=40)
     assert many["heatmap"]["tick_labels"] == 0 and many["heatmap"]["dendrogram"]
+    # Issue 29: margins fit the labels shown (none kept for labels not shown), so the heatmap takes
+    # the room: it was a 5 in square in a 9 x 8 in figure whatever it showed.
+    assert many["heatmap"]["side_in"] > few["heatmap"]["side_in"] > 5.5 and many["heatmap"]["side_in"] > 6.0
+
+
+def test_heatmap_colour_scale_is_the_largest_off_diagonal_value(tmp_path):
+    # Issue 29: cosines between classes drawn on a +-1 scale came out nearly white.
+    many_params_store(tmp_path / "s", num_params=3)
+    result = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=12, dpi=40)
+    store = open_store(str(tmp_path / "s"))
+    sim, _, _ = class_similarity(store, np.array(result["heatmap_rows"]), "cosine", block_mb=1.0)
+    off = np.abs(sim[~np.eye(12, dtype=bool)])
+    assert result["heatmap"]["vmax"] == pytest.approx(float(off.max()), rel=1e-6)  # same float32 products
+    assert result["heatmap"]["vmax"] < 1.0
+
+
+def test_param_chart_says_its_ranking_and_shows_inspects_share(tmp_path):
+    # Issue 29: plot ranked by RMS per element, inspect by share of the squared norm, unsaid.
+    many_params_store(tmp_path / "s", num_params=8)
+    drawn = plot_store(str(tmp_path / "s"), str(tmp_path / "png"), top_n=5, dpi=40)["param_norms"]
+    shares = {p["name"]: p["share"] for p in inspect_store(open_store(str(tmp_path / "s")))["param_norms"]}
+    assert drawn["ranking"] == "rms_per_element"
+    # Both from the same float64 sums of float32 squares: equal to rounding.
+    np.testing.assert_allclose(drawn["share"], [shares[name] for name in drawn["names"]], rtol=1e-12)
 
 
 def test_heatmap_tick_text_is_legible():

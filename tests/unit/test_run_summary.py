@@ -38,3 +38,18 @@ def test_engine_notes_are_deduped_short_and_few_and_printed():
     assert len(notes) == MAX_ENGINE_NOTES and all(len(n) <= 200 for n in notes)
     text = "\n".join(summary.lines())
     assert "dense block_rows=8 chosen" in text and "second line" not in text
+
+
+def test_a_note_each_actor_reports_with_its_own_figures_is_shown_once():
+    # Issue 29: every actor measured the image format and reported its own seconds per sample.
+    summary = RunSummary(run_id="r3")
+    for seconds in ("1.21e-03", "9.80e-04", "1.05e-03"):
+        summary.add_engine_notes(
+            [f"partitioned: image inputs channels_last (seconds per sample: {{'contiguous': '{seconds}'}})"]
+        )
+    summary.add_engine_notes(["partitioned: image inputs contiguous (seconds per sample: {'contiguous': '2e-3'})"])
+    assert [n.split(" (")[0] for n in summary.engine_notes] == [
+        "partitioned: image inputs channels_last",
+        "partitioned: image inputs contiguous",
+    ]
+    assert sum("image inputs" in line for line in summary.lines()) == 2
