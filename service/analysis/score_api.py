@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,7 +73,7 @@ def query_data(spec: QueryFile) -> tuple[Any, list | None]:
     return data, [g.item() if hasattr(g, "item") else g for g in groups]
 
 
-def _open(store: Any, mode: str, storage_options: dict | None) -> Any:
+def _open(store: Any, mode: Literal["r", "r+"], storage_options: dict | None) -> Any:
     from classgrad.service.store import open_store
 
     url = store if isinstance(store, str) else store.url
@@ -128,7 +128,9 @@ def score(
     models = list(model) if isinstance(model, (list, tuple)) else [model] * len(given)
     if len(models) != len(given):
         raise InputError(f"score: {len(models)} models for {len(given)} stores (one per store, or one for all)")
-    mode = "r+" if config.method == "trak" else "r"  # trak saves each store's preconditioner beside its rows
+    mode: Literal["r", "r+"] = (
+        "r+" if config.method == "trak" else "r"
+    )  # trak saves each store's preconditioner beside its rows
     stores = [_open(s, mode, storage_options) for s in given]
     check_stores(stores)  # before any model runs
     rows, digest = [], hashlib.sha256(b"classgrad queries v1")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from classgrad.service.commands import given_options, storage_options
 
@@ -126,7 +127,23 @@ def main(args: argparse.Namespace) -> int:
 
     spec = load_query_file(args.queries)
     data, groups = query_data(spec)
-    executor = "local" if args.local else "ray" if args.ray else None
+    options: dict[str, Any] = given_options(
+        args,
+        "method",
+        "top_k",
+        "full",
+        "damping",
+        "damping_fraction",
+        "block_rows",
+        "task_mb",
+        "precond_mb",
+        "recompute_preconditioner",
+        "overwrite",
+        "address",
+        "num_cpus",
+    )
+    if args.local or args.ray:
+        options["executor"] = "local" if args.local else "ray"
     result = score(
         args.stores,
         None,
@@ -141,22 +158,7 @@ def main(args: argparse.Namespace) -> int:
         label_field=spec.data.label_field,
         collate=spec.data.collate,
         pad_values=spec.data.pad_values,
-        **({"executor": executor} if executor else {}),
-        **given_options(
-            args,
-            "method",
-            "top_k",
-            "full",
-            "damping",
-            "damping_fraction",
-            "block_rows",
-            "task_mb",
-            "precond_mb",
-            "recompute_preconditioner",
-            "overwrite",
-            "address",
-            "num_cpus",
-        ),
+        **options,
     )
     info = result.info
     if args.json:
