@@ -247,7 +247,7 @@ def score_rows(
             executor,
         )
         urls = [s.local_path or s.url for s in stores]
-        out_url = None if target is None else target.url
+        out_url = None if target is None else (target.local_path or target.url)
         reports = _run(ray, config, urls, storage_options, asdict(plan), todo, prepared, weights, kinv, out_url)
     seconds = time.perf_counter() - t0
     k = plan.top_k

@@ -71,6 +71,11 @@ class ScoreOutput:
     def url(self) -> str:
         return self._loc.url
 
+    @property
+    def local_path(self) -> str | None:
+        """The absolute path of a local output (what Ray tasks, in other working directories, open)."""
+        return self._loc.path if self._loc.local else None
+
     @classmethod
     def open(cls, url: str, storage_options: dict | None = None, mode: Literal["r", "r+"] = "r") -> ScoreOutput:
         loc = Location(url, storage_options)
