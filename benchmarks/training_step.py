@@ -21,9 +21,12 @@ SGD, every method timed round-robin (``common.interleaved``):
   classes and extrapolated (forward + step once, backward x classes): against ``fast`` on the k
   classes' mean cross-entropy, against ``general`` on the [C] loss.
 
-Peak memory: RSS sampled every millisecond in a thread during one more run of each method, minus
-the RSS right before it (the rows' buffer of ``general`` is made before, so its peak is what the
-blocks add); a sampled RSS can miss a peak shorter than a millisecond.
+Peak memory (``--memory-precisions``, default fp32), per case in a fresh process whose allocator
+maps every block of 64 KiB or more on its own (``CHILD_ENV``), so that the resident set follows
+the live tensors: each of ``plain``, ``fast`` and ``general`` once to set up, then once more while
+a thread samples the resident set every millisecond; reported: the peak above the resident set
+before that run (model, optimizer, and ``general``'s rows buffer, made and touched before, are
+not counted; the rows ``fast`` returns are). A peak shorter than a millisecond can be missed.
 
     .venv/bin/python -m benchmarks.training_step --quick      # a smoke run: tiny sizes
     .venv/bin/python -m benchmarks.training_step              # C = 1,000 and 10,000, three models
@@ -37,8 +40,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -109,30 +116,8 @@ def one_vs_rest(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> torc
     return F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none").mean(0)
 
 
-def peak_rss_mib(fn) -> float:
-    """Peak RSS above the RSS before ``fn()``, sampled every millisecond in a thread."""
-    proc = psutil.Process()
-    before = proc.memory_info().rss
-    peak = [before]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.001)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        t.join()
-    peak[0] = max(peak[0], proc.memory_info().rss)
-    return (peak[0] - before) / 2**20
-
-
-def measure(name: str, C: int, precision: str, args, device: torch.device) -> dict[str, Any]:
+def methods_for(name: str, C: int, precision: str, args, device: torch.device) -> tuple[dict, dict[str, Any]]:
+    """The timed methods of one case, and its sizes."""
     model, x, y = build(name, C, args.batch_size, device)
     io = ModelIO(model, None, device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -198,9 +183,15 @@ def measure(name: str, C: int, precision: str, args, device: torch.device) -> di
     seed_fast = lambda: seed(lambda lg: class_means(lg, y), params, k)  # noqa: E731
     seed_general = lambda: seed(lambda lg: one_vs_rest(lg, y, C), general_tensors, C)  # noqa: E731
     methods = {"plain": plain, "fast": fast, "general": general, "seed fast": seed_fast, "seed general": seed_general}
+    general_buf.zero_()  # resident before any method runs: its pages are not the blocks' memory
+    return methods, {"D": D, "D_general": Dg, "k": k, "n_general": n_general}
+
+
+def measure(name: str, C: int, precision: str, args, device: torch.device) -> dict[str, Any]:
+    methods, info = methods_for(name, C, precision, args, device)
+    D, Dg, k, n_general = info["D"], info["D_general"], info["k"], info["n_general"]
     times = common.interleaved(methods, args.reps, device)
     best = {m: t.best for m, t in times.items()}
-    memory = {m: peak_rss_mib(fn) for m, fn in methods.items() if m in ("plain", "fast", "general")}
     write_fast = common.memcpy_seconds(k, D, device)
     write_general = common.memcpy_seconds(C, Dg, device)
     floor_fast = best["plain"] + write_fast
@@ -221,8 +212,73 @@ def measure(name: str, C: int, precision: str, args, device: torch.device) -> di
         "general_over_floor": best["general"] / floor_general,
         "seed_over_fast": best["seed fast"] / best["fast"],
         "seed_over_general": best["seed general"] / best["general"],
-        "peak_mib": memory,
     }
+
+
+MEMORY_METHODS = ("plain", "fast", "general")
+# The child's allocator: every block of 64 KiB or more mapped on its own and returned on free, so
+# that the resident set follows the live tensors (glibc's default threshold grows up to 32 MiB
+# and keeps freed memory in its arenas, where a second run of anything costs no new pages).
+CHILD_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def sampled_peak(fn) -> float:
+    """Peak resident set above the one before ``fn()`` (MiB), sampled every millisecond in a thread."""
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return (max(peak[0], proc.memory_info().rss) - before) / 2**20
+
+
+def memory_child(spec: str) -> None:
+    """In a fresh process (``CHILD_ENV``): each method once to set up, then once more measured:
+    what it adds to the resident set (on a GPU: to the memory allocated), in MiB."""
+    args = argparse.Namespace(**json.loads(spec))
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    methods, _ = methods_for(args.model, args.C, args.precision, args, device)
+    out = {}
+    for name in MEMORY_METHODS:
+        methods[name]()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            methods[name]()
+            torch.cuda.synchronize()
+            out[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        else:
+            out[name] = sampled_peak(methods[name])
+    print(json.dumps(out))
+
+
+def peak_memory(r: dict[str, Any], args) -> dict[str, float]:
+    """``memory_child`` of the case ``r``, in its own process."""
+    spec = {**vars(args), "model": r["model"], "C": r["C"], "precision": r["precision"]}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.training_step", "--memory-child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **CHILD_ENV},
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"memory child failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -236,8 +292,14 @@ def main() -> None:
     parser.add_argument("--general-rows", type=int, default=1000, help="loss entries the general route computes")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sections", default="time,memory", help="time, memory")
+    parser.add_argument("--memory-precisions", default="fp32", help="precisions whose peak memory is measured")
     parser.add_argument("--quick", action="store_true", help="C = 50 and 200, batch 16, 1 rep (a smoke run)")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child)
+        return
     if args.quick:
         args.classes, args.batch_size, args.reps, args.seed_classes, args.general_rows = "50,200", 16, 1, 4, 100
     device = torch.device(args.device)
@@ -246,27 +308,41 @@ def main() -> None:
     clock = common.set_clock("auto", args.device, args.threads)
     logging.basicConfig(level=logging.WARNING)
     results = []
+    sections = set(args.sections.split(","))
+
+    def mem(r: dict[str, Any]) -> str:
+        if "memory" not in r:
+            return "-"
+        return "/".join(f"{r['memory'][k]:.0f}" for k in MEMORY_METHODS)
+
     for name in args.models.split(","):
         for C in (int(c) for c in args.classes.split(",")):
             for precision in precisions.split(","):
-                r = measure(name, C, precision, args, device)
+                r: dict[str, Any] = {"model": name, "C": C, "precision": precision}
+                if "memory" in sections and precision in args.memory_precisions.split(","):
+                    r["memory"] = peak_memory(r, args)
+                    print(f"{name} C={C} {precision}: MiB added plain/fast/general {mem(r)}", flush=True)
+                if "time" in sections:
+                    r.update(measure(name, C, precision, args, device))
+                    s = r["seconds"]
+                    print(f"{name} C={C} {precision}: fast {s['fast']:.4f}s, plain {s['plain']:.4f}s", flush=True)
                 results.append(r)
-                print(
-                    f"{name} C={C} {precision}: fast {r['seconds']['fast']:.4f}s, plain {r['seconds']['plain']:.4f}s",
-                    flush=True,
-                )
+    if "time" not in sections:
+        common.write_report(OUT, {"machine": common.machine_info(), "args": vars(args), "results": results})
+        return
     print(
         f"\n== training step, batch {args.batch_size}, {args.device}, {args.threads} threads, {clock} clock "
         f"(best of {args.reps}; general over its first {args.general_rows} entries scaled to C where C is larger)"
     )
+
     common.print_table(
         ["model", "C", "prec", "k", "D", "plain s", "fast s", "/ floor", "seed / fast", "general s", "/ floor",
-         "seed / general", "peak MiB plain/fast/general"],
+         "seed / general", "MiB added plain/fast/general"],
         [
             [r["model"], r["C"], r["precision"], r["k"], r["D"], f"{r['seconds']['plain']:.4f}",
              f"{r['seconds']['fast']:.4f}", f"{r['fast_over_floor']:.2f}", f"{r['seed_over_fast']:.1f}",
              f"{r['seconds']['general']:.3f}", f"{r['general_over_floor']:.2f}", f"{r['seed_over_general']:.1f}",
-             "/".join(f"{r['peak_mib'][m]:.0f}" for m in ("plain", "fast", "general"))]
+             mem(r)]
             for r in results
         ],
     )  # fmt: skip
@@ -292,8 +368,8 @@ def main() -> None:
     by_key = {(r["model"], r["precision"], r["C"]): r for r in results}
     for (model, precision, C), r in by_key.items():
         small = by_key.get((model, precision, 1000))
-        if C == 10000 and small is not None:
-            ratio = r["peak_mib"]["general"] / max(small["peak_mib"]["general"], 1e-9)
+        if C == 10000 and small is not None and "memory" in r and "memory" in small:
+            ratio = r["memory"]["general"] / max(small["memory"]["general"], 1.0)
             targets.append(
                 {
                     "name": f"{model} {precision} general peak C=10k / 1k",
