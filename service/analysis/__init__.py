@@ -27,6 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from classgrad.service.errors import ConfigError
+from classgrad.service.units import fmt_bytes
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -143,14 +144,6 @@ def cosine_from_gram(gram: np.ndarray) -> np.ndarray:
     norms = np.sqrt(np.clip(np.diag(gram).astype(np.float64), 0, None))
     inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
     return (gram * (inv[:, None] * inv[None, :])).astype(np.float32)
-
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable bytes (MiB and up use one decimal)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def finite_summary(values: np.ndarray) -> dict:

@@ -7,7 +7,8 @@ Holds:
   ``actor_lost(ray)`` gives them as a tuple of classes for ``except``.
 - ``out_of_memory_line``: for an actor killed by Ray's memory monitor (or by the kernel's OOM
   killer, as Ray reports it), one line such as ``out of memory: Ray's memory monitor killed the
-  actor (node 10.0.0.3: 29.80 GB used of 31.30 GB, 95%)``; None for any other death. Ray's own
+  actor (node 10.0.0.3: 29.80 GiB used of 31.30 GiB, 95%)``, Ray's figures (which it computes
+  in GiB and labels "GB"); None for any other death. Ray's own
   message is some 40 lines (the policy, the top 10 memory users, how to tune the monitor):
   never stored in a run record nor printed by ``status``.
 - ``out_of_memory_failure``: the one line a job fails with when memory stays short after its
@@ -57,7 +58,7 @@ def out_of_memory_line(exc: BaseException) -> str | None:
     fraction = float(match["fraction"])
     return (
         f"out of memory: Ray's memory monitor killed the actor (node {match['ip'].strip()}: "
-        f"{float(match['used']):.2f} GB used of {float(match['total']):.2f} GB, {fraction:.0%})"
+        f"{float(match['used']):.2f} GiB used of {float(match['total']):.2f} GiB, {fraction:.0%})"
     )
 
 

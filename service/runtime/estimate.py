@@ -31,6 +31,7 @@ import numpy as np
 
 from classgrad.service.config import JobConfig
 from classgrad.service.runtime.footprint import BuildMeter, Part, parts_text
+from classgrad.service.units import fmt_mib
 
 # Starting a local Ray and one actor process until it answers a call (its imports included, the
 # engine build excluded: that is timed per job). Measured once, 2026-12-01, on the shared 2-core
@@ -72,17 +73,16 @@ class Estimate:
         return asdict(self)
 
     def lines(self) -> list[str]:
-        mb = 1e-6
         return [
-            f"store      {self.num_classes} x {self.dim} {self.store_dtype} = {self.store_bytes * mb:,.1f} MB "
-            f"({self.store_disk_bytes * mb:,.1f} MB in whole chunks)",
+            f"store      {self.num_classes} x {self.dim} {self.store_dtype} = {fmt_mib(self.store_bytes)} "
+            f"({fmt_mib(self.store_disk_bytes)} in whole chunks)",
             f"engine     {self.engine} on {self.device}: {self.sample_rows} sample rows in "
             f"{self.sample_seconds:.2f} s (after a warm-up)",
             f"per actor  {self.rows_per_s_per_actor:,.1f} rows/s, "
-            f"{self.memory_kind} ~{self.peak_memory_bytes * mb:,.0f} MB (the preflight's model; "
-            f"{self.measured_peak_memory_bytes * mb:,.0f} MB reached here)",
+            f"{self.memory_kind} ~{fmt_mib(self.peak_memory_bytes)} (the preflight's model; "
+            f"{fmt_mib(self.measured_peak_memory_bytes)} reached here)",
             f"memory     {parts_text([Part(**p) for p in self.footprint['actor']])}",
-            f"driver     peak RSS ~{self.driver_memory_bytes * mb:,.0f} MB",
+            f"driver     peak RSS ~{fmt_mib(self.driver_memory_bytes)}",
             *(f"preflight  {n.removeprefix('preflight: ')}" for n in self.preflight_notes),
             f"cores      {sharing_line(self.num_workers, self.num_cpus_per_worker, self.cores)}",
             f"job        {self.num_workers} actors: ~{self.rows_per_s_job:,.1f} rows/s "

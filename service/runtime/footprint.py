@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from classgrad.service.config import JobConfig
+from classgrad.service.units import fmt_mib
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +124,9 @@ class Footprint:
 
 
 def mb(n: float) -> str:
-    """Bytes as MB (10^6) in one short figure; TB and GB above 10^12 and 10^9; bytes in powers of
-    ten beyond 10^15 (sizes no machine has)."""
-    if n >= 1e15:
-        return f"{n:.1e} bytes"
-    for unit, size in (("TB", 1e12), ("GB", 1e9)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n / 1e6:,.0f} MB"
+    """Bytes in one short figure, in the binary units every command uses (``units.fmt_mib``:
+    whole MiB below 1 GiB, GiB and TiB with one decimal above)."""
+    return fmt_mib(n)
 
 
 def parts_text(parts: list[Part]) -> str:

@@ -32,10 +32,10 @@ OLDER = (
 def test_an_out_of_memory_kill_is_one_line_with_the_node_and_its_memory():
     line = out_of_memory_line(OutOfMemoryError(RAY_260))
     assert line == (
-        "out of memory: Ray's memory monitor killed the actor (node 10.0.0.3: 29.80 GB used of 31.30 GB, 95%)"
+        "out of memory: Ray's memory monitor killed the actor (node 10.0.0.3: 29.80 GiB used of 31.30 GiB, 95%)"
     )
     assert out_of_memory_line(OutOfMemoryError(OLDER)) == (
-        "out of memory: Ray's memory monitor killed the actor (node 10.0.0.4: 7.60 GB used of 8.00 GB, 95%)"
+        "out of memory: Ray's memory monitor killed the actor (node 10.0.0.4: 7.60 GiB used of 8.00 GiB, 95%)"
     )
     # The actor's death as later calls see it (an ActorDiedError quoting the OOM exit), and text
     # that names no node: still out of memory, still one line.

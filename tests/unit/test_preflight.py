@@ -25,7 +25,7 @@ from classgrad.service.runtime.preparation import check_job
 from tests.support.harness import error_lines, write_job
 from tests.support.jobs import mlp_job, run_without_ray, small_job
 
-GB = 10**9
+GB = 2**30  # a GiB: sizes print in binary units (classgrad.service.units)
 ROOMY = Limits(memory_available=64 * GB, memory_total=64 * GB, cpus=8, local_ray=True, disk_free=10**15)
 
 
@@ -91,7 +91,7 @@ def test_an_actor_twice_the_nodes_memory_is_refused_naming_the_numbers_and_the_k
     line = refused(tmp_path, capsys, job)
     assert "preflight: one actor (with the driver) needs ~" in line and "probe set" in line, line
     assert "available" in line and "data.kwargs" in line, line  # the numbers, and the key to change
-    assert re.search(r"~[\d,.]+ (MB|GB)", line), line
+    assert re.search(r"~[\d,.]+ (MiB|GiB)", line), line  # binary units, as every command prints (units.py)
 
 
 def test_too_many_actors_for_the_node_name_num_workers(tmp_path, capsys, monkeypatch):
@@ -173,7 +173,8 @@ def test_the_gpu_share_of_an_actor_is_checked():
     from classgrad.service.config import JobConfig
 
     job = small_job("s.zarr", cluster={"num_gpus_per_worker": 0.5, "num_workers": 2})
-    with pytest.raises(ResourceError, match=r"GPU memory needs ~12.0 GB .* 8.0 GB .*raise cluster.num_gpus_per_worker"):
+    needs = r"GPU memory needs ~12.0 GiB .* 8.0 GiB .*raise cluster.num_gpus_per_worker"
+    with pytest.raises(ResourceError, match=needs):
         check_resources(JobConfig.model_validate(job), fp, gpu)
     whole = small_job("s.zarr", cluster={"num_gpus_per_worker": 1, "num_workers": 2})
     small = Limits(**{**gpu.__dict__, "gpu_memory": 10 * GB})
@@ -282,13 +283,15 @@ def test_the_run_summary_says_each_fallback_once_and_the_estimate_beside_the_pea
 
     summary = RunSummary(run_id="r")
     why = "fallback: hooks abandoned: ValueError: Overflow when unpacking long long"
-    summary.add_engine_notes(["partitioned: vmap for all 6 params; hooks abandoned (...)", f"{why}; the vmap path, 2.5x"])
+    summary.add_engine_notes(
+        ["partitioned: vmap for all 6 params; hooks abandoned (...)", f"{why}; the vmap path, 2.5x"]
+    )
     summary.add_engine_notes([f"{why}; the vmap path, 2.5x"])  # a second actor says the same
-    summary.memory = {"estimate": estimate_record({"actor_bytes": 3 * 10**8, "actor": []}), "peak_rss_per_actor": {}}
-    record_peak(summary.memory, {"host": "h", "pid": 1, "peak_rss_bytes": 2 * 10**8})
+    summary.memory = {"estimate": estimate_record({"actor_bytes": 300 * 2**20, "actor": []}), "peak_rss_per_actor": {}}
+    record_peak(summary.memory, {"host": "h", "pid": 1, "peak_rss_bytes": 200 * 2**20})
     record_peak(summary.memory, {"host": "h", "pid": 1, "peak_rss_bytes": 10**8})  # a later, lower report
     text = "\n".join(summary.lines())
     assert summary.fallbacks == [f"{why}; the vmap path, 2.5x"] and text.count("Overflow when unpacking") == 1
     assert "  fallback    hooks abandoned: ValueError" in text
-    assert "estimate ~300 MB per actor; measured peak RSS 200 MB (highest of 1 actors)" in text
-    assert summary.to_dict()["memory"]["peak_rss_per_actor"] == {"h:1": 2 * 10**8}
+    assert "estimate ~300 MiB per actor; measured peak RSS 200 MiB (highest of 1 actors)" in text
+    assert summary.to_dict()["memory"]["peak_rss_per_actor"] == {"h:1": 200 * 2**20}
