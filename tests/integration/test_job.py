@@ -43,6 +43,11 @@ def test_two_actors_store_rows_equal_to_reference(job_config, loss, engine):
     # float32 rows against the float64 reference: the engine contract (see tests/unit/test_engines.py).
     assert max_relative_error(rows, reference_rows(config)) <= 1e-6
     assert store.attrs["runs"][-1]["status"] == "complete"
+    # The preflight's estimate beside each actor's measured peak RSS, in the run history (issue 25).
+    memory = store.attrs["runs"][-1]["memory"]
+    assert memory["estimate"]["actor_bytes"] > 0 and len(memory["peak_rss_per_actor"]) == 2, memory
+    assert all(peak > 0 for peak in memory["peak_rss_per_actor"].values())
+    assert "estimate ~" in "\n".join(summary.lines()) and "measured peak RSS" in "\n".join(summary.lines())
 
 
 def _kill_one_actor_when(driver: JobDriver, ray, shards_done: int, killed: list) -> None:
