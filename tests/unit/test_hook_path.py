@@ -136,24 +136,13 @@ def test_a_hooked_layer_run_under_no_grad_gets_zero_rows():
     assert got[:, slot.offset : slot.offset + slot.size].any()
 
 
-class _AlwaysFormat(dict):
-    """Stands in for the partitioned engine's measured image-format choice."""
-
-    def __init__(self, fmt: str):
-        super().__init__()
-        self.fmt = fmt
-
-    def get(self, key, default=None):
-        return self.fmt
-
-
 @pytest.mark.parametrize("fmt", ["channels_last", "contiguous"])
 def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
-    """Whichever input layout the engine settles on (it times both), conv rows from hooks match
-    the reference; channels-last batches are then gathered in that layout."""
-    from classgrad.workers.engines import choices
+    """In either input layout (the rule of ``input_format.image_format`` forced), conv rows from
+    hooks match the reference; channels-last batches are then gathered in that layout."""
+    from classgrad.workers.engines.partitioned import input_format
 
-    monkeypatch.setattr(choices, "INPUT_FORMAT", _AlwaysFormat(fmt))
+    monkeypatch.setattr(input_format, "image_format", lambda model: fmt)
     model = zoo.small_cnn(NUM_CLASSES, width=4).eval()
     data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8), imbalance=1.0, seed=5)
     eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
@@ -167,7 +156,7 @@ def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
     monkeypatch.setattr(eng.probe, "batch", spy)
     got = eng.compute(range(NUM_CLASSES)).rows
     assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
-    # The first run decides the format (its batch was gathered before); later runs gather in it.
+    # The first run's batch is gathered as given and then converted; later runs gather in it.
     # (The plain path of the one-off spot check gathers as the model is given.)
     if fmt == "channels_last":
         assert formats[-1] == torch.channels_last and formats.count(torch.channels_last) >= 2, formats

@@ -383,8 +383,8 @@ def test_the_registry_refuses_a_second_rule_and_matches_exact_types():
 
 def test_choices_clear_forgets_every_choice():
     model = nn.Linear(2, 2)
-    choices.INPUT_FORMAT[("a",)] = "contiguous"
     choices.BLOCK_ROWS[("a",)] = 4
     choices.HOOKS_CHECKED[model] = {("a",)}
+    choices.VMAP_REFUSED[model] = "why"
     choices.clear()
-    assert not choices.INPUT_FORMAT and not choices.BLOCK_ROWS and model not in choices.HOOKS_CHECKED
+    assert not choices.BLOCK_ROWS and model not in choices.HOOKS_CHECKED and model not in choices.VMAP_REFUSED

@@ -9,7 +9,7 @@ Holds:
   the helpers every engine shares: the forward pass under autocast with buffers left untouched
   and a seeded RNG per micro-batch, parameter selection, and loss checks.
 - ``samples_independent``: whether a model in its current mode treats samples independently.
-- ``choice_clock``: the clock engines time their own choices (block sizes, layouts) with.
+- ``choice_clock``: the clock engines time their own choices (the dense engine's block size) with.
 - ``NormInFloat32``: batch norm on half inputs computed in float32, so vmap can batch it.
 - ``parameters_kept``: a model's own parameters back in place after ``functional_call``.
 - ``on_device``: the model moved to the engine's device, or one line saying why it cannot be.
@@ -57,7 +57,8 @@ FORWARD_SEED = 0x5EED
 
 
 def choice_clock(device: torch.device) -> Callable[[], float]:
-    """The clock engines time their own alternatives with (block sizes, memory layouts).
+    """The clock engines time their own alternatives with (the dense engine's block size; never
+    a choice that changes a row's rounding).
 
     On a CPU with one intra-op thread (how each Ray actor runs), the CPU time of this thread:
     other processes taking the cores do not distort it, so a busy machine does not make the

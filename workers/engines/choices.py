@@ -4,17 +4,12 @@ Holds every cache the engines keep across engine objects, in one place, and ``cl
 tests). None of them changes a row: they only decide how fast rows come, or skip a check that
 already passed on the same model. They are process-wide because an actor (or a script calling
 ``per_class_gradients`` repeatedly) builds many engines on one model and one probe shape, and
-each measurement costs real runs; keys hold everything the choice depends on.
+each measurement costs real runs; keys hold everything the choice depends on. What could change
+a row's rounding is not chosen by timing: the memory format of image inputs on the hook path and
+the kernel of a convolution's per-class sums are fixed rules (``partitioned.input_format`` and
+``layer_rules.conv.conv_route``), so that every actor of a job, every resume and
+``per_class_gradients`` compute a row alike.
 
-- ``INPUT_FORMAT``: memory format (``"contiguous"`` or ``"channels_last"``) of image inputs on
-  the partitioned engine's hook path; key ``(id(model), sample shape, dtype, device,
-  precision)``. Settled from ``FORMAT_TRIALS`` timed real runs.
-- ``FORMAT_TIMES``: those runs while the format is still being measured, ``[format, seconds per
-  sample]`` each; same key.
-- ``CONV_LAYOUT``: the route of each convolution's weight-gradient computation (the conv layer
-  rule: a grouped backward in ``"contiguous"`` or ``"channels_last"`` layout, or on a CPU a
-  ``"per_class"`` backward); key: the layer's geometry and a sample's shapes, dtype, device and
-  memory format of its input and output gradient (not the run's class count or width).
 - ``HOOKS_CHECKED``: models whose per-class sums from hooks passed the spot check against the
   plain single-class path, with the ``(selected parameters, precision, device, layer rules)``
   they passed for. The check is of the model's structure, so later engines on the same model
@@ -38,13 +33,6 @@ import weakref
 
 from torch import nn
 
-# Runs timed before the input format is settled: one warm-up, then four of each format,
-# alternating (real runs: the only cost is doing some of them in the slower format).
-FORMAT_TRIALS = 9
-
-INPUT_FORMAT: dict[tuple, str] = {}
-FORMAT_TIMES: dict[tuple, list[list]] = {}
-CONV_LAYOUT: dict[tuple, str] = {}
 HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 BLOCK_ROWS: dict[tuple, int] = {}
 NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
@@ -56,9 +44,6 @@ UNIT_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[int | None]]] 
 def clear() -> None:
     """Forget every choice (tests: the next engine measures and checks again)."""
     for cache in (
-        INPUT_FORMAT,
-        FORMAT_TIMES,
-        CONV_LAYOUT,
         HOOKS_CHECKED,
         BLOCK_ROWS,
         NO_HEAD,

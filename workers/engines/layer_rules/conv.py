@@ -7,11 +7,14 @@ for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``), ``zero_padding`` (when it a
 padding given as numbers; grouped, strided and dilated convolutions are fine) and ``patches``
 (every output position's input patch, any number of spatial dimensions).
 
-The memory layout of the grouped backward matters on a CPU (channels-last can be twice as fast,
-or slower once its copy is paid), and on a CPU a plain backward per class on its own unpadded
-samples can beat both (a 7x7 stem on 32x32 images: 2x; the grouped one wins on small 3x3 layers):
-the first call for each layer shape times every route and keeps the fastest
-(``choices.CONV_LAYOUT``).
+Which kernel forms the sums is a fixed rule (``conv_route``), never a timing: every actor of a
+job, every resume and ``per_class_gradients`` then compute a row with the same kernel (on a GPU
+kernels of other layouts may differ in more than rounding: TF32 or not), and a first call
+measures nothing. On a CPU with classes of unequal size in the run, a plain backward per class on
+its own unpadded samples (no padded zeros, no layout copies, like the other outer-product layers'
+CPU route); else one grouped backward in the memory format the layer's input comes in
+(channels-last inputs, the partitioned engine's for convolutional models: channels-last groups,
+about twice as fast on a CPU as NCHW, and what tensor cores take).
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from classgrad.workers.engines import choices
-from classgrad.workers.engines.base import choice_clock
 from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
@@ -36,6 +37,15 @@ def zero_padding(module: ConvNd) -> str | None:
     if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return f"padding {module.padding!r} in mode {module.padding_mode!r}"
     return None
+
+
+def conv_route(seen: LayerCapture) -> str:
+    """The kernel of a run's per-class weight gradients (see the module docstring): ``per_class``,
+    or a grouped backward in ``channels_last`` or ``contiguous`` layout."""
+    if seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES and seen.grid.spots is not None:
+        return "per_class"
+    x = seen.inputs
+    return "channels_last" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "contiguous"
 
 
 def grouped_channels_last(t: torch.Tensor) -> torch.Tensor:
@@ -117,51 +127,12 @@ class ConvFactors(OuterFactors):
         return gw, gb
 
     def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The fastest exact kernel for this layer shape: a grouped backward (the k classes as k
-        times the layer's groups) in either layout, or, on a CPU, a backward per class."""
-        module = self.module
-
-        def run(layout: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-            return (
-                self._per_class(want_weight, want_bias)
-                if layout == "per_class"
-                else self._grouped(layout, want_weight, want_bias)
-            )
-
-        seen = self.seen
-        key = (
-            module.in_channels,
-            module.out_channels,
-            module.groups,
-            module.kernel_size,
-            module.stride,
-            module.padding,
-            module.dilation,
-            # A sample's shapes, not the run's: runs differ in classes and width from one to
-            # the next, and timing every route again for each would cost a run several backwards.
-            tuple(seen.grads.shape[1:]),
-            tuple(seen.inputs.shape[1:]),
-            seen.grid.dtype,
-            str(seen.grads.device),
-            seen.inputs.is_contiguous(memory_format=torch.channels_last) if seen.inputs.dim() == 4 else False,
-        )
-        layout = choices.CONV_LAYOUT.get(key)
-        if layout is not None:
-            return run(layout)
-        candidates = ["contiguous", "channels_last"]
-        if seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES:
-            candidates.append("per_class")
-        clock = choice_clock(seen.grads.device)
-        timings: dict[str, float] = {}
-        results = {}
-        for candidate in candidates * 2:
-            t0 = clock()
-            results[candidate] = run(candidate)
-            if seen.grads.is_cuda:
-                torch.cuda.synchronize(seen.grads.device)
-            timings[candidate] = min(timings.get(candidate, float("inf")), clock() - t0)
-        layout = choices.CONV_LAYOUT[key] = min(timings, key=timings.__getitem__)
-        return results[layout]
+        """The sums from an exact kernel that never forms patches: a grouped backward (the k
+        classes as k times the layer's groups) or, on a CPU, a backward per class (``conv_route``)."""
+        route = conv_route(self.seen)
+        if route == "per_class":
+            return self._per_class(want_weight, want_bias)
+        return self._grouped(route, want_weight, want_bias)
 
     def _grouped(
         self, layout: str, want_weight: bool, want_bias: bool

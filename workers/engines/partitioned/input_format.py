@@ -1,58 +1,42 @@
-"""The memory format of image inputs on the hook path, chosen from the first real runs.
+"""The memory format of image inputs on the hook path, by a fixed rule.
 
-Holds ``ImageFormat``: channels-last is often much faster for convolutions and pooling on a CPU,
-or with tensor cores; which one runs a model faster is decided from its first runs themselves
-(real work, no extra passes) and kept per process (``choices.INPUT_FORMAT``). The format never
-changes a row, only how fast it comes.
+Holds ``image_format`` (the rule) and ``ImageFormat`` (puts a run's image inputs in that format).
+Channels-last is what convolutions and pooling run fastest in on a CPU (the partitioned engine's
+CNN: forward and backward 1.5x faster) and with tensor cores, so a model with a 2-d convolution
+gets its 4-D floating inputs channels-last, any other model gets them as given. A rule, not a
+measurement: the format picks the convolution kernels, and rows from the kernels of two layouts
+were seen to differ by 5e-4 relative (issue 29; on a CPU they agree to rounding: where one
+kernel runs in TF32 on a GPU, 2^-11 is TF32's rounding). Chosen by timing, two actors of one
+job (or a job and ``per_class_gradients``, or a resume) could choose differently and one store
+mix both; and a first call now measures nothing.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from classgrad.workers.engines import choices
-from classgrad.workers.engines.base import EngineStats
+__all__ = ["ImageFormat", "image_format"]
 
-log = logging.getLogger(__name__)
+
+def image_format(model: nn.Module) -> str:
+    """``"channels_last"`` for a model with a 2-d convolution, else ``"contiguous"`` (as given)."""
+    return "channels_last" if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "contiguous"
 
 
 class ImageFormat:
-    """Puts image inputs of one model in the faster memory format, measuring it on the way."""
+    """Puts image inputs of one model in the format of ``image_format``."""
 
-    def __init__(self, model: nn.Module, device: torch.device, precision: str, stats: EngineStats):
-        self.model, self.device, self.precision, self.stats = model, device, precision, stats
-        # Once channels-last inputs are chosen, batches are gathered that way (one pass, not two).
+    def __init__(self, model: nn.Module):
+        self.format = image_format(model)
+        # Once a batch held channels-last images, batches are gathered that way (one pass, not two).
         self.gather: torch.memory_format | None = None
 
-    def apply(self, x: object) -> tuple[object, list | None]:
-        """``x`` in the chosen format, and ``trial``: while the format is being measured, a list
-        to append this run's seconds per sample to (None otherwise)."""
+    def apply(self, x: object) -> object:
+        """``x`` in the format, when it is a 4-D floating tensor; anything else as it is."""
         if not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()):
-            return x, None
-        key = (id(self.model), tuple(x.shape[1:]), x.dtype, str(self.device), self.precision)
-        fmt, trial = choices.INPUT_FORMAT.get(key), None
-        if fmt is None:
-            trials = choices.FORMAT_TIMES.setdefault(key, [])
-            if len(trials) >= choices.FORMAT_TRIALS:
-                best: dict[str, float] = {}
-                for f, *t in trials[1:]:  # the first run pays one-off costs
-                    best[f] = min([best.get(f, float("inf")), *t])
-                fmt = choices.INPUT_FORMAT[key] = min(best, key=best.__getitem__)
-                note = "partitioned: image inputs {} (seconds per sample: {})".format(
-                    fmt,
-                    {f: f"{t:.2e}" for f, t in best.items()},
-                )
-                log.info(note)
-                self.stats.notes.append(note)
-            else:
-                fmt = ("contiguous", "channels_last")[len(trials) % 2]
-                trial = [fmt]
-                trials.append(trial)
-        if trial is None and fmt == "channels_last":
-            self.gather = torch.channels_last
-        if fmt == "channels_last":  # a no-op once batches are gathered channels-last
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x, trial
+            return x
+        if self.format != "channels_last":
+            return x
+        self.gather = torch.channels_last
+        return x.contiguous(memory_format=torch.channels_last)  # a no-op once batches are gathered so
