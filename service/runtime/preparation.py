@@ -98,9 +98,11 @@ def recorded_projection(config: JobConfig) -> dict | None:
     record = attrs.get("projection")
     if not isinstance(record, dict):
         return None
-    # Its own fingerprint first: a store made when an unset structure meant dense records
-    # `structure: dense` in its config, which today's schema hashes (unset is the default now).
-    same = attrs.get("fingerprint") == config.fingerprint() or config.same_job(attrs.get("config"))
+    # An unset structure: the store's own fingerprint will do. A store made when unset meant
+    # dense records `structure: dense` in its config, which today's schema hashes (unset is the
+    # default now); its record then says what to resume with.
+    unset = config.projection.structure is None and attrs.get("fingerprint") == config.fingerprint()
+    same = unset or config.same_job(attrs.get("config"))
     return record if same else None
 
 

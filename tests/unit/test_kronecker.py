@@ -356,6 +356,7 @@ def test_refusals_name_the_dense_structure(tmp_path):
     with pytest.raises(ConfigError, match="use projection.structure=dense"):
         per_class_gradients(ln, (x, y), num_classes=C, mode="train", projection={"structure": "kronecker", "dim": 8})
     # The dense structure goes on working for such a model, through the API too.
-    rows = per_class_gradients(ln, (x, y), num_classes=C, mode="train", projection={"dim": 8, "seed": 1})
+    proj = {"dim": 8, "seed": 1, "structure": "dense"}
+    rows = per_class_gradients(ln, (x, y), num_classes=C, mode="train", projection=proj)
     full = per_class_gradients(ln, (x, y), num_classes=C, mode="train")
     torch.testing.assert_close(rows, Projector(full.shape[1], 8, seed=1).project(full), rtol=1e-5, atol=1e-6)

@@ -16,7 +16,7 @@ from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import ProjectionConfig
 from classgrad.service.errors import ConfigError
-from classgrad.workers import sketch as sketch_module
+from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
 from classgrad.workers.layout import ParamSlot

@@ -13,7 +13,8 @@ Holds:
   ``work_rows`` / ``stored_rows`` / ``project_full`` (full rows to stored rows: the reference the
   tests compare with) and ``describe`` (what the store records).
 - ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` and
-  ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
+  ``part_matrix`` (a unit's matrix with only its weight or its bias filled, shared with
+  ``tensor_sketch``) and ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
   weight; the second for types of optional libraries, by name, so nothing is imported for them)
   and ``shape_for``.
 
@@ -138,6 +139,19 @@ def shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
     return KRONECKER_SHAPES.get(kind) or LAZY_SHAPES.get((kind.__module__, kind.__qualname__))
 
 
+def part_matrix(unit: Any, part: str, value: torch.Tensor) -> torch.Tensor:
+    """``[k, rows, cols_in]``: a unit's matrix with only its weight, or only its bias, filled."""
+    k = value.shape[0]
+    m = value.new_zeros(k, unit.rows, unit.cols_in)
+    if part == "weight":
+        m[:, : unit.a, : unit.b] = value.reshape(k, unit.a, unit.b)
+    elif unit.input_first:  # [W; b^T]
+        m[:, unit.a, :] = value.reshape(k, unit.b)
+    else:  # [W | b]
+        m[:, :, unit.b] = value.reshape(k, unit.a)
+    return m
+
+
 @dataclass
 class KroneckerUnit:
     """One layer's weight (+ bias) as ``k_out x k_in`` columns at ``offset`` of the stored row."""
@@ -209,9 +223,7 @@ class KroneckerUnit:
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, width]``: ``F_a^T M F_b`` of per-class gradients ``value`` of the weight or the
         bias alone (the other zero), for a gradient another path formed whole."""
-        from classgrad.workers.projection.tensor_sketch import _part_matrix
-
-        m = _part_matrix(self, part, value)
+        m = part_matrix(self, part, value)
         fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
         return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(m.shape[0], self.width)
 

@@ -46,7 +46,7 @@ from torch import nn
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME
-from classgrad.workers.projection.kronecker import UnitShape, shape_for
+from classgrad.workers.projection.kronecker import UnitShape, part_matrix, shape_for
 from classgrad.workers.projection.sketch import (
     CACHE_ENTRIES,
     SPARSE_DTYPES,
@@ -170,7 +170,7 @@ class SketchUnit:
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias
         alone (the other zero), for a gradient another path formed whole."""
-        return self.sketch(_part_matrix(self, part, value))
+        return self.sketch(part_matrix(self, part, value))
 
     def matrices(self, full: torch.Tensor) -> torch.Tensor:
         """``[n, rows, cols_in]``: the unit's ``M`` from full rows (layout order)."""
@@ -197,19 +197,6 @@ class SketchUnit:
         if self.input_first:
             out["input_first"] = True
         return out
-
-
-def _part_matrix(unit: Any, part: str, value: torch.Tensor) -> torch.Tensor:
-    """``[k, rows, cols_in]``: a unit's matrix with only its weight, or only its bias, filled."""
-    k = value.shape[0]
-    m = value.new_zeros(k, unit.rows, unit.cols_in)
-    if part == "weight":
-        m[:, : unit.a, : unit.b] = value.reshape(k, unit.a, unit.b)
-    elif unit.input_first:  # [W; b^T]
-        m[:, unit.a, :] = value.reshape(k, unit.b)
-    else:  # [W | b]
-        m[:, :, unit.b] = value.reshape(k, unit.a)
-    return m
 
 
 class TensorSketchMap:
