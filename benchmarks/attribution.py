@@ -19,7 +19,9 @@ The checks, per method:
   kept and the model retrained from the same initialisation on their samples only; for each
   query, the Spearman correlation over the subsets between the predicted change of its loss
   (the sum of its scores over the removed classes: removing a class whose gradient aligns with
-  the query's raises the query's loss) and the measured loss; averaged over queries.
+  the query's raises the query's loss) and the measured loss; averaged over queries. ``LDS own
+  kept``: the same over only the subsets that keep the query's own class (what the other classes'
+  scores explain).
 
     .venv/bin/python -m benchmarks.attribution            # 100 classes, 50 retrained subsets
     .venv/bin/python -m benchmarks.attribution --quick    # 20 classes, 8 subsets (a smoke run)
@@ -160,7 +162,20 @@ def evaluate(S: np.ndarray, yq: np.ndarray, correct: np.ndarray, pairs: int, kep
     # predicted change of each query's loss for each subset: its scores summed over the removed classes
     predicted = S @ (~kept).T.astype(np.float64)  # [Q, subsets]
     lds = float(np.mean([spearman(predicted[q], measured[:, q]) for q in range(len(yq))]))
-    return {"own_first": own_first, "pair_partner": pair_rate, "partner_sign": partner_sign, "lds": lds}
+    # The same over only the subsets that keep the query's own class: what the other classes explain.
+    own_kept = [
+        spearman(predicted[q, kept[:, yq[q]]], measured[kept[:, yq[q]], q])
+        for q in range(len(yq))
+        if kept[:, yq[q]].sum() >= 5
+    ]
+    lds_kept = float(np.mean(own_kept)) if own_kept else float("nan")
+    return {
+        "own_first": own_first,
+        "pair_partner": pair_rate,
+        "partner_sign": partner_sign,
+        "lds": lds,
+        "lds_own_kept": lds_kept,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,12 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(yq)} queries, accuracy {report['accuracy']:.3f}; LDS over {subsets} retrained halves "
         f"(train {t_train:.1f} s, retrain {t_retrain:.1f} s)"
     )
-    print(f"{'store':<10} {'method':<7} {'own first':>9} {'pair partner':>12} {'partner sign':>12} {'LDS':>7}")
+    header = f"{'store':<10} {'method':<7} {'own first':>9} {'pair partner':>12} {'partner sign':>12} {'LDS':>7}"
+    print(header + f" {'LDS own kept':>12}")
     for name, rows in report["stores"].items():
         for method, r in rows.items():
             print(
                 f"{name:<10} {method:<7} {r['own_first']:>9.3f} {r['pair_partner']:>12.3f} "
-                f"{r['partner_sign']:>12.2f} {r['lds']:>7.3f}"
+                f"{r['partner_sign']:>12.2f} {r['lds']:>7.3f} {r['lds_own_kept']:>12.3f}"
             )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
