@@ -46,22 +46,24 @@ log = logging.getLogger(__name__)
 ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PER_ROW_BYTES = 4 + 4 + 8  # row_scale + loss (float32) + count (int64)
 # VmHWM of a fresh Python that imported torch 2.13 (CPU build) and classgrad.workers.runtime.actor,
-# measured 2026-12-02 on the dev machine: 253 MB (tests/support/peak_memory.py's child, before the
-# worker is built). A CUDA build of torch maps more; its context is counted apart.
+# measured 2026-12-02 on the dev machine: 253 MB (a child process, before it built anything). A CUDA
+# build of torch maps more; its context is counted apart.
 PROCESS_BYTES = 256 << 20
-# Ray's core worker inside each actor process (its threads, its plasma client, the imported ray
-# package): an allowance, measured once on the dev machine as an actor's RSS over the same process
-# without Ray (about 110 MB), rounded up.
-RAY_ACTOR_BYTES = 128 << 20
-# A local Ray's own processes (GCS, raylet, dashboard, log monitor) beside the driver: an allowance
-# (about 0.5 GB measured on the dev machine with `ray start --head`, rounded up).
+# Ray's core worker inside each actor process (its threads, its object store client, the imported
+# ray package): measured 2026-12-02 on the dev machine as 48 MB (an actor that imported classgrad's
+# worker modules: 290 MB RSS; the same imports without Ray: 242 MB), rounded up.
+RAY_ACTOR_BYTES = 64 << 20
+# A local Ray's own processes beside the driver (GCS, raylet, dashboard agent, runtime-env agent,
+# log monitor and idle workers): measured 2026-12-02 on the dev machine as 550 MB in all with
+# `ray.init(include_dashboard=False)`, rounded up for the dashboard.
 RAY_NODE_BYTES = 768 << 20
-# Host memory of a CUDA context (driver libraries and their mappings): an allowance.
+# Host memory of a CUDA context (driver libraries and their mappings): an allowance, not measured
+# here (no GPU on the dev machine).
 CUDA_HOST_BYTES = 512 << 20
 # One micro-batch's peak over what autograd saves for it: the saved tensors, the gradients of the
 # activations during the backward, and the hook path's captured inputs and output gradients.
-# Measured 2.3x-2.4x on a CNN of width 32 over 64x64 images, batches of 128, on the hook path and on
-# vmap (bn_cnn); rounded up.
+# Measured 2026-12-02 at about 2.3x-2.4x (a child's peak over its build, against the saved bytes) on
+# zoo.small_cnn and zoo.bn_cnn of width 32 over 64x64 images in batches of 128 (hooks and vmap).
 ACTIVATION_FACTOR = 2.5
 WRITER_RUNS = 3  # ShardWriter: max_pending queued runs plus the one being written
 SAMPLES_MEASURED = 4  # probe samples of the forward whose saved tensors are measured

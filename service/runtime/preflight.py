@@ -253,7 +253,7 @@ def preflight_job(
     actors compute (default: the job's device)."""
     from classgrad.service.runtime.footprint import job_footprint
 
-    check_sizes(config, engine.layout.dim)
+    check_sizes(config, getattr(engine, "full_layout", engine.layout).dim)  # a projecting engine's whole row
     notes = []
     samples = len(engine.probe)
     if config.data.batch_size > samples and "batch_size" in config.data.model_fields_set:  # asked for, not the default
