@@ -94,6 +94,18 @@ def test_an_actor_twice_the_nodes_memory_is_refused_naming_the_numbers_and_the_k
     assert re.search(r"~[\d,.]+ (MiB|GiB)", line), line  # binary units, as every command prints (units.py)
 
 
+def test_a_batch_whose_activations_do_not_fit_names_the_batch_size(tmp_path, capsys, monkeypatch):
+    sections = {
+        "model": {"kwargs": {"num_classes": 48, "width": 32}},
+        "data": {"kwargs": {"num_classes": 48, "samples_per_class": 3, "input_shape": [3, 32, 32]}, "batch_size": 144},
+    }
+    job = small_job(str(tmp_path / "s.zarr"), **sections)  # 144 images of 32 x 32 through 32 channels at once
+    actor, driver = _sizes(job)
+    limit(monkeypatch, memory_available=driver + actor // 2)
+    line = refused(tmp_path, capsys, job)
+    assert "activations" in line and "lower data.batch_size" in line, line
+
+
 def test_too_many_actors_for_the_node_name_num_workers(tmp_path, capsys, monkeypatch):
     job = small_job(str(tmp_path / "s.zarr"), cluster={"num_workers": 64})
     actor, driver = _sizes(job)
