@@ -4,7 +4,7 @@ A node out of memory used to end the job as ``classgrad: internal error: OutOfMe
 some 40 lines of Ray's text, stored in the run record and printed by every ``status``: Ray fails
 the tasks of an actor its memory monitor killed with ``ray.exceptions.OutOfMemoryError``, which
 is not a ``RayActorError``. Here a local Ray for the module runs with a memory monitor threshold
-just above what this machine uses now (``faulty.oom_threshold``: 1 GiB more crosses it, sampled
+just above what this machine uses now (``faulty.oom_threshold``: 2 GiB more crosses it, sampled
 every 100 ms), and the fault plan makes an actor take memory, 64 MiB at a time, while it computes
 a given class, until the monitor kills it: a real OOM kill, Ray's own exit and error, no mock.
 
@@ -40,8 +40,11 @@ from tests.support.harness import (
     uninterrupted,
 )
 
-MARGIN = 1 << 30  # memory the monitor tolerates above today's use before it kills
-HOG_MAX = 3 << 30  # what a hogging actor takes at most (the monitor kills it long before)
+# Memory the monitor tolerates above this machine's use when the module starts, before it kills:
+# 2 GiB, so that other processes' ups and downs on a shared machine rarely cross it (when they
+# do, more actors are killed and replaced: the first test allows for that).
+MARGIN = 2 << 30
+HOG_MAX = 4 << 30  # what a hogging actor takes at most (the monitor kills it long before)
 FAIL_CLASS = 9  # in shard 2 (rows 8-11); not among the driver's preflight samples
 
 
@@ -68,10 +71,11 @@ def ray_tight():
                 os.environ["PYTHONPATH"] = old
 
 
-def _job(tmp_path, name: str, **plan) -> JobConfig:
+def _job(tmp_path, name: str, max_attempts: int = 2, **plan) -> JobConfig:
     faults = faulty.write_plan(tmp_path / f"{name}-faults", oom_max_bytes=HOG_MAX, **plan)
+    sharding = {"max_attempts": max_attempts}
     return JobConfig.model_validate(
-        fault_job(str(tmp_path / f"{name}.zarr"), faults, cluster={"num_workers": 1}, sharding={"max_attempts": 2})
+        fault_job(str(tmp_path / f"{name}.zarr"), faults, cluster={"num_workers": 1}, sharding=sharding)
     )
 
 
@@ -82,20 +86,22 @@ def test_an_actor_killed_for_memory_is_replaced_and_its_shard_requeued(ray_tight
         summary = driver.run()
     assert faulty.memory_faults(tmp_path / "once-faults") == 1
     assert summary.status == "complete" and summary.error is None, summary
-    assert summary.actors_replaced == 1 and summary.retries >= 1
+    assert summary.actors_replaced >= 1 and summary.retries >= 1
     assert sorted(driver.completions) == list(range(12)) and set(driver.completions.values()) == {1}
     oom = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
-    assert len(oom) == 1 and "\n" not in oom[0] and "Top 10" not in oom[0], oom
-    assert "memory monitor killed the actor" in oom[0]
+    assert len(oom) == summary.actors_replaced, oom  # one line per kill
+    assert all("\n" not in line and "Top 10" not in line and "memory monitor killed the actor" in line for line in oom)
     run = open_store(config.store.url).attrs["runs"][-1]
-    assert run["status"] == "complete" and run["error"] is None and run["actors_replaced"] == 1
+    assert run["status"] == "complete" and run["error"] is None and run["actors_replaced"] == summary.actors_replaced
     clean = config.model_copy(update={"store": config.store.model_copy(update={"url": str(tmp_path / "clean.zarr")})})
     # Same shards, same engine, same CPU arithmetic: the requeued shard's rows are the same bits.
     assert_identical(store_arrays(config.store.url), uninterrupted(clean))
 
 
 def test_memory_that_stays_short_stops_the_job_with_one_line(ray_tight, tmp_path):
-    config = _job(tmp_path, "short", oom_class=-1, oom_times=100)  # every attempt is killed
+    # Every attempt is killed; one attempt per shard and one replacement per actor: the second
+    # kill is past the bound (cluster.num_workers x sharding.max_attempts replacements).
+    config = _job(tmp_path, "short", max_attempts=1, oom_class=-1, oom_times=100)
     with pytest.raises(ClassgradError, match=r"out of memory: .*memory stayed short") as caught:
         JobDriver(config).run()
     line = str(caught.value)
