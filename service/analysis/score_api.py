@@ -149,4 +149,7 @@ def score(
         )
         rows.append(q.rows.numpy())
         digest.update(q.digest.encode())
-    return score_rows(stores, rows, config, queries_digest=digest.hexdigest(), out=out, storage_options=storage_options)
+    ids = None if q.groups is None else [str(g) for g in q.groups]
+    return score_rows(
+        stores, rows, config, queries_digest=digest.hexdigest(), groups=ids, out=out, storage_options=storage_options
+    )

@@ -43,6 +43,7 @@ class Scores:
     class_names: list[list[str]] | None
     method: str
     info: dict = field(default_factory=dict)
+    groups: list[str] | None = None  # each row's group id (as text), for rows of groups
 
     def __len__(self) -> int:
         return int(self.class_ids.shape[0])
@@ -58,7 +59,10 @@ class Scores:
         if self.class_names is not None:
             data["topk_class_name"] = (("query", "rank"), np.array(self.class_names, dtype=object))
         Q, k = self.class_ids.shape
-        ds = xr.Dataset(data, coords={"query": np.arange(Q), "rank": np.arange(k)})
+        coords: dict[str, Any] = {"query": np.arange(Q), "rank": np.arange(k)}
+        if self.groups is not None:
+            coords["group"] = ("query", np.array(self.groups, dtype=object))
+        ds = xr.Dataset(data, coords=coords)
         ds.attrs.update({"method": self.method, **{k: str(v) for k, v in self.info.items() if k != "task_reports"}})
         return ds
 
@@ -154,6 +158,7 @@ def score_rows(
     config: ScoreConfig | None = None,
     *,
     queries_digest: str = "",
+    groups: list[str] | None = None,
     out: str | None = None,
     storage_options: dict | None = None,
     **options: Any,
@@ -161,7 +166,8 @@ def score_rows(
     """Score query rows (one ``[Q, k]`` array per store) against the stores' rows.
 
     ``options`` are ``ScoreConfig`` fields. ``out``: a Zarr location for the results (resumable;
-    required for ``full``). ``queries_digest``: what identifies the query set in a resume."""
+    required for ``full``). ``queries_digest``: what identifies the query set in a resume;
+    ``groups``: each query row's group id, when the rows are groups'."""
     import torch
 
     from classgrad.service.runtime.ray_session import ray_session
@@ -215,6 +221,7 @@ def score_rows(
                 block_rows=plan.block_rows,
                 class_block=plan.stream_rows,
                 full=plan.full,
+                groups=groups,
                 storage_options=storage_options,
                 overwrite=config.overwrite,
             )
@@ -294,6 +301,7 @@ def score_rows(
         class_names=None if names is None else [[names[int(j)] for j in row] for row in rows],
         method=plan.method,
         info=summary,
+        groups=groups,
     )
 
 

@@ -14,8 +14,8 @@ Layout (dimension names in brackets; xarray-readable, ``xr.open_zarr(url)``):
 - ``query_rows`` float32 [checkpoint, query, column]: the query rows scored (one set per store),
   written once at creation, so that a resumed run scores exactly the same rows.
 - ``block_done`` uint8 [block]: 1 once a query block's results are written (the resume mark).
-- coordinates ``query`` (0..Q-1, or the query ids given), ``rank``, ``class_id`` and
-  ``class_name`` (when the stores know names), ``checkpoint``.
+- coordinates ``query`` (0..Q-1), ``group`` (each row's group id as text, for rows of groups),
+  ``rank``, ``class_id`` and ``class_name`` (when the stores know names), ``checkpoint``.
 
 Group attributes ``classgrad_scores``: ``request`` (what was asked: stores and their rows
 digests, method, damping, weights, top-k, the query set's digest) and its ``request_digest``,
@@ -129,7 +129,7 @@ class ScoreOutput:
         block_rows: int,
         class_block: int,
         full: bool,
-        query_ids: np.ndarray | None = None,
+        groups: list[str] | None = None,
         storage_options: dict | None = None,
         overwrite: bool = False,
     ) -> tuple[ScoreOutput, bool]:
@@ -154,7 +154,7 @@ class ScoreOutput:
                 "num_classes": C,
                 "started": time.time(),
             }
-            coords = ["class_name"] if class_names is not None else []
+            coords = (["class_name"] if class_names is not None else []) + (["group"] if groups is not None else [])
             group.attrs.update({ATTR: info, "coordinates": " ".join(coords)})
 
             def make(name, shape, chunks, dtype, dims, fill, data=None, attrs=None):
@@ -174,7 +174,9 @@ class ScoreOutput:
                 return arr
 
             rows = np.stack([np.asarray(r, dtype=np.float32) for r in query_rows])
-            make("query", (Q,), (max(Q, 1),), "int64", ("query",), -1, np.arange(Q) if query_ids is None else query_ids)
+            make("query", (Q,), (max(Q, 1),), "int64", ("query",), -1, np.arange(Q))
+            if groups is not None:  # one row per group: its id (as text) along the query dimension
+                make("group", (Q,), (max(Q, 1),), str, ("query",), "", np.array(groups, dtype=object))
             make("rank", (top_k,), (max(top_k, 1),), "int64", ("rank",), -1, np.arange(top_k))
             make("class_id", (C,), (max(C, 1),), "int64", ("class_id",), -1, np.asarray(class_ids))
             make("checkpoint", (len(rows),), (len(rows),), "int64", ("checkpoint",), -1, np.arange(len(rows)))

@@ -81,6 +81,16 @@ def test_group_rows_are_the_mean_of_their_examples(stores):
     np.testing.assert_allclose(grouped.rows.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
 
 
+def test_scores_of_groups_carry_their_group_ids(stores, tmp_path):
+    xr = pytest.importorskip("xarray")
+    groups = [f"g{i // 6}" for i in range(C)]  # four groups of six examples
+    out = str(tmp_path / "scores.zarr")
+    result = score(stores["dense"], None, _probe(), method="dot", top_k=3, groups=groups, out=out, executor="local")
+    assert result.groups == ["g0", "g1", "g2", "g3"] and tuple(result.scores.shape) == (4, 3)
+    assert xr.open_zarr(out)["group"].values.tolist() == ["g0", "g1", "g2", "g3"]
+    assert result.to_xarray()["group"].values.tolist() == ["g0", "g1", "g2", "g3"]
+
+
 def test_the_margin_is_the_gradient_of_the_negated_logit_margin(stores):
     store = stores["full"]
     x, y = _probe()
@@ -210,3 +220,25 @@ def test_a_query_file_s_group_field_gives_each_example_s_group():
     assert len(data) == 6 and groups == [0, 0, 1, 1, 2, 2]
     with pytest.raises(InputError, match="group_field 'nope'"):
         query_data(QueryFile(data=spec.data, group_field="nope"))
+
+
+def test_padded_token_queries_take_the_models_pad_id_as_the_store_did(tmp_path):
+    """A GPT-2 store whose pad id is not 0 (the eos id, as docs/huggingface.md sets it): query
+    batches are padded with it as the store's probe batches were, so the rows of the store's own
+    examples come out as its rows (padded with 0, the model would read pads as tokens)."""
+    from tests.support import hf_jobs
+
+    text = {"factory": "tests.support.hf_jobs:job_text_rows", "kwargs": {"num_classes": C, "per_class": 1}}
+    store = run_without_ray(
+        mlp_job(
+            tmp_path,
+            model={"factory": "tests.support.hf_models:tiny_gpt2", "kwargs": {"num_classes": C, "pad_token_id": 47}},
+            data={**text, "collate": "pad", "batch_size": 8},
+        )
+    )
+    examples = hf_jobs.job_text_rows(C, 1)
+    q = query_rows(store, examples)
+    want = store.rows(np.searchsorted(store.class_ids, [int(e["labels"]) for e in examples]))
+    # The same forward per example, in other batches: float32 sums of a transformer in another
+    # order, 1e-5 of the largest entry (padded with 0 they differ by tens of percent).
+    np.testing.assert_allclose(q.rows.numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
