@@ -250,6 +250,8 @@ def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = class_losses(plain(x), y, ids)
         gs.scale(loss.mean()).backward()
+        gs.unscale_(opt_plain)  # timm's order: unscale, clip the total norm, step, update
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
         gs.step(opt_plain)
         gs.update()
         skipped_plain.append(all(torch.equal(a, b) for a, b in zip(before, plain.parameters())))
@@ -258,9 +260,9 @@ def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how):
             if how == "call":
                 loss = class_losses(ours(x), y, ids)
             else:
-                scaler.step_batch(ours, x, y, opt_ours)
+                scaler.step_batch(ours, x, y, opt_ours, clip_grad=0.5)
         if how == "call":
-            scaler(loss, opt_ours, model=ours)
+            scaler(loss, opt_ours, model=ours, clip_grad=0.5)
         skipped_ours.append(scaler.found_inf)
         assert scaler.get_scale() == gs.get_scale()
     assert skipped_ours == skipped_plain and sum(skipped_ours) == 3
