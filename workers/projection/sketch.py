@@ -84,12 +84,17 @@ def sign_matrix(cols: torch.Tensor, negative: torch.Tensor, dim: int, scale: flo
     columns per coordinate): ``S @ rows^T`` is the sketch. One sparse product reads each row
     once; the scatter reads it ``s`` times (measured ~4x faster on a 2-core CPU)."""
     D, s = cols.shape
-    coords = torch.arange(D, device=cols.device).repeat_interleave(s)
+    buckets = cols.reshape(-1)
+    # Rows of the CSR matrix are buckets: entries sorted by bucket (stable: coordinates ascending
+    # within one), row pointers from the bucket counts. No COO coalesce (a sort of index pairs).
+    order = torch.argsort(buckets, stable=True)
+    crow = torch.zeros(dim + 1, dtype=torch.int64, device=cols.device)
+    crow[1:] = torch.cumsum(torch.bincount(buckets, minlength=dim), 0)
+    coords = torch.div(order, s, rounding_mode="floor")
     values = torch.full((D * s,), scale, dtype=dtype, device=cols.device).masked_fill_(negative.reshape(-1), -scale)
-    coo = torch.sparse_coo_tensor(torch.stack([cols.reshape(-1), coords]), values, (dim, D), check_invariants=False)
     with warnings.catch_warnings():  # torch's "CSR support is in beta": products with dense are stable
         warnings.simplefilter("ignore", UserWarning)
-        return coo.coalesce().to_sparse_csr()
+        return torch.sparse_csr_tensor(crow, coords, values[order], (dim, D), check_invariants=False)
 
 
 def sparse_apply(matrix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

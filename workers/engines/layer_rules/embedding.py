@@ -148,13 +148,9 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
         if out.projection is not None:  # TensorSketch: each winning entry into its buckets
             if module.padding_idx is not None:  # the padding row stays zero, as in the table
                 found = found & (winners != module.padding_idx)
+            # Bag t's feature h won at row winners[t, h]: entry (winners[t, h], h) of its class.
             rows = sketch_entries(
-                out.projection,
-                out.k,
-                classes.view(-1, 1).expand(total, H).reshape(-1),
-                winners.clamp(min=0).reshape(-1),
-                features.reshape(-1),
-                (grads * found).reshape(-1),
+                out.projection, out.k, classes, winners.clamp(min=0), features, (grads * found).to(grads.dtype)
             )
             out.check_sums(rows)
             out.put("weight", rows)

@@ -133,18 +133,23 @@ def _formed(factors: Any, G: torch.Tensor, unit: Any) -> torch.Tensor:
 
 
 def sketch_entries(
-    unit: Any, k: int, cls: torch.Tensor, i: torch.Tensor, j: torch.Tensor, values: torch.Tensor
+    unit: Any, k: int, cls: torch.Tensor, i: torch.Tensor, j: torch.Tensor | None, values: torch.Tensor
 ) -> torch.Tensor:
-    """``[k, dim]``: entries ``values`` at ``(i, j)`` of class ``cls``'s matrix, each added to its
-    bucket of every block (the ``direct`` route; equal to ``unit.sketch`` of the summed matrices)."""
+    """``[k, dim]``: entries ``values`` (``[T, H]``) at ``(i, j)`` of class ``cls[t]``'s matrix, each
+    added to its bucket of every block (the ``direct`` route; equal to ``unit.sketch`` of the summed
+    matrices). ``i``: ``[T]`` (a row per token) or ``[T, H]``; ``j``: None (column ``h``) or ``[T, H]``."""
     device = values.device
     h1, n1, h2, n2 = unit.hashes(device)
     dim = unit.dim
     acc = values.new_zeros(k * 2 * dim)
-    base = cls * (2 * dim)
+    base = (cls * (2 * dim)).unsqueeze(1)  # [T, 1]
+    cols = torch.arange(values.shape[1], device=device) if j is None else j
     for b, (b0, m) in enumerate(unit.blocks):
-        col = (h1[i, b] + h2[j, b]) % m + b0 + (n1[i, b] ^ n2[j, b]).long() * dim
-        acc.index_add_(0, base + col, values)
+        # [T, 1] + [H] (or [T, H]): one bucket and sign per entry, no per-entry gathers of rows
+        hi, ni = (h1[i, b], n1[i, b]) if i.dim() == 2 else (h1[i, b].unsqueeze(1), n1[i, b].unsqueeze(1))
+        col = (hi + h2[cols, b]) % m + b0
+        neg = ni ^ n2[cols, b]
+        acc.index_add_(0, (base + col + neg.long() * dim).reshape(-1), values.reshape(-1))
     both = acc.view(k, 2, dim)
     return (both[:, 0] - both[:, 1]).mul_(1.0 / math.sqrt(unit.nonzeros))
 
@@ -155,13 +160,8 @@ def sketched_embedding_sums(
     """An embedding table's per-class sketch from its lookups: token ``t`` of class ``cls[t]``
     looked up row ``ids[t]`` with output gradient ``grads[t]`` (``[T, H]``), times ``weight[t]``
     (a bag's share; None: 1). Padding tokens must come with a zero weight."""
-    H = grads.shape[1]
     if weight is not None:
         grads = grads * weight.unsqueeze(1)
-    T = grads.shape[0]
-    j = torch.arange(H, device=grads.device).repeat(T)
-    rows = sketch_entries(
-        unit, out.k, cls.repeat_interleave(H), ids.repeat_interleave(H), j, grads.reshape(-1).to(out.run.rows.dtype)
-    )
+    rows = sketch_entries(unit, out.k, cls, ids, None, grads.to(out.run.rows.dtype))
     out.check_sums(rows)
     out.put("weight", rows)
