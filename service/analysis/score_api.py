@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from classgrad.service.analysis import validated
 from classgrad.service.analysis.score_driver import Scores, check_stores, score_rows
+from classgrad.service.analysis.score_precondition import trak_form
 from classgrad.service.analysis.scoring import ScoreConfig
 from classgrad.service.config import DataConfig
 from classgrad.service.errors import ConfigError, InputError
@@ -132,7 +133,11 @@ def score(
         "r+" if config.method == "trak" else "r"
     )  # trak saves each store's preconditioner beside its rows
     stores = [_open(s, mode, storage_options) for s in given]
-    check_stores(stores)  # before any model runs
+    check_stores(stores)  # before any model runs, as are the checks below
+    if config.method == "trak":
+        trak_form(stores[0], config.precond_mb)
+    if config.full and out is None:
+        raise ConfigError("score option full (--all-scores): every query x class score needs an output (--out)")
     rows, digest = [], hashlib.sha256(b"classgrad queries v1")
     for s, m in zip(stores, models):
         q = query_rows(

@@ -209,6 +209,26 @@ def test_the_command_prints_a_sample_resumes_and_refuses_another_request(stores,
     assert len(err) == 1 and "another request" in err[0]
 
 
+def test_the_command_refuses_bad_requests_in_one_line_before_any_model_runs(stores, tmp_path, capsys, monkeypatch):
+    from classgrad.service.commands.cli import main as cli_main
+    from classgrad.workers.runtime import query
+
+    monkeypatch.setattr(query, "engine_from_parts", lambda *a, **k: pytest.fail("a model ran"))
+    queries = tmp_path / "queries.yaml"
+    queries.write_text(f"data:\n  factory: classgrad.workers.zoo:synthetic_probe\n  kwargs: {ONE_PER_CLASS}\n")
+    out = tmp_path / "scores.zarr"
+    base = ["score", stores["full"].url, "--queries", str(queries), "--local"]
+    for extra, words in (
+        (["--precond-mb", "0.001", "--out", str(out)], "projection.dim"),  # trak too large for either form
+        (["--all-scores", "--method", "dot"], "needs an output (--out)"),
+        (["--method", "dot", "--fn", "hinge", "--out", str(out)], "query fn 'hinge' is unknown"),
+    ):
+        assert cli_main([*base, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
 def test_a_query_file_s_group_field_gives_each_example_s_group():
     from classgrad.service.analysis.score_api import QueryFile, query_data
 
@@ -227,18 +247,26 @@ def test_padded_token_queries_take_the_models_pad_id_as_the_store_did(tmp_path):
     batches are padded with it as the store's probe batches were, so the rows of the store's own
     examples come out as its rows (padded with 0, the model would read pads as tokens)."""
     from tests.support import hf_jobs
+    from tests.support.hf_models import tiny_gpt2
 
-    text = {"factory": "tests.support.hf_jobs:job_text_rows", "kwargs": {"num_classes": C, "per_class": 1}}
+    k = 4
     store = run_without_ray(
         mlp_job(
             tmp_path,
-            model={"factory": "tests.support.hf_models:tiny_gpt2", "kwargs": {"num_classes": C, "pad_token_id": 47}},
-            data={**text, "collate": "pad", "batch_size": 8},
+            model={"factory": "tests.support.hf_models:tiny_gpt2", "kwargs": {"num_classes": k, "pad_token_id": 47}},
+            data={
+                "factory": "tests.support.hf_jobs:job_text_rows",
+                "kwargs": {"num_classes": k, "per_class": 1},
+                "collate": "pad",
+            },
+            loss={"num_classes": k},
         )
     )
-    examples = hf_jobs.job_text_rows(C, 1)
-    q = query_rows(store, examples)
+    examples = hf_jobs.job_text_rows(k, 1)
+    # The model given: the store's config records the factory's kwargs with pad_token_id
+    # redacted (a key with the word "token"), so it cannot be rebuilt from the store.
+    q = query_rows(store, examples, model=tiny_gpt2(k, pad_token_id=47))
     want = store.rows(np.searchsorted(store.class_ids, [int(e["labels"]) for e in examples]))
     # The same forward per example, in other batches: float32 sums of a transformer in another
-    # order, 1e-5 of the largest entry (padded with 0 they differ by tens of percent).
+    # order, 1e-5 of the largest entry (padded with 0, they differ by tens of percent).
     np.testing.assert_allclose(q.rows.numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
