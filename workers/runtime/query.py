@@ -37,6 +37,7 @@ from classgrad.service.errors import InputError, StoreError, first_line
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import PartitionedLoss, create_loss
+from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.runtime.actor import build_projector, project_rows_for, projection_record, stored_blocks
 from classgrad.workers.runtime.factory import build_model, engine_from_parts, preflight
@@ -212,6 +213,8 @@ def query_rows(
     if model is None:
         model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
     d = config.data
+    collate = collate if collate is not None else d.collate
+    pads = input_pad_values(model, collate, pad_values if pad_values is not None else d.pad_values)
     probe = (
         data
         if isinstance(data, ProbeSet)
@@ -219,8 +222,8 @@ def query_rows(
             data,
             batch_size=batch_size or d.batch_size,
             label_field=label_field if label_field is not None else d.label_field,
-            collate=collate if collate is not None else d.collate,
-            pad_values=pad_values if pad_values is not None else d.pad_values,
+            collate=collate,
+            pad_values=pads,  # input_ids: the model's pad id, as the store's own probe set
         )
     )
     n = len(probe)
