@@ -196,7 +196,8 @@ def _fmt(r: dict[str, Any]) -> list[Any]:
         return f"{d['median']:.4f}/{d['p99']:.4f}/{d['recall10']:.2f}" if d else "-"
 
     return [
-        r["model"], r["classes"], r["setting"], f"{r['cold_s'] / r['floor_s']:.2f}x", f"{r['warm_s'] / r['floor_s']:.2f}x",
+        r["model"], r["classes"], r["setting"],
+        f"{r['cold_s'] / r['floor_s']:.2f}x", f"{r['warm_s'] / r['floor_s']:.2f}x",
         f"{r['cold_s'] / r['warm_s']:.2f}", f"{r['peak_rss_mib']:.0f}", e(mine), e(cs), e(dense),
     ]  # fmt: skip
 

@@ -28,7 +28,9 @@ def direct_rows(config: JobConfig) -> torch.Tensor:
 @pytest.mark.parametrize("per_param", [False, True])
 def test_projected_store_holds_projected_rows(tmp_path, per_param):
     # Dense: per_param implies it; without, it is asked for (the default is tensorsketch).
-    proj = {"dim": 32, "kind": "gaussian", "seed": 7, "per_param": per_param} | ({} if per_param else {"structure": "dense"})
+    proj = {"dim": 32, "kind": "gaussian", "seed": 7, "per_param": per_param} | (
+        {} if per_param else {"structure": "dense"}
+    )
     config = mlp_job(tmp_path, projection=proj)
     store = run_without_ray(config)
     full = direct_rows(config)

@@ -23,9 +23,9 @@ from classgrad.service.errors import ConfigError
 from classgrad.service.runtime.preparation import recorded_projection
 from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
-from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector
+from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
@@ -290,7 +290,8 @@ def test_job_store_matches_python_api_and_is_inspected_verified_compared(tmp_pat
     # A resume reuses the recorded split (no new measurement), and finds every shard done.
     assert recorded_projection(config) == info
     assert (
-        recorded_projection(config.model_copy(update={"store": config.store.model_copy(update={"overwrite": True})})) is None
+        recorded_projection(config.model_copy(update={"store": config.store.model_copy(update={"overwrite": True})}))
+        is None
     )
     assert run_without_ray(config).attrs["projection"] == info
     compute_similarity(config.store.url, executor="local", metric="cosine")

@@ -27,11 +27,11 @@ from classgrad.service.config import load_config
 from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
+from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector, SketchUnit
 from classgrad.workers.projection.kronecker import KroneckerMap
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.projection.tensor_sketch import TensorSketchMap
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import hf_probe, tiny_gpt2
@@ -202,7 +202,9 @@ def test_no_per_class_matrix_of_the_head_is_formed():
     model = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, classes)).eval()
     y = torch.arange(classes).repeat_interleave(2)
     x = torch.randn(len(y), 8)
-    eng = build_engine(model, (x, y), num_classes=classes, projected=projected_options(projection_options({"dim": 256})))
+    eng = build_engine(
+        model, (x, y), num_classes=classes, projected=projected_options(projection_options({"dim": 256}))
+    )
     eng.compute(range(64))  # the one-off spot check (two full rows by the plain path) is done
     with Recorder() as seen:
         rows = eng.compute(range(64, 192)).rows
@@ -235,7 +237,9 @@ def test_the_default_falls_back_to_a_sketch_of_finished_rows_and_says_so():
     rows = per_class_gradients(ln, (x, y), num_classes=C, mode="train", projection={"dim": 8, "seed": 1})
     full = per_class_gradients(ln, (x, y), num_classes=C, mode="train")
     # A sparse sign sketch of float32 rows: float32 roundoff.
-    torch.testing.assert_close(rows, RowSketch(full.shape[1], 8, nonzeros=4, seed=1).project(full), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        rows, RowSketch(full.shape[1], 8, nonzeros=4, seed=1).project(full), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("name", ["v3_dense_default", "v3_kronecker", "v3_sketch"])

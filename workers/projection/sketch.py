@@ -1,9 +1,12 @@
 """Sparse sign Johnson-Lindenstrauss sketch of rows: each coordinate sent to a few columns with random signs.
 
-Holds ``signed_scatter`` (the scatter every sparse sign map of this package runs), ``SparseSignSketch`` (projects rows ``[n, D]`` to ``[n, k]`` by a scatter, no matrix: the
-``rest: sketch`` of a Kronecker projection, ``classgrad.workers.projection.kronecker``), ``RowSketch`` (the
-same for whole finished rows, ``projection.structure: sketch``, with its store record), ``SKETCH_GROUP``
-(its stream group) and ``sketch_blocks`` (how the ``k`` columns are split into ``s`` blocks).
+Holds ``SparseSignSketch`` (projects rows ``[n, D]`` to ``[n, k]``: the ``rest: sketch`` of a
+Kronecker projection and the rest of a TensorSketch one), ``RowSketch`` (the same for whole
+finished rows, ``projection.structure: sketch``, with its store record), ``SKETCH_GROUP`` (its
+stream group), ``sketch_blocks`` (how the ``k`` columns are split into ``s`` blocks), and the two
+ways every sparse sign map of this package is applied: ``sign_matrix`` / ``sparse_apply`` (a
+cached sparse CSR matrix, one sparse product) and ``signed_scatter`` (indexed adds, for maps too
+large to keep).
 
 The map (Kane and Nelson's sparse JL, "block" construction; CountSketch when ``s = 1``). The
 ``k`` output columns are split into ``s`` blocks, block ``b`` being columns ``[k b // s, k (b +

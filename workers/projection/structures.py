@@ -73,7 +73,9 @@ def get_structure(name: str) -> Structure:
     try:
         return STRUCTURES[name]
     except KeyError:
-        raise ConfigError(f"projection.structure {name!r} is unknown (choices: {', '.join(sorted(STRUCTURES))})") from None
+        raise ConfigError(
+            f"projection.structure {name!r} is unknown (choices: {', '.join(sorted(STRUCTURES))})"
+        ) from None
 
 
 def recorded_structure(record: Any) -> str | None:

@@ -15,9 +15,9 @@ Holds:
 - ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``) and ``TS_GROUP_BASE``.
 
 The map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a unit
-``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b`` (``m_b`` columns from ``start_b``), row
-coordinate ``i`` of ``M`` has a bucket ``h1_b(i)`` in ``[0, m_b)`` and a sign ``s1_b(i)``, column
-coordinate ``j`` has ``h2_b(j)`` and ``s2_b(j)``: the buckets and signs of two
+``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b`` (``m_b``
+columns from ``start_b``), row coordinate ``i`` of ``M`` has a bucket ``h1_b(i)`` in ``[0, m_b)``
+and a sign ``s1_b(i)``, column coordinate ``j`` has ``h2_b(j)`` and ``s2_b(j)``: the buckets and signs of two
 ``SparseSignSketch`` maps (stream groups ``TS_GROUP_BASE + 2 u`` and ``+ 1``, ``u`` the weight's
 index in the parameter layout). Entry ``M[i, j]`` is added to column ``start_b + (h1_b(i) +
 h2_b(j)) mod m_b`` of every block with sign ``s1_b(i) s2_b(j) / sqrt(s)``. That is a sparse JL

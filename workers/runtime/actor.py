@@ -29,10 +29,10 @@ from classgrad.service.errors import LeaseHeldError
 from classgrad.service.store import open_store
 from classgrad.workers.engines import GradientEngine, ProjectedEngine, RowBlock, finished_projector
 from classgrad.workers.projection import Projector, get_structure, resolve_structure, row_projector
+from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.runtime.identity import check_same_build, engine_identity
 from classgrad.workers.runtime.writer import ShardWriter
-from classgrad.workers.projection.sketch import RowSketch
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Per-class sums of projected outer products: the Kronecker projection inside the backward.
 
 Holds ``projected_outer_sums``, which ``outer.class_outer_sums`` calls for a layer whose rows are
-projected (``LayerRows.projection``, a ``classgrad.workers.kronecker.KroneckerUnit``), and
+projected (``LayerRows.projection``, a ``classgrad.workers.projection.kronecker.KroneckerUnit``), and
 ``projected_embedding_sums``, which the embedding rule calls instead of forming the table.
 
 Class i's part of the row is ``F_a^T [dW_i | db_i] F_b = sum_t (F_a^T g_t)(F_b^T [x_t; 1])^T``:

@@ -69,7 +69,9 @@ def _with_bias(first: torch.Tensor, second: torch.Tensor, unit: Any) -> tuple[to
     return first, torch.cat([second, second.new_ones(*second.shape[:-1], 1)], dim=-1)
 
 
-def _fft_sketch(first: torch.Tensor, second: torch.Tensor, owner: torch.Tensor | None, k: int, unit: Any) -> torch.Tensor:
+def _fft_sketch(
+    first: torch.Tensor, second: torch.Tensor, owner: torch.Tensor | None, k: int, unit: Any
+) -> torch.Tensor:
     """``[k, dim]`` from token factors ``[T, rows]``, ``[T, cols_in]`` (``owner``: each token's
     class; None: ``T = k * tokens`` class-major, padding tokens zero)."""
     dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
