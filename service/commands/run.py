@@ -24,8 +24,8 @@ def add_preflight_argument(parser: argparse.ArgumentParser) -> None:
         "--no-preflight",
         action="store_true",
         help="skip the resource preflight (each actor's and the driver's memory, the GPU's, the store's "
-        "disk space, checked on this node before the store is created): for clusters whose nodes differ "
-        "from this one",
+        "disk space, checked on the driver's node before the store is created): for clusters whose nodes "
+        "differ from the driver's",
     )
 
 

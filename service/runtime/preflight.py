@@ -162,6 +162,8 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
     of a job near them (each also logged once)."""
     warnings: list[str] = []
     cluster = config.cluster
+    # The driver starts no more actors than there are shards.
+    workers = min(cluster.num_workers, -(-footprint.num_classes // config.sharding.shard_rows))
     actor, driver = footprint.actor_bytes, footprint.driver_bytes
     biggest = _largest(footprint.actor)
     # The GPU first: on a GPU the rows and activations live there.
@@ -189,22 +191,22 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
                 f"this node has {mb(avail)} available",
                 biggest.key,
             )
-        total = cluster.num_workers * actor + driver
+        total = workers * actor + driver
         if total > avail:
             fit = max(1, (avail - driver) // max(1, actor))
             raise ResourceError(
-                f"preflight: {cluster.num_workers} actors of ~{mb(actor)} each and the driver (~{mb(driver)}) need "
+                f"preflight: {workers} actors of ~{mb(actor)} each and the driver (~{mb(driver)}) need "
                 f"~{mb(total)} but this node has {mb(avail)} available: lower cluster.num_workers (at most {fit} "
                 f"fit), or {_advice(biggest.key)}"
             )
-        warnings += _near(f"{cluster.num_workers} actors and the driver", total, avail, "cluster.num_workers")
+        warnings += _near(f"{workers} actors and the driver", total, avail, "cluster.num_workers")
     else:
         node = limits.memory_total
         if actor > node:
             _refuse(
                 "each actor", actor, footprint.actor, f"this node has {mb(node)}", biggest.key, f" (or {NO_PREFLIGHT})"
             )
-        per_node = min(cluster.num_workers, max(1, limits.cpus // cluster.num_cpus_per_worker))
+        per_node = min(workers, max(1, limits.cpus // cluster.num_cpus_per_worker))
         if per_node * actor > node:
             raise ResourceError(
                 f"preflight: {per_node} actors of ~{mb(actor)} fit on a node of {limits.cpus} CPUs "
