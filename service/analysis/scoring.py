@@ -143,7 +143,7 @@ def plan_scores(
     rest = avail - rows * per_query
     width = D
     stream = min(C, max(rest, 0) // (width * 12 + rows * 8) // rc * rc)
-    if stream < rc:  # full rows do not fit beside the queries: bands of whole column chunks
+    if stream < min(rc, C):  # full rows do not fit beside the queries: bands of whole column chunks
         cc = store.col_chunk
         width = min(D, max(rest - rc * rows * 8, 0) // (rc * 12 + rows * 4) // cc * cc)
         stream = rc if width > 0 else 0

@@ -89,6 +89,14 @@ def test_kernel_form_equals_the_brute_force_and_a_given_damping_is_used(tmp_path
     assert result.info["damping"] == [0.5]
 
 
+def test_fewer_classes_than_a_row_chunk_or_top_k(tmp_path):
+    store, phi = _store(tmp_path / "s", num_classes=10, dim=16, row_chunk=16, shard_rows=16)
+    q = _queries(3, 16)
+    result = score_rows([store], [q], method="trak", top_k=20, executor="local")
+    assert result.info["top_k"] == 10 and result.info["band_cols"] == 16  # k clamped to C; full rows read
+    _check_topk(result, brute_force(q, phi, "trak"), 10)
+
+
 def test_several_checkpoints_add_up_with_their_weights(tmp_path):
     a, phi_a = _store(tmp_path / "a", seed=0)
     b, phi_b = _store(tmp_path / "b", seed=4)
