@@ -5,7 +5,9 @@ with ``ray.remote``; tests and benchmarks can use it directly. It builds its mod
 engine and (optional) projector once, and refuses to start when its build differs from the
 driver's (the run's identity, ``identity``); then for each shard: computes the rows block by
 block, hands them to a ``ShardWriter`` (writes overlap compute), marks the shard done only once every
-row is stored, and returns a small report. Rows never travel back to the driver.
+row is stored, and returns a small report (with its process's peak memory so far,
+``peak_memory``, which the driver keeps beside its preflight's estimate). Rows never travel back
+to the driver.
 
 Also holds what the driver and ``classgrad estimate`` share with it: ``build_projector``,
 ``checked_engine`` (engine + preflight + projector + stored row width), ``stored_width``,
