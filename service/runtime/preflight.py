@@ -180,7 +180,7 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
                 f"its share of the GPU is {mb(share)} ({cluster.num_gpus_per_worker:g} of {mb(limits.gpu_memory)})",
                 key,
             )
-        warnings += _near("each actor's GPU memory", need, share, "cluster.num_gpus_per_worker")
+        warnings += _near("each actor's GPU memory", need, share, "cluster.num_gpus_per_worker", "its share of the GPU")
     if limits.local_ray:
         avail = limits.memory_available
         if actor + driver > avail:
@@ -199,8 +199,18 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
                 f"~{mb(total)} but this node has {mb(avail)} available: lower cluster.num_workers (at most {fit} "
                 f"fit), or {_advice(biggest.key)}"
             )
-        warnings += _near(f"{workers} actors and the driver", total, avail, "cluster.num_workers")
+        warnings += _near(
+            f"{workers} actors and the driver", total, avail, "cluster.num_workers", "this node's available memory"
+        )
     else:
+        if driver > limits.memory_available:  # the driver alone, here; the actors on the cluster's nodes
+            _refuse(
+                "the driver",
+                driver,
+                footprint.driver,
+                f"this node has {mb(limits.memory_available)} available",
+                _largest(footprint.driver).key,
+            )
         node = limits.memory_total
         if actor > node:
             _refuse(
@@ -214,7 +224,9 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
                 f"this node has {mb(node)}: {_advice('cluster.num_cpus_per_worker')}, or {_advice(biggest.key)} "
                 f"(or {NO_PREFLIGHT})"
             )
-        warnings += _near(f"{per_node} actors on a node", per_node * actor, node, "cluster.num_cpus_per_worker")
+        warnings += _near(
+            f"{per_node} actors on a node", per_node * actor, node, "cluster.num_cpus_per_worker", "this node's memory"
+        )
     if limits.disk_free is not None:
         need = max(0, footprint.store_disk_bytes - limits.store_held)
         key = "projection.dim" if footprint.dim > 1 and config.projection.dim is not None else "store.url"
@@ -224,13 +236,13 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
                 f"~{mb(need)} more on disk but {config.store.url}'s filesystem has {mb(limits.disk_free)} free: "
                 f"{_advice('store.url')}, or a smaller store (store.dtype, projection.dim)"
             )
-        warnings += _near("the store", need, limits.disk_free, key, what_of="free disk")
+        warnings += _near("the store", need, limits.disk_free, key, "the free disk")
     for line in warnings:
         log.warning(line)
     return warnings
 
 
-def _near(what: str, need: int, limit: int, key: str, what_of: str = "the limit") -> list[str]:
+def _near(what: str, need: int, limit: int, key: str, what_of: str) -> list[str]:
     if limit <= 0 or need <= NEAR * limit:
         return []
     return [
