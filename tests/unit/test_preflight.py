@@ -308,3 +308,25 @@ def test_the_run_summary_says_each_fallback_once_and_the_estimate_beside_the_pea
     assert "  fallback    hooks abandoned: ValueError" in text
     assert "estimate ~300 MiB per actor; measured peak RSS 200 MiB (highest of 1 actors)" in text
     assert summary.to_dict()["memory"]["peak_rss_per_actor"] == {"h:1": 200 * 2**20}
+
+
+def test_a_real_fallback_reaches_the_run_summary_once(tmp_path):
+    from torch import nn
+
+    from classgrad.service.runtime.driver import RunSummary
+    from classgrad.workers.runtime.factory import build_job_engine
+
+    config = mlp_job(tmp_path)
+    handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: None)  # rules the hooks out
+    try:
+        engines = [build_job_engine(config) for _ in range(2)]  # two actors
+        for engine in engines:
+            list(engine.iter_blocks(list(range(8))))
+    finally:
+        handle.remove()
+    summary = RunSummary(run_id="r")
+    for engine in engines:
+        summary.add_engine_notes(engine.stats.notes)
+    text = "\n".join(summary.lines())
+    line = "  fallback    hooks abandoned: forward hooks on every module, or on the model; the vmap path, about 2.5x"
+    assert text.count("  fallback    ") == 1 and line in text, text
