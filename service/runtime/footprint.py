@@ -251,6 +251,17 @@ def _group_rows(engine: Any, shard_rows: int) -> int:
     return max(1, min(group, shard_rows, engine.loss.num_classes))
 
 
+def _batch_samples(engine: Any, batch_size: int, group: int) -> int:
+    """Samples in one forward: a micro-batch of the probe set; for the partitioned engine a run of at
+    most a group's classes (or one class alone), so at most the ``group`` largest classes' samples."""
+    batch = min(batch_size, len(engine.probe))
+    counts = getattr(engine, "counts", None)
+    if engine.name != "partitioned" or counts is None or not len(counts):
+        return batch
+    largest = counts.sort(descending=True).values[:group]
+    return max(1, min(batch, int(largest.sum())))
+
+
 def _projection_parts(projector: Any, dim_in: int, group: int, shard_rows: int, rows_key: str) -> list[Part]:
     """Finished rows gathered before a projection (the engine's blocks, beyond the group in the rows
     part, and their merged copy), the projected rows, and the projector's own buffers (a dense
@@ -305,11 +316,11 @@ def job_footprint(
     on_gpu = device.startswith("cuda")
     if saved_per_sample is None:
         saved_per_sample = saved_bytes_per_sample(engine)
-    batch = min(config.data.batch_size, len(engine.probe))
     model = _model_bytes(engine.model)
     probe = _probe_bytes(engine.probe)
     shard_rows = min(config.sharding.shard_rows, C)
     group = _group_rows(engine, shard_rows)
+    batch = _batch_samples(engine, config.data.batch_size, group)
     rows_key = "engine.group_rows" if group > 1 else "params.include"
     activations = Part(
         "activations",
