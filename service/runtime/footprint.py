@@ -46,15 +46,15 @@ log = logging.getLogger(__name__)
 ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PER_ROW_BYTES = 4 + 4 + 8  # row_scale + loss (float32) + count (int64)
 # VmHWM of a fresh Python that imported torch 2.13 (CPU build) and classgrad.workers.runtime.actor,
-# measured 2026-12-02 on the dev machine: 253 MB (a child process, before it built anything). A CUDA
+# measured 2026-12-02 on the dev machine: 253 MiB (a child process, before it built anything). A CUDA
 # build of torch maps more; its context is counted apart.
 PROCESS_BYTES = 256 << 20
 # Ray's core worker inside each actor process (its threads, its object store client, the imported
-# ray package): measured 2026-12-02 on the dev machine as 48 MB (an actor that imported classgrad's
-# worker modules: 290 MB RSS; the same imports without Ray: 242 MB), rounded up.
+# ray package): measured 2026-12-02 on the dev machine as 48 MiB (an actor that imported classgrad's
+# worker modules: 290 MiB RSS; the same imports without Ray: 242 MiB), rounded up.
 RAY_ACTOR_BYTES = 64 << 20
 # A local Ray's own processes beside the driver (GCS, raylet, dashboard agent, runtime-env agent,
-# log monitor and idle workers): measured 2026-12-02 on the dev machine as 550 MB in all with
+# log monitor and idle workers): measured 2026-12-02 on the dev machine as 550 MiB in all with
 # `ray.init(include_dashboard=False)`, rounded up for the dashboard.
 RAY_NODE_BYTES = 768 << 20
 # Host memory of a CUDA context (driver libraries and their mappings): an allowance, not measured
