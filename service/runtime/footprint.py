@@ -12,23 +12,35 @@ device instead, checked against the GPU's memory):
 
 - ``process``: Python, torch and classgrad's worker modules (``PROCESS_BYTES``), plus Ray's core
   worker in an actor process (``RAY_ACTOR_BYTES``) and a CUDA context (``CUDA_HOST_BYTES``);
-- ``build``: the model, the probe set and the engine as built, measured on the driver's own build
-  when it can be (``BuildMeter``), and never below the model's parameters and buffers plus the
-  probe set's tensors;
-- ``activations``: one micro-batch's forward and backward: ``min(batch_size, probe samples) x``
-  the bytes autograd saves per sample x ``ACTIVATION_FACTOR``;
-- ``rows``: the engine's group of rows (``[group, D]`` float32, the engines' own group sizes);
-- ``projection``: finished rows gathered before a projection (``project_rows_for``), their merged
-  copy, the projected rows and the projector's own buffers;
+- ``model``, ``probe set`` and ``build``: the model, the probe set and the engine as built,
+  measured on the driver's own build when it can be (``BuildMeter``), and never below the model's
+  parameters and buffers plus the probe set's tensors;
+- ``activations``: one forward and backward: the samples of a micro-batch (``data.batch_size``, at
+  most the probe set; for the partitioned engine at most the samples of a group's largest classes)
+  x the bytes autograd saves per sample x ``ACTIVATION_FACTOR``;
+- ``rows``, ``parameter gradients``, ``spot check``: the engine's group of rows (``[group, D]``
+  float32, the engines' own group sizes; up to ``WRITER_RUNS`` more groups while the writer holds
+  them as views), each parameter's gradients of a group before they are written into it, and the
+  partitioned engine's once-per-model check (three rows);
+- ``gathered rows``, ``projected rows``, ``projection matrix block`` / ``sketch indices``: finished
+  rows gathered before a projection (``project_rows_for``) with their merged copy, the projected
+  rows and the projector's own buffers;
 - ``writer``: the row writer's runs of whole row chunks in the stored dtype (at most
-  ``WRITER_RUNS`` at once) and one whole chunk of ``grads``.
+  ``WRITER_RUNS`` at once; none when they are views of the rows) and one whole chunk of ``grads``.
+
+Each allowance and factor below says where it was measured; ``tests/unit/test_preflight.py``
+checks the whole against measured peaks (within 1.5x).
 
 The driver's peak: the process, its build (it builds the job once to check it) and, when it starts
 a local Ray, Ray's own processes (``RAY_NODE_BYTES``).
 
 The store's size is exact: ``grads`` (C x dim in the stored dtype) and the per-row arrays
 ``row_scale``, ``loss`` (float32) and ``count`` (int64); on disk, uncompressed, edge chunks are
-written whole (``store_disk_bytes``).
+written whole, each chunk with its crc32c (``store_disk_bytes``).
+
+Also holds what the run history keeps and the run summary says of it: ``estimate_record``,
+``record_peak`` (each actor's measured peak beside the estimate), ``add_fallback`` and
+``summary_lines`` (the fallbacks the engines noted, ``FALLBACK``, said once).
 """
 
 from __future__ import annotations
