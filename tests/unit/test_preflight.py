@@ -330,3 +330,23 @@ def test_a_real_fallback_reaches_the_run_summary_once(tmp_path):
     text = "\n".join(summary.lines())
     line = "  fallback    hooks abandoned: forward hooks on every module, or on the model; the vmap path, about 2.5x"
     assert text.count("  fallback    ") == 1 and line in text, text
+
+
+def test_estimate_and_the_preflight_are_one_model_and_refuse_alike(tmp_path, monkeypatch):
+    from classgrad.service.runtime.estimate import estimate_job
+
+    config = mlp_job(tmp_path, store={"dtype": "float16"})
+    result = estimate_job(config, sample_rows=8)
+    checked = check_job(config)
+    assert checked.footprint is not None
+    assert result.footprint["store_bytes"] == checked.footprint["store_bytes"] == result.store_bytes
+
+    def parts(fp: dict) -> dict:  # all but the measured build, which a second build in one process shrinks
+        return {p["name"]: p["bytes"] for p in fp["actor"] if p["name"] != "build"}
+
+    assert parts(result.footprint) == parts(checked.footprint)
+    assert result.peak_memory_bytes == result.footprint["actor_bytes"]
+    limit(monkeypatch, memory_available=10**6, memory_total=10**6)
+    with pytest.raises(ResourceError, match="preflight: one actor"):
+        estimate_job(config, sample_rows=8)
+    assert estimate_job(config, sample_rows=8, preflight=False).store_bytes == result.store_bytes  # --no-preflight
