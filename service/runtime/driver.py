@@ -40,12 +40,12 @@ from classgrad.service.errors import (
     first_line,
 )
 from classgrad.service.runtime.actor_deaths import actor_lost, out_of_memory_failure, out_of_memory_line
-from classgrad.service.runtime.footprint import estimate_record, record_peak, summary_lines
 from classgrad.service.runtime.plan import Shard, dispatch_order
 from classgrad.service.runtime.preparation import check_identity, check_job, prepare_store
 from classgrad.service.runtime.progress import Progress
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.service.runtime.run_record import estimate_record, record_peak, summary_lines
 from classgrad.service.runtime.shipping import actor_config, working_dir_env
 from classgrad.service.store import GradStore, HeldLease, store_lease
 from classgrad.workers.imports import from_working_dir
@@ -96,7 +96,7 @@ class RunSummary:
 
     def add_engine_notes(self, notes: list[str]) -> None:
         """Add ``notes`` not already held, each cut to one short line, up to ``MAX_ENGINE_NOTES``."""
-        from classgrad.service.runtime.footprint import add_fallback
+        from classgrad.service.runtime.run_record import add_fallback
 
         for note in notes:
             line = first_line(note, limit=ENGINE_NOTE_CHARS)

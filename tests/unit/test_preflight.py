@@ -292,7 +292,7 @@ def test_the_estimate_is_within_1_5x_of_the_measured_peak_rss(tmp_path):
 
 def test_the_run_summary_says_each_fallback_once_and_the_estimate_beside_the_peaks():
     from classgrad.service.runtime.driver import RunSummary
-    from classgrad.service.runtime.footprint import estimate_record, record_peak
+    from classgrad.service.runtime.run_record import estimate_record, record_peak
 
     summary = RunSummary(run_id="r")
     why = "fallback: hooks abandoned: ValueError: Overflow when unpacking long long"
