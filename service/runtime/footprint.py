@@ -215,6 +215,9 @@ def saved_bytes_per_sample(engine: Any, samples: int = SAMPLES_MEASURED) -> int:
             saved[ptr] = max(saved.get(ptr, 0), storage.nbytes())
         return t
 
+    # A forward in train mode updates running statistics: the buffers are put back as they were, so
+    # the run's identity (a digest of the model as built, buffers included) stays the actors'.
+    buffers = [(b, b.detach().clone()) for b in engine.model.buffers()]
     try:
         x, y = engine.probe.batch(torch.arange(n), engine.device, engine.compute_dtype)
         with engine.selected_grads(), torch.enable_grad():
@@ -225,6 +228,10 @@ def saved_bytes_per_sample(engine: Any, samples: int = SAMPLES_MEASURED) -> int:
     except Exception as exc:  # noqa: BLE001 - the estimate goes without it; the job's own run will say
         log.debug("saved tensors not measured: %s", exc)
         return 0
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
     return math.ceil(sum(saved.values()) / max(1, n))
 
 

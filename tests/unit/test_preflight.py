@@ -350,3 +350,17 @@ def test_estimate_and_the_preflight_are_one_model_and_refuse_alike(tmp_path, mon
     with pytest.raises(ResourceError, match="preflight: one actor"):
         estimate_job(config, sample_rows=8)
     assert estimate_job(config, sample_rows=8, preflight=False).store_bytes == result.store_bytes  # --no-preflight
+
+
+def test_measuring_the_saved_bytes_leaves_the_model_as_built(tmp_path):
+    from classgrad.service.runtime.footprint import saved_bytes_per_sample
+    from classgrad.workers.runtime.factory import build_job_engine
+    from classgrad.workers.runtime.identity import model_digest
+
+    job = small_job(str(tmp_path / "s.zarr"), model={"factory": "classgrad.workers.zoo:bn_cnn", "mode": "train"})
+    from classgrad.service.config import JobConfig
+
+    engine = build_job_engine(JobConfig.model_validate({**job, "loss": {"kind": "logit", "num_classes": 48}}))
+    before = model_digest(engine.model)
+    assert saved_bytes_per_sample(engine) > 0
+    assert model_digest(engine.model) == before  # train-mode BatchNorm's running statistics put back
