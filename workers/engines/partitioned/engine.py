@@ -23,7 +23,8 @@ fails for a model (anything it cannot do exactly), the engine falls back: hooks 
 the loop (same rows, slower). Which path each parameter took, and why, is logged once per engine
 in one short line (also in ``stats.notes``); each fallback is also said once on its own,
 plainly, with how much slower its path is (a ``FALLBACK``-prefixed note, which the run summary
-lists). Rows always come back in the order asked for, a group at a time. Speed choices measured on the way live in ``choices``.
+lists). Rows always come back in the order asked for, a group at a time. Speed choices measured
+on the way live in ``choices``.
 """
 
 from __future__ import annotations
