@@ -86,6 +86,19 @@ def test_preflight_refuses_a_model_that_cannot_take_the_data():
     preflight(build_job_engine(job()))  # a sound job passes
 
 
+def test_preflight_leaves_train_mode_batchnorm_statistics_as_built():
+    from classgrad.workers.runtime.identity import engine_identity
+
+    bn = {"factory": "classgrad.workers.zoo:bn_cnn", "kwargs": {"num_classes": NUM_CLASSES}}
+    images = {"kwargs": {**VECTORS["kwargs"], "kind": "image", "input_shape": [3, 8, 8]}}
+    config = job(model={**bn, "mode": "train"}, data=images, engine={"kind": "dense"})
+    engine = build_job_engine(config)
+    before = engine_identity(engine).to_dict()
+    preflight(engine)
+    # The run's identity digests the buffers: the driver's build must stay the actors' build.
+    assert engine_identity(engine).to_dict() == before
+
+
 # --- checkpoints ----------------------------------------------------------------------------
 
 

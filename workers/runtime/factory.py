@@ -188,6 +188,9 @@ def preflight(engine: GradientEngine) -> None:
     few samples to check the model's output width and that the loss is finite."""
     engine.probe.check_finite()
     idx = torch.arange(min(len(engine.probe), 4))
+    # A train-mode BatchNorm updates its running statistics in this forward: put them back, or
+    # the driver's build (whose buffers the run's identity digests) differs from every actor's.
+    buffers = [(b, b.detach().clone()) for b in engine.model.buffers()]
     with torch.no_grad():
         x, y = engine.probe.batch(idx, engine.device, engine.compute_dtype)
         try:
@@ -197,6 +200,9 @@ def preflight(engine: GradientEngine) -> None:
             raise
         except Exception as exc:  # noqa: BLE001 - the user's model cannot take the user's data
             raise InputError(f"the model's forward failed on the probe data: {type(exc).__name__}: {exc}") from exc
+        finally:
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
         engine.loss.check_outputs(out)
         values = engine.loss.batch_losses(out, y, engine.norm)
     if not bool(torch.isfinite(values).all()):
