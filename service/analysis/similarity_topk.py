@@ -12,8 +12,9 @@ How it works. Task i owns query block Q (block_rows rows) and computes its score
 row of the store, one window of window_rows rows at a time: scores = Q S^T (block_rows x
 window_rows), summed over column bands when rows are read in bands; then ``merge_topk`` keeps
 each query row's k best of (its running k best, the window's candidates). The window's rows are
-read in stream reads of stream_rows rows x one band, each into one reused buffer; Q is read
-once (full rows) or once per window and band (banded), in reads of the same size. So a task
+read in stream blocks of stream_rows rows x one band, each into one reused buffer, a few row
+chunks per read (read_rows: one read in flight decodes about 4 MiB, however large the block);
+Q is read once (full rows) or once per window and band (banded), in reads of the same size. So a task
 holds Q or one band of it, one stream buffer, one read in flight (zarr's decoded chunks and the
 values as returned), one window of scores and k neighbours per query row, whatever C is; and
 each row of the store is read ``passes`` times in all (once by each task, and its own block's
@@ -49,12 +50,23 @@ _TABLE_CHUNK_BYTES = 8 * MIB
 # 100 columns, the fixed part of tests/unit/test_topk_memory.py's first task.
 _SLACK_BYTES = 24 * MIB
 # One read in flight holds about this many copies of what it decodes: zarr's compressed and
-# decoded chunks and the float32 values it returns (measured: tests/unit/test_topk_memory.py).
-_READ_COPIES = 3
+# decoded chunks, the float32 values it returns and the reader's NaN check (a quarter: booleans);
+# measured 3 for a 64-row read of full rows (+19.5 MiB beside a 9.8 MiB result); counted 6 for
+# the NaN check and what zarr's decoding threads keep in their own allocator arenas in a fresh
+# process (a banded run of 600 x 40,000 rows in 4,000-column chunks measured 2.4 MiB over a
+# bound counting 4: benchmarks/topk_wide.py, benchmarks/RESULTS.md).
+_READ_COPIES = 6
+# One read decodes at most about this much (at least one row chunk of a band; at most 1/16 of a
+# small budget): the stream buffer
+# a product uses can be far larger, filled by several reads, so that the products stay wide
+# enough to run at BLAS speed (a 16-row stream block made them memory-bound on the query block).
+_READ_PIECE_BYTES = 4 * MIB
 # Stream reads take at most this share of the budget (more only buys fewer, larger reads).
 _STREAM_SHARE = 8
-# The float64 scratch of summing squared norms (a copy of a few rows and its square).
+# The scratch of summing squared norms (the float32 squares of a few rows).
 _NORM_SCRATCH_BYTES = 1 * MIB
+# Stream blocks are narrowed to this many rows before one row chunk (see _fit).
+_MIN_STREAM_ROWS = 64
 # Columns of a band when the store's column chunk holds every column (any width then decodes
 # the whole chunk, so bands are only for a query block that would not fit otherwise).
 _BAND_UNIT = 256
@@ -85,6 +97,7 @@ class TopKPlan:
     precision: str
     window_rows: int = 0
     read_cols: int = 0  # columns one read decodes (whole column chunks): its in-flight memory
+    read_rows: int = 0  # rows of one read (0: stream_rows); several fill one stream block
 
     @property
     def window(self) -> int:
@@ -112,8 +125,8 @@ class TopKPlan:
         """Bytes one task may hold at its peak, by part, and their ``total``: the query block
         (full rows, or one band of them), the stream buffer, one read in flight (``_READ_COPIES``
         copies of what it decodes), one product of the query block and a stream read when a
-        window takes several reads, one window of scores (twice: ``torch.topk`` works on a
-        copy), the running top-k, the float64 scratch of the squared norms and a fixed slack
+        window takes several reads, one window of scores (four times: ``torch.topk`` works on
+        copies), the running top-k, the float64 scratch of the squared norms and a fixed slack
         (which also covers the stable sort of one row of scores where ties straddle the k-th
         place)."""
         B, M, W, D = self.block_rows, self.stream_rows, self.band_cols, self.dim
@@ -122,11 +135,13 @@ class TopKPlan:
         parts = {
             "query": B * (D if W >= D else W) * item,
             "stream": M * W * item,
-            "read_in_flight": _READ_COPIES * M * (self.read_cols or W) * 4,
+            "read_in_flight": _READ_COPIES * min(self.read_rows or M, M) * (self.read_cols or W) * 4,
             "product": B * M * item if M < window else 0,
-            "scores": 2 * B * window * item + window * 16,  # the window and torch.topk's working copy
+            # the window, and torch.topk's working copies of it (3 measured: a 608 x 600 merge took
+            # +3.3 MiB beside its 1.4 MiB window)
+            "scores": 4 * B * window * item + window * 16,
             "topk": B * _topk_row_bytes(self.top_k),
-            "norm_scratch": 16 * (D if W >= D else W) * min(_norm_rows(D if W >= D else W), max(B, M)),
+            "norm_scratch": 4 * (D if W >= D else W) * min(_norm_rows(D if W >= D else W), max(B, M)),
             "slack": _SLACK_BYTES,
         }
         parts["total"] = sum(parts.values())
@@ -155,31 +170,44 @@ def _read_cols(width: int, dim: int, col_chunk: int) -> int:
     return min(dim, ceil_div(width, col_chunk) * col_chunk + (col_chunk if width % col_chunk else 0))
 
 
-def _fit(avail: int, C: int, D: int, rc: int, cc: int, k: int, item: int, cap: int, width: int):
-    """(block_rows, window_rows, stream_rows, read_cols) for bands of ``width`` columns within
-    ``avail`` bytes, or None when not even one row chunk fits. Stream reads take at most
-    1 / _STREAM_SHARE of the budget; the query block is as large as it may be (up to ``cap``)
-    with one window of every row, else half of what is left, the rest for the scores' window."""
+def _fit(avail: int, C: int, D: int, rc: int, cc: int, k: int, item: int, cap: int, width: int, fixed: bool):
+    """(block_rows, window_rows, stream_rows, read_cols, read_rows) for bands of ``width`` columns
+    within ``avail`` bytes, or None when not even one row chunk fits. One read in flight decodes
+    about ``_READ_PIECE_BYTES``; the stream buffer takes at most 1 / _STREAM_SHARE of the
+    budget, and is narrowed (to ``_MIN_STREAM_ROWS``, then one row chunk) only where the query
+    block would not fit beside it (``fixed``: would not reach ``cap``, a given --block-rows):
+    products with few stream rows run far below BLAS speed (16 rows: 6x slower than 112 on the
+    dev machine). The query block is as large as it may be (up to ``cap``) with one window of
+    every row, else half of what is left, the rest for the scores' window."""
     all_rows = ceil_div(C, rc) * rc
     read_cols = _read_cols(width, D, cc)
     query_cols = D if width >= D else width
-    avail -= _NORM_SCRATCH_BYTES + 16 * query_cols
-    per_stream = width * item + _READ_COPIES * read_cols * 4
-    stream = min(all_rows, _round_down(avail // _STREAM_SHARE // per_stream, rc))
-    if stream < rc:
-        stream = rc
-    rest = avail - stream * per_stream
-    per_query = query_cols * item + _topk_row_bytes(k) + stream * item  # + its product
-    rows = min(cap, _round_down(max(rest - all_rows * 16, 0) // (per_query + 2 * all_rows * item), rc))
-    if rows >= min(cap, rc) and rows > 0:
-        return rows, 0, stream, read_cols
+    piece = min(_READ_PIECE_BYTES, max(avail, 0) // 16)  # in flight: at most 3/16 of a small budget
+    read_rows = min(all_rows, max(rc, _round_down(piece // (read_cols * 4), rc)))
+    avail -= _NORM_SCRATCH_BYTES + 4 * query_cols
+
+    def rest_beside(stream: int) -> int:  # what is left beside a stream buffer and its reads
+        return avail - stream * width * item - _READ_COPIES * min(read_rows, stream) * read_cols * 4
+
+    shared = min(all_rows, _round_down(max(avail, 0) // _STREAM_SHARE // (width * item), rc))
+    narrower = [m for m in (_round_down(_MIN_STREAM_ROWS, rc), rc) if m < shared]
+    need = cap if fixed else min(cap, rc)
+    for stream in dict.fromkeys([max(shared, rc), *narrower]):
+        rest = rest_beside(stream)
+        per_query = query_cols * item + _topk_row_bytes(k) + stream * item  # + its product
+        rows = min(cap, _round_down(max(rest - all_rows * 16, 0) // (per_query + 4 * all_rows * item), rc))
+        if rows >= need and rows > 0:
+            return rows, 0, stream, read_cols, min(read_rows, stream)
+    stream = rc
+    rest = rest_beside(stream)
+    per_query = query_cols * item + _topk_row_bytes(k) + stream * item
     rows = min(cap, _round_down(max(rest, 0) // 2 // per_query, rc))
     if rows < rc:
         return None
-    window = _round_down(max(rest - rows * per_query, 0) // (2 * rows * item + 16), rc)
+    window = _round_down(max(rest - rows * per_query, 0) // (4 * rows * item + 16), rc)
     if window < stream:
         return None
-    return rows, window, stream, read_cols
+    return rows, window, stream, read_cols, min(read_rows, stream)
 
 
 def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
@@ -209,7 +237,10 @@ def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
     else:
         widths = [D] + [w for w in (_round_down(D // n, unit) for n in (2, 4, 8, 16, 32, 64, 128)) if 0 < w < D]
         widths += [unit] if unit < D else []
-    fits = [(w, f) for w in dict.fromkeys(widths) if (f := _fit(avail, C, D, rc, cc, k, item, cap, w)) is not None]
+    fixed = config.block_rows is not None
+    fits = [
+        (w, f) for w in dict.fromkeys(widths) if (f := _fit(avail, C, D, rc, cc, k, item, cap, w, fixed)) is not None
+    ]
     if config.block_rows is not None:
         fits = [(w, f) for w, f in fits if f[0] == cap]
     if not fits:
@@ -229,9 +260,9 @@ def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
             f"{ceil_div(need, MIB)} or lower --block-rows"
         )
     # The widest bands that fit; with column chunks narrower than a row, the bands that give the
-    # largest query block (fewest passes), the widest of those.
-    best = fits[0] if cc >= D else max(fits, key=lambda wf: wf[1][0])
-    width, (rows, window, stream, read_cols) = best
+    # fewest tasks (so the fewest passes over the store), the widest of those.
+    best = fits[0] if cc >= D else min(fits, key=lambda wf: (ceil_div(C, wf[1][0]), -wf[0]))
+    width, (rows, window, stream, read_cols, read_rows) = best
     return TopKPlan(
         num_classes=C,
         dim=D,
@@ -244,6 +275,7 @@ def plan_topk(store, config: Any, workers: int = 1) -> TopKPlan:
         precision=config.precision,
         window_rows=0 if window == 0 or window >= C else window,
         read_cols=read_cols,
+        read_rows=read_rows,
     )
 
 
@@ -285,19 +317,21 @@ def merge_topk(best_val, best_idx, scores, col0: int, row0: int, k: int):
 
 
 def _norm_rows(width: int) -> int:
-    """Rows whose float64 copy and its square stay within ``_NORM_SCRATCH_BYTES``."""
-    return max(1, _NORM_SCRATCH_BYTES // (16 * max(width, 1)))
+    """Rows whose squares (float32) stay within ``_NORM_SCRATCH_BYTES``."""
+    return max(1, _NORM_SCRATCH_BYTES // (4 * max(width, 1)))
 
 
 def _squared_norms(x) -> Any:
-    """|row|^2 in float64, summed a few rows at a time: the float64 copy and its square never
-    exceed ``_NORM_SCRATCH_BYTES`` (plus one row), however wide the rows are."""
+    """|row|^2, squares summed in float64, a few rows at a time: their float32 squares never
+    exceed ``_NORM_SCRATCH_BYTES`` (plus one row), however wide the rows are (float64 copies
+    of 256 rows at a time took 600 MiB outside the bound on 155,912 columns)."""
     import torch
 
-    sq = torch.zeros(x.shape[0], dtype=torch.float64)
+    sq = torch.empty(x.shape[0], dtype=torch.float64)
     step = _norm_rows(x.shape[1])
     for r in range(0, x.shape[0], step):
-        sq[r : r + step] = x[r : r + step].double().square().sum(dim=1)
+        part = x[r : r + step]
+        torch.sum(part * part, dim=1, dtype=torch.float64, out=sq[r : r + step])
     return sq
 
 
@@ -329,6 +363,7 @@ def streamed_topk(read: Reader, plan: TopKPlan, start: int, stop: int) -> tuple[
 
     dtype = torch.float64 if plan.precision == "float64" else torch.float32
     C, D, k, M = plan.num_classes, plan.dim, plan.top_k, plan.stream_rows
+    R = min(plan.read_rows or M, M)  # rows of one read
     cosine = plan.metric == "cosine"
     n = stop - start
     bands = plan.bands()
@@ -342,7 +377,7 @@ def streamed_topk(read: Reader, plan: TopKPlan, start: int, stop: int) -> tuple[
     q = None
     q_inv = None
     if not banded:  # full rows: the query block is read once and normalised in place
-        q = _read_into(read, query_buffer, start, stop, (0, D), M)
+        q = _read_into(read, query_buffer, start, stop, (0, D), R)
         read_bytes += n * D * 4
         if cosine:
             q.mul_(_inverse_norms(_squared_norms(q)).to(dtype)[:, None])
@@ -354,13 +389,13 @@ def streamed_topk(read: Reader, plan: TopKPlan, start: int, stop: int) -> tuple[
         q_sq = torch.zeros(n, dtype=torch.float64) if cosine and banded and w == 0 else None
         for b, (c0, c1) in enumerate(bands):
             if banded:
-                q = _read_into(read, query_buffer, start, stop, (c0, c1), M)
+                q = _read_into(read, query_buffer, start, stop, (c0, c1), R)
                 read_bytes += n * (c1 - c0) * 4
                 if q_sq is not None:
                     q_sq += _squared_norms(q)
             assert q is not None
             for j0, j1 in spans(w0, w1, M):
-                s = _read_into(read, stream_buffer, j0, j1, (c0, c1), M)
+                s = _read_into(read, stream_buffer, j0, j1, (c0, c1), R)
                 read_bytes += (j1 - j0) * (c1 - c0) * 4
                 if s_sq is not None:
                     s_sq[j0 - w0 : j1 - w0] += _squared_norms(s)
