@@ -36,7 +36,7 @@ _OOM_MARKERS = (
 )
 
 
-def actor_lost(ray: Any) -> tuple[type[BaseException], ...]:
+def actor_lost(ray: Any) -> tuple[type[Exception], ...]:
     """The Ray exception classes of ``ACTOR_LOST`` (Ray imported by the caller)."""
     return tuple(getattr(ray.exceptions, name) for name in ACTOR_LOST if hasattr(ray.exceptions, name))
 
