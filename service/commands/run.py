@@ -37,14 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.config import load_config
     from classgrad.service.runtime.driver import JobDriver
-    from classgrad.service.runtime.stopping import install_stop_handlers
+    from classgrad.service.runtime.stopping import install_stop_handlers, restore_handlers
 
     # `classgrad jobs stop` (SIGINT), pod deletion and `kill` (SIGTERM): stop as cleanly as on
     # Ctrl-C, so the run is recorded as interrupted and its lease released, also in a driver that
     # inherited SIGINT ignored or blocked (see classgrad.service.runtime.stopping).
-    install_stop_handlers()
-    config = load_config(args.config, args.overrides)
-    summary = JobDriver(config, preflight=not args.no_preflight).run()
+    before = install_stop_handlers()
+    try:
+        config = load_config(args.config, args.overrides)
+        summary = JobDriver(config, preflight=not args.no_preflight).run()
+    finally:
+        restore_handlers(before)
     print("\n".join(summary.lines()))
     print(f"store: {config.store.url}")
     return 0

@@ -34,6 +34,7 @@ from classgrad.service.config import JobConfig
 from classgrad.service.errors import ConfigError, ResourceError
 from classgrad.service.runtime.footprint import Footprint, Part, mb
 from classgrad.service.store import local_path
+from classgrad.service.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def _disk(url: str) -> tuple[int | None, int]:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
+        if os.statvfs(probe).f_flag & os.ST_RDONLY:
+            return None, held  # nothing to judge: creating the store says "read-only" itself
         return int(shutil.disk_usage(probe).free), held
     except OSError:
         return None, held
@@ -233,7 +236,8 @@ def check_resources(config: JobConfig, footprint: Footprint, limits: Limits) -> 
         if need > limits.disk_free:
             raise ResourceError(
                 f"preflight: the store ({footprint.num_classes} x {footprint.dim} {footprint.store_dtype}) needs "
-                f"~{mb(need)} more on disk but {config.store.url}'s filesystem has {mb(limits.disk_free)} free: "
+                f"~{fmt_bytes(need)} more on disk but {config.store.url}'s filesystem has "
+                f"{fmt_bytes(limits.disk_free)} free: "
                 f"{_advice('store.url')}, or a smaller store (store.dtype, projection.dim)"
             )
         warnings += _near("the store", need, limits.disk_free, key, "the free disk")

@@ -1,6 +1,7 @@
 """How a running job's driver stops on a signal: SIGINT and SIGTERM alike, like Ctrl-C.
 
-Holds ``install_stop_handlers``, called by ``classgrad run`` before the job starts, and
+Holds ``install_stop_handlers``, called by ``classgrad run`` before the job starts (and
+``restore_handlers``, after it), and
 ``INTERRUPTED_LINE``, the last line the CLI prints after such a stop (``classgrad jobs stop
 --wait`` looks for it in the job's logs to tell a driver that stopped from one that was killed).
 
@@ -52,9 +53,19 @@ class _StopOnSignal:
         raise KeyboardInterrupt
 
 
-def install_stop_handlers() -> None:
-    """SIGINT and SIGTERM both stop the run as Ctrl-C does, whatever this process inherited."""
+def install_stop_handlers() -> dict[int, Any]:
+    """SIGINT and SIGTERM both stop the run as Ctrl-C does, whatever this process inherited;
+    returns the handlers they replace (``restore_handlers`` puts them back)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_SIGNALS))
     handler = _StopOnSignal()
+    before = {sig: signal.getsignal(sig) for sig in _SIGNALS}
     for sig in _SIGNALS:
         signal.signal(sig, handler)
+    return before
+
+
+def restore_handlers(before: dict[int, Any]) -> None:
+    """The handlers ``install_stop_handlers`` replaced, back (a process that runs the CLI in
+    itself, such as a test or a notebook, keeps its own)."""
+    for sig, handler in before.items():
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

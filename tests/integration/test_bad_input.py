@@ -337,19 +337,26 @@ def store_location_read_only(t: Ctx):
     return [t.job(url=str(mount / "store.zarr"))]
 
 
-@case("No space left on device")
-def disk_full_when_creating(t: Ctx):
-    # 16 KiB: the group's metadata fits, the arrays' do not.
+@case("more on disk but")
+def disk_too_small_for_the_store(t: Ctx):
+    # 16 KiB for a store of 336 KiB: the preflight refuses before anything is written.
     mount = t.fixture("mount_tmpfs")("16k")
     return [t.job(url=str(mount / "store.zarr"))]
 
 
 @case("No space left on device")
+def disk_full_when_creating(t: Ctx):
+    # 16 KiB: the group's metadata fits, the arrays' do not (preflight off: the write must say so).
+    mount = t.fixture("mount_tmpfs")("16k")
+    return [t.job(url=str(mount / "store.zarr")), "--no-preflight"]
+
+
+@case("No space left on device")
 def disk_full_mid_job(t: Ctx):
     # 200 KiB: the store (28 KiB) and its lease fit, then about two of 12 shards (~64 KiB each).
-    # The actors find the disk full: a job on the module's Ray.
+    # The actors find the disk full: a job on the module's Ray (preflight off, which would refuse it).
     mount = t.fixture("mount_tmpfs")("200k")
-    return [t.job(url=str(mount / "store.zarr"))]
+    return [t.job(url=str(mount / "store.zarr")), "--no-preflight"]
 
 
 # --- object storage (moto on loopback) --------------------------------------------------------------

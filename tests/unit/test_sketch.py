@@ -16,13 +16,13 @@ from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import ProjectionConfig
 from classgrad.service.errors import ConfigError
-from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.engines import per_class_gradients
-from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import mix32_int, stream_keys
-from classgrad.workers.runtime.factory import build_model, build_probe
+from classgrad.workers.projection import sketch as sketch_module
+from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
 from classgrad.workers.projection.sketch import SKETCH_GROUP, RowSketch, SparseSignSketch, sketch_blocks
+from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
