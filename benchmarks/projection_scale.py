@@ -23,6 +23,7 @@ Settings: ``default`` (``{"dim": k}``: tensorsketch), ``kronecker``, ``kronecker
     .venv/bin/python -m benchmarks.projection_scale --models hf_resnet,bag_text --classes 2000,10000
     .venv/bin/python -m benchmarks.projection_scale --models real --classes 1000
     .venv/bin/python -m benchmarks.projection_scale --quick          # C = 200, two models
+    .venv/bin/python -m benchmarks.projection_scale --job --classes 10000   # classgrad run, 2 actors
 
 Targets (issue 24, 2-core CPU): the default at most 1.5x its floor at C = 10,000 (goal 1.2x), its
 ratio at 10,000 at most 1.25x that at 2,000, cosine errors within 1.25x (median) / 1.5x (p99) of
@@ -93,6 +94,55 @@ def build(name: str, classes: int) -> tuple[nn.Module, Any, torch.Tensor]:
     model = tf.ResNetForImageClassification(config).eval()
     images = torch.randn(len(labels), 3, 32, 32, generator=g)
     return model, [{"pixel_values": images[i], "labels": labels[i]} for i in range(len(labels))], labels
+
+
+def resnet_model(num_classes: int) -> nn.Module:
+    """The ``hf_resnet`` case's model, as a job's ``model.factory``."""
+    return build("hf_resnet", num_classes)[0]
+
+
+def resnet_data(num_classes: int) -> list[dict[str, torch.Tensor]]:
+    """The ``hf_resnet`` case's samples (2 per class), as a job's ``data.factory``."""
+    return build("hf_resnet", num_classes)[1]
+
+
+def job(spec: dict[str, Any]) -> dict[str, Any]:
+    """``classgrad run`` of the ``hf_resnet`` case with 2 actors, beside the engine alone (the
+    same ``per_class_gradients`` call) and the floor, in this process."""
+    import tempfile
+
+    from classgrad import per_class_gradients
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.driver import JobDriver
+
+    torch.set_num_threads(spec["threads"])
+    classes, dim = spec["classes"], spec["dim"]
+    model, samples, _ = build("hf_resnet", classes)
+    floor = _floor(model, samples, classes, dim, spec["batch_size"])
+    t0 = time.perf_counter()
+    per_class_gradients(model, samples, num_classes=classes, batch_size=spec["batch_size"], projection={"dim": dim})
+    engine = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        config = JobConfig.model_validate(
+            {
+                "model": {"factory": "benchmarks.projection_scale:resnet_model", "kwargs": {"num_classes": classes}},
+                "data": {
+                    "factory": "benchmarks.projection_scale:resnet_data",
+                    "kwargs": {"num_classes": classes},
+                    "batch_size": spec["batch_size"],
+                },
+                "loss": {"num_classes": classes},
+                "projection": {"dim": dim},
+                "sharding": {"shard_rows": 512},
+                "store": {"url": f"{tmp}/store.zarr", "row_chunk": 64},
+                "cluster": {"num_workers": 2, "num_cpus_per_worker": 1},
+                "run": {"progress": "log", "log_every_s": 30.0},
+            }
+        )
+        t0 = time.perf_counter()
+        JobDriver(config).run()
+        wall = time.perf_counter() - t0
+    return {**spec, "floor_s": floor, "engine_s": engine, "job_s": wall}
 
 
 def _floor(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> float:
@@ -215,9 +265,20 @@ def main() -> None:
     ap.add_argument("--dense-limit", type=float, default=2e11, help="largest q x D x k for the dense baseline")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per setting")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--job", action="store_true", help="one classgrad run of hf_resnet (2 actors), last --classes")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
+        return
+    if args.job:
+        spec = {"classes": int(args.classes.split(",")[-1]), "dim": args.dim, "threads": args.threads}
+        r = job({**spec, "batch_size": args.batch_size})
+        common.print_table(
+            ["C", "floor", "engine alone", "job (2 actors)", "job / engine", "job / floor"],
+            [[r["classes"], common.fmt_s(r["floor_s"]), common.fmt_s(r["engine_s"]), common.fmt_s(r["job_s"]),
+              f"{r['job_s'] / r['engine_s']:.2f}x", f"{r['job_s'] / r['floor_s']:.2f}x"]],
+        )  # fmt: skip
+        common.write_report(common.OUT_DIR / "projection_scale_job.json", r)
         return
     if args.quick:
         args.classes, args.settings, args.dim = "200", "default,kronecker_lr,sketch", 512

@@ -58,7 +58,7 @@ def install_stop_handlers() -> dict[int, Any]:
     returns the handlers they replace (``restore_handlers`` puts them back)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_SIGNALS))
     handler = _StopOnSignal()
-    before = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    before: dict[int, Any] = {int(sig): signal.getsignal(sig) for sig in _SIGNALS}
     for sig in _SIGNALS:
         signal.signal(sig, handler)
     return before
