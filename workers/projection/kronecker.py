@@ -5,6 +5,8 @@ Holds:
 
 - ``kronecker_factor`` — one factor ``[n, k]`` from the counter-based generator of
   ``classgrad.workers.projection`` (same bits on every device), entries of variance ``1/k``.
+- ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, shared by every
+  structure's units.
 - ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature: a column
   of ``M``, or a row where the input is the first axis) of stored shape ``[a, b]`` projected to
   ``P_a M P_b^T``: ``k_out x k_in`` columns of the stored row.
@@ -152,8 +154,47 @@ def part_matrix(unit: Any, part: str, value: torch.Tensor) -> torch.Tensor:
     return m
 
 
+class OuterMatrix:
+    """A unit's matrix ``M``: its weight, with the bias as a constant-1 input feature (a column of
+    ``[W | b]``, or a row of ``[W; b^T]`` where the stored matrix's first axis is the input); what
+    every structure's unit shares (``KroneckerUnit``, ``tensor_sketch.SketchUnit``)."""
+
+    weight: ParamSlot
+    bias: ParamSlot | None
+    a: int
+    b: int
+    input_first: bool
+
+    @property
+    def rows(self) -> int:
+        """Rows of ``M``: ``a``, plus the bias row of an ``input_first`` unit."""
+        return self.a + (self.bias is not None and self.input_first)
+
+    @property
+    def cols_in(self) -> int:
+        """Columns of ``M``: ``b``, plus the bias column of the others."""
+        return self.b + (self.bias is not None and not self.input_first)
+
+    @property
+    def full(self) -> int:
+        return self.rows * self.cols_in
+
+    def matrices(self, full: torch.Tensor) -> torch.Tensor:
+        """``[n, rows, cols_in]``: the unit's ``M`` from full rows ``[n, D]`` (layout order)."""
+        n = full.shape[0]
+        w = self.weight
+        m = full[:, w.offset : w.offset + w.size].reshape(n, self.a, self.b)
+        if self.bias is not None and self.input_first:  # [W; b^T]
+            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, 1, self.b)
+            m = torch.cat([m, bias], dim=1)
+        elif self.bias is not None:  # [W | b]
+            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
+            m = torch.cat([m, bias], dim=2)
+        return m
+
+
 @dataclass
-class KroneckerUnit:
+class KroneckerUnit(OuterMatrix):
     """One layer's weight (+ bias) as ``k_out x k_in`` columns at ``offset`` of the stored row."""
 
     index: int  # the weight's index in the parameter layout (stream groups)
@@ -177,20 +218,6 @@ class KroneckerUnit:
         return self.k_out * self.k_in
 
     @property
-    def rows(self) -> int:
-        """Rows of ``M`` (and of ``F_a``): ``a``, plus the bias row of an ``input_first`` unit."""
-        return self.a + (self.bias is not None and self.input_first)
-
-    @property
-    def cols_in(self) -> int:
-        """Columns of ``M`` (and rows of ``F_b``): ``b``, plus the bias column of the others."""
-        return self.b + (self.bias is not None and not self.input_first)
-
-    @property
-    def full(self) -> int:
-        return self.rows * self.cols_in
-
-    @property
     def groups(self) -> tuple[int, int]:
         return GROUP_BASE + 2 * self.index, GROUP_BASE + 2 * self.index + 1
 
@@ -208,17 +235,9 @@ class KroneckerUnit:
 
     def project_matrix(self, full: torch.Tensor, slots_rows: torch.Tensor) -> torch.Tensor:
         """Rows ``[n, width]`` from full rows ``slots_rows`` ``[n, D]`` (the reference: ``F_a^T M F_b``)."""
-        n = slots_rows.shape[0]
-        w = self.weight
-        m = slots_rows[:, w.offset : w.offset + w.size].reshape(n, self.a, self.b)
-        if self.bias is not None and self.input_first:  # [W; b^T]
-            bias = slots_rows[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, 1, self.b)
-            m = torch.cat([m, bias], dim=1)
-        elif self.bias is not None:  # [W | b]
-            bias = slots_rows[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
-            m = torch.cat([m, bias], dim=2)
+        m = self.matrices(slots_rows)
         fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
-        return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(n, self.width)
+        return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(m.shape[0], self.width)
 
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, width]``: ``F_a^T M F_b`` of per-class gradients ``value`` of the weight or the

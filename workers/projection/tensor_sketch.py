@@ -46,7 +46,7 @@ from torch import nn
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME
-from classgrad.workers.projection.kronecker import UnitShape, part_matrix, shape_for
+from classgrad.workers.projection.kronecker import OuterMatrix, UnitShape, part_matrix, shape_for
 from classgrad.workers.projection.sketch import (
     CACHE_ENTRIES,
     SPARSE_DTYPES,
@@ -82,7 +82,7 @@ def sketch_shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | N
 
 
 @dataclass
-class SketchUnit:
+class SketchUnit(OuterMatrix):
     """One layer's weight (+ bias) sketched into ``dim`` work columns at ``offset``."""
 
     index: int
@@ -97,18 +97,6 @@ class SketchUnit:
     offset: int = 0
     structure: str = STRUCTURE  # what layer_rules dispatch on
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def rows(self) -> int:
-        return self.a + (self.bias is not None and self.input_first)
-
-    @property
-    def cols_in(self) -> int:
-        return self.b + (self.bias is not None and not self.input_first)
-
-    @property
-    def full(self) -> int:
-        return self.rows * self.cols_in
 
     @property
     def width(self) -> int:
@@ -171,19 +159,6 @@ class SketchUnit:
         """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias
         alone (the other zero), for a gradient another path formed whole."""
         return self.sketch(part_matrix(self, part, value))
-
-    def matrices(self, full: torch.Tensor) -> torch.Tensor:
-        """``[n, rows, cols_in]``: the unit's ``M`` from full rows (layout order)."""
-        n = full.shape[0]
-        w = self.weight
-        m = full[:, w.offset : w.offset + w.size].reshape(n, self.a, self.b)
-        if self.bias is not None and self.input_first:  # [W; b^T]
-            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, 1, self.b)
-            m = torch.cat([m, bias], dim=1)
-        elif self.bias is not None:  # [W | b]
-            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
-            m = torch.cat([m, bias], dim=2)
-        return m
 
     def describe(self) -> dict[str, Any]:
         out = {
