@@ -26,6 +26,7 @@ from classgrad.workers.engines.layer_rules import (
     rule_for,
     rule_io,
 )
+from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
@@ -269,6 +270,25 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
     # float64 sums of at most a few hundred products of O(1) numbers, in different orders.
     for got in results:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "side,counts,route",
+    [(4, [2, 2], "tokens"), (4, [3, 1], "tokens"), (8, [3, 1], "per_class"), (8, [2, 2], "contiguous")],
+)
+def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, counts, route):
+    """On a CPU: few output positions per sample (16 here) -> patches and one batched product;
+    more, with classes of unequal size -> a backward per class; equal sizes -> one grouped one."""
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    counts_t = torch.tensor(counts)
+    k, width = len(counts), int(counts_t.max())
+    local = torch.repeat_interleave(torch.arange(k), counts_t)
+    within = torch.arange(len(local)) - (torch.cumsum(counts_t, 0) - counts_t)[local]
+    x = torch.randn(len(local), 2, side, side)
+    seen = LayerCapture(x, torch.randn_like(conv(x)), ClassGrid(k, width, local * width + within, torch.float32))
+    if counts[0] == counts[1]:  # equal classes: the plain grid
+        seen = LayerCapture(x, seen.grads, ClassGrid(k, width, None, torch.float32))
+    assert conv_module.conv_route(seen) == route
 
 
 def _scale_model() -> nn.Module:

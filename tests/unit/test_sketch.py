@@ -99,9 +99,21 @@ def test_chunked_and_regenerated_indices_give_the_cached_result(monkeypatch):
     monkeypatch.setattr(sketch_module, "CACHE_ENTRIES", 100)  # nothing cached: generated per chunk
     sk = SparseSignSketch(1000, 33, nonzeros=4, seed=9)
     chunked = sk.project(x)
-    assert not sk._cache
+    assert not sk.signed._cache
     # float32 sums of the same terms grouped by chunks: 1e-5 relative.
     assert max_relative_error(chunked, whole) <= 1e-5
+
+
+def test_the_sparse_product_route_gives_the_indexed_adds_result(monkeypatch):
+    # Devices whose adds are unordered (CUDA) take a CSR product: forced here on the CPU.
+    x = torch.randn(6, 700, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    adds = SparseSignSketch(700, 40, nonzeros=3, seed=4).project(x)
+    monkeypatch.setattr(sketch_module, "ORDERED_ADD_DEVICES", ())
+    sk = SparseSignSketch(700, 40, nonzeros=3, seed=4)
+    product = sk.project(x)
+    assert any(key.startswith("csr:") for key in sk.signed._cache)
+    # float64 sums of the same terms in another order (signed, not halves apart): 1e-12 relative.
+    assert max_relative_error(product, adds) <= 1e-12
 
 
 @pytest.mark.parametrize("s", [1, 4])

@@ -20,8 +20,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+
+# ``torch.autograd.grad`` with tensor ``grad_outputs`` (the recurrent and module-VJP rules, the
+# dense engine) imports torch.fx's symbolic shapes, sympy with it, on its first call: 0.7-1.1 s
+# on a 2-core CPU that a process's first ``per_class_gradients`` paid (an LSTM at C = 1,000:
+# first call 2.1 s, second 0.6 s). Taken with the engines' other imports instead.
+import torch.fx.experimental.symbolic_shapes  # noqa: F401
 from torch import nn
 
+from classgrad.service.config import ProjectionConfig
 from classgrad.service.errors import ConfigError, InputError
 from classgrad.service.progress_bar import progress_bar
 from classgrad.workers.amp import PrecisionPolicy
@@ -183,8 +190,6 @@ def build_engine(
 
 def projection_options(projection: Any) -> Any:
     """A ``ProjectionConfig`` from ``per_class_gradients``' ``projection`` (a mapping, a config or None)."""
-    from classgrad.service.config import ProjectionConfig
-
     if projection is None or isinstance(projection, ProjectionConfig):
         return projection
     if not isinstance(projection, dict):

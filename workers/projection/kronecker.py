@@ -13,7 +13,8 @@ Holds:
 - ``KroneckerMap`` — the whole stored row: the units, then the parameters outside every unit
   ("rest": kept whole, projected densely or by a sparse sign sketch), with ``work_layout`` (where the hook path writes),
   ``work_rows`` / ``stored_rows`` / ``project_full`` (full rows to stored rows: the reference the
-  tests compare with) and ``describe`` (what the store records).
+  tests compare with; ``unit_rows`` and ``add_rest``, ``stored_rows`` in two steps) and
+  ``describe`` (what the store records).
 - ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` and
   ``part_matrix`` (a unit's matrix with only its weight or its bias filled, shared with
   ``tensor_sketch``) and ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
@@ -522,15 +523,24 @@ class KroneckerMap:
         out = [float(sq[:, u.offset : u.offset + u.width].sum(1).mean()) for u in self.units]
         return out + [float(sq[:, self.units_width :].sum(1).mean()) if self.rest_size else 0.0]
 
-    def stored_rows(self, work: torch.Tensor) -> torch.Tensor:
-        """Work rows ``[n, work_dim]`` -> stored rows ``[n, dim]`` (the rest projected or kept; a
-        sketched rest in the rows' dtype, a dense one in float32)."""
+    def unit_rows(self, work: torch.Tensor) -> torch.Tensor:
+        """Work rows ``[n, work_dim]`` -> ``[n, dim]``: the units' columns (the rest's still zero)."""
         if self.rest_projector is None:
             return work[:, : self.dim]
-        out = torch.empty(work.shape[0], self.dim, dtype=work.dtype, device=work.device)
+        out = work.new_zeros(work.shape[0], self.dim)
         out[:, : self.units_width] = work[:, : self.units_width]
-        out[:, self.units_width :] = self.rest_projector.project(work[:, self.units_width :]).to(work.dtype)
         return out
+
+    def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """``out`` (``unit_rows``) with the rest's columns ``rest`` ``[n, rest_size]`` projected in
+        (a sketched rest in the rows' dtype, a dense one in float32)."""
+        if self.rest_projector is not None:
+            out[:, self.units_width :] += self.rest_projector.project(rest).to(out.dtype)
+        return out
+
+    def stored_rows(self, work: torch.Tensor) -> torch.Tensor:
+        """Work rows ``[n, work_dim]`` -> stored rows ``[n, dim]`` (the rest projected or kept)."""
+        return self.add_rest(self.unit_rows(work), work[:, self.units_width :])
 
     def work_rows(self, full: torch.Tensor) -> torch.Tensor:
         """Full rows ``[n, D]`` (layout order) -> work rows, with the same factors."""

@@ -4,9 +4,9 @@ Holds ``SparseSignSketch`` (projects rows ``[n, D]`` to ``[n, k]``: the ``rest: 
 Kronecker projection and the rest of a TensorSketch one), ``RowSketch`` (the same for whole
 finished rows, ``projection.structure: sketch``, with its store record), ``SKETCH_GROUP`` (its
 stream group), ``sketch_blocks`` (how the ``k`` columns are split into ``s`` blocks), and the two
-ways every sparse sign map of this package is applied: ``sign_matrix`` / ``sparse_apply`` (a
-cached sparse CSR matrix, one sparse product) and ``signed_scatter`` (indexed adds, for maps too
-large to keep).
+way every sparse sign map of this package is applied: ``SignedMap`` (indexed adds along the
+columns, on a CPU; a cached sparse CSR product, ``sign_matrix`` / ``sparse_apply``, where adds
+are unordered).
 
 The map (Kane and Nelson's sparse JL, "block" construction; CountSketch when ``s = 1``). The
 ``k`` output columns are split into ``s`` blocks, block ``b`` being columns ``[k b // s, k (b +
@@ -27,11 +27,8 @@ columns up to a term in ``sum_j x_j^2 y_j^2`` (rows whose mass sits on a few coo
 ``s > 1`` spreads over more columns.
 
 Cost: ``s`` additions per coordinate and row (``s D`` per row instead of a dense ``2 D k``
-flops). On a CPU, ``index_add_`` along the first dimension of a ``[2 k, n]`` accumulator (rows
-as columns: every coordinate adds one contiguous run of ``n`` values) is an order of magnitude
-faster than along the column dimension of ``[n, k]`` with the signs multiplied in. So the sign
-is folded into the index (negative coordinates land in the accumulator's second half, which is
-subtracted at the end) and the row is transposed in chunks of ``CHUNK`` coordinates.
+flops). The sign is folded into the index (negative coordinates land in an accumulator's second
+half, which is subtracted at the end), so applying the map is ``s`` indexed adds (``SignedMap``).
 """
 
 from __future__ import annotations
@@ -47,12 +44,17 @@ from classgrad.service.errors import ConfigError, InputError
 from classgrad.workers.projection.dense import HASH_NAME, stream_keys, stream_words
 
 SKETCH_GROUP = 1 << 30  # stream group of the sketch: far from a dense projection's 0, 1, ... and GROUP_BASE
-CHUNK = 2048  # coordinates transposed and scattered at once (measured: 1k-4k best on a CPU)
-# Indices (int32) kept per device when D * s is at most this (128 MiB), else regenerated per call:
+# Coordinates hashed and added at once when the index is not kept (measured on a 2-core CPU: 64k
+# coordinates amortise the per-call costs; the hash dominates either way).
+CHUNK = 1 << 16
+# Indices (int64) kept per device when D * s is at most this (256 MiB), else regenerated per call:
 # hashing them costs more than the sketch itself (whole ViT rows of 2.9M entries, s = 4, sketched
-# 16 rows at a time with the indices regenerated: 57 ms per row; kept and gathered: 23 ms).
+# 16 rows at a time with the indices regenerated: 57 ms per row; kept: 23 ms).
 CACHE_ENTRIES = 1 << 25
 SPARSE_DTYPES = (torch.float32, torch.float64)  # what torch's sparse product takes on every device
+# Devices whose ``index_add_`` adds in index order (the CPU's): same bits on every run. Elsewhere
+# (CUDA: atomic adds, order not fixed) a kept index is applied as a sparse CSR product instead.
+ORDERED_ADD_DEVICES = ("cpu",)
 
 
 def sketch_blocks(k: int, s: int) -> list[tuple[int, int]]:
@@ -60,32 +62,20 @@ def sketch_blocks(k: int, s: int) -> list[tuple[int, int]]:
     return [(k * b // s, k * (b + 1) // s - k * b // s) for b in range(s)]
 
 
-IndexFn = Callable[[int, int, torch.device], torch.Tensor]
+# ``columns_of(start, stop, device)``: ``(cols, negative)`` of coordinates ``[start, stop)``,
+# int64 ``[stop - start, s]`` output columns (one per block) and bool signs (True: -1).
+ColumnsFn = Callable[[int, int, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
 
-def signed_scatter(rows: torch.Tensor, index_of: IndexFn, dim: int, nonzeros: int, scale: float) -> torch.Tensor:
-    """``[n, D]`` -> ``[n, dim]``: coordinate ``j`` of every row added, times ``scale``, to the
-    ``nonzeros`` accumulator columns ``index_of(c0, c1, device)[j - c0]`` (int32 ``[c1 - c0, s]``;
-    a column plus ``dim`` is subtracted instead). In chunks of ``CHUNK`` coordinates, transposed so
-    that every coordinate adds one contiguous run of ``n`` values (see the module docstring)."""
-    rows = rows.detach()
-    n, width, device = rows.shape[0], rows.shape[1], rows.device
-    acc = torch.zeros(2 * dim, n, dtype=rows.dtype, device=device)
-    with torch.no_grad():
-        for c0 in range(0, width, CHUNK):
-            c1 = min(width, c0 + CHUNK)
-            index = index_of(c0, c1, device)
-            part = rows[:, c0:c1].t().contiguous()  # [chunk, n]: one contiguous run per coordinate
-            for b in range(nonzeros):
-                acc.index_add_(0, index[:, b], part)
-        out = (acc[:dim] - acc[dim:]).mul_(scale)
-    return out.t().contiguous()
+def folded_index(cols: torch.Tensor, negative: torch.Tensor, dim: int) -> torch.Tensor:
+    """int64 ``[s, c]``: each coordinate's accumulator column per block, plus ``dim`` when its
+    sign is negative (that half is subtracted at the end: no product with the signs)."""
+    return (cols + negative.long() * dim).t().contiguous()
 
 
 def sign_matrix(cols: torch.Tensor, negative: torch.Tensor, dim: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """The map as a sparse CSR ``[dim, D]`` matrix (``cols``, ``negative``: ``[D, s]``, distinct
-    columns per coordinate): ``S @ rows^T`` is the sketch. One sparse product reads each row
-    once; the scatter reads it ``s`` times (measured ~4x faster on a 2-core CPU)."""
+    columns per coordinate): ``S @ rows^T`` is the sketch, in a fixed order on every device."""
     D, s = cols.shape
     buckets = cols.reshape(-1)
     # Rows of the CSR matrix are buckets: entries sorted by bucket (stable: coordinates ascending
@@ -106,6 +96,55 @@ def sparse_apply(matrix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return torch.sparse.mm(matrix, rows.detach().t().contiguous()).t().contiguous()
 
 
+class SignedMap:
+    """A sparse sign map of ``width`` coordinates into ``dim`` columns, ``scale`` per entry,
+    applied to rows ``[n, width]`` (the one place every sparse sign map of this package is applied).
+
+    On a CPU every block is one ``index_add_`` along the columns of an ``[n, 2 dim]``
+    accumulator, the index kept per device (``CACHE_ENTRIES``) or regenerated per ``CHUNK`` of
+    coordinates. Measured on a 2-core CPU against one CSR product (which needs the rows
+    transposed, then its result): 3-10x faster with ``s = 1`` (128 rows of 300k coordinates:
+    17 ms against 135 ms), 1-2.5x with ``s = 4``, the same bits at any thread count.
+    """
+
+    def __init__(self, width: int, dim: int, nonzeros: int, scale: float, columns_of: ColumnsFn):
+        self.width, self.dim, self.nonzeros, self.scale = width, dim, nonzeros, scale
+        self.columns_of = columns_of
+        self._cache: dict[str, torch.Tensor] = {}
+
+    @property
+    def kept(self) -> bool:
+        return self.width * self.nonzeros <= CACHE_ENTRIES
+
+    def apply(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[n, width]`` -> ``[n, dim]`` in ``rows``' dtype and device (not differentiable)."""
+        rows = rows.detach()
+        device = rows.device
+        with torch.no_grad():
+            if self.kept and device.type not in ORDERED_ADD_DEVICES and rows.dtype in SPARSE_DTYPES:
+                key = f"csr:{device}:{rows.dtype}"
+                if key not in self._cache:
+                    cols, neg = self.columns_of(0, self.width, device)
+                    self._cache[key] = sign_matrix(cols, neg, self.dim, self.scale, rows.dtype)
+                return sparse_apply(self._cache[key], rows)
+            acc = rows.new_zeros(rows.shape[0], 2 * self.dim)
+            if self.kept:
+                key = f"index:{device}"
+                if key not in self._cache:
+                    self._cache[key] = folded_index(*self.columns_of(0, self.width, device), self.dim)
+                self._add(acc, self._cache[key], rows)
+            else:
+                for c0 in range(0, self.width, CHUNK):
+                    c1 = min(self.width, c0 + CHUNK)
+                    self._add(acc, folded_index(*self.columns_of(c0, c1, device), self.dim), rows[:, c0:c1])
+            return (acc[:, : self.dim] - acc[:, self.dim :]).mul_(self.scale)
+
+    @staticmethod
+    def _add(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+        for block in index:
+            acc.index_add_(1, block, rows)
+
+
 class SparseSignSketch:
     """Rows ``[n, dim_in]`` -> ``[n, dim]``: ``nonzeros`` signed entries ``±1/sqrt(nonzeros)`` per
     coordinate, one in each block of columns (see the module docstring). ``nonzeros`` above
@@ -119,7 +158,7 @@ class SparseSignSketch:
         self.blocks = sketch_blocks(dim, self.nonzeros)
         self.scale = 1.0 / math.sqrt(self.nonzeros)
         self._keys = stream_keys(seed, group)
-        self._cache: dict[str, torch.Tensor] = {}
+        self.signed = SignedMap(dim_in, dim, self.nonzeros, self.scale, self.columns)
 
     def columns(self, start: int, stop: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """``(cols, negative)`` of coordinates ``[start, stop)``: int64 ``[stop - start, s]`` columns
@@ -139,22 +178,11 @@ class SparseSignSketch:
         out.scatter_(1, cols, values)  # distinct columns per coordinate: nothing overwritten
         return out
 
-    def _indices(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
-        """Accumulator rows ``[stop - start, s]`` (int32): the column, plus ``dim`` when negative."""
-        cols, neg = self.columns(start, stop, device)
-        return (cols + neg.long() * self.dim).to(torch.int32)
-
     def project(self, rows: torch.Tensor) -> torch.Tensor:
         """``[n, dim_in]`` -> ``[n, dim]`` in ``rows``' dtype and device (not differentiable)."""
         if rows.dim() != 2 or rows.shape[1] != self.dim_in:
             raise InputError(f"rows must have shape [n, {self.dim_in}], got {list(rows.shape)}")
-        if self.dim_in * self.nonzeros <= CACHE_ENTRIES and rows.dtype in SPARSE_DTYPES:
-            key = f"csr:{rows.device}:{rows.dtype}"
-            if key not in self._cache:
-                cols, neg = self.columns(0, self.dim_in, rows.device)
-                self._cache[key] = sign_matrix(cols, neg, self.dim, self.scale, rows.dtype)
-            return sparse_apply(self._cache[key], rows)
-        return signed_scatter(rows, self._indices, self.dim, self.nonzeros, self.scale)
+        return self.signed.apply(rows)
 
     def describe(self) -> dict[str, Any]:
         """What a store records: enough to regenerate every bucket and sign."""

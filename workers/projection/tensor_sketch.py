@@ -10,8 +10,10 @@ Holds:
 - ``TensorSketchMap`` — the whole stored row: every unit, then the parameters outside every unit
   (the "rest", sketched by a ``SparseSignSketch``), all added into the same ``dim`` columns; its
   ``work_slots`` (where the hook path writes: ``dim`` columns per unit, then the rest whole),
-  ``stored_rows`` (work rows to stored rows), ``work_rows`` / ``project_full`` (full rows to the
-  same numbers: what the tests compare with) and ``describe`` (what the store records).
+  ``stored_rows`` (work rows to stored rows; in two steps, ``unit_rows`` then ``add_rest``, so a
+  block's wide work rows can go before the rest of many blocks is sketched at once),
+  ``work_rows`` / ``project_full`` (full rows to the same numbers: what the tests compare with)
+  and ``describe`` (what the store records).
 - ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``) and ``TS_GROUP_BASE``.
 
 The map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a unit
@@ -47,14 +49,7 @@ from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME
 from classgrad.workers.projection.kronecker import OuterMatrix, UnitShape, part_matrix, shape_for
-from classgrad.workers.projection.sketch import (
-    CACHE_ENTRIES,
-    SPARSE_DTYPES,
-    SparseSignSketch,
-    sign_matrix,
-    signed_scatter,
-    sparse_apply,
-)
+from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch
 
 STRUCTURE = "tensorsketch"
 # Buckets per coordinate of a layer's matrix: one (the plain TensorSketch). Its inner-product
@@ -132,28 +127,22 @@ class SketchUnit(OuterMatrix):
             self._cache[key] = (c1 - starts, n1, c2 - starts, n2)
         return self._cache[key]
 
-    def _flat_index(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
-        """Accumulator rows ``[stop - start, s]`` (int32) of flat coordinates ``[start, stop)`` of
-        ``M`` (row-major): the column, plus ``dim`` when the sign is negative."""
+    def _flat_columns(self, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cols, negative)`` of flat coordinates ``[start, stop)`` of ``M`` (row-major): int64
+        ``[stop - start, s]`` columns and bool signs (True: -1), as ``SignedMap`` takes them."""
         h1, n1, h2, n2 = self.hashes(device)
         flat = torch.arange(start, stop, device=device)
         i, j = flat // self.cols_in, flat % self.cols_in
         sizes = torch.tensor([m for _, m in self.blocks], dtype=torch.int64, device=device)
         starts = torch.tensor([b0 for b0, _ in self.blocks], dtype=torch.int64, device=device)
-        cols = (h1[i] + h2[j]) % sizes + starts
-        return (cols + (n1[i] ^ n2[j]).long() * self.dim).to(torch.int32)
+        return (h1[i] + h2[j]) % sizes + starts, n1[i] ^ n2[j]
 
     def sketch(self, matrices: torch.Tensor) -> torch.Tensor:
         """``[n, rows, cols_in]`` (or ``[n, rows * cols_in]``) per-class matrices -> ``[n, dim]``."""
-        flat = matrices.reshape(matrices.shape[0], self.full)
-        scale = 1.0 / math.sqrt(self.nonzeros)
-        if self.full * self.nonzeros <= CACHE_ENTRIES and flat.dtype in SPARSE_DTYPES:
-            key = f"csr:{flat.device}:{flat.dtype}"
-            if key not in self._cache:
-                index = self._flat_index(0, self.full, flat.device).long()
-                self._cache[key] = sign_matrix(index % self.dim, index >= self.dim, self.dim, scale, flat.dtype)
-            return sparse_apply(self._cache[key], flat)
-        return signed_scatter(flat, self._flat_index, self.dim, self.nonzeros, scale)
+        if "signed" not in self._cache:
+            scale = 1.0 / math.sqrt(self.nonzeros)
+            self._cache["signed"] = SignedMap(self.full, self.dim, self.nonzeros, scale, self._flat_columns)
+        return self._cache["signed"].apply(matrices.reshape(matrices.shape[0], self.full))
 
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias
@@ -261,17 +250,23 @@ class TensorSketchMap:
             offset += s.size
         return [place[s.name] for s in self.slots]
 
+    def unit_rows(self, work: torch.Tensor) -> torch.Tensor:
+        """Work rows ``[n, work_dim]`` -> ``[n, dim]``: the units' columns added up (the rest not yet)."""
+        n = work.shape[0]
+        if self.units:
+            return work[:, : self.units_width].reshape(n, len(self.units), self.dim).sum(dim=1)
+        return work.new_zeros(n, self.dim)
+
+    def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """``out`` (``unit_rows``) plus the sketch of the rest's columns ``rest`` ``[n, rest_size]``."""
+        if self.rest_projector is not None:
+            out += self.rest_projector.project(rest)
+        return out
+
     def stored_rows(self, work: torch.Tensor) -> torch.Tensor:
         """Work rows ``[n, work_dim]`` -> stored rows ``[n, dim]``: the units' columns and the
         rest's sketch added up."""
-        n = work.shape[0]
-        if self.units:
-            out = work[:, : self.units_width].reshape(n, len(self.units), self.dim).sum(dim=1)
-        else:
-            out = work.new_zeros(n, self.dim)
-        if self.rest_projector is not None:
-            out += self.rest_projector.project(work[:, self.units_width :])
-        return out
+        return self.add_rest(self.unit_rows(work), work[:, self.units_width :])
 
     def work_rows(self, full: torch.Tensor) -> torch.Tensor:
         """Full rows ``[n, D]`` (layout order) -> work rows, by the same map."""

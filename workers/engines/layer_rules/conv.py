@@ -10,16 +10,20 @@ padding given as numbers; grouped, strided and dilated convolutions are fine) an
 Which kernel forms the sums is a fixed rule (``conv_route``), never a timing: every actor of a
 job, every resume and ``per_class_gradients`` then compute a row with the same kernel (on a GPU
 kernels of other layouts may differ in more than rounding: TF32 or not), and a first call
-measures nothing. On a CPU with classes of unequal size in the run, a plain backward per class on
-its own unpadded samples (no padded zeros, no layout copies, like the other outer-product layers'
-CPU route); else one grouped backward in the memory format the layer's input comes in
-(channels-last inputs, the partitioned engine's for convolutional models: channels-last groups,
-about twice as fast on a CPU as NCHW, and what tensor cores take).
+measures nothing. On a CPU, a layer with few output positions per sample (``FEW_POSITIONS``)
+forms its sums from patches (``tokens``: one batched product); else, with classes of unequal
+size in the run, a plain backward per class on its own unpadded samples (no padded zeros, no
+layout copies, like the other outer-product layers' CPU route); else one grouped backward in
+the memory format the layer's input comes in (channels-last inputs, the partitioned engine's
+for convolutional models: what tensor cores take, and measured about twice as fast on a CPU as
+NCHW, though 1.4-2x slower on an AMD EPYC without AVX-512 at ResNet shapes: not changed, the
+layout being a rule, not a measurement).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +43,23 @@ def zero_padding(module: ConvNd) -> str | None:
     return None
 
 
+# Output positions per sample at or below which a CPU forms the sums from patches (one batched
+# product, ``tokens``) instead of a convolution kernel: there the grouped backward's cost per group
+# dominates (measured on a 2-core CPU, 3x3 convolutions, 2 samples per class: 1 position, 512
+# channels, 32 classes: 3.6 s grouped, 283 ms per class, 133 ms by tokens; 4 positions, 64
+# channels, 128 classes: 25 / 31 / 7 ms; 16 positions, 128 channels: 8.7 / 11.8 / 6.9 ms; at 64
+# positions and more the grouped kernel is faster, e.g. 0.9 against 1.4 ms at 64 channels).
+FEW_POSITIONS = 16
+
+
 def conv_route(seen: LayerCapture) -> str:
-    """The kernel of a run's per-class weight gradients (see the module docstring): ``per_class``,
-    or a grouped backward in ``channels_last`` or ``contiguous`` layout."""
-    if seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES and seen.grid.spots is not None:
+    """The kernel of a run's per-class weight gradients (see the module docstring): ``tokens``
+    (patches and one batched product), ``per_class``, or a grouped backward in ``channels_last``
+    or ``contiguous`` layout."""
+    on_cpu = seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES
+    if on_cpu and math.prod(seen.grads.shape[2:]) <= FEW_POSITIONS:
+        return "tokens"
+    if on_cpu and seen.grid.spots is not None:
         return "per_class"
     x = seen.inputs
     return "channels_last" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "contiguous"
@@ -126,10 +143,13 @@ class ConvFactors(OuterFactors):
             start += n
         return gw, gb
 
-    def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """The sums from an exact kernel that never forms patches: a grouped backward (the k
-        classes as k times the layer's groups) or, on a CPU, a backward per class (``conv_route``)."""
+        classes as k times the layer's groups) or, on a CPU, a backward per class; None on the
+        ``tokens`` route (the sums are formed from patches). See ``conv_route``."""
         route = conv_route(self.seen)
+        if route == "tokens":
+            return None
         if route == "per_class":
             return self._per_class(want_weight, want_bias)
         return self._grouped(route, want_weight, want_bias)
