@@ -5,8 +5,8 @@ Holds:
 
 - ``kronecker_factor`` — one factor ``[n, k]`` from the counter-based generator of
   ``classgrad.workers.projection`` (same bits on every device), entries of variance ``1/k``.
-- ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, shared by every
-  structure's units.
+- ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, or from one part's
+  per-class gradients (``part_matrix``), shared by every structure's units.
 - ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature: a column
   of ``M``, or a row where the input is the first axis) of stored shape ``[a, b]`` projected to
   ``P_a M P_b^T``: ``k_out x k_in`` columns of the stored row.
@@ -16,10 +16,10 @@ Holds:
   tests compare with; ``unit_rows`` and ``add_rest``, ``stored_rows`` in two steps) and
   ``describe`` (what the store records).
 - ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` and
-  ``part_matrix`` (a unit's matrix with only its weight or its bias filled, shared with
-  ``tensor_sketch``) and ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
-  weight; the second for types of optional libraries, by name, so nothing is imported for them)
-  and ``shape_for``.
+  ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
+  weight; the second for types of optional libraries, by name, so nothing is imported for them),
+  ``shape_for`` and ``outer_layers`` (the selected, hooked layers of such types: every structure's
+  units, found one way).
 
 The factors. For a weight of stored shape ``[a, b]`` (Linear ``[out, in]``; Conv1d/2d/3d ``[cout,
 cin * prod(kernel)]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Where the
@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,17 +142,29 @@ def shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
     return KRONECKER_SHAPES.get(kind) or LAZY_SHAPES.get((kind.__module__, kind.__qualname__))
 
 
-def part_matrix(unit: Any, part: str, value: torch.Tensor) -> torch.Tensor:
-    """``[k, rows, cols_in]``: a unit's matrix with only its weight, or only its bias, filled."""
-    k = value.shape[0]
-    m = value.new_zeros(k, unit.rows, unit.cols_in)
-    if part == "weight":
-        m[:, : unit.a, : unit.b] = value.reshape(k, unit.a, unit.b)
-    elif unit.input_first:  # [W; b^T]
-        m[:, unit.a, :] = value.reshape(k, unit.b)
-    else:  # [W | b]
-        m[:, :, unit.b] = value.reshape(k, unit.a)
-    return m
+ShapeLookup = Callable[[nn.Module], Callable[[Any], UnitShape | None] | None]
+
+
+def outer_layers(
+    slots: Sequence[ParamSlot],
+    modules: dict[str, nn.Module],
+    hooked: set[str],
+    lookup: ShapeLookup = shape_for,
+    skip: Callable[[str], bool] = lambda owner: False,
+) -> Iterator[tuple[int, ParamSlot, ParamSlot | None, UnitShape]]:
+    """``(index, weight, bias, shape)`` of every selected weight of a hooked module (``hooked``:
+    the modules the hook path covers) whose type ``lookup`` gives a shape for, in layout order:
+    the units of a structure's map (``skip``: module names left to the rest)."""
+    by_name = {s.name: s for s in slots}
+    for i, slot in enumerate(slots):
+        owner, _, kind = slot.name.rpartition(".")
+        module = modules.get(owner)
+        if kind != "weight" or owner not in hooked or module is None or skip(owner):
+            continue
+        shape_of = lookup(module)
+        shape = shape_of(module) if shape_of is not None else None
+        if shape is not None:
+            yield i, slot, by_name.get(f"{owner}.bias" if owner else "bias"), shape
 
 
 class OuterMatrix:
@@ -191,6 +203,19 @@ class OuterMatrix:
         elif self.bias is not None:  # [W | b]
             bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
             m = torch.cat([m, bias], dim=2)
+        return m
+
+    def part_matrix(self, part: str, value: torch.Tensor) -> torch.Tensor:
+        """``[k, rows, cols_in]``: ``M`` with only its weight, or only its bias, filled from the
+        per-class gradients ``value`` (for a gradient another path formed whole)."""
+        k = value.shape[0]
+        m = value.new_zeros(k, self.rows, self.cols_in)
+        if part == "weight":
+            m[:, : self.a, : self.b] = value.reshape(k, self.a, self.b)
+        elif self.input_first:  # [W; b^T]
+            m[:, self.a, :] = value.reshape(k, self.b)
+        else:  # [W | b]
+            m[:, :, self.b] = value.reshape(k, self.a)
         return m
 
 
@@ -243,7 +268,7 @@ class KroneckerUnit(OuterMatrix):
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, width]``: ``F_a^T M F_b`` of per-class gradients ``value`` of the weight or the
         bias alone (the other zero), for a gradient another path formed whole."""
-        m = part_matrix(self, part, value)
+        m = self.part_matrix(part, value)
         fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
         return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(m.shape[0], self.width)
 
@@ -435,22 +460,12 @@ class KroneckerMap:
         """Units for every hooked layer of a ``KRONECKER_SHAPES`` type whose weight is selected
         (``hooked``: names of the modules the hook path covers), except the layers whose module
         name matches a pattern of ``dense_layers`` (they join the rest)."""
-        by_name = {s.name: (i, s) for i, s in enumerate(slots)}
-        units: list[KroneckerUnit] = []
-        for i, slot in enumerate(slots):
-            owner, _, kind = slot.name.rpartition(".")
-            module = modules.get(owner)
-            shape_of = shape_for(module) if module is not None else None
-            if kind != "weight" or owner not in hooked or shape_of is None:
-                continue
-            if any(fnmatch.fnmatchcase(owner, pattern) for pattern in dense_layers):
-                continue
-            shape = shape_of(module)
-            if shape is None:
-                continue
-            bias = by_name.get(f"{owner}.bias" if owner else "bias")
-            a, b, input_first = shape
-            units.append(KroneckerUnit(i, slot, bias[1] if bias else None, a, b, input_first))
+
+        def dense(owner: str) -> bool:
+            return any(fnmatch.fnmatchcase(owner, pattern) for pattern in dense_layers)
+
+        found = outer_layers(slots, modules, hooked, skip=dense)
+        units = [KroneckerUnit(i, slot, bias, *shape) for i, slot, bias, shape in found]
         return cls(slots, units, dense_layers=dense_layers, **options)
 
     def _take(self, record: dict[str, Any]) -> int:

@@ -48,7 +48,7 @@ from torch import nn
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME
-from classgrad.workers.projection.kronecker import OuterMatrix, UnitShape, part_matrix, shape_for
+from classgrad.workers.projection.kronecker import OuterMatrix, UnitShape, outer_layers, shape_for
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch
 
 STRUCTURE = "tensorsketch"
@@ -147,7 +147,7 @@ class SketchUnit(OuterMatrix):
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias
         alone (the other zero), for a gradient another path formed whole."""
-        return self.sketch(part_matrix(self, part, value))
+        return self.sketch(self.part_matrix(part, value))
 
     def describe(self) -> dict[str, Any]:
         out = {
@@ -202,18 +202,10 @@ class TensorSketchMap:
         if dim > full:
             raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
         nonzeros = min(nonzeros, dim)
-        by_name = {s.name: s for s in slots}
-        units: list[SketchUnit] = []
-        for i, slot in enumerate(slots):
-            owner, _, kind = slot.name.rpartition(".")
-            module = modules.get(owner)
-            shape_of = sketch_shape_for(module) if module is not None else None
-            shape = shape_of(module) if shape_of is not None and kind == "weight" and owner in hooked else None
-            if shape is None:
-                continue
-            bias = by_name.get(f"{owner}.bias" if owner else "bias")
-            a, b, input_first = shape
-            units.append(SketchUnit(i, slot, bias, a, b, input_first, dim, UNIT_NONZEROS, seed))
+        units = [
+            SketchUnit(i, slot, bias, *shape, dim, UNIT_NONZEROS, seed)
+            for i, slot, bias, shape in outer_layers(slots, modules, hooked, sketch_shape_for)
+        ]
         out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros)
         if record is not None:
             out.check_record(record)
