@@ -5,9 +5,10 @@ Holds:
 - ``is_secret_key``: the rule for secret-looking keys (words, not substrings: ``api_token``,
   ``passwd``, ``GITHUB_PAT``, ``HF_AUTH``, ``AccountKey`` are secret; ``tokenizer``,
   ``num_tokens``, ``author``, ``monkey`` are not);
-- ``redact``: a config (or any JSON-able value) with every value under a secret-looking key,
-  every value of an ``env_vars`` mapping and every credential inside a string replaced, at any
-  depth, in every section;
+- ``redact``: a config (or any JSON-able value) with every value under a secret-looking key
+  (but a number under one that names a count or an index: ``pad_token_id: 0``,
+  ``num_key_value_heads: 2``), every value of an ``env_vars`` mapping and every credential
+  inside a string replaced, at any depth, in every section;
 - ``redact_text``: credentials inside free text (a URL's userinfo, ``name=value`` pairs with a
   secret-looking name as in connection strings and query strings) replaced;
 - ``RedactingFilter``: a logging filter that passes every record's message through ``redact_text``;
@@ -77,8 +78,23 @@ _USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinf
 _PAIR_RE = re.compile(r"(?P<name>[A-Za-z][\w.\-]*)=(?P<value>[^;&\s\"',]+)")
 
 
+# A number under a key whose last word is one of these is a count, a size or an index, not a
+# credential: the model configs' ``pad_token_id``, ``eos_token_id``, ``num_key_value_heads``.
+_NUMBER_WORDS = frozenset({"count", "dim", "heads", "id", "ids", "index", "len", "length", "size"})
+
+
 def _words(key: str) -> list[str]:
     return [w.lower() for w in _WORD_RE.findall(key)]
+
+
+def _hidden(key: object, value: Any) -> bool:
+    """Whether ``value`` under ``key`` is hidden: a secret-looking key, unless the value is a
+    number (not a string) and the key's last word names a count or an index."""
+    if not is_secret_key(key):
+        return False
+    words = _words(str(key))
+    counted = isinstance(value, int | float) and not isinstance(value, bool) and words[-1] in _NUMBER_WORDS
+    return not counted
 
 
 def is_secret_key(key: object) -> bool:
@@ -114,7 +130,7 @@ def redact(value: Any, *, all_values: bool = False) -> Any:
     if isinstance(value, dict):
         return {
             k: REDACTED
-            if all_values or is_secret_key(k)
+            if all_values or _hidden(k, v)
             else redact(v, all_values=str(k) == "env_vars" and isinstance(v, dict))
             for k, v in value.items()
         }
@@ -131,7 +147,7 @@ def has_secrets(value: Any) -> bool:
     """Whether ``value`` holds a secret-looking key or a credential inside a string (``env_vars``
     values count only when they look like one: their names and contents are checked)."""
     if isinstance(value, dict):
-        return any(is_secret_key(k) or has_secrets(v) for k, v in value.items())
+        return any(_hidden(k, v) or has_secrets(v) for k, v in value.items())
     if isinstance(value, list):
         return any(has_secrets(v) for v in value)
     return isinstance(value, str) and redact_text(value) != value

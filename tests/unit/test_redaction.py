@@ -148,6 +148,25 @@ def test_ordinary_strings_are_untouched() -> None:
         assert redact_text(text) == text
 
 
+def test_numbers_that_count_or_index_are_kept_under_secret_looking_keys() -> None:
+    """A Hugging Face config's token ids and key/value head counts are model settings: a store's
+    recorded model kwargs must rebuild the model. Strings under such keys stay hidden."""
+    kwargs = {
+        "pad_token_id": 0,
+        "eos_token_id": 2,
+        "num_key_value_heads": 2,
+        "api_token": "hf_abc",
+        "aws_access_key_id": "AKIAEXAMPLE",
+        "token_id": "tok-123",
+        "auth_token_count": True,  # a bool is not a count
+        "secret": 1234,  # a number under a key that names no count: hidden
+    }
+    got = redact({"model": {"kwargs": kwargs}})["model"]["kwargs"]
+    assert got["pad_token_id"] == 0 and got["eos_token_id"] == 2 and got["num_key_value_heads"] == 2
+    hidden = ("api_token", "aws_access_key_id", "token_id", "auth_token_count", "secret")
+    assert all(got[k] == REDACTED for k in hidden), got
+
+
 def test_redact_every_env_var_every_section_any_depth() -> None:
     value = {
         "env_vars": {"OMP_NUM_THREADS": "1", "X": "y"},
