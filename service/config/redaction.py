@@ -87,20 +87,23 @@ def _words(key: str) -> list[str]:
     return [w.lower() for w in _WORD_RE.findall(key)]
 
 
+def _secret_words(words: list[str]) -> bool:
+    return any(w in _SECRET_WORDS or w.endswith(_SECRET_SUFFIXES) for w in words)
+
+
 def _hidden(key: object, value: Any) -> bool:
     """Whether ``value`` under ``key`` is hidden: a secret-looking key, unless the value is a
     number (not a string) and the key's last word names a count or an index."""
-    if not is_secret_key(key):
-        return False
     words = _words(str(key))
+    if not _secret_words(words):
+        return False
     counted = isinstance(value, int | float) and not isinstance(value, bool) and words[-1] in _NUMBER_WORDS
     return not counted
 
 
 def is_secret_key(key: object) -> bool:
     """Whether values under ``key`` are treated as secrets (see the module's docstring)."""
-    words = _words(str(key))
-    return any(w in _SECRET_WORDS or w.endswith(_SECRET_SUFFIXES) for w in words)
+    return _secret_words(_words(str(key)))
 
 
 def _userinfo(match: re.Match[str]) -> str:
