@@ -24,6 +24,8 @@ Settings: ``default`` (``{"dim": k}``: tensorsketch), ``kronecker``, ``kronecker
     .venv/bin/python -m benchmarks.projection_scale --models real --classes 1000
     .venv/bin/python -m benchmarks.projection_scale --quick          # C = 200, two models
     .venv/bin/python -m benchmarks.projection_scale --job --classes 10000   # classgrad run, 2 actors
+    .venv/bin/python -m benchmarks.projection_scale --models hf_resnet --classes 10000 \
+        --settings default --quality-classes 0 --profile 25   # the cold call's costliest functions
 
 Targets (issue 24, 2-core CPU): the default at most 1.5x its floor at C = 10,000 (goal 1.2x), its
 ratio at 10,000 at most 1.25x that at 2,000, cosine errors within 1.25x (median) / 1.5x (p99) of
@@ -36,7 +38,10 @@ Writes ``benchmarks/out/projection_scale.json``.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import resource
 import subprocess
 import sys
@@ -178,14 +183,23 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     floor = _floor(model, samples, classes, dim, spec["batch_size"])
     kw = {"num_classes": classes, "batch_size": spec["batch_size"], "projection": projection, "progress": False}
     rss0 = _rss_mib()
+    profiler = cProfile.Profile() if spec.get("profile") else None
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     rows = per_class_gradients(model, samples, **kw)
+    if profiler is not None:
+        profiler.disable()
     cold = time.perf_counter() - t0
     peak = _rss_mib() - rss0
     t0 = time.perf_counter()
     per_class_gradients(model, samples, **kw)
     warm = time.perf_counter() - t0
     out: dict[str, Any] = {**spec, "floor_s": floor, "cold_s": cold, "warm_s": warm, "peak_rss_mib": peak}
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(spec["profile"])
+        out["profile"] = text.getvalue()
     q = min(spec["quality_classes"], classes)
     if q >= 12 and projection is not None:
         exact = per_class_gradients(model, samples, classes=list(range(q)), **{**kw, "projection": None})
@@ -266,6 +280,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per setting")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--job", action="store_true", help="one classgrad run of hf_resnet (2 actors), last --classes")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="print the cold call's N costliest functions (cProfile: slows that call)"
+    )
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
@@ -294,11 +311,13 @@ def main() -> None:
                 spec = {
                     "model": name, "classes": classes, "setting": setting, "dim": args.dim, "threads": args.threads,
                     "batch_size": args.batch_size, "quality_classes": args.quality_classes,
-                    "dense_limit": args.dense_limit,
+                    "dense_limit": args.dense_limit, "profile": args.profile,
                 }  # fmt: skip
                 r = run_one(spec, args.timeout)
                 results.append(r)
                 common.print_table(HEADERS, [_fmt(r)])
+                if r.get("profile"):
+                    print(r.pop("profile"))
     print("\n== all")
     common.print_table(HEADERS, [_fmt(r) for r in results])
     common.write_report(OUT, {"machine": common.machine_info(), "args": vars(args), "results": results})

@@ -102,9 +102,10 @@ class SignedMap:
 
     On a CPU every block is one ``index_add_`` along the columns of an ``[n, 2 dim]``
     accumulator, the index kept per device (``CACHE_ENTRIES``) or regenerated per ``CHUNK`` of
-    coordinates. Measured on a 2-core CPU against one CSR product (which needs the rows
-    transposed, then its result): 3-10x faster with ``s = 1`` (128 rows of 300k coordinates:
-    17 ms against 135 ms), 1-2.5x with ``s = 4``, the same bits at any thread count.
+    coordinates. Against one CSR product (which needs the rows transposed, then its result),
+    ``python -m benchmarks.sketch_kernels --section sign`` on a 2-core CPU: 7-9x faster with
+    ``s = 1`` (128 rows of 300k coordinates: 36 ms against 252 ms), 1.3-2.4x with ``s = 4``; the
+    same bits at any thread count.
     """
 
     def __init__(self, width: int, dim: int, nonzeros: int, scale: float, columns_of: ColumnsFn):

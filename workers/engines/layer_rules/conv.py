@@ -16,8 +16,9 @@ size in the run, a plain backward per class on its own unpadded samples (no padd
 layout copies, like the other outer-product layers' CPU route); else one grouped backward in
 the memory format the layer's input comes in (channels-last inputs, the partitioned engine's
 for convolutional models: what tensor cores take, and measured about twice as fast on a CPU as
-NCHW, though 1.4-2x slower on an AMD EPYC without AVX-512 at ResNet shapes: not changed, the
-layout being a rule, not a measurement).
+NCHW; on an AMD EPYC without AVX-512 it was slower than NCHW at 4 of 5 shapes of
+``benchmarks.sketch_kernels --section conv``: not changed, the layout being a rule, not a
+measurement).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ def zero_padding(module: ConvNd) -> str | None:
 
 # Output positions per sample at or below which a CPU forms the sums from patches (one batched
 # product, ``tokens``) instead of a convolution kernel: there the grouped backward's cost per group
-# dominates (measured on a 2-core CPU, 3x3 convolutions, 2 samples per class: 1 position, 512
-# channels, 32 classes: 3.6 s grouped, 283 ms per class, 133 ms by tokens; 4 positions, 64
-# channels, 128 classes: 25 / 31 / 7 ms; 16 positions, 128 channels: 8.7 / 11.8 / 6.9 ms; at 64
-# positions and more the grouped kernel is faster, e.g. 0.9 against 1.4 ms at 64 channels).
+# dominates. `python -m benchmarks.sketch_kernels --section conv` (2-core CPU, 3x3 convolutions,
+# 2 samples per class; grouped NCHW / per class / tokens): 1 position, 512 channels, 32 classes:
+# 4.7 s / 886 ms / 247 ms; 4 positions, 64 channels: 38 / 44 / 7.6 ms; 16 positions, 128
+# channels: 43 / 20 / 9.2 ms; at 64 positions the grouped kernel is faster (1.4 against 3.5 ms).
 FEW_POSITIONS = 16
 
 

@@ -1,0 +1,119 @@
+"""The kernels behind two fixed rules of the default projection (issue 24's second pass), timed.
+
+- ``--section sign``: a sparse sign map (``projection.sketch.SignedMap``) applied as indexed adds
+  along the columns (the CPU's route) against the cached CSR product (the route of devices whose
+  adds are unordered), for rows x coordinates the engines send it; ms, best of ``--reps``.
+- ``--section conv``: a convolution's per-class weight gradients (128 or 32 classes of 2
+  samples) by a grouped backward (channels-last and NCHW), one backward per class, and patches
+  with one batched product (the ``tokens`` route): where ``conv.FEW_POSITIONS`` comes from.
+
+    .venv/bin/python -m benchmarks.sketch_kernels --section sign
+    .venv/bin/python -m benchmarks.sketch_kernels --section conv
+
+Prints tables (2 threads unless ``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import print_table
+from classgrad.workers.engines.layer_rules.conv import grouped_channels_last, patches
+from classgrad.workers.projection import sketch as sketch_module
+from classgrad.workers.projection.sketch import SparseSignSketch
+
+SIGN_CASES = [(1, 8, 300_000), (1, 128, 300_000), (1, 8, 2_000_000), (4, 64, 300_000), (4, 256, 20_000)]
+# (name, cin, cout, kernel, stride, padding, input side, classes)
+CONV_CASES = [
+    ("1 position, 512 ch", 512, 512, 3, 1, 1, 1, 32),
+    ("4 positions, 64 ch", 64, 64, 3, 1, 1, 2, 128),
+    ("16 positions, 128 ch", 128, 128, 3, 1, 1, 4, 32),
+    ("64 positions, 64 ch", 64, 64, 3, 1, 1, 8, 8),
+    ("256 positions, 3 -> 16 ch, 7x7 s2", 3, 16, 7, 2, 3, 32, 128),
+]
+
+
+def best_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def sign_times(s: int, n: int, width: int, reps: int) -> tuple[float, float]:
+    """(CSR product ms, indexed adds ms) of one map on ``[n, width]`` rows."""
+    rows = torch.randn(n, width)
+    adds = SparseSignSketch(width, 4096, nonzeros=s, seed=1)
+    product = SparseSignSketch(width, 4096, nonzeros=s, seed=1)
+    saved = sketch_module.ORDERED_ADD_DEVICES
+    sketch_module.ORDERED_ADD_DEVICES = ()  # the CSR route, forced on this CPU
+    try:
+        csr = best_ms(lambda: product.project(rows), reps)
+    finally:
+        sketch_module.ORDERED_ADD_DEVICES = saved
+    return csr, best_ms(lambda: adds.project(rows), reps)
+
+
+def conv_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, k: int, reps: int) -> tuple[int, list[float]]:
+    """(output positions, ms of: grouped channels-last, grouped NCHW, per class, tokens)."""
+    m = 2
+    conv = torch.nn.Conv2d(cin, cout, ks, stride=st, padding=pd)
+    A = torch.randn(k, m, cin, side, side)
+    G = torch.randn(k, m, cout, *conv(A[0]).shape[2:])
+    positions = G.shape[3] * G.shape[4]
+
+    def backward(g: torch.Tensor, a: torch.Tensor, groups: int) -> torch.Tensor:
+        w = g.new_zeros(()).expand(cout * groups, cin, ks, ks)  # only its shape is read
+        args = ([cout * groups], (st, st), (pd, pd), (1, 1), False, [0, 0], groups, [False, True, False])
+        return torch.ops.aten.convolution_backward(g, a, w, *args)[1]
+
+    def grouped_cl() -> torch.Tensor:
+        return backward(grouped_channels_last(G), grouped_channels_last(A), k)
+
+    def nchw() -> torch.Tensor:
+        gg = G.transpose(0, 1).reshape(m, k * cout, *G.shape[3:])
+        return backward(gg, A.transpose(0, 1).reshape(m, k * cin, side, side), k)
+
+    def per_class() -> list[torch.Tensor]:
+        return [backward(G[i], A[i], 1) for i in range(k)]
+
+    def tokens() -> torch.Tensor:
+        P = patches(A.reshape(k * m, cin, side, side), conv)  # [k m, cin kernel, positions]
+        P = P.reshape(k, m, P.shape[1], -1).permute(0, 1, 3, 2).reshape(k, m * positions, -1)
+        Gt = G.reshape(k, m, cout, -1).permute(0, 1, 3, 2).reshape(k, m * positions, cout)
+        return torch.bmm(Gt.transpose(1, 2), P)
+
+    return positions, [best_ms(f, reps) for f in (grouped_cl, nchw, per_class, tokens)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--section", choices=["sign", "conv"], required=True)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.section == "sign":
+        rows = []
+        for s, n, width in SIGN_CASES:
+            csr, adds = sign_times(s, n, width, args.reps)
+            rows.append([s, f"{n} x {width:,}", f"{csr:.1f}", f"{adds:.1f}"])
+        print_table(["s", "rows x coordinates", "CSR product ms", "indexed adds ms"], rows)
+    else:
+        rows = []
+        for name, *shape, k in CONV_CASES:
+            positions, times = conv_times(*shape, k, args.reps)
+            rows.append([name, positions, k, *(f"{t:.1f}" for t in times)])
+        headers = ["layer", "positions", "classes", "grouped CL ms", "grouped NCHW ms", "per class ms", "tokens ms"]
+        print_table(headers, rows)
+
+
+if __name__ == "__main__":
+    main()
