@@ -198,7 +198,7 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {**spec, "floor_s": floor, "cold_s": cold, "warm_s": warm, "peak_rss_mib": peak}
     if profiler is not None:
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(spec["profile"])
+        pstats.Stats(profiler, stream=text).sort_stats(spec.get("profile_sort", "tottime")).print_stats(spec["profile"])
         out["profile"] = text.getvalue()
     q = min(spec["quality_classes"], classes)
     if q >= 12 and projection is not None:
@@ -283,6 +283,7 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=int, default=0, help="print the cold call's N costliest functions (cProfile: slows that call)"
     )
+    ap.add_argument("--profile-sort", default="tottime", choices=("tottime", "cumulative"), help="order of --profile")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
@@ -311,7 +312,7 @@ def main() -> None:
                 spec = {
                     "model": name, "classes": classes, "setting": setting, "dim": args.dim, "threads": args.threads,
                     "batch_size": args.batch_size, "quality_classes": args.quality_classes,
-                    "dense_limit": args.dense_limit, "profile": args.profile,
+                    "dense_limit": args.dense_limit, "profile": args.profile, "profile_sort": args.profile_sort,
                 }  # fmt: skip
                 r = run_one(spec, args.timeout)
                 results.append(r)

@@ -6,9 +6,15 @@
 - ``--section conv``: a convolution's per-class weight gradients (128 or 32 classes of 2
   samples) by a grouped backward (channels-last and NCHW), one backward per class, and patches
   with one batched product (the ``tokens`` route): where ``conv.FEW_POSITIONS`` comes from.
+- ``--section patches``: every output position's input patch for 256 samples, by ``F.unfold``
+  (im2col, then a transpose to tokens) and by ``conv.patches`` (``Tensor.unfold`` windows).
+- ``--section mm``: per-class products over ragged token slices (``Ragged.per_class_mm``: one
+  batched product per token count) against one product per class.
 
     .venv/bin/python -m benchmarks.sketch_kernels --section sign
     .venv/bin/python -m benchmarks.sketch_kernels --section conv
+    .venv/bin/python -m benchmarks.sketch_kernels --section patches
+    .venv/bin/python -m benchmarks.sketch_kernels --section mm
 
 Prints tables (2 threads unless ``--threads``).
 """
@@ -20,9 +26,11 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.common import print_table
 from classgrad.workers.engines.layer_rules.conv import grouped_channels_last, patches
+from classgrad.workers.engines.layer_rules.rule_io import Ragged
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.sketch import SparseSignSketch
 
@@ -35,6 +43,13 @@ CONV_CASES = [
     ("64 positions, 64 ch", 64, 64, 3, 1, 1, 8, 8),
     ("256 positions, 3 -> 16 ch, 7x7 s2", 3, 16, 7, 2, 3, 32, 128),
 ]
+
+# (cin, kernel, stride, padding, input side): a small ResNet's convolutions at 32 px
+PATCH_CASES = [
+    (3, 7, 2, 3, 32), (16, 3, 1, 1, 8), (32, 3, 1, 1, 4), (64, 3, 1, 1, 2), (64, 3, 2, 1, 2), (256, 3, 1, 1, 1)
+]  # fmt: skip
+# (classes, tokens per sample, rows, cols): BERT-sized layers, classes of 1 to 4 samples
+MM_CASES = [(62, 16, 64, 65), (62, 16, 128, 65), (62, 17, 64, 129), (200, 16, 64, 65)]
 
 
 def best_ms(fn: Callable[[], object], reps: int) -> float:
@@ -85,17 +100,49 @@ def conv_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, k: int
         return [backward(G[i], A[i], 1) for i in range(k)]
 
     def tokens() -> torch.Tensor:
-        P = patches(A.reshape(k * m, cin, side, side), conv)  # [k m, cin kernel, positions]
-        P = P.reshape(k, m, P.shape[1], -1).permute(0, 1, 3, 2).reshape(k, m * positions, -1)
+        P = patches(A.reshape(k * m, cin, side, side), conv).reshape(k, m * positions, -1)  # [k, tokens, cin kernel]
         Gt = G.reshape(k, m, cout, -1).permute(0, 1, 3, 2).reshape(k, m * positions, cout)
         return torch.bmm(Gt.transpose(1, 2), P)
 
     return positions, [best_ms(f, reps) for f in (grouped_cl, nchw, per_class, tokens)]
 
 
+def patch_times(cin: int, ks: int, st: int, pd: int, side: int, reps: int) -> tuple[str, float, float]:
+    """(patch shape, ms of ``F.unfold`` to tokens, ms of ``conv.patches``) for 256 samples."""
+    conv = torch.nn.Conv2d(cin, 1, ks, stride=st, padding=pd)
+    x = torch.randn(256, cin, side, side)
+
+    def im2col() -> torch.Tensor:
+        return F.unfold(x, ks, 1, pd, st).transpose(1, 2).contiguous()
+
+    def windows() -> torch.Tensor:
+        return patches(x, conv)
+
+    assert torch.equal(im2col(), windows())  # the same entries, moved: no arithmetic
+    shape = "x".join(map(str, windows().shape[1:]))
+    return shape, best_ms(im2col, reps), best_ms(windows, reps)
+
+
+def mm_times(k: int, per_sample: int, rows: int, cols: int, reps: int) -> tuple[float, float]:
+    """(ms of a product per class, ms of ``Ragged.per_class_mm``)."""
+    counts = torch.randint(1, 5, (k,), generator=torch.Generator().manual_seed(0))
+    tokens = (counts * per_sample).tolist()
+    first, second = torch.randn(sum(tokens), rows), torch.randn(sum(tokens), cols)
+    out = torch.empty(k, rows, cols)
+    ragged = Ragged(first, second, tokens, per_sample)
+    bounds = torch.cumsum(torch.tensor([0, *tokens]), 0).tolist()
+
+    def per_class() -> None:
+        for i in range(k):
+            a, b = first[bounds[i] : bounds[i + 1]], second[bounds[i] : bounds[i + 1]]
+            torch.mm(a.t(), b, out=out[i])
+
+    return best_ms(per_class, reps), best_ms(lambda: ragged.per_class_mm(first, second, out), reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", choices=["sign", "conv"], required=True)
+    parser.add_argument("--section", choices=["sign", "conv", "patches", "mm"], required=True)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -106,6 +153,18 @@ def main() -> None:
             csr, adds = sign_times(s, n, width, args.reps)
             rows.append([s, f"{n} x {width:,}", f"{csr:.1f}", f"{adds:.1f}"])
         print_table(["s", "rows x coordinates", "CSR product ms", "indexed adds ms"], rows)
+    elif args.section == "patches":
+        rows = []
+        for cin, ks, st, pd, side in PATCH_CASES:
+            shape, unfold, windows = patch_times(cin, ks, st, pd, side, args.reps)
+            rows.append([f"{cin} x {side}x{side}, {ks}x{ks} stride {st}", shape, f"{unfold:.2f}", f"{windows:.2f}"])
+        print_table(["input, kernel", "positions x features", "F.unfold ms", "conv.patches ms"], rows)
+    elif args.section == "mm":
+        rows = []
+        for k, per_sample, r, c in MM_CASES:
+            loop, grouped = mm_times(k, per_sample, r, c, args.reps)
+            rows.append([k, per_sample, f"{r} x {c}", f"{loop:.2f}", f"{grouped:.2f}"])
+        print_table(["classes", "tokens per sample", "matrix", "per class ms", "per token count ms"], rows)
     else:
         rows = []
         for name, *shape, k in CONV_CASES:

@@ -136,6 +136,37 @@ def test_a_hooked_layer_run_under_no_grad_gets_zero_rows():
     assert got[:, slot.offset : slot.offset + slot.size].any()
 
 
+class ResidualInPlace(nn.Module):
+    """A residual block that adds into a layer's output in place (``h += x``, as Hugging Face's
+    ResNet does) and an in-place ReLU on another layer's output."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(8, 8)
+        self.inner = nn.Linear(8, 8)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x).relu_()
+        out = self.inner(h)
+        out += h
+        return self.head(out)
+
+
+def test_only_the_layers_whose_outputs_change_in_place_are_copied():
+    model = ResidualInPlace(NUM_CLASSES).eval()
+    x, y = zoo.synthetic_probe(NUM_CLASSES, 4, kind="vector", input_shape=(8,), seed=0)
+    eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned")
+    got = torch.cat([b.rows for b in eng.iter_blocks(list(range(NUM_CLASSES)))])
+    assert eng._hooked is not None  # the fast path itself is under test here
+    copies = eng._hooked.copies
+    assert copies(model.enc) and copies(model.inner) and not copies(model.head) and not copies.every
+    want = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, engine="reference")
+    # fp32 against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("fmt", ["channels_last", "contiguous"])
 def test_hook_rows_are_exact_in_either_image_format(fmt, monkeypatch):
     """In either input layout (the rule of ``input_format.image_format`` forced), conv rows from

@@ -28,6 +28,7 @@ from classgrad.workers.engines.layer_rules import (
 )
 from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
+from classgrad.workers.engines.layer_rules.rule_io import Ragged
 from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Scale, Tokens, assert_hook_path, rows_and_reference
@@ -289,6 +290,30 @@ def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, counts, ro
     if counts[0] == counts[1]:  # equal classes: the plain grid
         seen = LayerCapture(x, seen.grads, ClassGrid(k, width, None, torch.float32))
     assert conv_module.conv_route(seen) == route
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [nn.Conv2d(3, 2, 7, stride=2, padding=3), nn.Conv2d(4, 2, 3, padding=1, dilation=2), nn.Conv2d(5, 2, (1, 3))],
+)
+def test_patches_are_im2col_token_major(conv):
+    x = torch.randn(3, conv.in_channels, 9, 8)
+    want = torch.nn.functional.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+    # The same entries moved into place, no arithmetic: exact.
+    assert torch.equal(conv_module.patches(x, conv), want.transpose(1, 2))
+
+
+def test_per_class_products_of_ragged_tokens_match_one_product_per_class():
+    tokens = [6, 0, 3, 6, 9, 3]  # token counts repeat (one batched product each), an empty class
+    first, second = torch.randn(sum(tokens), 4, dtype=torch.float64), torch.randn(sum(tokens), 5, dtype=torch.float64)
+    out = torch.full((len(tokens), 4, 5), float("nan"), dtype=torch.float64)
+    Ragged(first, second, tokens, 3).per_class_mm(first, second, out)
+    start = 0
+    for i, n in enumerate(tokens):
+        want = first[start : start + n].t() @ second[start : start + n]
+        # float64 products of the same terms, batched or not: 1e-12 relative.
+        torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
+        start += n
 
 
 def _scale_model() -> nn.Module:

@@ -393,7 +393,8 @@ def test_units_changed_in_place_or_run_under_no_grad():
     x = torch.randn(N, 4)
     eng, got, ref = _rows(model, (x, _probe(x)))
     _on_hooks(eng)
-    assert eng._hooked.clone  # the in-place ReLU on the unit's output was noticed
+    copies = eng._hooked.copies  # the in-place ReLU on the unit's output was noticed: that unit copies
+    assert copies(model.scale) and not copies(model.head) and not copies.every
     assert {model.scale, model.fixed} <= set(eng._hooked.plan.units)
     for name in ("fixed.weight", "fixed.bias"):  # no gradient under no_grad: zero columns
         slot = eng.layout.slot(name)

@@ -116,6 +116,17 @@ def test_the_sparse_product_route_gives_the_indexed_adds_result(monkeypatch):
     assert max_relative_error(product, adds) <= 1e-12
 
 
+def test_a_sketch_written_into_a_view_of_wider_rows_equals_the_returned_one():
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    sk = SparseSignSketch(300, 24, nonzeros=2, seed=5)
+    rows = torch.full((5, 40), float("nan"))
+    got = sk.signed.apply(x, rows[:, 8:32])  # a strided view: the rows' columns of one unit
+    assert got.data_ptr() == rows[:, 8:32].data_ptr()
+    # The same adds in the same order, only the destination differs: exact.
+    assert torch.equal(rows[:, 8:32], sk.project(x))
+    assert rows[:, :8].isnan().all() and rows[:, 32:].isnan().all()
+
+
 @pytest.mark.parametrize("s", [1, 4])
 def test_inner_products_and_norms_preserved_in_expectation(s):
     g = torch.Generator().manual_seed(0)

@@ -117,8 +117,9 @@ class SignedMap:
     def kept(self) -> bool:
         return self.width * self.nonzeros <= CACHE_ENTRIES
 
-    def apply(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[n, width]`` -> ``[n, dim]`` in ``rows``' dtype and device (not differentiable)."""
+    def apply(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, width]`` -> ``[n, dim]`` in ``rows``' dtype and device (not differentiable);
+        written into ``out`` (``[n, dim]``, any strides: a view of the rows) when given."""
         rows = rows.detach()
         device = rows.device
         with torch.no_grad():
@@ -127,7 +128,8 @@ class SignedMap:
                 if key not in self._cache:
                     cols, neg = self.columns_of(0, self.width, device)
                     self._cache[key] = sign_matrix(cols, neg, self.dim, self.scale, rows.dtype)
-                return sparse_apply(self._cache[key], rows)
+                found = sparse_apply(self._cache[key], rows)
+                return found if out is None else out.copy_(found)
             acc = rows.new_zeros(rows.shape[0], 2 * self.dim)
             if self.kept:
                 key = f"index:{device}"
@@ -138,7 +140,7 @@ class SignedMap:
                 for c0 in range(0, self.width, CHUNK):
                     c1 = min(self.width, c0 + CHUNK)
                     self._add(acc, folded_index(*self.columns_of(c0, c1, device), self.dim), rows[:, c0:c1])
-            return (acc[:, : self.dim] - acc[:, self.dim :]).mul_(self.scale)
+            return torch.sub(acc[:, : self.dim], acc[:, self.dim :], out=out).mul_(self.scale)
 
     @staticmethod
     def _add(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:

@@ -137,12 +137,13 @@ class SketchUnit(OuterMatrix):
         starts = torch.tensor([b0 for b0, _ in self.blocks], dtype=torch.int64, device=device)
         return (h1[i] + h2[j]) % sizes + starts, n1[i] ^ n2[j]
 
-    def sketch(self, matrices: torch.Tensor) -> torch.Tensor:
-        """``[n, rows, cols_in]`` (or ``[n, rows * cols_in]``) per-class matrices -> ``[n, dim]``."""
+    def sketch(self, matrices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, rows, cols_in]`` (or ``[n, rows * cols_in]``) per-class matrices -> ``[n, dim]``
+        (into ``out`` when given)."""
         if "signed" not in self._cache:
             scale = 1.0 / math.sqrt(self.nonzeros)
             self._cache["signed"] = SignedMap(self.full, self.dim, self.nonzeros, scale, self._flat_columns)
-        return self._cache["signed"].apply(matrices.reshape(matrices.shape[0], self.full))
+        return self._cache["signed"].apply(matrices.reshape(matrices.shape[0], self.full), out)
 
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias

@@ -103,21 +103,27 @@ class Ragged:
     tokens: list[int]
     per_sample: int
 
-    def starts(self) -> list[int]:
-        """Where each class's tokens begin, and the end."""
-        starts = [0]
-        for n in self.tokens:
-            starts.append(starts[-1] + n)
-        return starts
-
     def per_class_mm(self, first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[i] = first_i^T @ second_i`` over class i's slice of tokens (zero for no tokens)."""
-        starts = self.starts()
-        for i, n in enumerate(self.tokens):
+        """``out[i] = first_i^T @ second_i`` over class i's slice of tokens (zero for no tokens).
+
+        One batched product per distinct token count (classes of 1 to 4 samples: 4 products),
+        not one product per class: at 64x64 layers a product per class cost twice as much in
+        calls as the gather of each group's tokens (``benchmarks.sketch_kernels --section mm``)."""
+        device = first.device
+        tokens = torch.tensor(self.tokens, device=device)
+        starts = torch.cumsum(tokens, 0) - tokens
+        for n in sorted(set(self.tokens)):
+            classes = (tokens == n).nonzero().squeeze(1)
             if n == 0:
-                out[i].zero_()
+                out.index_fill_(0, classes, 0.0)
+                continue
+            take = (starts[classes].unsqueeze(1) + torch.arange(n, device=device)).reshape(-1)
+            a = first.index_select(0, take).view(len(classes), n, first.shape[1])
+            b = second.index_select(0, take).view(len(classes), n, second.shape[1])
+            if len(classes) == out.shape[0]:
+                torch.bmm(a.transpose(1, 2), b, out=out)
             else:
-                torch.mm(first[starts[i] : starts[i + 1]].t(), second[starts[i] : starts[i + 1]], out=out[i])
+                out.index_copy_(0, classes, torch.bmm(a.transpose(1, 2), b))
 
 
 @dataclass(frozen=True)

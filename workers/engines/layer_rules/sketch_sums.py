@@ -70,15 +70,20 @@ def _with_bias(first: torch.Tensor, second: torch.Tensor, unit: Any) -> tuple[to
 
 
 def _fft_sketch(
-    first: torch.Tensor, second: torch.Tensor, owner: torch.Tensor | None, k: int, unit: Any
+    first: torch.Tensor,
+    second: torch.Tensor,
+    owner: torch.Tensor | None,
+    k: int,
+    unit: Any,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[k, dim]`` from token factors ``[T, rows]``, ``[T, cols_in]`` (``owner``: each token's
-    class; None: ``T = k * tokens`` class-major, padding tokens zero)."""
+    """``[k, dim]`` (into ``into`` when given) from token factors ``[T, rows]``, ``[T, cols_in]``
+    (``owner``: each token's class; None: ``T = k * tokens`` class-major, padding tokens zero)."""
     dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
     sk1, sk2 = unit.factor_sketches()
     p = sk1.project(first.to(dtype))
     q = sk2.project(second.to(dtype))
-    out = p.new_empty(k, unit.dim)
+    out = p.new_empty(k, unit.dim) if into is None else into
     for b0, m in unit.blocks:
         prod = torch.fft.rfft(p[:, b0 : b0 + m], dim=1).mul_(torch.fft.rfft(q[:, b0 : b0 + m], dim=1))
         if owner is None:
@@ -97,26 +102,28 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     device = out.run.rows.device
     ragged = factors.ragged() if device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
     k = out.k
+    target = out.fresh("weight")  # the rows' own columns, written straight (None: add by put)
     if ragged is not None:
         first, second = ragged.grads, ragged.inputs
         tokens = first.shape[0]
         owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(ragged.tokens, device=device))
         if route_for(unit, tokens, k, device) == "fft":
-            rows = _fft_sketch(*_with_bias(first, second, unit), owner, k, unit)
+            rows = _fft_sketch(*_with_bias(first, second, unit), owner, k, unit, target)
         else:
             f, s = _with_bias(first, second, unit)
             matrices = f.new_empty(k, unit.rows, unit.cols_in)
             ragged.per_class_mm(f, s, matrices)
-            rows = unit.sketch(matrices)
+            rows = unit.sketch(matrices, target)
     else:
         G = factors.grad_tokens()  # [k, T, rows]: one block (units are never grouped layers)
         if route_for(unit, G.shape[0] * G.shape[1], k, device) == "fft":
             f, s = _with_bias(G, factors.input_tokens(), unit)
-            rows = _fft_sketch(f.reshape(-1, f.shape[-1]), s.reshape(-1, s.shape[-1]), None, k, unit)
+            rows = _fft_sketch(f.reshape(-1, f.shape[-1]), s.reshape(-1, s.shape[-1]), None, k, unit, target)
         else:
-            rows = unit.sketch(_formed(factors, G, unit))
+            rows = unit.sketch(_formed(factors, G, unit), target)
     out.check_sums(rows)
-    out.put("weight", rows)
+    if target is None:
+        out.put("weight", rows)
 
 
 def _formed(factors: Any, G: torch.Tensor, unit: Any) -> torch.Tensor:
@@ -135,7 +142,13 @@ def _formed(factors: Any, G: torch.Tensor, unit: Any) -> torch.Tensor:
 
 
 def sketch_entries(
-    unit: Any, k: int, cls: torch.Tensor, i: torch.Tensor, j: torch.Tensor | None, values: torch.Tensor
+    unit: Any,
+    k: int,
+    cls: torch.Tensor,
+    i: torch.Tensor,
+    j: torch.Tensor | None,
+    values: torch.Tensor,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[k, dim]``: entries ``values`` (``[T, H]``) at ``(i, j)`` of class ``cls[t]``'s matrix, each
     added to its bucket of every block (the ``direct`` route; equal to ``unit.sketch`` of the summed
@@ -153,7 +166,7 @@ def sketch_entries(
         neg = ni ^ n2[cols, b]
         acc.index_add_(0, (base + col + neg.long() * dim).reshape(-1), values.reshape(-1))
     both = acc.view(k, 2, dim)
-    return (both[:, 0] - both[:, 1]).mul_(1.0 / math.sqrt(unit.nonzeros))
+    return torch.sub(both[:, 0], both[:, 1], out=into).mul_(1.0 / math.sqrt(unit.nonzeros))
 
 
 def sketched_embedding_sums(
@@ -164,6 +177,8 @@ def sketched_embedding_sums(
     (a bag's share; None: 1). Padding tokens must come with a zero weight."""
     if weight is not None:
         grads = grads * weight.unsqueeze(1)
-    rows = sketch_entries(unit, out.k, cls, ids, None, grads.to(out.run.rows.dtype))
+    target = out.fresh("weight")
+    rows = sketch_entries(unit, out.k, cls, ids, None, grads.to(out.run.rows.dtype), target)
     out.check_sums(rows)
-    out.put("weight", rows)
+    if target is None:
+        out.put("weight", rows)

@@ -1,19 +1,22 @@
 """The hook path's forward: what every module that handles selected parameters saw and gave.
 
 Holds ``Captured`` (one call of a layer with a rule: its input, its output and their versions),
-``UnitCall`` (one call of a module-VJP unit: all its arguments and its output's tensors),
-``NotLocal`` (a handled module whose parameters must go to an enclosing module instead, and why)
-and ``forward_capturing`` (one forward of the model that records them).
+``Copies`` (which modules hand the model a copy of their output), ``UnitCall`` (one call of a
+module-VJP unit: all its arguments and its output's tensors), ``NotLocal`` (a handled module
+whose parameters must go to an enclosing module instead, and why) and ``forward_capturing``
+(one forward of the model that records them).
 
 Inside its own forward each handling module sees detached copies of the selected parameters it
 handles, so the graph holds no edge from the module to them: any edge left after the forward is
 a use outside the module (``x @ layer.weight``), which per-class sums from its capture would
 miss; that is checked on the graph (a walk, no computation) and reported as ``NotLocal``. A
-module's output starts the graph when nothing before it needs a gradient. A model that changes a
-captured tensor in place (``ReLU(inplace=True)``) gets copies (``clone``), so the gradient is
-taken at the module's own output. A broadcast output (``[1, ...]`` from inputs with no sample
-dimension: position embeddings of ``position_ids [1, T]``) is handed to the model expanded to
-the run's ``total`` samples, so its gradient comes per sample.
+module's output starts the graph when nothing before it needs a gradient. Where a model changes
+a captured output in place (``ReLU(inplace=True)``, a residual ``h += x``), that module hands the
+model a copy (``Copies``), so the gradient is taken at the module's own output: only the modules
+found doing so, found in the forward of the first run (a ResNet's residual adds change 4 of its
+26 captured outputs). A broadcast output (``[1, ...]`` from inputs with no sample dimension:
+position embeddings of ``position_ids [1, T]``) is handed to the model expanded to the run's
+``total`` samples, so its gradient comes per sample.
 """
 
 from __future__ import annotations
@@ -87,6 +90,44 @@ class UnitCall:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+class Copies:
+    """Which handled modules hand the model a copy of their output (and, for a module-VJP unit,
+    keep copies of their arguments): none at first, then the modules found with an output
+    changed in place, or every module (``every``: a change found elsewhere, or refused by autograd)."""
+
+    def __init__(self) -> None:
+        self.modules: set[nn.Module] = set()
+        self.every = False
+
+    def __call__(self, module: nn.Module) -> bool:
+        return self.every or module in self.modules
+
+    def refused(self, leaves: list[nn.Module]) -> bool:
+        """Autograd refused an in-place change in the forward (of an output that starts the
+        graph, a leaf): copy the outputs of ``leaves``, then of every module; False when every
+        module copied already."""
+        if self.every:
+            return False
+        fresh = set(leaves) - self.modules
+        self.modules |= fresh
+        self.every = not fresh
+        return True
+
+    def widen(self, captured: list[Captured | UnitCall]) -> bool:
+        """After a run with changed captures: copy more and run again (True), or nothing more
+        can be copied (False)."""
+        if self.every:
+            return False
+        changed = [c for c in captured if c.modified()]
+        fresh = {c.module for c in changed} - self.modules
+        # A unit copies its arguments too; a layer's changed input is no output of its own.
+        if fresh and all(isinstance(c, UnitCall) or c.inputs._version == c.input_version for c in changed):
+            self.modules |= fresh
+        else:
+            self.every = True
+        return True
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -97,7 +138,7 @@ def forward_capturing(
     units: set[nn.Module],
     x: object,
     context: Callable[[], AbstractContextManager],
-    clone: bool,
+    copies: Copies,
     call: Callable[[object], Any],  # the engine's ModelIO: model(x) as the model takes it, logits out
     total: int,
     expanded: list[nn.Module] | None = None,
@@ -105,7 +146,7 @@ def forward_capturing(
     """The model's output on ``x`` (a run of ``total`` samples) and every call of a module in
     ``handled`` (module -> where its selected parameters are), in call order: ``UnitCall`` for
     ``units``, ``Captured`` for the others. None when an in-place change of a captured output
-    that starts the graph (a leaf) was refused by autograd: run again with ``clone``.
+    that starts the graph (a leaf) was refused by autograd: run again (``copies`` widened).
 
     With ``expanded`` (a list), broadcast outputs are handed on expanded to ``total`` samples
     and their modules appended to it; without, they are left as they are (their modules will be
@@ -121,15 +162,18 @@ def forward_capturing(
         for h, kind, p in detached[module]:
             h._parameters[kind] = p  # type: ignore[assignment]  # a detached copy, for one call
         if module in units:
-            if clone:  # private copies: nothing the model does later can change them
+            if copies(module):  # private copies: nothing the model does later can change them
                 args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
             calls.setdefault(module, []).append((args, kwargs, [(t, t._version) for t in _tensors((args, kwargs))]))
 
-    def start_graph(t: torch.Tensor) -> None:
+    leaves: list[nn.Module] = []  # modules whose outputs start the graph
+
+    def start_graph(module: nn.Module, t: torch.Tensor) -> None:
         # Nothing before it needs a gradient: start the graph here (unless the model runs this
         # module under no_grad, where its parameters truly get no gradient).
         if not t.requires_grad and torch.is_grad_enabled() and t.is_floating_point():
             t.requires_grad_()
+            leaves.append(module)
 
     def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for h, kind, p in real[module]:
@@ -137,13 +181,13 @@ def forward_capturing(
         if module in units:
             return keep_unit(module, output)
         inputs = args[0] if args else next(iter(kwargs.values()))  # layer(input=x) too
-        start_graph(output)
+        start_graph(module, output)
         version = output._version
         if expanded is not None and total > 1 and output.shape[0] == 1 and inputs.shape[0] == 1:  # broadcast
             inputs, output = inputs.expand(total, *inputs.shape[1:]), output.expand(total, *output.shape[1:])
             expanded.append(module)
         captured.append(Captured(module, inputs, output, inputs._version, version))
-        return output.clone() if clone else output
+        return output.clone() if copies(module) else output
 
     def keep_unit(module: nn.Module, output: Any) -> Any:
         args, kwargs, versions = calls[module].pop()
@@ -155,14 +199,14 @@ def forward_capturing(
             if not isinstance(t, torch.Tensor):
                 outputs.append(None)
                 continue
-            start_graph(t)
+            start_graph(module, t)
             versions.append((t, t._version))
             broadcast = not per_sample_inputs and t.dim() >= 1 and t.shape[0] == 1 and t.requires_grad
             if expanded is not None and total > 1 and broadcast:
                 t = t.expand(total, *t.shape[1:])
                 expanded.append(module)
             outputs.append(t if t.requires_grad else None)
-            handed[i] = t.clone() if clone and t.requires_grad else t
+            handed[i] = t.clone() if copies(module) and t.requires_grad else t
         captured.append(UnitCall(module, args, kwargs, spec, outputs, versions))
         return pytree.tree_unflatten(handed, spec)
 
@@ -173,7 +217,7 @@ def forward_capturing(
         with parameters_kept(model), context():
             out = call(x)
     except RuntimeError:
-        if clone:
+        if not copies.refused(leaves):
             raise
         return None
     finally:

@@ -32,7 +32,7 @@ from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
 from classgrad.workers.engines.layer_rules.module_vjp import batch_dim, check_layout
-from classgrad.workers.engines.partitioned.capture import Captured, NotLocal, UnitCall, forward_capturing
+from classgrad.workers.engines.partitioned.capture import Captured, Copies, NotLocal, UnitCall, forward_capturing
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
 from classgrad.workers.engines.partitioned.packing import ClassSamples
@@ -58,7 +58,7 @@ class HookPath:
         self.samples = samples
         self.single = single
         self.checked = self._check_key() in choices.HOOKS_CHECKED.get(engine.model, ())
-        self.clone = False  # copy layer outputs (the model changes them in place)
+        self.copies = Copies()  # modules whose outputs the model changes in place: copied
         self.lifts: list[str] = []  # modules whose parameters went to their parent, and why
         # Broadcast outputs ([1, ...]) handed on expanded to the run's samples (see capture), and
         # the modules whose outputs were expanded in the current run.
@@ -124,15 +124,16 @@ class HookPath:
             set(plan.units),
             x,
             lambda: eng.forward_context(0),
-            self.clone,
+            self.copies,
             eng.io,
             total,
             self.expanded if self.expand else None,
         )
-        if seen is None:  # an in-place change of a layer output: run again with copies, once
-            self.clone = True
+        if seen is None:  # an in-place change of a layer output refused: run again with copies
             return self._rows(classes, scales, dest, where)
         out, captured = seen
+        if any(c.modified() for c in captured) and self.copies.widen(captured):
+            return self._rows(classes, scales, dest, where)  # found before the backward: none wasted
         eng.stats.forwards += 1
         loss = eng.loss
         assert isinstance(loss, PartitionedLoss)  # the partitioned engine takes no other loss
@@ -151,8 +152,7 @@ class HookPath:
         found = {id(t): g for t, g in zip(targets, found_grads) if g is not None}
         eng.stats.backwards += 1
         if any(c.modified() for c in captured):
-            if not self.clone:  # once: switch to copied outputs and redo the run
-                self.clone = True
+            if self.copies.widen(captured):  # copy those outputs (or all) and redo the run
                 return self._rows(classes, scales, dest, where)
             raise RuntimeError("a hooked layer's input or output was modified in place")
 
