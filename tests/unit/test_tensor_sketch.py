@@ -169,6 +169,17 @@ def test_the_structured_hash_is_the_circular_convolution_of_the_factor_sketches(
     torch.testing.assert_close(direct, conv, rtol=1e-10, atol=1e-12)  # float64: roundoff only
 
 
+@pytest.mark.parametrize("nonzeros", [1, 3])
+def test_buckets_of_whole_rows_equal_those_of_any_range(nonzeros):
+    slot = ParamSlot("w", (5, 7), 0, 35)
+    unit = SketchUnit(0, slot, None, 5, 7, False, dim=16, nonzeros=nonzeros, seed=3)
+    whole = unit._flat_columns(0, 35, torch.device("cpu"))  # whole rows: the broadcast route
+    parts = [unit._flat_columns(a, b, torch.device("cpu")) for a, b in ((0, 3), (3, 20), (20, 35))]
+    assert torch.equal(whole[0], torch.cat([p[0] for p in parts]))  # integers: exact
+    assert torch.equal(whole[1], torch.cat([p[1] for p in parts]))
+    assert torch.equal(unit._flat_columns(14, 28, torch.device("cpu"))[0], whole[0][14:28])
+
+
 def test_inner_products_preserved_in_expectation():
     slots = [ParamSlot("w", (6, 9), 0, 54), ParamSlot("rest", (10,), 54, 10)]
     rows = torch.randn(2, 64, dtype=torch.float64)

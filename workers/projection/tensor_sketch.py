@@ -131,10 +131,15 @@ class SketchUnit(OuterMatrix):
         """``(cols, negative)`` of flat coordinates ``[start, stop)`` of ``M`` (row-major): int64
         ``[stop - start, s]`` columns and bool signs (True: -1), as ``SignedMap`` takes them."""
         h1, n1, h2, n2 = self.hashes(device)
-        flat = torch.arange(start, stop, device=device)
-        i, j = flat // self.cols_in, flat % self.cols_in
         sizes = torch.tensor([m for _, m in self.blocks], dtype=torch.int64, device=device)
         starts = torch.tensor([b0 for b0, _ in self.blocks], dtype=torch.int64, device=device)
+        c = self.cols_in
+        if start % c == 0 and stop % c == 0:  # whole rows of M: broadcast, no per-entry gathers
+            i0, i1 = start // c, stop // c
+            cols = (h1[i0:i1, None] + h2[None]) % sizes + starts  # [rows, cols_in, s]
+            return cols.reshape(-1, cols.shape[-1]), (n1[i0:i1, None] ^ n2[None]).reshape(-1, cols.shape[-1])
+        flat = torch.arange(start, stop, device=device)
+        i, j = flat // c, flat % c
         return (h1[i] + h2[j]) % sizes + starts, n1[i] ^ n2[j]
 
     def sketch(self, matrices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
