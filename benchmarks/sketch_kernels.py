@@ -10,11 +10,15 @@
   (im2col, then a transpose to tokens) and by ``conv.patches`` (``Tensor.unfold`` windows).
 - ``--section mm``: per-class products over ragged token slices (``Ragged.per_class_mm``: one
   batched product per token count) against one product per class.
+- ``--section route``: the three unit costs of ``sketch_sums.ROUTE_COST`` measured here (seconds
+  per rfft column at k = 4,096, per signed addition of a sparse sign map, per multiply-add of a
+  batched product) beside the table's.
 
     .venv/bin/python -m benchmarks.sketch_kernels --section sign
     .venv/bin/python -m benchmarks.sketch_kernels --section conv
     .venv/bin/python -m benchmarks.sketch_kernels --section patches
     .venv/bin/python -m benchmarks.sketch_kernels --section mm
+    .venv/bin/python -m benchmarks.sketch_kernels --section route
 
 Prints tables (2 threads unless ``--threads``).
 """
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from benchmarks.common import print_table
 from classgrad.workers.engines.layer_rules.conv import grouped_channels_last, patches
 from classgrad.workers.engines.layer_rules.rule_io import Ragged
+from classgrad.workers.engines.layer_rules.sketch_sums import ROUTE_COST
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.sketch import SparseSignSketch
 
@@ -140,9 +145,22 @@ def mm_times(k: int, per_sample: int, rows: int, cols: int, reps: int) -> tuple[
     return best_ms(per_class, reps), best_ms(lambda: ragged.per_class_mm(first, second, out), reps)
 
 
+def route_costs(reps: int) -> dict[str, float]:
+    """Seconds per unit of ``ROUTE_COST``'s three kinds of work, measured on this machine."""
+    tokens, dim = 512, 4096
+    x = torch.randn(tokens, dim)
+    fft_column = best_ms(lambda: torch.fft.rfft(x, dim=1), reps) / 1e3 / (tokens * dim)
+    rows = torch.randn(128, 36_864)
+    sk = SparseSignSketch(36_864, dim, nonzeros=1, seed=1)
+    scatter = best_ms(lambda: sk.project(rows), reps) / 1e3 / rows.numel()
+    a, b = torch.randn(128, 64, 32), torch.randn(128, 32, 577)  # a few-position convolution's products
+    mac = best_ms(lambda: torch.bmm(a, b), reps) / 1e3 / (128 * 64 * 32 * 577)
+    return {"fft_column": fft_column, "scatter": scatter, "mac": mac}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", choices=["sign", "conv", "patches", "mm"], required=True)
+    parser.add_argument("--section", choices=["sign", "conv", "patches", "mm", "route"], required=True)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -159,6 +177,11 @@ def main() -> None:
             shape, unfold, windows = patch_times(cin, ks, st, pd, side, args.reps)
             rows.append([f"{cin} x {side}x{side}, {ks}x{ks} stride {st}", shape, f"{unfold:.2f}", f"{windows:.2f}"])
         print_table(["input, kernel", "positions x features", "F.unfold ms", "conv.patches ms"], rows)
+    elif args.section == "route":
+        table = ROUTE_COST["cpu"]
+        found = route_costs(args.reps)
+        rows = [[k, f"{table[k]:.2e}", f"{found[k]:.2e}", f"{found[k] / table[k]:.2f}"] for k in table]
+        print_table(["unit cost", "ROUTE_COST s", "measured s", "measured / table"], rows)
     elif args.section == "mm":
         rows = []
         for k, per_sample, r, c in MM_CASES:
