@@ -196,7 +196,7 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     per_class_gradients(model, samples, **kw)
     warm = time.perf_counter() - t0
     # After the calls: the cold call is the process's first work on the model, as a user's is
-    # (timed after the floor's two passes it had been up to 1.1 s slower at HF ResNet C = 10,000).
+    # (after the floor's two passes its time had moved by up to 1.1 s at HF ResNet C = 10,000).
     floor = _floor(model, samples, classes, dim, spec["batch_size"])
     out: dict[str, Any] = {**spec, "floor_s": floor, "cold_s": cold, "warm_s": warm, "peak_rss_mib": peak}
     if profiler is not None:

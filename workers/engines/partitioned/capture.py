@@ -60,9 +60,13 @@ class Captured:
     def targets(self) -> list[torch.Tensor]:
         return [self.output] if self.output.requires_grad else []
 
+    def input_modified(self) -> bool:
+        """Whether the input was changed in place after the call (no copy of the output fixes that)."""
+        return self.inputs._version != self.input_version
+
     def modified(self) -> bool:
         """Whether the input or output was changed in place after the call."""
-        return self.inputs._version != self.input_version or self.output._version != self.output_version
+        return self.input_modified() or self.output._version != self.output_version
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ class Copies:
         changed = [c for c in captured if c.modified()]
         fresh = {c.module for c in changed} - self.modules
         # A unit copies its arguments too; a layer's changed input is no output of its own.
-        if fresh and all(isinstance(c, UnitCall) or c.inputs._version == c.input_version for c in changed):
+        if fresh and all(isinstance(c, UnitCall) or not c.input_modified() for c in changed):
             self.modules |= fresh
         else:
             self.every = True
