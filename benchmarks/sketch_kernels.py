@@ -1,13 +1,16 @@
 """The kernels behind two fixed rules of the default projection (issue 24's second pass), timed.
 
 - ``--section sign``: a sparse sign map (``projection.sketch.SignedMap``) applied as indexed adds
-  along the columns (the CPU's route) against the cached CSR product (the route of devices whose
-  adds are unordered), for rows x coordinates the engines send it; ms, best of ``--reps``.
+  along the columns (the CPU's route; the signs folded into the index, and multiplied into the
+  values, which ``sketch.SIGNED_VALUES_WIDTH`` picks for rows at most that many times ``dim``
+  wide) against the cached CSR product (the route of devices whose adds are unordered), for rows
+  x coordinates the engines send it; ms, best of ``--reps``.
 - ``--section conv``: a convolution's per-class weight gradients (128 or 32 classes of 2
   samples) by a grouped backward (channels-last and NCHW), one backward per class, and patches
   with one batched product (the ``tokens`` route): where ``conv.FEW_POSITIONS`` comes from.
 - ``--section patches``: every output position's input patch for 256 samples, by ``F.unfold``
-  (im2col, then a transpose to tokens) and by ``conv.patches`` (``Tensor.unfold`` windows).
+  (im2col, then a transpose to tokens), by ``conv.patches`` (``Tensor.unfold`` windows) and by
+  ``conv.patches_channels_inner`` (the windows of a channels-last copy: what sketched sums take).
 - ``--section mm``: per-class products over ragged token slices (``Ragged.per_class_mm``: one
   batched product per token count) against one product per class.
 - ``--section route``: the three unit costs of ``sketch_sums.ROUTE_COST`` measured here (seconds
@@ -33,13 +36,16 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import print_table
-from classgrad.workers.engines.layer_rules.conv import grouped_channels_last, patches
+from classgrad.workers.engines.layer_rules.conv import grouped_channels_last, patches, patches_channels_inner
 from classgrad.workers.engines.layer_rules.rule_io import Ragged
 from classgrad.workers.engines.layer_rules.sketch_sums import ROUTE_COST
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.sketch import SparseSignSketch
 
-SIGN_CASES = [(1, 8, 300_000), (1, 128, 300_000), (1, 8, 2_000_000), (4, 64, 300_000), (4, 256, 20_000)]
+SIGN_CASES = [
+    (1, 8, 300_000), (1, 128, 300_000), (1, 8, 2_000_000), (4, 64, 300_000), (4, 256, 20_000),
+    (1, 254, 257), (1, 254, 2_304), (1, 254, 10_000), (1, 127, 16_640), (1, 127, 36_928), (4, 254, 2_208),
+]  # fmt: skip
 # (name, cin, cout, kernel, stride, padding, input side, classes)
 CONV_CASES = [
     ("1 position, 512 ch", 512, 512, 3, 1, 1, 1, 32),
@@ -67,18 +73,21 @@ def best_ms(fn: Callable[[], object], reps: int) -> float:
     return 1e3 * best
 
 
-def sign_times(s: int, n: int, width: int, reps: int) -> tuple[float, float]:
-    """(CSR product ms, indexed adds ms) of one map on ``[n, width]`` rows."""
+def sign_times(s: int, n: int, width: int, reps: int) -> tuple[float, float, float | None]:
+    """(CSR product ms, folded indexed adds ms, signed-values adds ms or None where the width
+    is past ``SIGNED_VALUES_WIDTH``) of one map on ``[n, width]`` rows."""
     rows = torch.randn(n, width)
-    adds = SparseSignSketch(width, 4096, nonzeros=s, seed=1)
-    product = SparseSignSketch(width, 4096, nonzeros=s, seed=1)
-    saved = sketch_module.ORDERED_ADD_DEVICES
-    sketch_module.ORDERED_ADD_DEVICES = ()  # the CSR route, forced on this CPU
+    maps = [SparseSignSketch(width, 4096, nonzeros=s, seed=1) for _ in range(3)]
+    saved = sketch_module.ORDERED_ADD_DEVICES, sketch_module.SIGNED_VALUES_WIDTH
     try:
-        csr = best_ms(lambda: product.project(rows), reps)
+        sketch_module.ORDERED_ADD_DEVICES = ()  # the CSR route, forced on this CPU
+        csr = best_ms(lambda: maps[0].project(rows), reps)
+        sketch_module.ORDERED_ADD_DEVICES, sketch_module.SIGNED_VALUES_WIDTH = saved[0], 0  # folded, forced
+        folded = best_ms(lambda: maps[1].project(rows), reps)
     finally:
-        sketch_module.ORDERED_ADD_DEVICES = saved
-    return csr, best_ms(lambda: adds.project(rows), reps)
+        sketch_module.ORDERED_ADD_DEVICES, sketch_module.SIGNED_VALUES_WIDTH = saved
+    signed = best_ms(lambda: maps[2].project(rows), reps) if width <= saved[1] * 4096 else None
+    return csr, folded, signed
 
 
 def conv_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, k: int, reps: int) -> tuple[int, list[float]]:
@@ -112,8 +121,9 @@ def conv_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, k: int
     return positions, [best_ms(f, reps) for f in (grouped_cl, nchw, per_class, tokens)]
 
 
-def patch_times(cin: int, ks: int, st: int, pd: int, side: int, reps: int) -> tuple[str, float, float]:
-    """(patch shape, ms of ``F.unfold`` to tokens, ms of ``conv.patches``) for 256 samples."""
+def patch_times(cin: int, ks: int, st: int, pd: int, side: int, reps: int) -> tuple[str, float, float, float]:
+    """(patch shape, ms of ``F.unfold`` to tokens, of ``conv.patches``, of
+    ``conv.patches_channels_inner``) for 256 samples."""
     conv = torch.nn.Conv2d(cin, 1, ks, stride=st, padding=pd)
     x = torch.randn(256, cin, side, side)
 
@@ -123,9 +133,12 @@ def patch_times(cin: int, ks: int, st: int, pd: int, side: int, reps: int) -> tu
     def windows() -> torch.Tensor:
         return patches(x, conv)
 
+    def channels_inner() -> torch.Tensor:
+        return patches_channels_inner(x, conv)
+
     assert torch.equal(im2col(), windows())  # the same entries, moved: no arithmetic
     shape = "x".join(map(str, windows().shape[1:]))
-    return shape, best_ms(im2col, reps), best_ms(windows, reps)
+    return shape, best_ms(im2col, reps), best_ms(windows, reps), best_ms(channels_inner, reps)
 
 
 def mm_times(k: int, per_sample: int, rows: int, cols: int, reps: int) -> tuple[float, float]:
@@ -168,15 +181,21 @@ def main() -> None:
     if args.section == "sign":
         rows = []
         for s, n, width in SIGN_CASES:
-            csr, adds = sign_times(s, n, width, args.reps)
-            rows.append([s, f"{n} x {width:,}", f"{csr:.1f}", f"{adds:.1f}"])
-        print_table(["s", "rows x coordinates", "CSR product ms", "indexed adds ms"], rows)
+            csr, folded, signed = sign_times(s, n, width, args.reps)
+            rows.append(
+                [s, f"{n} x {width:,}", f"{csr:.2f}", f"{folded:.2f}", "-" if signed is None else f"{signed:.2f}"]
+            )
+        print_table(
+            ["s", "rows x coordinates", "CSR product ms", "adds, signs in index ms", "adds, signed values ms"], rows
+        )
     elif args.section == "patches":
         rows = []
         for cin, ks, st, pd, side in PATCH_CASES:
-            shape, unfold, windows = patch_times(cin, ks, st, pd, side, args.reps)
-            rows.append([f"{cin} x {side}x{side}, {ks}x{ks} stride {st}", shape, f"{unfold:.2f}", f"{windows:.2f}"])
-        print_table(["input, kernel", "positions x features", "F.unfold ms", "conv.patches ms"], rows)
+            shape, unfold, windows, inner = patch_times(cin, ks, st, pd, side, args.reps)
+            case = f"{cin} x {side}x{side}, {ks}x{ks} stride {st}"
+            rows.append([case, shape, f"{unfold:.2f}", f"{windows:.2f}", f"{inner:.2f}"])
+        headers = ["input, kernel", "positions x features", "F.unfold ms", "conv.patches ms", "channels inner ms"]
+        print_table(headers, rows)
     elif args.section == "route":
         table = ROUTE_COST["cpu"]
         found = route_costs(args.reps)

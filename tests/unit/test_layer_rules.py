@@ -30,6 +30,7 @@ from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.engines.layer_rules.rule_io import Ragged
 from classgrad.workers.layout import ParamSlot
+from classgrad.workers.projection import SketchUnit
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Scale, Tokens, assert_hook_path, rows_and_reference
 
@@ -301,6 +302,24 @@ def test_patches_are_im2col_token_major(conv):
     want = torch.nn.functional.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
     # The same entries moved into place, no arithmetic: exact.
     assert torch.equal(conv_module.patches(x, conv), want.transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(3, 2, 7, stride=2, padding=3),
+        nn.Conv2d(4, 2, 3, padding=1, dilation=2, bias=False),
+        nn.Conv2d(5, 2, (1, 3)),
+        nn.Conv1d(3, 2, 3, padding=2, stride=2),
+        nn.Conv3d(2, 2, (2, 3, 1), padding=(1, 0, 0)),
+    ],
+)
+def test_channels_inner_patches_are_the_patches_in_the_sketch_units_column_order(conv):
+    x = torch.randn(3, conv.in_channels, *[7, 9, 5][: conv.weight.dim() - 2])
+    unit = SketchUnit(0, ParamSlot("w", (1,), 0, 1), None, conv.out_channels, conv.weight[0].numel(), False, 8, 1, 0)
+    order = unit.column_order(conv.in_channels)
+    # The same entries moved, no arithmetic: exact. Column j of the new order is M's column order[j].
+    assert torch.equal(conv_module.patches_channels_inner(x, conv), conv_module.patches(x, conv)[:, :, order])
 
 
 def test_per_class_products_of_ragged_tokens_match_one_product_per_class():

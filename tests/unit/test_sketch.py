@@ -92,6 +92,23 @@ def test_sketch_equals_the_explicit_matrix_of_its_buckets_and_signs():
     assert sk.project(x.float()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("s", [1, 3])
+def test_narrow_rows_with_signed_values_equal_the_folded_route_and_the_matrix(s, monkeypatch):
+    D, k = 50, 24  # D <= SIGNED_VALUES_WIDTH * k: the signs multiplied into the values
+    assert D <= sketch_module.SIGNED_VALUES_WIDTH * k
+    x = torch.randn(6, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    sk = SparseSignSketch(D, k, nonzeros=s, seed=7)
+    rows = torch.full((6, k + 8), float("nan"), dtype=torch.float64)
+    signed = sk.signed.apply(x, rows[:, 4 : 4 + k])  # into a strided view, as the engines write
+    assert any(key.startswith("signed:") for key in sk.signed._cache)
+    assert rows[:, :4].isnan().all() and rows[:, 4 + k :].isnan().all()
+    monkeypatch.setattr(sketch_module, "SIGNED_VALUES_WIDTH", 0)  # the folded route, forced
+    folded = SparseSignSketch(D, k, nonzeros=s, seed=7).project(x)
+    # float64 sums of the same terms, signed in place against halves subtracted: 1e-12 relative.
+    assert max_relative_error(signed, folded) <= 1e-12
+    assert max_relative_error(signed, x @ sk.matrix()) <= 1e-12
+
+
 def test_chunked_and_regenerated_indices_give_the_cached_result(monkeypatch):
     x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(1))
     whole = SparseSignSketch(1000, 33, nonzeros=4, seed=9).project(x)

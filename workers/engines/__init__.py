@@ -41,6 +41,7 @@ from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngi
 from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
+from classgrad.workers.memory import keep_freed_memory
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.projection import FALLBACK_STRUCTURE, get_structure, resolve_structure, row_projector
@@ -106,6 +107,7 @@ def create_engine(
     or a one-line refusal when the job cannot take it. For the default structure (``projected``
     with ``default: True``) such a job gets the plain engine instead, with a note saying so: its
     finished rows are then sketched (``projection.rows.row_projector``)."""
+    keep_freed_memory()  # a fresh process's first call otherwise faults its memory in again and again
     resolved = resolve_engine_kind(kind, model, loss)
     if projected is None:
         return ENGINES[resolved](model, probe, loss, layout, **options)
@@ -157,6 +159,7 @@ def build_engine(
 
     ``projected``: the options of a ``ProjectedEngine`` (rows projected inside the backward,
     ``projected_options``), or None for full rows."""
+    keep_freed_memory()  # before the probe set's allocations too
     check_device(device)  # before the probe set is read: a missing GPU is named in one line
     loss_kind = create_loss(loss, num_classes)
     policy = precision if isinstance(precision, PrecisionPolicy) else PrecisionPolicy(precision)

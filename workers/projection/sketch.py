@@ -27,8 +27,11 @@ columns up to a term in ``sum_j x_j^2 y_j^2`` (rows whose mass sits on a few coo
 ``s > 1`` spreads over more columns.
 
 Cost: ``s`` additions per coordinate and row (``s D`` per row instead of a dense ``2 D k``
-flops). The sign is folded into the index (negative coordinates land in an accumulator's second
-half, which is subtracted at the end), so applying the map is ``s`` indexed adds (``SignedMap``).
+flops). Applying the map is ``s`` indexed adds (``SignedMap``): for rows wider than
+``SIGNED_VALUES_WIDTH`` times ``k`` the sign is folded into the index (negative coordinates land
+in an accumulator's second half, which is subtracted at the end: no pass over the rows), for
+narrower ones multiplied into a copy of the values (no ``[n, 2k]`` accumulator to zero and
+subtract, which there costs more than the rows' own entries).
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ CHUNK = 1 << 16
 # hashing them costs more than the sketch itself (whole ViT rows of 2.9M entries, s = 4, sketched
 # 16 rows at a time with the indices regenerated: 57 ms per row; kept: 23 ms).
 CACHE_ENTRIES = 1 << 25
+# Rows at most this many times ``dim`` wide are sketched with the signs multiplied into their
+# values; wider ones with the signs folded into the index (``SignedMap``). Measured on a 2-core
+# CPU, ``dim`` 4,096, s = 1, against the folded route: 257 columns 0.36x its time, 2,304 0.50x,
+# 10,000 0.99x (``python -m benchmarks.sketch_kernels --section sign``); 16,640 1.03x and
+# 36,928 1.27x in a scratch run (the benchmark times the route each width takes).
+SIGNED_VALUES_WIDTH = 3
 SPARSE_DTYPES = (torch.float32, torch.float64)  # what torch's sparse product takes on every device
 # Devices whose ``index_add_`` adds in index order (the CPU's): same bits on every run. Elsewhere
 # (CUDA: atomic adds, order not fixed) a kept index is applied as a sparse CSR product instead.
@@ -102,7 +111,8 @@ class SignedMap:
 
     On a CPU every block is one ``index_add_`` along the columns of an ``[n, 2 dim]``
     accumulator, the index kept per device (``CACHE_ENTRIES``) or regenerated per ``CHUNK`` of
-    coordinates. Against one CSR product (which needs the rows transposed, then its result),
+    coordinates; rows at most ``SIGNED_VALUES_WIDTH * dim`` wide are added, signed, into ``[n,
+    dim]`` instead. Against one CSR product (which needs the rows transposed, then its result),
     ``python -m benchmarks.sketch_kernels --section sign`` on a 2-core CPU: 7-9x faster with
     ``s = 1`` (128 rows of 300k coordinates: 36 ms against 252 ms), 1.3-2.4x with ``s = 4``; the
     same bits at any thread count.
@@ -130,6 +140,8 @@ class SignedMap:
                     self._cache[key] = sign_matrix(cols, neg, self.dim, self.scale, rows.dtype)
                 found = sparse_apply(self._cache[key], rows)
                 return found if out is None else out.copy_(found)
+            if self.kept and self.width <= SIGNED_VALUES_WIDTH * self.dim:
+                return self._add_signed(rows, out)
             acc = rows.new_zeros(rows.shape[0], 2 * self.dim)
             if self.kept:
                 key = f"index:{device}"
@@ -141,6 +153,22 @@ class SignedMap:
                     c1 = min(self.width, c0 + CHUNK)
                     self._add(acc, folded_index(*self.columns_of(c0, c1, device), self.dim), rows[:, c0:c1])
             return torch.sub(acc[:, : self.dim], acc[:, self.dim :], out=out).mul_(self.scale)
+
+    def _add_signed(self, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Rows no wider than a few times ``dim``: each block's signed copy of the rows added into
+        ``[n, dim]`` (no ``[n, 2 dim]`` accumulator to zero and subtract: that costs more than the
+        rows' own entries there)."""
+        key = f"signed:{rows.device}:{rows.dtype}"
+        if key not in self._cache:
+            cols, negative = self.columns_of(0, self.width, rows.device)
+            signs = torch.full(cols.shape, self.scale, dtype=rows.dtype, device=rows.device)
+            self._cache[key] = cols.t().contiguous()
+            self._cache[f"{key}:values"] = signs.masked_fill_(negative, -self.scale).t().contiguous()
+        cols, signs = self._cache[key], self._cache[f"{key}:values"]
+        found = rows.new_zeros(rows.shape[0], self.dim) if out is None else out.zero_()
+        for block, sign in zip(cols, signs):
+            found.index_add_(1, block, rows * sign)
+        return found
 
     @staticmethod
     def _add(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ the seed, the same on every worker and device.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -127,10 +128,23 @@ class SketchUnit(OuterMatrix):
             self._cache[key] = (c1 - starts, n1, c2 - starts, n2)
         return self._cache[key]
 
-    def _flat_columns(self, start: int, stop: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cols, negative)`` of flat coordinates ``[start, stop)`` of ``M`` (row-major): int64
-        ``[stop - start, s]`` columns and bool signs (True: -1), as ``SignedMap`` takes them."""
+    def column_order(self, channels: int) -> torch.Tensor:
+        """int64 ``[cols_in]``: the column of ``M`` held by each column of a matrix whose weight
+        columns are kernel-offset-major with ``channels`` channels innermost (a convolution's
+        ``patches_channels_inner``; ``M``'s own order is channel-major), the bias column last."""
+        order = torch.arange(self.b).view(channels, self.b // channels).t().reshape(-1)
+        return torch.cat([order, torch.arange(self.b, self.cols_in)])
+
+    def _flat_columns(
+        self, start: int, stop: int, device: torch.device, channels: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cols, negative)`` of flat coordinates ``[start, stop)`` of ``M`` (row-major, its
+        columns in ``column_order(channels)`` when given): int64 ``[stop - start, s]`` columns and
+        bool signs (True: -1), as ``SignedMap`` takes them."""
         h1, n1, h2, n2 = self.hashes(device)
+        if channels is not None:
+            order = self.column_order(channels).to(device)
+            h2, n2 = h2[order], n2[order]
         sizes = torch.tensor([m for _, m in self.blocks], dtype=torch.int64, device=device)
         starts = torch.tensor([b0 for b0, _ in self.blocks], dtype=torch.int64, device=device)
         c = self.cols_in
@@ -142,13 +156,17 @@ class SketchUnit(OuterMatrix):
         i, j = flat // c, flat % c
         return (h1[i] + h2[j]) % sizes + starts, n1[i] ^ n2[j]
 
-    def sketch(self, matrices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def sketch(
+        self, matrices: torch.Tensor, out: torch.Tensor | None = None, *, channels_inner: int | None = None
+    ) -> torch.Tensor:
         """``[n, rows, cols_in]`` (or ``[n, rows * cols_in]``) per-class matrices -> ``[n, dim]``
-        (into ``out`` when given)."""
-        if "signed" not in self._cache:
+        (into ``out`` when given); ``channels_inner``: their columns are in ``column_order`` of it."""
+        key = f"signed:{channels_inner}"
+        if key not in self._cache:
             scale = 1.0 / math.sqrt(self.nonzeros)
-            self._cache["signed"] = SignedMap(self.full, self.dim, self.nonzeros, scale, self._flat_columns)
-        return self._cache["signed"].apply(matrices.reshape(matrices.shape[0], self.full), out)
+            columns = functools.partial(self._flat_columns, channels=channels_inner)
+            self._cache[key] = SignedMap(self.full, self.dim, self.nonzeros, scale, columns)
+        return self._cache[key].apply(matrices.reshape(matrices.shape[0], self.full), out)
 
     def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias

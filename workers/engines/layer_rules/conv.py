@@ -4,8 +4,9 @@ convolution backward, with the run's classes as groups.
 Holds ``ConvFactors`` (the layer's outer-product factors: one token per output position, the
 input patch as its input factor; ``direct_sums`` is the fast kernel), ``conv_sums`` (registered
 for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``), ``zero_padding`` (when it applies: zero
-padding given as numbers; grouped, strided and dilated convolutions are fine) and ``patches``
-(every output position's input patch, any number of spatial dimensions).
+padding given as numbers; grouped, strided and dilated convolutions are fine), ``patches``
+(every output position's input patch, any number of spatial dimensions) and
+``patches_channels_inner`` (the same features in the order cheapest to copy, for sketched sums).
 
 Which kernel forms the sums is a fixed rule (``conv_route``), never a timing: every actor of a
 job, every resume and ``per_class_gradients`` then compute a row with the same kernel (on a GPU
@@ -94,6 +95,29 @@ def patches(x: torch.Tensor, module: ConvNd) -> torch.Tensor:
         t = t.unfold(2 + d, (size - 1) * dil + 1, module.stride[d])[..., ::dil]
     # [b, cin, *out, *kernel] -> [b, *out, cin, *kernel]
     t = t.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))
+    return t.reshape(x.shape[0], t.shape[1 : 1 + n].numel(), -1)
+
+
+def patches_channels_inner(x: torch.Tensor, module: ConvNd) -> torch.Tensor:
+    """``patches`` with each patch's features kernel-offset-major, channels innermost
+    (``[b, positions, prod(kernel) * cin]``; ``SketchUnit.column_order`` gives each feature's
+    weight column).
+
+    The windows of a channels-last copy of ``x`` keep a run of ``kernel[-1] * cin`` contiguous
+    floats, which the one copy moves 5-13x faster than the weight order's runs of one kernel row
+    (``python -m benchmarks.sketch_kernels --section patches``): for sums that only go into a
+    sketch, whose hash can follow any column order, the order is free."""
+    assert not isinstance(module.padding, str)
+    n = x.dim() - 2
+    pad = [p for d in reversed(range(n)) for p in (module.padding[d], module.padding[d])]
+    t = x.movedim(1, -1).contiguous()  # a view when x is channels-last already
+    if any(pad):
+        t = F.pad(t, [0, 0, *pad])
+    for d in range(n):
+        size, dil = module.kernel_size[d], module.dilation[d]
+        t = t.unfold(1 + d, (size - 1) * dil + 1, module.stride[d])[..., ::dil]
+    # [b, *out, cin, *kernel] -> [b, *out, *kernel, cin]
+    t = t.permute(0, *range(1, 1 + n), *range(2 + n, 2 + 2 * n), 1 + n)
     return t.reshape(x.shape[0], t.shape[1 : 1 + n].numel(), -1)
 
 
@@ -196,6 +220,16 @@ class ConvFactors(OuterFactors):
         k, m, cout = G.shape[:3]
         tokens = G.reshape(k, m, groups, cout // groups, -1).permute(0, 2, 1, 4, 3)
         return tokens.reshape(k * groups, -1, cout // groups)
+
+    def input_tokens_any_order(self) -> tuple[torch.Tensor, int | None]:
+        """Ungrouped layers: ``[k, m * positions, prod(kernel) * cin]`` (``patches_channels_inner``)
+        and ``cin``; grouped ones: ``input_tokens()`` and None."""
+        A = self.A
+        if self.module.groups != 1:
+            return self.input_tokens(), None
+        k, m = A.shape[:2]
+        found = patches_channels_inner(A.reshape(k * m, *A.shape[2:]), self.module)
+        return found.reshape(k, -1, found.shape[2]), A.shape[2]
 
     def input_tokens(self) -> torch.Tensor:
         """``[k * groups, m * positions, cin / groups * prod(kernel)]``: every output position's patch."""

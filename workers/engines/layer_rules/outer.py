@@ -44,6 +44,12 @@ class OuterFactors(ABC):
     def input_tokens(self) -> torch.Tensor:
         """``[k * blocks, T, in]``: the input factor per token (Conv: the patch it sees)."""
 
+    def input_tokens_any_order(self) -> tuple[torch.Tensor, int | None]:
+        """``input_tokens()`` with the features in whatever order is cheapest to form, and how
+        they are ordered: None (the weight's), or ``cin`` (a convolution's kernel-offset-major
+        order, ``cin`` channels innermost: ``SketchUnit.column_order``). For sums a sketch takes."""
+        return self.input_tokens(), None
+
     def ragged(self) -> Ragged | None:
         """The same tokens with no padding (classes of unequal size), or None: only the grid."""
         return None

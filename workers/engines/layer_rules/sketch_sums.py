@@ -120,15 +120,17 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
             f, s = _with_bias(G, factors.input_tokens(), unit)
             rows = _fft_sketch(f.reshape(-1, f.shape[-1]), s.reshape(-1, s.shape[-1]), None, k, unit, target)
         else:
-            rows = unit.sketch(_formed(factors, G, unit), target)
+            matrices, channels = _formed(factors, G, unit)
+            rows = unit.sketch(matrices, target, channels_inner=channels)
     out.check_sums(rows)
     if target is None:
         out.put("weight", rows)
 
 
-def _formed(factors: Any, G: torch.Tensor, unit: Any) -> torch.Tensor:
+def _formed(factors: Any, G: torch.Tensor, unit: Any) -> tuple[torch.Tensor, int | None]:
     """``[k, rows, cols_in]``: each class's ``M_i`` exactly (a convolution's grouped backward, or
-    the batched product of the token factors)."""
+    the batched product of the token factors), and the order of its columns (``channels_inner``
+    of ``SketchUnit.sketch``: the patches' cheapest order, which the sketch's hash follows)."""
     k = G.shape[0]
     if not unit.input_first:
         direct = factors.direct_sums(True, unit.bias is not None)
@@ -136,9 +138,10 @@ def _formed(factors: Any, G: torch.Tensor, unit: Any) -> torch.Tensor:
             gw, gb = direct
             assert gw is not None
             m = gw.reshape(k, unit.a, unit.b).to(G.dtype)
-            return m if gb is None else torch.cat([m, gb.reshape(k, unit.a, 1).to(G.dtype)], dim=2)
-    f, s = _with_bias(G, factors.input_tokens(), unit)
-    return torch.bmm(f.transpose(1, 2), s)
+            return (m if gb is None else torch.cat([m, gb.reshape(k, unit.a, 1).to(G.dtype)], dim=2)), None
+    tokens, channels = factors.input_tokens_any_order()
+    f, s = _with_bias(G, tokens, unit)
+    return torch.bmm(f.transpose(1, 2), s), channels
 
 
 def sketch_entries(
