@@ -27,8 +27,9 @@ from classgrad.service.config import load_config
 from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
+from classgrad.workers.engines.partitioned import projected_engine
 from classgrad.workers.layout import ParamSlot
-from classgrad.workers.projection import Projector, SketchUnit
+from classgrad.workers.projection import Projector, SketchUnit, tensor_sketch
 from classgrad.workers.projection.kronecker import KroneckerMap
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.projection.tensor_sketch import TensorSketchMap
@@ -127,6 +128,42 @@ def test_rows_equal_the_map_applied_to_the_float64_reference(case, route, grid, 
         units = {u["param"] for u in eng.describe()["units"]}
         assert {"tok.weight", "bag.weight", "bag_max.weight", "mix.weight", "conv.weight", "img.weight"} <= units
         assert {"norm.weight", "norm.bias", "scale"} <= set(eng.describe()["rest_params"])
+
+
+@pytest.mark.parametrize("table", ["kept", "hashed per call"])
+def test_embedding_lookups_with_and_without_the_kept_bucket_table(table, monkeypatch):
+    """The direct route of the embeddings takes each entry's bucket from ``SketchUnit.entry_index``
+    (tables up to ``ENTRY_TABLE_ENTRIES``) or hashes it per call (larger ones): the same map."""
+    if table != "kept":
+        monkeypatch.setattr(tensor_sketch, "ENTRY_TABLE_ENTRIES", 0)
+    eng, got, want = sketched("mixed", monkeypatch)
+    tok = next(u for u in eng.kmap.units if u.weight.name == "tok.weight")
+    assert (tok.entry_index("cpu") is not None) == (table == "kept")
+    # float32 sums against float64: 1e-5 of the rows' scale.
+    assert max_relative_error(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("structure", ["tensorsketch", "kronecker"])
+@pytest.mark.parametrize("case", ["mixed", "head"])  # a rest sketched over gathered blocks; no rest
+def test_rows_written_into_out_are_the_blocks_rows(case, structure, monkeypatch):
+    """``iter_blocks(out=...)`` (what ``per_class_gradients`` takes): the same rows, each block's a
+    view of ``out``, over groups of 2 classes and the rest gathered 3 rows at a time."""
+    monkeypatch.setattr(projected_engine, "REST_ROWS", 3)
+    model, data = CASES[case]()
+    proj = projected_options(projection_options({"dim": 64, "seed": 5, "structure": structure}))
+    eng = build_engine(model, data, num_classes=C, batch_size=12, group_rows=2, projected=proj)
+    want = eng.compute(range(C)).rows
+    out = torch.full((C, 64), float("nan"))
+    blocks = list(eng.iter_blocks(range(C), out=out))
+    assert len(blocks) > 1 and sum(len(b) for b in blocks) == C
+    done = 0
+    for b in blocks:
+        assert b.rows.data_ptr() == out[done].data_ptr()  # a view of out, in order
+        done += len(b)
+    # The same runs and sums in the same order, in one process: the same bits.
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="out must be"):
+        next(eng.iter_blocks(range(C), out=torch.empty(C, 63)))
 
 
 def test_frozen_and_tied_parameters(monkeypatch):

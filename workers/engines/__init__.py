@@ -301,7 +301,7 @@ def per_class_gradients(
             return torch.zeros(0, width)
         with _row_bar(len(wanted), progress) as advance:
             on_cpu = eng.row_dtype == torch.float32 and eng.device.type == "cpu"
-            if finished is None and on_cpu and type(eng) is PartitionedEngine:
+            if finished is None and on_cpu and isinstance(eng, PartitionedEngine):
                 # Rows written straight into the result: no second pass over C x D floats. (On a
                 # GPU blocks go to the host one at a time instead: C x D need not fit the device.)
                 out = torch.empty(len(wanted), width)

@@ -106,8 +106,11 @@ class RowBlock:
         return len(self.classes)
 
     @staticmethod
-    def concat(blocks: Sequence[RowBlock]) -> RowBlock:
-        return RowBlock(*(torch.cat([getattr(b, f) for b in blocks]) for f in RowBlock.__dataclass_fields__))
+    def concat(blocks: Sequence[RowBlock], rows: torch.Tensor | None = None) -> RowBlock:
+        """The blocks as one; ``rows``: their rows already side by side (a view of a caller's
+        buffer), taken as they are instead of concatenated."""
+        joined = {f: torch.cat([getattr(b, f) for b in blocks]) for f in RowBlock.__dataclass_fields__ if f != "rows"}
+        return RowBlock(rows=torch.cat([b.rows for b in blocks]) if rows is None else rows, **joined)
 
 
 @dataclass

@@ -538,12 +538,14 @@ class KroneckerMap:
         out = [float(sq[:, u.offset : u.offset + u.width].sum(1).mean()) for u in self.units]
         return out + [float(sq[:, self.units_width :].sum(1).mean()) if self.rest_size else 0.0]
 
-    def unit_rows(self, work: torch.Tensor) -> torch.Tensor:
-        """Work rows ``[n, work_dim]`` -> ``[n, dim]``: the units' columns (the rest's still zero)."""
+    def unit_rows(self, work: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Work rows ``[n, work_dim]`` -> ``[n, dim]`` (into ``into`` when given): the units'
+        columns (the rest's still zero)."""
         if self.rest_projector is None:
-            return work[:, : self.dim]
-        out = work.new_zeros(work.shape[0], self.dim)
+            return work[:, : self.dim] if into is None else into.copy_(work[:, : self.dim])
+        out = work.new_zeros(work.shape[0], self.dim) if into is None else into
         out[:, : self.units_width] = work[:, : self.units_width]
+        out[:, self.units_width :] = 0
         return out
 
     def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:

@@ -164,13 +164,9 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
         keep = (idx != module.padding_idx) if module.padding_idx is not None else torch.ones_like(idx, dtype=torch.bool)
         share = keep.to(grads.dtype) / keep.sum(dim=1, keepdim=True).clamp(min=1).to(grads.dtype)
         if out.projection is not None:  # TensorSketch: each entry's share into its buckets
+            values = (grads.unsqueeze(1) * share.unsqueeze(2)).reshape(-1, H)  # one pass, no repeated copy
             sketched_embedding_sums(
-                out,
-                out.projection,
-                classes.repeat_interleave(length),
-                idx.reshape(-1),
-                grads.repeat_interleave(length, dim=0),
-                share.reshape(-1),
+                out, out.projection, classes.repeat_interleave(length), idx.reshape(-1), values, None
             )
             return
 

@@ -20,7 +20,8 @@ give the same numbers up to float32 rounding (both are the map ``SketchUnit.sket
 The route is the cheaper by ``ROUTE_COST`` for this call's token and class counts: a pure
 function of the shapes, never a timing, so every worker and every run takes the same one.
 Embedding tables (one-hot inputs) take a third, ``direct``: each looked-up entry added to its
-bucket (``H s`` additions per token), never a ``[V, H]`` table.
+bucket (``H s`` additions per token, the buckets gathered from ``SketchUnit.entry_index`` where
+the table is small enough to keep them), never a ``[V, H]`` table of gradients.
 """
 
 from __future__ import annotations
@@ -157,17 +158,25 @@ def sketch_entries(
     added to its bucket of every block (the ``direct`` route; equal to ``unit.sketch`` of the summed
     matrices). ``i``: ``[T]`` (a row per token) or ``[T, H]``; ``j``: None (column ``h``) or ``[T, H]``."""
     device = values.device
-    h1, n1, h2, n2 = unit.hashes(device)
     dim = unit.dim
     acc = values.new_zeros(k * 2 * dim)
     base = (cls * (2 * dim)).unsqueeze(1)  # [T, 1]
-    cols = torch.arange(values.shape[1], device=device) if j is None else j
-    for b, (b0, m) in enumerate(unit.blocks):
-        # [T, 1] + [H] (or [T, H]): one bucket and sign per entry, no per-entry gathers of rows
-        hi, ni = (h1[i, b], n1[i, b]) if i.dim() == 2 else (h1[i, b].unsqueeze(1), n1[i, b].unsqueeze(1))
-        col = (hi + h2[cols, b]) % m + b0
-        neg = ni ^ n2[cols, b]
-        acc.index_add_(0, (base + col + neg.long() * dim).reshape(-1), values.reshape(-1))
+    flat = values.reshape(-1)
+    whole_rows = j is None and i.dim() == 1 and values.shape[1] == unit.cols_in and k * 2 * dim < 2**31
+    table = unit.entry_index(device) if whole_rows else None
+    if table is not None:  # every entry's folded bucket kept: one gather of a table row per token
+        base = base.to(torch.int32)
+        for block in table:
+            acc.index_add_(0, (block[i] + base).reshape(-1), flat)
+    else:
+        h1, n1, h2, n2 = unit.hashes(device)
+        cols = torch.arange(values.shape[1], device=device) if j is None else j
+        for b, (b0, m) in enumerate(unit.blocks):
+            # [T, 1] + [H] (or [T, H]): one bucket and sign per entry, no per-entry gathers of rows
+            hi, ni = (h1[i, b], n1[i, b]) if i.dim() == 2 else (h1[i, b].unsqueeze(1), n1[i, b].unsqueeze(1))
+            col = (hi + h2[cols, b]) % m + b0
+            neg = ni ^ n2[cols, b]
+            acc.index_add_(0, (base + col + neg.long() * dim).reshape(-1), flat)
     both = acc.view(k, 2, dim)
     return torch.sub(both[:, 0], both[:, 1], out=into).mul_(1.0 / math.sqrt(unit.nonzeros))
 
