@@ -8,7 +8,8 @@ same order, the per-class sample index that the partitioned engine uses, and the
 probe set as built (``digest``; a Dataset's is taken while its targets are gathered, the one pass
 over it) with the check that its first samples read the same twice (``reads_repeat``); and
 ``tree_map_tensors``, which maps a function over the tensors of a batch (inputs may be nests of
-tuples, lists and dicts), and ``digest_into``, which hashes such a nest.
+tuples, lists and dicts), ``digest_into``, which hashes such a nest, and ``has_image`` /
+``in_memory_format`` (its 4-D floating tensors, found and put in a memory format).
 
 Inputs stay where the user put them and are fetched per batch; only targets (small) are held
 whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and the
@@ -76,9 +77,18 @@ def _sample_digest(inputs: Any) -> str:
     return h.hexdigest()
 
 
-def _in_format(batch: Any, memory_format: torch.memory_format) -> Any:
+def in_memory_format(batch: Any, memory_format: torch.memory_format) -> Any:
     """4-D floating tensors of ``batch`` in ``memory_format``; everything else as it is."""
-    return tree_map_tensors(lambda t: t.contiguous(memory_format=memory_format) if _is_image(t) else t, batch)
+    return tree_map_tensors(lambda t: t.contiguous(memory_format=memory_format) if is_image(t) else t, batch)
+
+
+def has_image(batch: Any) -> bool:
+    """Whether ``batch`` (a tensor, or a nest of tuples, lists and dicts) holds a 4-D floating tensor."""
+    if isinstance(batch, (tuple, list)):
+        return any(has_image(t) for t in batch)
+    if isinstance(batch, dict):
+        return any(has_image(t) for t in batch.values())
+    return is_image(batch)
 
 
 def _to_device(batch: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
@@ -186,7 +196,7 @@ class ProbeSet:
         assert self._samples is not None  # set while the targets were gathered
         samples = self._samples
         batch = samples.inputs_of_batch(samples.collate([_item(self._dataset, int(i)) for i in indices]))
-        return batch if memory_format is None else _in_format(batch, memory_format)
+        return batch if memory_format is None else in_memory_format(batch, memory_format)
 
     def batch(
         self,
@@ -291,18 +301,18 @@ def _split_columns(columns: Mapping[str, torch.Tensor], label_field: str | None)
     return {k: v for k, v in columns.items() if k != key}, columns[key]
 
 
-def _is_image(t: Any) -> bool:
+def is_image(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
 
 
 def _index(inputs: Any, indices: torch.Tensor, memory_format: torch.memory_format | None = None) -> Any:
     if isinstance(inputs, torch.Tensor):
-        if memory_format == torch.channels_last and _is_image(inputs):
+        if memory_format == torch.channels_last and is_image(inputs):
             # Gathering from an NHWC view writes the batch channels-last in one pass; indexing
             # and then converting reads and writes it twice.
             picked = torch.index_select(inputs.permute(0, 2, 3, 1), 0, indices.to(inputs.device))
             return picked.permute(0, 3, 1, 2)
-        return _in_format(inputs[indices], memory_format) if memory_format is not None else inputs[indices]
+        return in_memory_format(inputs[indices], memory_format) if memory_format is not None else inputs[indices]
     if isinstance(inputs, (tuple, list)):
         return type(inputs)(_index(x, indices, memory_format) for x in inputs)
     if isinstance(inputs, dict):

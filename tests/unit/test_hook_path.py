@@ -14,7 +14,7 @@ from torch import nn
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, choices, per_class_gradients
 from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, fell_back, max_relative_error
-from tests.support.hf_models import hf_probe, tiny_bert
+from tests.support.hf_models import hf_probe, tiny_bert, tiny_resnet
 
 
 def test_a_hooked_parameter_used_outside_its_layer_is_detected():
@@ -213,3 +213,24 @@ def test_bert_with_padding_cannot_be_vmapped_but_takes_the_hook_path():
     want = build_engine(copy.deepcopy(model).double(), (x, y), num_classes=NUM_CLASSES, engine="reference")
     # fp32 against the float64 reference: a few float32 roundoffs over a 2-layer transformer.
     assert max_relative_error(got, want.compute(range(NUM_CLASSES)).rows) <= 1e-5
+
+
+def test_image_inputs_inside_a_dict_take_the_image_format_too():
+    """A Hugging Face image model's ``pixel_values`` (a dict batch) follow the rule of
+    ``input_format.image_format`` as a bare image batch does: the hook path's convolutions run
+    channels-last; rows exact."""
+    model = tiny_resnet(NUM_CLASSES, seed=3)
+    x, y = hf_probe("resnet", NUM_CLASSES, per_class=3, seed=4)
+    data = [{"pixel_values": x[i], "labels": y[i]} for i in range(len(y))]
+    layouts = []
+    stem = model.resnet.embedder.embedder.convolution
+    stem.register_forward_pre_hook(
+        lambda m, args: layouts.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=8)
+    got = eng.compute(range(NUM_CLASSES)).rows
+    assert eng._hooked is not None and not fell_back(eng), eng.stats.notes
+    assert any(layouts), layouts  # (the one-off spot check's plain path runs as the model is given)
+    want = per_class_gradients(model, data, num_classes=NUM_CLASSES, engine="reference")
+    # fp32 engines against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5

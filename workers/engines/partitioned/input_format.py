@@ -3,7 +3,8 @@
 Holds ``image_format`` (the rule) and ``ImageFormat`` (puts a run's image inputs in that format).
 Channels-last is what convolutions and pooling run fastest in on a CPU (the partitioned engine's
 CNN: forward and backward 1.5x faster) and with tensor cores, so a model with a 2-d convolution
-gets its 4-D floating inputs channels-last, any other model gets them as given. A rule, not a
+gets its 4-D floating inputs channels-last (a bare batch, or inside a dict, tuple or list: a
+Hugging Face model's ``pixel_values``), any other model gets them as given. A rule, not a
 measurement: the format picks the convolution kernels, and rows from the kernels of two layouts
 were seen to differ by 5e-4 relative (issue 29; on a CPU they agree to rounding: where one
 kernel runs in TF32 on a GPU, 2^-11 is TF32's rounding). Chosen by timing, two actors of one
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from classgrad.workers.probe import has_image, in_memory_format
 
 __all__ = ["ImageFormat", "image_format"]
 
@@ -33,10 +36,9 @@ class ImageFormat:
         self.gather: torch.memory_format | None = None
 
     def apply(self, x: object) -> object:
-        """``x`` in the format, when it is a 4-D floating tensor; anything else as it is."""
-        if not (isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()):
-            return x
-        if self.format != "channels_last":
+        """``x`` with its 4-D floating tensors in the format: ``x`` itself, or any inside a dict,
+        tuple or list (a Hugging Face model's ``pixel_values``); anything else as it is."""
+        if self.format != "channels_last" or not has_image(x):
             return x
         self.gather = torch.channels_last
-        return x.contiguous(memory_format=torch.channels_last)  # a no-op once batches are gathered so
+        return in_memory_format(x, torch.channels_last)  # a no-op once batches are gathered so
