@@ -203,10 +203,10 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
     # (after the floor's two passes its time had moved by up to 1.1 s at HF ResNet C = 10,000).
     # With --repeat, floors and warm calls alternate, the best of each kept: a VM whose load
     # moves within the run then moves both alike.
-    floors, warms = [], [warm]
-    for r in range(spec.get("repeat", 1)):
+    floors, warms, repeat = [], [warm], spec.get("repeat", 1)
+    for r in range(repeat):
         floors.append(_floor(model, samples, classes, dim, spec["batch_size"]))
-        if r + 1 < spec.get("repeat", 1):
+        if r + 1 < repeat:
             t0 = time.perf_counter()
             per_class_gradients(model, samples, **kw)
             warms.append(time.perf_counter() - t0)

@@ -545,7 +545,8 @@ class KroneckerMap:
             return work[:, : self.dim] if into is None else into.copy_(work[:, : self.dim])
         out = work.new_zeros(work.shape[0], self.dim) if into is None else into
         out[:, : self.units_width] = work[:, : self.units_width]
-        out[:, self.units_width :] = 0
+        if into is not None:  # new_zeros' rest columns are zero already
+            out[:, self.units_width :] = 0
         return out
 
     def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME
 from classgrad.workers.projection.kronecker import OuterMatrix, UnitShape, outer_layers, shape_for
-from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch
+from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
 
 STRUCTURE = "tensorsketch"
 # Buckets per coordinate of a layer's matrix: one (the plain TensorSketch). Its inner-product
@@ -143,12 +143,8 @@ class SketchUnit(OuterMatrix):
             return None
         key = f"entries:{device}"
         if key not in self._cache:
-            h1, n1, h2, n2 = self.hashes(device)
-            sizes = torch.tensor([m for _, m in self.blocks], dtype=torch.int64, device=device)
-            starts = torch.tensor([b0 for b0, _ in self.blocks], dtype=torch.int64, device=device)
-            cols = (h1[:, None] + h2[None]) % sizes + starts  # [rows, cols_in, s]
-            folded = cols + (n1[:, None] ^ n2[None]).long() * self.dim
-            self._cache[key] = folded.permute(2, 0, 1).to(torch.int32).contiguous()
+            folded = folded_index(*self._flat_columns(0, self.full, torch.device(device)), self.dim)  # [s, full]
+            self._cache[key] = folded.to(torch.int32).view(-1, self.rows, self.cols_in)
         return self._cache[key]
 
     def column_order(self, channels: int) -> torch.Tensor:
