@@ -6,6 +6,7 @@ path (the rule is what is under test) and give the reference engine's rows on a 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import choices
+from classgrad.workers.engines import build_engine, choices, projected_options, projection_options
 from classgrad.workers.engines.layer_rules import (
     RULES,
     ClassGrid,
@@ -28,7 +29,7 @@ from classgrad.workers.engines.layer_rules import (
 )
 from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
-from classgrad.workers.engines.layer_rules.rule_io import Ragged
+from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import SketchUnit
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
@@ -72,6 +73,10 @@ def _build(case: str) -> tuple[nn.Module, dict]:
         "linear_positions": (
             lambda: nn.Sequential(Tokens(2, 4), nn.Linear(4, 6), nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)),
             vector,
+        ),
+        "linear_last_position": (
+            lambda: nn.Sequential(Tokens(3, 4), nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, NUM_CLASSES), LastPosition()),
+            dict(kind="vector", input_shape=(12,)),
         ),
         "conv": (lambda: _conv_head(nn.Conv2d(3, 4, 3), channels=4), image),
         "conv_no_bias": (lambda: _conv_head(nn.Conv2d(3, 4, 3, bias=False), channels=4), image),
@@ -135,6 +140,7 @@ RULE_CASES = {  # case -> the layer types whose rule must be used
     "linear": {nn.Linear},
     "linear_no_bias": {nn.Linear},
     "linear_positions": {nn.Linear},
+    "linear_last_position": {nn.Linear},
     "conv": {nn.Conv2d, nn.Linear},
     "conv_no_bias": {nn.Conv2d, nn.Linear},
     "conv_strided": {nn.Conv2d, nn.Linear},
@@ -333,6 +339,47 @@ def test_per_class_products_of_ragged_tokens_match_one_product_per_class():
         # float64 products of the same terms, batched or not: 1e-12 relative.
         torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
         start += n
+
+
+class LastPosition(nn.Module):
+    """``[N, T, C]`` -> ``[N, C]``: the last position's scores (a decoder's classifier head scores
+    every position and keeps one, so the head's gradient is zero at the others)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, -1]
+
+
+@pytest.mark.parametrize("projected", [False, True])
+@pytest.mark.parametrize("imbalance", [0.0, 1.0])
+def test_tokens_with_a_zero_gradient_are_left_out_of_the_sums_exactly(projected, imbalance, monkeypatch):
+    kept = []
+    real = Ragged.keeping
+    monkeypatch.setattr(
+        Ragged, "keeping", lambda self, live: kept.append((len(live), int(live.sum()))) or real(self, live)
+    )
+    model, data_kwargs = _build("linear_last_position")
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, imbalance=imbalance, empty_classes=[EMPTY_CLASS], seed=3, **data_kwargs)
+    proj = projected_options(projection_options({"dim": 16, "seed": 2})) if projected else None
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=12, projected=proj)
+    got = eng.compute(range(NUM_CLASSES)).rows
+    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, engine="reference")
+    want = ref.compute(range(NUM_CLASSES)).rows
+    want = eng.kmap.project_full(want) if projected else want
+    assert not fell_back(eng), eng.stats.notes
+    # Only the head's tokens: one of the 3 positions of every sample is live (the body's are all).
+    assert kept and all(live * 3 == tokens for tokens, live in kept)
+    # float32 against float64, sums of a few terms: as in test_each_rule_matches_the_float64_reference
+    # (the sketch adds its products and FFTs: 1e-5, as in test_tensor_sketch).
+    assert max_relative_error(got, want) <= (1e-5 if projected else 1e-6)
+    assert torch.equal(zero_rows(got), zero_rows(want))
+
+
+def test_live_tokens_are_the_rows_not_all_zero():
+    g = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, -2.0], [3.0, 4.0]])
+    assert torch.equal(live_tokens(g), torch.tensor([True, False, True, True]))
+    assert live_tokens(g[[0, 2, 3]]) is None  # every row live (one starts with a zero)
+    assert live_tokens(g[[0, 3]]) is None  # no row starts with a zero: not read further
+    assert live_tokens(g[:0]) is None
 
 
 def _scale_model() -> nn.Module:

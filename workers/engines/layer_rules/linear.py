@@ -11,7 +11,15 @@ from torch import nn
 
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
-from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, Ragged
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, Ragged, live_tokens
+
+# Dead tokens (an output gradient of zeros) are dropped when at most this fraction of a run's
+# tokens is live: a decoder's classifier head, which scores every position and keeps one
+# (GPT-2 at C = 10,000, 16 positions: the head's sketch 24.1 -> 2.7 s, the call 48 -> 28 s;
+# benchmarks/RESULTS.md, sixth pass). Not a sequence's padding: with
+# 10 of 16 positions live, dropping them made GPT-2's attention layers 1.5-2x slower (classes
+# of many different token counts take one product each; scratch timing).
+DROP_BELOW = 0.5
 
 
 class LinearFactors(OuterFactors):
@@ -24,24 +32,32 @@ class LinearFactors(OuterFactors):
         seen = self.seen
         return seen.by_class(t.reshape(seen.total, -1, t.shape[-1])).reshape(seen.k, -1, t.shape[-1])
 
-    def ragged(self) -> Ragged | None:
+    def ragged(self, live: bool = False) -> Ragged | None:
         seen = self.seen
-        if seen.grid.spots is None:  # classes of equal size: the grid is a view already
-            return None
+        if seen.total == 0 or (seen.grid.spots is None and not live):
+            return None  # classes of equal size: the grid is a view already
         first, second = self._pair()
         per_sample = first[0].numel() // first.shape[-1]  # tokens of a sample
         if per_sample == 1:
             # Products of a few tokens: a loop over classes costs more in calls than the padding
             # saves (an MLP of classes of 1 to 4 samples: 5-10% slower than the padded grid).
             return None
+        alive = live_tokens(seen.grads.reshape(-1, seen.grads.shape[-1])) if live else None
+        if alive is not None and not 0 < int(alive.sum()) <= DROP_BELOW * alive.numel():
+            # A sequence's padding (the classes' varied token counts cost more calls), or nothing
+            # live at all (the sums are zero either way; the rules read at least one token).
+            alive = None
+        if alive is None and seen.grid.spots is None:
+            return None
         tokens = (seen.grid.counts(first.device) * per_sample).tolist()
         dtype = seen.grid.dtype
-        return Ragged(
+        found = Ragged(
             first.reshape(-1, first.shape[-1]).to(dtype),
             second.reshape(-1, second.shape[-1]).to(dtype),
             tokens,
             per_sample,
         )
+        return found if alive is None else found.keeping(alive)
 
     def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The first and second factor as captured (``[total, ..., features]``)."""

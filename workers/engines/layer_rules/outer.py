@@ -50,8 +50,10 @@ class OuterFactors(ABC):
         order, ``cin`` channels innermost: ``SketchUnit.column_order``). For sums a sketch takes."""
         return self.input_tokens(), None
 
-    def ragged(self) -> Ragged | None:
-        """The same tokens with no padding (classes of unequal size), or None: only the grid."""
+    def ragged(self, live: bool = False) -> Ragged | None:
+        """The same tokens with no padding (classes of unequal size), or None: only the grid;
+        ``live``: without the tokens whose output gradient is all zero (``rule_io.live_tokens``),
+        and then also for classes of equal size when some were dropped."""
         return None
 
     def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
@@ -97,7 +99,7 @@ def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
         return
     # On a CPU, classes of unequal size: one product per class on its own slice of tokens (no
     # padded copies, no products of padding; a loop a GPU would pay for in launches).
-    ragged = factors.ragged() if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES else None
+    ragged = factors.ragged(live=True) if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES else None
     if ragged is not None:
         _ragged_sums(ragged, out)
         return

@@ -8,7 +8,8 @@ Holds:
   request; ``Ragged``: a layer's token factors of a run, unpadded, and the product per class.
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
-- ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``CPU_ROUTE_DEVICES``.
+- ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``live_tokens``: the tokens whose
+  output gradient is not all zero; ``CPU_ROUTE_DEVICES``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ CPU_ROUTE_DEVICES = ("cpu",)
 
 # A row whose entries are all bounded by this is finite, with room for the sums that form it.
 FINITE_BOUND = 1e37
+
+
+def live_tokens(grads: torch.Tensor) -> torch.Tensor | None:
+    """bool ``[tokens]``: the rows of ``grads`` ``[tokens, features]`` that are not all zero, or
+    None when every row is. A row of zeros (a position the loss never reads: a decoder's
+    classifier head scores every position and keeps the last) adds nothing to any sum of
+    outer products, so it can be left out exactly. Rows are screened by their first entry (one
+    strided read); only if some start with a zero is the whole tensor read, by its largest and
+    smallest entry per row (10x faster than ``any`` on a CPU; a NaN is live)."""
+    if grads.shape[0] == 0 or grads.shape[1] == 0 or not bool((grads[:, 0] == 0).any()):
+        return None
+    live = (grads.amax(dim=1) != 0) | (grads.amin(dim=1) != 0)
+    return None if bool(live.all()) else live
 
 
 def peak(t: torch.Tensor) -> torch.Tensor:
@@ -96,12 +110,22 @@ class ClassGrid:
 class Ragged:
     """A run's tokens class after class, unpadded: ``grads`` ``[tokens, out]``, ``inputs``
     ``[tokens, in]`` (each class's tokens a contiguous slice, each sample's ``per_sample`` tokens
-    in a row), ``tokens`` per class."""
+    in a row; 0 once ``keeping`` dropped some), ``tokens`` per class."""
 
     grads: torch.Tensor
     inputs: torch.Tensor
     tokens: list[int]
     per_sample: int
+
+    def keeping(self, live: torch.Tensor) -> Ragged:
+        """The tokens where ``live`` (bool ``[tokens]``) is set, each class keeping its own."""
+        device = live.device
+        owner = torch.repeat_interleave(
+            torch.arange(len(self.tokens), device=device), torch.tensor(self.tokens, device=device)
+        )
+        tokens = torch.bincount(owner[live], minlength=len(self.tokens)).tolist()
+        take = live.nonzero().squeeze(1)
+        return Ragged(self.grads.index_select(0, take), self.inputs.index_select(0, take), tokens, 0)
 
     def per_class_mm(self, first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> None:
         """``out[i] = first_i^T @ second_i`` over class i's slice of tokens (zero for no tokens).

@@ -101,7 +101,7 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s sketch of ``[dW_i | db_i]`` (``unit.dim`` columns) into ``out``'s weight columns."""
     conv = isinstance(getattr(factors, "module", None), (nn.Conv1d, nn.Conv2d, nn.Conv3d))
     device = out.run.rows.device
-    ragged = factors.ragged() if device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
+    ragged = factors.ragged(live=True) if device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
     k = out.k
     target = out.fresh("weight")  # the rows' own columns, written straight (None: add by put)
     if ragged is not None:
