@@ -96,24 +96,30 @@ def build(name: str, classes: int) -> tuple[nn.Module, Any, torch.Tensor]:
     labels = torch.arange(classes).repeat_interleave(2)
     if name == "bag_text":
         return BagText(classes).eval(), (torch.randint(0, 2000, (len(labels), 16), generator=g), labels), labels
-    import transformers as tf
-
-    config = tf.ResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32, 64, 256], depths=[1, 1, 1, 1], layer_type="basic", num_labels=classes
-    )
-    model = tf.ResNetForImageClassification(config).eval()
-    images = torch.randn(len(labels), 3, 32, 32, generator=g)
-    return model, [{"pixel_values": images[i], "labels": labels[i]} for i in range(len(labels))], labels
+    return resnet_model(classes), resnet_data(classes), labels
 
 
 def resnet_model(num_classes: int) -> nn.Module:
-    """The ``hf_resnet`` case's model, as a job's ``model.factory``."""
-    return build("hf_resnet", num_classes)[0]
+    """The ``hf_resnet`` case's model, as a job's ``model.factory`` (seeded weights)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.ResNetConfig(
+        embedding_size=16,
+        hidden_sizes=[16, 32, 64, 256],
+        depths=[1, 1, 1, 1],
+        layer_type="basic",
+        num_labels=num_classes,
+    )
+    return tf.ResNetForImageClassification(config).eval()
 
 
 def resnet_data(num_classes: int) -> list[dict[str, torch.Tensor]]:
-    """The ``hf_resnet`` case's samples (2 per class), as a job's ``data.factory``."""
-    return build("hf_resnet", num_classes)[1]
+    """The ``hf_resnet`` case's samples (2 per class), as a job's ``data.factory``: each factory
+    builds only its own part (the job's driver and every actor call both)."""
+    labels = torch.arange(num_classes).repeat_interleave(2)
+    images = torch.randn(len(labels), 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return [{"pixel_values": images[i], "labels": labels[i]} for i in range(len(labels))]
 
 
 def job(spec: dict[str, Any]) -> dict[str, Any]:
