@@ -130,6 +130,26 @@ def test_rows_equal_the_map_applied_to_the_float64_reference(case, route, grid, 
         assert {"norm.weight", "norm.bias", "scale"} <= set(eng.describe()["rest_params"])
 
 
+@pytest.mark.parametrize("route", ["fft", "form"])
+def test_one_token_a_sample_is_sketched_unpadded_on_the_fft_route(route, monkeypatch):
+    """Classes of 1 to 3 samples: the head's FFT route takes the unpadded tokens (each token's
+    class as an owner), the form route one product over the padded grid."""
+    owners = []
+    real = sketch_sums._fft_sketch
+    monkeypatch.setattr(
+        sketch_sums,
+        "_fft_sketch",
+        lambda first, second, owner, *a: owners.append(owner) or real(first, second, owner, *a),
+    )
+    eng, got, want = sketched("head", monkeypatch, route)
+    assert max_relative_error(got, want) < 1e-5  # as in test_rows_equal_the_map_applied_to_the_float64_reference
+    if route == "fft":
+        _, y = head_case()[1]
+        assert owners and all(o is not None and torch.equal(o, y[y < C]) for o in owners)
+    else:
+        assert not owners
+
+
 @pytest.mark.parametrize("table", ["kept", "hashed per call"])
 def test_embedding_lookups_with_and_without_the_kept_bucket_table(table, monkeypatch):
     """The direct route of the embeddings takes each entry's bucket from ``SketchUnit.entry_index``

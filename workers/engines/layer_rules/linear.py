@@ -32,13 +32,13 @@ class LinearFactors(OuterFactors):
         seen = self.seen
         return seen.by_class(t.reshape(seen.total, -1, t.shape[-1])).reshape(seen.k, -1, t.shape[-1])
 
-    def ragged(self, live: bool = False) -> Ragged | None:
+    def ragged(self, live: bool = False, one_token: bool = False) -> Ragged | None:
         seen = self.seen
         if seen.total == 0 or (seen.grid.spots is None and not live):
             return None  # classes of equal size: the grid is a view already
         first, second = self._pair()
         per_sample = first[0].numel() // first.shape[-1]  # tokens of a sample
-        if per_sample == 1:
+        if per_sample == 1 and not one_token:
             # Products of a few tokens: a loop over classes costs more in calls than the padding
             # saves (an MLP of classes of 1 to 4 samples: 5-10% slower than the padded grid).
             return None

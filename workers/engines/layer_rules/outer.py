@@ -50,10 +50,12 @@ class OuterFactors(ABC):
         order, ``cin`` channels innermost: ``SketchUnit.column_order``). For sums a sketch takes."""
         return self.input_tokens(), None
 
-    def ragged(self, live: bool = False) -> Ragged | None:
-        """The same tokens with no padding (classes of unequal size), or None: only the grid;
-        ``live``: without the tokens whose output gradient is all zero (``rule_io.live_tokens``),
-        and then also for classes of equal size when some were dropped."""
+    def ragged(self, live: bool = False, one_token: bool = False) -> Ragged | None:
+        """The same tokens with no padding (classes of unequal size, samples of several tokens),
+        or None: only the grid; ``live``: without the tokens whose output gradient is all zero
+        (``rule_io.live_tokens``), and then also for classes of equal size when some were
+        dropped; ``one_token``: also for samples of one token (a sketch's FFT route, which sums
+        by class with one indexed add, not a product per class)."""
         return None
 
     def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:

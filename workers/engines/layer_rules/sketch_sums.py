@@ -101,8 +101,11 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s sketch of ``[dW_i | db_i]`` (``unit.dim`` columns) into ``out``'s weight columns."""
     conv = isinstance(getattr(factors, "module", None), (nn.Conv1d, nn.Conv2d, nn.Conv3d))
     device = out.run.rows.device
-    ragged = factors.ragged(live=True) if device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
+    on_cpu = device.type in rule_io.CPU_ROUTE_DEVICES and not conv
+    ragged = factors.ragged(live=True, one_token=True) if on_cpu else None
     k = out.k
+    if ragged is not None and ragged.per_sample == 1 and route_for(unit, ragged.grads.shape[0], k, device) != "fft":
+        ragged = None  # one token a sample, formed: one product over the padded grid costs less
     target = out.fresh("weight")  # the rows' own columns, written straight (None: add by put)
     if ragged is not None:
         first, second = ragged.grads, ragged.inputs
