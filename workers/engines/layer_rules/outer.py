@@ -139,5 +139,4 @@ def _ragged_sums(ragged: Ragged, out: LayerRows) -> None:
     else:
         out.bound(peak(G) * terms)
     if out.wants("bias"):
-        owner = torch.repeat_interleave(torch.arange(out.k, device=G.device), torch.tensor(tokens, device=G.device))
-        out.put("bias", G.new_zeros(out.k, G.shape[1]).index_add_(0, owner, G))
+        out.put("bias", G.new_zeros(out.k, G.shape[1]).index_add_(0, ragged.owner(G.device), G))

@@ -117,13 +117,15 @@ class Ragged:
     tokens: list[int]
     per_sample: int
 
-    def keeping(self, live: torch.Tensor) -> Ragged:
-        """The tokens where ``live`` (bool ``[tokens]``) is set, each class keeping its own."""
-        device = live.device
-        owner = torch.repeat_interleave(
+    def owner(self, device: torch.device) -> torch.Tensor:
+        """int64 ``[tokens]``: each token's class (its position in the run)."""
+        return torch.repeat_interleave(
             torch.arange(len(self.tokens), device=device), torch.tensor(self.tokens, device=device)
         )
-        tokens = torch.bincount(owner[live], minlength=len(self.tokens)).tolist()
+
+    def keeping(self, live: torch.Tensor) -> Ragged:
+        """The tokens where ``live`` (bool ``[tokens]``) is set, each class keeping its own."""
+        tokens = torch.bincount(self.owner(live.device)[live], minlength=len(self.tokens)).tolist()
         take = live.nonzero().squeeze(1)
         return Ragged(self.grads.index_select(0, take), self.inputs.index_select(0, take), tokens, 0)
 

@@ -110,7 +110,7 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     if ragged is not None:
         first, second = ragged.grads, ragged.inputs
         tokens = first.shape[0]
-        owner = torch.repeat_interleave(torch.arange(k, device=device), torch.tensor(ragged.tokens, device=device))
+        owner = ragged.owner(device)
         if route_for(unit, tokens, k, device) == "fft":
             rows = _fft_sketch(*_with_bias(first, second, unit), owner, k, unit, target)
         else:
