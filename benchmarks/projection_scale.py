@@ -25,6 +25,8 @@ Settings: ``default`` (``{"dim": k}``: tensorsketch), ``kronecker``, ``kronecker
 
     .venv/bin/python -m benchmarks.projection_scale --models hf_resnet,bag_text --classes 2000,10000
     .venv/bin/python -m benchmarks.projection_scale --models real --classes 1000
+    .venv/bin/python -m benchmarks.projection_scale --models ln_mlp,bert --classes 1000 \
+        --settings default --width 256   # wider layers (hidden 64 by default), same k
     .venv/bin/python -m benchmarks.projection_scale --quick          # C = 200, two models
     .venv/bin/python -m benchmarks.projection_scale --job --classes 10000   # classgrad run, 2 actors
     .venv/bin/python -m benchmarks.projection_scale --models hf_resnet,bag_text --classes 10000 \
@@ -83,15 +85,16 @@ class BagText(nn.Module):
         return self.head(self.body(self.bag(tokens)))
 
 
-def build(name: str, classes: int) -> tuple[nn.Module, Any, torch.Tensor]:
-    """``(model, samples, labels)`` with seeded weights and data."""
+def build(name: str, classes: int, width: int | None = None) -> tuple[nn.Module, Any, torch.Tensor]:
+    """``(model, samples, labels)`` with seeded weights and data (``width``: a real model's
+    hidden size, ``real_model_cases.WIDTH`` when None)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if name in REAL:
-        from benchmarks.real_model_cases import build_case
+        from benchmarks.real_model_cases import WIDTH, build_case
         from benchmarks.real_models import Samples
 
-        case = build_case(name, classes)
+        case = build_case(name, classes, width=width or WIDTH)
         return case.model, Samples(case.samples), case.labels
     labels = torch.arange(classes).repeat_interleave(2)
     if name == "bag_text":
@@ -189,7 +192,7 @@ def one(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     name, classes, dim, setting = spec["model"], spec["classes"], spec["dim"], spec["setting"]
-    model, samples, _ = build(name, classes)
+    model, samples, _ = build(name, classes, spec.get("width"))
     projection = None if setting == "full" else {"dim": dim, **SETTINGS[setting]}
     kw = {"num_classes": classes, "batch_size": spec["batch_size"], "projection": projection, "progress": False}
     rss0 = _rss_mib()
@@ -283,8 +286,9 @@ def _fmt(r: dict[str, Any]) -> list[Any]:
     def e(d: dict) -> str:
         return f"{d['median']:.4f}/{d['p99']:.4f}/{d['recall10']:.2f}" if d else "-"
 
+    name = r["model"] if r.get("width") is None else f"{r['model']} w{r['width']}"
     return [
-        r["model"], r["classes"], r["setting"],
+        name, r["classes"], r["setting"],
         f"{r['cold_s'] / r['floor_s']:.2f}x", f"{r['warm_s'] / r['floor_s']:.2f}x",
         f"{r['cold_s'] / r['warm_s']:.2f}", f"{r['peak_rss_mib']:.0f}", e(mine), e(cs), e(dense),
     ]  # fmt: skip
@@ -308,6 +312,7 @@ def main() -> None:
         default=1,
         help="floors and warm calls alternated N times after the first call (best of each)",
     )
+    ap.add_argument("--width", type=int, help="hidden size of the real models (default: real_model_cases.WIDTH)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--job", action="store_true", help="one classgrad run of hf_resnet (2 actors), last --classes")
     ap.add_argument(
@@ -343,7 +348,7 @@ def main() -> None:
                     "model": name, "classes": classes, "setting": setting, "dim": args.dim, "threads": args.threads,
                     "batch_size": args.batch_size, "quality_classes": args.quality_classes,
                     "dense_limit": args.dense_limit, "profile": args.profile, "profile_sort": args.profile_sort,
-                    "repeat": args.repeat,
+                    "repeat": args.repeat, "width": args.width,
                 }  # fmt: skip
                 r = run_one(spec, args.timeout)
                 results.append(r)

@@ -5,7 +5,9 @@ or ``(input, label)`` pairs, and how to call the model on a batch) and ``build_c
 ...)`` for the names in ``CASES``: Hugging Face ``bert``, ``gpt2`` (right padding), ``llama``
 (RMSNorm, rotary), ``vit``, ``resnet`` (BatchNorm in eval mode), plus an ``lstm`` text
 classifier and an ``ln_mlp`` (``nn.LayerNorm``). Token models get padded inputs with an
-attention mask; every class has 1 to 4 samples (seeded).
+attention mask; every class has 1 to 4 samples (seeded). ``width`` (``WIDTH`` by default) sets
+each model's hidden size, the others in proportion: a wider model shows how a cost per sample
+that does not grow with the layers (the default projection's FFTs) compares with the floor.
 
 Dropout probabilities are 0, so that train mode (which Opacus needs to capture activations)
 computes what eval mode does. The models are used exactly as their libraries define them: no
@@ -24,6 +26,7 @@ from torch import nn
 
 CASES = ("bert", "gpt2", "lstm", "ln_mlp", "resnet", "vit", "llama")
 SEQ_LEN = 16
+WIDTH = 64  # hidden size; feed-forward layers 2x, the LayerNorm MLP's 4x, the LSTM's 1/2
 VOCAB = 512
 IMAGE = 32
 
@@ -93,7 +96,7 @@ def _image_samples(labels: torch.Tensor, seed: int) -> list[dict[str, torch.Tens
 class LSTMClassifier(nn.Module):
     """``nn.Embedding`` + ``nn.LSTM`` + ``nn.Linear`` on the last real token's state."""
 
-    def __init__(self, num_classes: int, hidden: int = 32):
+    def __init__(self, num_classes: int, hidden: int = WIDTH // 2):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, hidden, padding_idx=0)
         self.lstm = nn.LSTM(hidden, hidden, batch_first=True)
@@ -105,57 +108,61 @@ class LSTMClassifier(nn.Module):
         return self.head(states[torch.arange(len(last)), last])
 
 
-def _ln_mlp(num_classes: int) -> nn.Module:
+def _ln_mlp(num_classes: int, width: int = WIDTH) -> nn.Module:
+    h = 4 * width
     return nn.Sequential(
-        nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU(),
-        nn.Linear(256, num_classes),
+        nn.Linear(64, h), nn.LayerNorm(h), nn.GELU(), nn.Linear(h, h), nn.LayerNorm(h), nn.GELU(),
+        nn.Linear(h, num_classes),
     )  # fmt: skip
 
 
-def _hf(name: str, num_classes: int) -> nn.Module:
+def _hf(name: str, num_classes: int, width: int = WIDTH) -> nn.Module:
     import transformers as tf
 
     small = {"num_labels": num_classes}
+    w, ff = width, 2 * width
     if name == "bert":
         return tf.BertForSequenceClassification(
-            tf.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          intermediate_size=128, max_position_embeddings=SEQ_LEN, hidden_dropout_prob=0.0,
+            tf.BertConfig(vocab_size=VOCAB, hidden_size=w, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=ff, max_position_embeddings=SEQ_LEN, hidden_dropout_prob=0.0,
                           attention_probs_dropout_prob=0.0, **small)
         )  # fmt: skip
     if name == "gpt2":
         return tf.GPT2ForSequenceClassification(
-            tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=2, n_positions=SEQ_LEN, pad_token_id=0,
+            tf.GPT2Config(vocab_size=VOCAB, n_embd=w, n_layer=2, n_head=2, n_positions=SEQ_LEN, pad_token_id=0,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **small)
         )  # fmt: skip
     if name == "llama":
         return tf.LlamaForSequenceClassification(
-            tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            tf.LlamaConfig(vocab_size=VOCAB, hidden_size=w, intermediate_size=ff, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
                            pad_token_id=0, **small)
         )  # fmt: skip
     if name == "vit":
         return tf.ViTForImageClassification(
-            tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+            tf.ViTConfig(hidden_size=w, num_hidden_layers=2, num_attention_heads=2, intermediate_size=ff,
                          image_size=IMAGE, patch_size=8, **small)
         )  # fmt: skip
     if name == "resnet":
         return tf.ResNetForImageClassification(
-            tf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", **small)
+            tf.ResNetConfig(
+                embedding_size=w // 4, hidden_sizes=[w // 4, w // 2], depths=[1, 1], layer_type="basic", **small
+            )
         )
     raise ValueError(name)
 
 
-BUILDERS: dict[str, Callable[[int], nn.Module]] = {
-    "lstm": LSTMClassifier,
+BUILDERS: dict[str, Callable[[int, int], nn.Module]] = {
+    "lstm": lambda c, w: LSTMClassifier(c, hidden=w // 2),
     "ln_mlp": _ln_mlp,
-    **{n: (lambda c, n=n: _hf(n, c)) for n in ("bert", "gpt2", "llama", "vit", "resnet")},
+    **{n: (lambda c, w, n=n: _hf(n, c, w)) for n in ("bert", "gpt2", "llama", "vit", "resnet")},
 }
 
 
-def build_case(name: str, num_classes: int, low: int = 1, high: int = 4, seed: int = 0) -> RealCase:
+def build_case(name: str, num_classes: int, low: int = 1, high: int = 4, seed: int = 0, width: int = WIDTH) -> RealCase:
     """The model ``name`` (seeded weights, eval mode) with 1 to 4 samples in each of ``num_classes``."""
     torch.manual_seed(seed)
-    model = BUILDERS[name](num_classes).eval()
+    model = BUILDERS[name](num_classes, width).eval()
     labels = _labels(num_classes, low, high, seed + 1)
     samples: list[Any]
     if name in ("vit", "resnet"):
