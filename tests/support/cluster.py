@@ -66,6 +66,11 @@ NODE_START_TIMEOUT_S = 120.0
 # the autoscaler monitor on the head may not exit on SIGTERM at all.
 NODE_STOP_GRACE_S = 12.0
 SHUTDOWN_GRACE_S = 2.0  # tearing the whole cluster down needs no drain
+# `ray start` on a worker gives up when its raylet has not registered with the GCS within 30 s
+# (a constant in Ray 2.60's node.py, no setting widens it), which a loaded 2-core CI machine
+# has missed; such a worker is started again, up to this many tries in all.
+NODE_START_TRIES = 3
+STARTUP_TIMEOUT_MARK = "timed out during startup"
 
 
 _HANDED_OUT: set[int] = set()
@@ -108,7 +113,15 @@ class RayNode:
     ports: dict[str, int]
     proc: subprocess.Popen | None = None
     stopped: bool = False
+    tries: int = 0  # `ray start` launches so far (see NODE_START_TRIES)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ray_name(self) -> str:
+        """The node name Ray reports. A retried start gets a new one, so a raylet of the failed
+        try that registered late (killed, but ALIVE in the GCS until its health check fails) is
+        never taken for this node."""
+        return f"cg-{self.name}" + (f"-try{self.tries}" if self.tries > 1 else "")
 
     @property
     def alive(self) -> bool:
@@ -198,9 +211,6 @@ class LocalRayCluster:
         bin_dir = str(Path(sys.executable).parent)
         env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
         env["RAY_USAGE_STATS_ENABLED"] = "0"
-        # A node's raylet must register with the GCS within this many seconds (Ray's default, 30 s,
-        # was missed once on a loaded 2-core CI machine: "The current node timed out during startup").
-        env.setdefault("RAY_raylet_start_wait_time_s", "90")
         return env
 
     def node_env(self) -> dict[str, str]:
@@ -253,9 +263,27 @@ class LocalRayCluster:
     def _start_node(self, *, head: bool, num_cpus: int) -> RayNode:
         index = len(self.nodes)
         name = "head" if head else f"worker-{index}"
-        temp_dir = self.root / f"n{index}"  # short: it prefixes Unix socket paths
-        temp_dir.mkdir(parents=True, exist_ok=True)
-        ports = {
+        node = RayNode(
+            index=index,
+            name=name,
+            head=head,
+            num_cpus=num_cpus,
+            temp_dir=self.root / f"n{index}",  # short: it prefixes Unix socket paths
+            log_path=self.root / f"{name}.log",
+            ports={},
+        )
+        self.nodes.append(node)
+        self._launch(node)
+        return node
+
+    def _launch(self, node: RayNode) -> None:
+        """One `ray start --block` try for ``node``, with fresh ports (a failed try's may linger)."""
+        node.tries += 1
+        if node.tries > 1:
+            node.temp_dir = self.root / f"n{node.index}t{node.tries}"
+            node.log_path = self.root / f"{node.name}.try{node.tries}.log"
+        node.temp_dir.mkdir(parents=True, exist_ok=True)
+        node.ports = {
             "node_manager": free_port(),
             "object_manager": free_port(),
             "dashboard_agent_listen": free_port(),
@@ -263,15 +291,38 @@ class LocalRayCluster:
             "runtime_env_agent": free_port(),
             "metrics_export": free_port(),
         }
+        with open(node.log_path, "wb") as out:
+            # Own session: stop_node finds exactly this node's processes by their session id.
+            node.proc = subprocess.Popen(
+                self._ray_command(node),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.node_env(),
+                cwd=self.root,
+                start_new_session=True,
+                preexec_fn=_ignore_sigint if self.ignore_sigint else None,
+            )
+        log.info(
+            "started Ray node %d (%s, try %d), pid %d, log %s",
+            node.index,
+            node.name,
+            node.tries,
+            node.proc.pid,
+            node.log_path,
+        )
+
+    def _ray_command(self, node: RayNode) -> list[str]:
+        ports = node.ports
         cmd = [
             _ray_executable(),
             "start",
             "--block",
             "--disable-usage-stats",
             f"--node-ip-address={HOST}",
-            f"--node-name=cg-{name}",
-            f"--temp-dir={temp_dir}",
-            f"--num-cpus={num_cpus}",
+            f"--node-name={node.ray_name}",
+            f"--temp-dir={node.temp_dir}",
+            f"--num-cpus={node.num_cpus}",
             "--num-gpus=0",
             f"--object-store-memory={self.object_store_bytes}",
             f"--node-manager-port={ports['node_manager']}",
@@ -284,7 +335,7 @@ class LocalRayCluster:
             "--min-worker-port=0",
             "--max-worker-port=0",
         ]
-        if head:
+        if node.head:
             ports.update(gcs=self.gcs_port, dashboard=self.dashboard_port, client_server=free_port())
             cmd += [
                 "--head",
@@ -298,30 +349,27 @@ class LocalRayCluster:
                 cmd.append(f"--system-config={json.dumps(self.system_config)}")
         else:
             cmd.append(f"--address={self.gcs_address}")
-        node = RayNode(
-            index=index,
-            name=name,
-            head=head,
-            num_cpus=num_cpus,
-            temp_dir=temp_dir,
-            log_path=self.root / f"{name}.log",
-            ports=ports,
+        return cmd
+
+    def _retry_start(self, node: RayNode) -> bool:
+        """Start a worker again whose `ray start` gave up waiting for its raylet to register;
+        False (the caller raises) for any other exit, for the head, or once the tries are spent."""
+        if node.head or node.tries >= NODE_START_TRIES or STARTUP_TIMEOUT_MARK not in node.log_tail():
+            return False
+        log.warning(
+            "Ray node %d (%s) timed out during startup (try %d of %d); starting it again:\n%s",
+            node.index,
+            node.name,
+            node.tries,
+            NODE_START_TRIES,
+            node.log_tail(800),
         )
-        self.nodes.append(node)
-        with open(node.log_path, "wb") as out:
-            # Own session: stop_node finds exactly this node's processes by their session id.
-            node.proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.node_env(),
-                cwd=self.root,
-                start_new_session=True,
-                preexec_fn=_ignore_sigint if self.ignore_sigint else None,
-            )
-        log.info("started Ray node %d (%s), pid %d, log %s", index, name, node.proc.pid, node.log_path)
-        return node
+        self._signal_node(node.index, signal.SIGKILL)  # the try's raylet and agents may still run
+        deadline = time.monotonic() + NODE_STOP_GRACE_S
+        while self.session_pids(node.index) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._launch(node)
+        return True
 
     def session_pids(self, index: int) -> list[int]:
         """Pids of every live process of node ``index``: its session (``start_new_session``).
@@ -415,9 +463,12 @@ class LocalRayCluster:
         payload = self.api(f"/api/v0/{kind}?limit=1000&detail=1" + (f"&{query}" if query else ""))
         return payload["data"]["result"]["result"]
 
+    def _index_by_ray_name(self) -> dict[str, int]:
+        return {n.ray_name: n.index for n in self.nodes}
+
     def node_ids(self) -> dict[int, str]:
         """{node index: Ray node id} of the nodes the GCS reports ALIVE."""
-        by_name = {f"cg-{n.name}": n.index for n in self.nodes}
+        by_name = self._index_by_ray_name()
         return {
             by_name[r["node_name"]]: r["node_id"]
             for r in self._state("nodes", state="ALIVE")
@@ -426,7 +477,7 @@ class LocalRayCluster:
 
     def node_index(self, node_id: str) -> int | None:
         """Our index of a Ray node id (alive or dead), or None."""
-        by_name = {f"cg-{n.name}": n.index for n in self.nodes}
+        by_name = self._index_by_ray_name()
         for r in self._state("nodes"):
             if r["node_id"] == node_id:
                 return by_name.get(r.get("node_name"))
@@ -468,8 +519,11 @@ class LocalRayCluster:
         raise RuntimeError(f"the Ray dashboard did not answer on {self.dashboard_url}; logs:\n{self._logs()}")
 
     def _check_processes(self) -> None:
+        """Raise for a node whose `ray start` exited, unless it is a worker started again."""
         for node in self.nodes:
             if not node.stopped and node.proc is not None and node.proc.poll() is not None:
+                if self._retry_start(node):
+                    continue
                 raise RuntimeError(
                     f"Ray node {node.index} ({node.name}) exited with {node.proc.returncode}:\n{node.log_tail()}"
                 )
