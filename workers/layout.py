@@ -31,7 +31,11 @@ class ParamLayout:
 
     def __init__(self, slots: Sequence[ParamSlot]):
         self.slots: tuple[ParamSlot, ...] = tuple(slots)
-        self.dim: int = sum(s.size for s in self.slots)
+        # Columns up to the last slot's end. A projected engine's work row may give several slots
+        # the same columns (``TensorSketchMap.work_slots``: every unit adds into one sketch), so
+        # this can be less than the sizes' sum; ``flatten`` refuses such a layout.
+        self.dim: int = max((s.offset + s.size for s in self.slots), default=0)
+        self.shares_columns = self.dim != sum(s.size for s in self.slots)
         self._by_name = {s.name: s for s in self.slots}
 
     @classmethod
@@ -96,6 +100,8 @@ class ParamLayout:
         ``index`` (int64 ``[k]``, ``batch_dims == 1``), rows ``out[index]`` receive the ``k``
         rows in place.
         """
+        if self.shares_columns:
+            raise ValueError("flatten: this layout's slots share columns (a projected work row)")
         ref = next((g for g in grads if g is not None), None)
         if ref is None:
             raise ValueError("flatten needs at least one gradient that is not None")

@@ -10,7 +10,7 @@ from torch import nn
 from classgrad.service.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
-from classgrad.workers.layout import ParamLayout
+from classgrad.workers.layout import ParamLayout, ParamSlot
 from tests.support.engine_cases import NUM_CLASSES
 
 
@@ -112,3 +112,15 @@ def test_flatten_into_rows_of_a_given_buffer():
     assert torch.equal(out[[1, 3]], torch.tensor([[1.0, 1, 1, 1, 0, 0]] * 2))
     with pytest.raises(ValueError, match="index needs batch_dims == 1"):
         layout.flatten([torch.ones(2, 2), None], out=out[0], index=torch.tensor([0]))
+
+
+def test_a_work_layout_whose_slots_share_columns():
+    """A projected engine's work row (``TensorSketchMap.work_slots``) may give several slots the
+    same columns: its width is where the last slot ends, and ``flatten`` (one copy per slot, which
+    would overwrite) refuses it."""
+    shared = ParamLayout([ParamSlot("a", (4,), 0, 4), ParamSlot("b", (4,), 0, 4), ParamSlot("c", (3,), 4, 3)])
+    assert shared.dim == 7 and shared.shares_columns
+    with pytest.raises(ValueError, match="share columns"):
+        shared.flatten([torch.ones(4), torch.ones(4), torch.ones(3)])
+    plain = ParamLayout.from_model(nn.Sequential(nn.Linear(2, 2)))
+    assert plain.dim == 6 and not plain.shares_columns

@@ -7,7 +7,8 @@ with a padding row and called twice, EmbeddingBag mean/max, transformers' Conv1D
 rest), with empty and one-sample classes, frozen and tied parameters; the map itself (a sparse JL
 map: unbiased, the structured hash equal to the circular convolution); a job's store against
 ``per_class_gradients``; that no per-class head matrix is formed; the default's fallback; and old
-stores (dense by the old default, kronecker, sketch) resuming with the map they record.
+stores (dense by the old default, kronecker, sketch, and tensorsketch from before its units shared
+one sketch in the work row) resuming with the map they record.
 """
 
 from __future__ import annotations
@@ -237,6 +238,29 @@ def test_buckets_of_whole_rows_equal_those_of_any_range(nonzeros):
     assert torch.equal(unit._flat_columns(14, 28, torch.device("cpu"))[0], whole[0][14:28])
 
 
+def test_units_add_into_one_sketch_of_the_work_row(monkeypatch):
+    """Every unit's work slot is the same ``dim`` columns (the first layer to write copies, the
+    others add: ``ClassRows`` tracks columns, not names), so a work row is ``dim`` plus the rest,
+    whatever the number of layers; the stored rows are still the map of the full rows."""
+    eng, got, want = sketched("mixed", monkeypatch)
+    kmap = eng.kmap
+    assert len(kmap.units) >= 6 and {u.offset for u in kmap.units} == {0}
+    assert eng.layout.dim == kmap.work_dim == kmap.dim + kmap.rest_size
+    assert max_relative_error(got, want) < 1e-5  # float32 against float64, as above
+    assert all("offset" not in u for u in kmap.describe()["units"])  # nothing of the work row recorded
+
+
+def test_a_record_with_unit_offsets_is_described_as_recorded():
+    """Stores made while each unit had its own work columns recorded their offsets, and a
+    resumed job's record must equal the store's: a map planned from such a record keeps them."""
+    model, data = mixed_case()
+    eng = build_engine(model, data, num_classes=C, projected=projected_options(projection_options({"dim": 64})))
+    record = eng.describe()
+    old = {**record, "units": [{**u, "offset": i * 64} for i, u in enumerate(record["units"])]}
+    again = build_engine(model, data, num_classes=C, projected=projected_options(projection_options({"dim": 64}), old))
+    assert again.describe() == old
+
+
 def test_inner_products_preserved_in_expectation():
     slots = [ParamSlot("w", (6, 9), 0, 54), ParamSlot("rest", (10,), 54, 10)]
     rows = torch.randn(2, 64, dtype=torch.float64)
@@ -310,7 +334,7 @@ def test_the_default_falls_back_to_a_sketch_of_finished_rows_and_says_so():
     )
 
 
-@pytest.mark.parametrize("name", ["v3_dense_default", "v3_kronecker", "v3_sketch"])
+@pytest.mark.parametrize("name", ["v3_dense_default", "v3_kronecker", "v3_sketch", "v3_tensorsketch"])
 def test_a_store_of_the_previous_version_resumes_with_the_map_it_records(name, tmp_path):
     url = tmp_path / f"{name}.zarr"
     shutil.copytree(FIXTURES / f"{name}.zarr", url)

@@ -10,9 +10,9 @@ Holds:
   entry's bucket, kept for small tables: what the embeddings' lookups gather).
 - ``TensorSketchMap`` — the whole stored row: every unit, then the parameters outside every unit
   (the "rest", sketched by a ``SparseSignSketch``), all added into the same ``dim`` columns; its
-  ``work_slots`` (where the hook path writes: ``dim`` columns per unit, then the rest whole),
-  ``stored_rows`` (work rows to stored rows; in two steps, ``unit_rows`` then ``add_rest``, so a
-  block's wide work rows can go before the rest of many blocks is sketched at once),
+  ``work_slots`` (where the hook path writes: the ``dim`` columns every unit adds into, then the
+  rest whole), ``stored_rows`` (work rows to stored rows; in two steps, ``unit_rows`` then
+  ``add_rest``, so a block's work rows can go before the rest of many blocks is sketched at once),
   ``work_rows`` / ``project_full`` (full rows to the same numbers: what the tests compare with)
   and ``describe`` (what the store records).
 - ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``TS_GROUP_BASE`` and
@@ -96,7 +96,7 @@ class SketchUnit(OuterMatrix):
     dim: int
     nonzeros: int
     seed: int
-    offset: int = 0
+    offset: int = 0  # of its columns in the work row: 0, the columns every unit adds into
     structure: str = STRUCTURE  # what layer_rules dispatch on
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -193,13 +193,12 @@ class SketchUnit(OuterMatrix):
         return self.sketch(self.part_matrix(part, value))
 
     def describe(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "param": self.weight.name,
             "bias": self.bias.name if self.bias is not None else None,
             "shape": [self.a, self.b],
             "matrix_shape": [self.rows, self.cols_in],
             "groups": list(self.groups),
-            "offset": self.offset,
         }
         if self.input_first:
             out["input_first"] = True
@@ -220,12 +219,16 @@ class TensorSketchMap:
         in_unit = {u.weight.name for u in units} | {u.bias.name for u in units if u.bias is not None}
         self.rest = [s for s in self.slots if s.name not in in_unit]
         self.rest_size = sum(s.size for s in self.rest)
-        for i, u in enumerate(units):
-            u.offset = i * dim
-        self.units_width = len(units) * dim
+        for u in units:
+            u.offset = 0
+        # One sketch that every unit adds into (the stored row's own map is their sum): a work row
+        # of dim columns per unit would be summed afterwards, and made runs of BERT at C = 1,000
+        # 64 classes instead of about 100 (the partitioned engine's groups are 32 MiB of rows).
+        self.units_width = dim if units else 0
         self.rest_projector = (
             SparseSignSketch(self.rest_size, dim, nonzeros=self.nonzeros, seed=seed) if self.rest_size else None
         )
+        self.unit_offsets_recorded = False
 
     @classmethod
     def plan(
@@ -252,6 +255,9 @@ class TensorSketchMap:
         out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros)
         if record is not None:
             out.check_record(record)
+            # Stores made before the units shared one sketch recorded each unit's work columns
+            # ("offset": its position times dim), which the store compares on resume: kept for them.
+            out.unit_offsets_recorded = any("offset" in u for u in record.get("units", []))
         return out
 
     def check_record(self, record: dict[str, Any]) -> None:
@@ -265,15 +271,16 @@ class TensorSketchMap:
         if [u.get("param") for u in record.get("units", [])] != [u["param"] for u in mine["units"]]:
             raise ConfigError("projection: the store's tensorsketch layers differ from this model's")
 
-    # --- the hook path's row: dim columns per unit, then the rest whole -------------------------
+    # --- the hook path's row: the units' dim columns, then the rest whole ------------------------
 
     @property
     def work_dim(self) -> int:
         return self.units_width + self.rest_size
 
     def work_slots(self) -> list[ParamSlot]:
-        """Where the hook path writes: a unit's weight gets its ``dim`` columns, its bias none (it
-        joined the weight), every other parameter its full columns after the units."""
+        """Where the hook path writes: every unit's weight the same ``dim`` columns (the first value
+        written there is copied, later ones added: ``layer_rules.rule_io.ClassRows``), its bias none
+        (it joined the weight), every other parameter its full columns after them."""
         place: dict[str, ParamSlot] = {}
         for u in self.units:
             place[u.weight.name] = ParamSlot(u.weight.name, (self.dim,), u.offset, self.dim)
@@ -286,11 +293,12 @@ class TensorSketchMap:
         return [place[s.name] for s in self.slots]
 
     def unit_rows(self, work: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Work rows ``[n, work_dim]`` -> ``[n, dim]`` (into ``into`` when given): the units' columns
-        added up (the rest not yet)."""
+        """Work rows ``[n, work_dim]`` -> ``[n, dim]`` (into ``into`` when given, else a copy): the
+        units' sketch (the rest not yet)."""
         n = work.shape[0]
         if self.units:
-            return torch.sum(work[:, : self.units_width].reshape(n, len(self.units), self.dim), dim=1, out=into)
+            units = work[:, : self.dim]
+            return units.clone() if into is None else into.copy_(units)
         return work.new_zeros(n, self.dim) if into is None else into.zero_()
 
     def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
@@ -306,7 +314,12 @@ class TensorSketchMap:
 
     def work_rows(self, full: torch.Tensor) -> torch.Tensor:
         """Full rows ``[n, D]`` (layout order) -> work rows, by the same map."""
-        parts = [u.sketch(u.matrices(full)) for u in self.units]
+        parts = []
+        if self.units:
+            units = self.units[0].sketch(self.units[0].matrices(full))
+            for u in self.units[1:]:
+                units += u.sketch(u.matrices(full))
+            parts.append(units)
         parts += [full[:, s.offset : s.offset + s.size] for s in self.rest]
         return torch.cat(parts, dim=1) if parts else full[:, :0]
 
@@ -326,7 +339,10 @@ class TensorSketchMap:
             "unit_nonzeros": UNIT_NONZEROS,
             "hash": HASH_NAME,
             "dim_in": sum(s.size for s in self.slots),
-            "units": [u.describe() for u in self.units],
+            "units": [
+                {**u.describe(), "offset": i * self.dim} if self.unit_offsets_recorded else u.describe()
+                for i, u in enumerate(self.units)
+            ],
             "rest_params": [s.name for s in self.rest],
         }
         if self.rest_projector is not None:

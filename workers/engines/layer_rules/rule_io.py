@@ -180,10 +180,16 @@ class LayerCapture:
         return self.grid.padded(self.inputs)
 
 
+def _key(slot: ParamSlot) -> tuple[int, int]:
+    return slot.offset, slot.size
+
+
 class ClassRows:
     """A run's rows ``[k, D]`` (a view of the group's buffer), written parameter by parameter.
 
-    The first value for a parameter is copied in, later ones (a layer called twice) added.
+    The first value for a parameter's columns is copied in, later ones added: a layer called
+    twice, or another layer whose slot has the same columns (a TensorSketch work row, where every
+    unit adds into one sketch). What was written is tracked by columns, not names.
     Rules leave evidence that their values are finite (``bounds``, ``sums``); ``certainly_finite``
     reads it all in one synchronisation instead of a pass over the rows.
     """
@@ -193,7 +199,7 @@ class ClassRows:
         # Weight name -> its Kronecker unit (``classgrad.workers.projection.kronecker``) when rows are projected.
         self.projections = projections or {}
         self.k = rows.shape[0]
-        self.written: set[str] = set()
+        self.written: set[tuple[int, int]] = set()  # (offset, size) of the columns written
         self.bounds: list[torch.Tensor] = []
         self.sums: list[torch.Tensor] = []
 
@@ -221,7 +227,7 @@ class ClassRows:
     def zero_unwritten(self, slots: Sequence[ParamSlot]) -> None:
         """Parameters with no path to the loss in this run get zero columns."""
         for slot in slots:
-            if slot.name not in self.written:
+            if _key(slot) not in self.written:
                 self.columns(slot).zero_()
 
     def certainly_finite(self) -> bool:
@@ -255,20 +261,20 @@ class LayerRows:
         if self.full and self.run.projections:
             slot, value = self.run.mapped(slot, value.reshape(self.k, -1))
         target = self.run.columns(slot)
-        if slot.name in self.run.written:
+        if _key(slot) in self.run.written:
             target.add_(value.reshape(self.k, slot.size))
         else:
             target.copy_(value.reshape(self.k, slot.size))
-            self.run.written.add(slot.name)
+            self.run.written.add(_key(slot))
 
     def fresh(self, kind: str) -> torch.Tensor | None:
         """The rows' columns of ``kind`` (``[k, size]``, a view) to write the values straight into,
         when nothing was written there yet in this run (else None: use ``put``). The caller must
         then fill every entry."""
         slot = self.slots[kind]
-        if slot.name in self.run.written:
+        if _key(slot) in self.run.written:
             return None
-        self.run.written.add(slot.name)
+        self.run.written.add(_key(slot))
         return self.run.columns(slot)
 
     def bound(self, t: torch.Tensor) -> None:
