@@ -33,6 +33,11 @@ process of a node (the ``--block`` parent, raylet, agents, log monitor, workers)
 session the parent was started in; that is how ``stop_node`` finds exactly them (Ray gives each
 worker its own process group, so a process group would miss the actors). ``shutdown`` (also on
 ``__exit__``, also when a test fails) stops every node still up, head last.
+
+A worker whose ``ray start`` gives up because its raylet did not register in time ("timed out
+during startup": a fixed 30 s in Ray 2.60, missed on a loaded CI machine) is started again, up to
+``NODE_START_TRIES`` tries, each under a new Ray node name (``RayNode.ray_name``); any other exit
+of a node is an error at once (``tests/integration/test_cluster_harness.py``).
 """
 
 from __future__ import annotations
