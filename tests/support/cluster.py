@@ -369,10 +369,8 @@ class LocalRayCluster:
             NODE_START_TRIES,
             node.log_tail(800),
         )
-        self._signal_node(node.index, signal.SIGKILL)  # the try's raylet and agents may still run
-        deadline = time.monotonic() + NODE_STOP_GRACE_S
-        while self.session_pids(node.index) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        self.stop_node(node.index, force=True)  # the try's raylet and agents may still run
+        node.stopped = False
         self._launch(node)
         return True
 
