@@ -1,0 +1,180 @@
+"""How far above the floor any exact per-class method must land: a lower bound, per model (issue 24).
+
+The floor (``projection_scale``'s) is one forward and backward of the summed loss over the probe
+set, weight gradients included, plus a fill of the C x k rows. A method that computes each
+class's gradient of an outer-product layer (Linear, transformers' ``Conv1D``) exactly, however
+it then projects it, must at least
+
+- ``activations``: run the forward and the backward to every layer's output (each token's output
+  gradient; no weight gradients), over micro-batches of at most ``--batch-size`` samples cut
+  between classes (at 1-4 samples a class, a batch or so more than the floor's);
+- ``per class``: for every such layer, either form each class's ``sum_t g_t x_t^T`` (the floor's
+  weight-gradient multiply-adds, split by class: the engine's own batched product per token
+  count, ``Ragged.per_class_mm``) or take the FFT route (an ``rfft`` of both factors per token,
+  zero-padded to ``k``, and an ``irfft`` per class): the cheapest of the two, over all tokens or
+  over only those whose output gradient is not all zero (the engine drops the others where they
+  are at least half), per layer and batch.
+
+Nothing is added for sketching the formed entries, for convolutions, recurrent or norm layers
+(their per-class work counts zero), or for the engine's bookkeeping: ``bound = activations + per
+class`` is a lower bound of the default's time. Printed beside it, measured in the same process,
+the default's warm call (``per_class_gradients(..., projection={"dim": k})``). Where ``bound /
+floor`` exceeds a target, no implementation of these kernels on this machine meets it.
+
+    .venv/bin/python -m benchmarks.floor_bound --models real --classes 1000
+    .venv/bin/python -m benchmarks.floor_bound --models bert,vit --classes 1000 --width 256
+    .venv/bin/python -m benchmarks.floor_bound --quick      # two models at C = 200, one pass
+
+Prints a table and writes ``benchmarks/out/floor_bound.json``; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks import common
+from benchmarks.projection_scale import REAL, _floor, build
+from classgrad import per_class_gradients
+from classgrad.workers.engines import build_engine
+from classgrad.workers.engines.layer_rules.rule_io import Ragged
+
+OUT = common.OUT_DIR / "floor_bound.json"
+
+
+def outer_layers(model: nn.Module) -> list[nn.Module]:
+    """The Linear and transformers ``Conv1D`` layers (matrices whose gradient is a sum of outer products)."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+
+
+def class_batches(labels: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Sample indices class after class, cut between classes into batches of at most ``batch_size``
+    (a class larger than that is a batch of its own)."""
+    order = torch.argsort(labels, stable=True)
+    sizes = torch.bincount(labels).tolist()
+    batches, current, start = [], 0, 0
+    for size in sizes:
+        if current and current + size > batch_size:
+            batches.append(order[start : start + current])
+            start, current = start + current, 0
+        current += size
+    if current:
+        batches.append(order[start : start + current])
+    return batches
+
+
+def per_class_seconds(x: torch.Tensor, g: torch.Tensor, tokens: list[int], dim: int) -> float:
+    """The cheaper of forming every class's ``g^T x`` and the FFT route's transforms, in seconds."""
+    out = x.new_empty(len(tokens), g.shape[1], x.shape[1])
+    ragged = Ragged(g, x, tokens, 0)
+    t0 = time.perf_counter()
+    ragged.per_class_mm(g, x, out)
+    formed = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spectrum = torch.fft.rfft(g, n=dim, dim=1) * torch.fft.rfft(x, n=dim, dim=1)
+    torch.fft.irfft(spectrum[: len(tokens)], n=dim, dim=1)  # one inverse per class
+    return min(formed, time.perf_counter() - t0)
+
+
+def live_seconds(x: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, dim: int) -> float:
+    """``per_class_seconds`` of only the tokens whose output gradient is not all zero (a decoder's
+    head read at one position, masked keys add nothing; picking them is not timed). Classes then
+    have unequal token counts, and the batched product one call per count."""
+    owner = torch.arange(len(counts)).repeat_interleave(counts * (len(x) // int(counts.sum())))
+    live = g.abs().amax(dim=1) > 0
+    return per_class_seconds(x[live], g[live], torch.bincount(owner[live], minlength=len(counts)).tolist(), dim)
+
+
+def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> dict[str, float]:
+    """Seconds of the activations pass and of the per-class work, over the whole probe set."""
+    eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size)
+    layers = outer_layers(model)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        seen.append((args[0].detach(), output))
+
+    hooks = [m.register_forward_hook(keep) for m in layers]
+    activations = per_class = 0.0
+    try:
+        for idx in class_batches(eng.probe.targets.long(), batch_size):
+            seen.clear()
+            t0 = time.perf_counter()
+            x, y = eng.probe.batch(idx, eng.device, eng.compute_dtype)
+            loss = eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
+            outputs = [o for _, o in seen]
+            grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+            activations += time.perf_counter() - t0
+            counts = torch.bincount(y.long())
+            counts = counts[counts > 0]
+            for (inputs, _), g in zip(seen, grads):
+                if g is None:
+                    continue
+                per_sample = inputs.numel() // (len(idx) * inputs.shape[-1])
+                x2, g2 = inputs.reshape(-1, inputs.shape[-1]), g.reshape(-1, g.shape[-1])
+                per_class += min(
+                    per_class_seconds(x2, g2, (counts * per_sample).tolist(), dim), live_seconds(x2, g2, counts, dim)
+                )
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"activations_s": activations, "per_class_s": per_class}
+
+
+def measure(name: str, classes: int, dim: int, batch_size: int, width: int | None, repeat: int) -> dict[str, Any]:
+    model, samples, _ = build(name, classes, width)
+    kw = {"num_classes": classes, "batch_size": batch_size, "projection": {"dim": dim}, "progress": False}
+    per_class_gradients(model, samples, **kw)  # the first call's one-off work is not what is bounded
+    floors, bounds, warms = [], [], []
+    for _ in range(repeat):  # alternated: a VM whose load moves within the run moves all three alike
+        floors.append(_floor(model, samples, classes, dim, batch_size))
+        bounds.append(bound(model, samples, classes, dim, batch_size))
+        t0 = time.perf_counter()
+        per_class_gradients(model, samples, **kw)
+        warms.append(time.perf_counter() - t0)
+    best = min(bounds, key=lambda b: b["activations_s"] + b["per_class_s"])
+    return {
+        "model": name, "classes": classes, "width": width, "layers": len(outer_layers(model)),
+        "floor_s": min(floors), **best, "bound_s": best["activations_s"] + best["per_class_s"], "default_s": min(warms),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="real", help="comma list; 'real' = the seven real models")
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--width", type=int, help="hidden size of the real models (default: real_model_cases.WIDTH)")
+    parser.add_argument("--repeat", type=int, default=3, help="floors, bounds, default calls alternated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="bert and ln_mlp at C = 200, one pass (make bench)")
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.classes, args.repeat = "bert,ln_mlp", 200, 1
+    torch.set_num_threads(args.threads)
+    names = list(REAL) if args.models == "real" else args.models.split(",")
+    results, rows = [], []
+    for name in names:
+        r = measure(name, args.classes, args.dim, args.batch_size, args.width, args.repeat)
+        results.append(r)
+        f = r["floor_s"]
+        rows.append([
+            name, r["layers"], f"{f:.3f}", f"{r['activations_s'] / f:.2f}", f"{r['per_class_s'] / f:.2f}",
+            f"{r['bound_s'] / f:.2f}x", f"{r['default_s'] / f:.2f}x", f"{r['default_s'] / r['bound_s']:.2f}",
+        ])  # fmt: skip
+    headers = ["model", "layers", "floor s", "activations", "per class", "bound", "default warm", "default / bound"]
+    print(f"C = {args.classes}, k = {args.dim}, best of {args.repeat}; columns 4-7 over the floor")
+    common.print_table(headers, rows)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
