@@ -1,5 +1,6 @@
 """The benchmarks compare like with like: every alternative they time computes the same rows as
-the reference engine (on a model small enough to run in a second)."""
+the reference engine (on a model small enough to run in a second), and ``floor_bound`` times
+whole classes' work on every outer-product layer."""
 
 from __future__ import annotations
 
@@ -44,3 +45,27 @@ def test_every_timed_method_computes_the_reference_rows(model: str, loss: str) -
         # compare() allows 1e-4 of the largest entry: fp32 sums taken in another order.
         assert ok, f"{name}: max relative error {err:.2e}"
         assert sorted(holder["classes"]) == classes, name
+
+
+def test_the_floor_bound_batches_whole_classes_and_times_every_layer() -> None:
+    """``floor_bound`` bounds what a per-class method must do: its batches hold whole classes (a
+    class's products need all its tokens), every sample once, and it times every outer layer."""
+    import torch
+    from torch import nn
+
+    from benchmarks import floor_bound
+
+    labels = torch.tensor([3, 0, 1, 1, 0, 2, 2, 2, 0, 4, 4, 1, 3])
+    batches = floor_bound.class_batches(labels, batch_size=5)
+    assert sorted(torch.cat(batches).tolist()) == list(range(len(labels)))  # every sample, once
+    assert all(len(b) <= 5 for b in batches)
+    owners = [set(labels[b].tolist()) for b in batches]
+    assert all(not (a & b) for i, a in enumerate(owners) for b in owners[i + 1 :])  # no class split
+    assert floor_bound.class_batches(torch.tensor([0] * 7 + [1]), batch_size=5)[0].numel() == 7  # too big: alone
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, NUM_CLASSES)).eval()
+    y = torch.arange(NUM_CLASSES).repeat(3)
+    found = floor_bound.bound(model, (torch.randn(len(y), 5), y), NUM_CLASSES, dim=16, batch_size=8)
+    assert len(floor_bound.outer_layers(model)) == 2
+    assert found["activations_s"] > 0 and found["per_class_s"] > 0
