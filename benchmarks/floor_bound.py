@@ -42,14 +42,20 @@ from benchmarks import common
 from benchmarks.projection_scale import REAL, _floor, build
 from classgrad import per_class_gradients
 from classgrad.workers.engines import build_engine
-from classgrad.workers.engines.layer_rules.rule_io import Ragged
+from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
+from classgrad.workers.projection.kronecker import shape_for
 
 OUT = common.OUT_DIR / "floor_bound.json"
 
 
+# Of the layers the default sketches as units (``kronecker.shape_for``), those whose per-class
+# products are not timed here: convolutions (patches) and embeddings (lookups) count zero.
+UNBOUNDED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+
+
 def outer_layers(model: nn.Module) -> list[nn.Module]:
     """The Linear and transformers ``Conv1D`` layers (matrices whose gradient is a sum of outer products)."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+    return [m for m in model.modules() if shape_for(m) is not None and not isinstance(m, UNBOUNDED)]
 
 
 def class_batches(labels: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -81,13 +87,17 @@ def per_class_seconds(x: torch.Tensor, g: torch.Tensor, tokens: list[int], dim: 
     return min(formed, time.perf_counter() - t0)
 
 
-def live_seconds(x: torch.Tensor, g: torch.Tensor, counts: torch.Tensor, dim: int) -> float:
-    """``per_class_seconds`` of only the tokens whose output gradient is not all zero (a decoder's
-    head read at one position, masked keys add nothing; picking them is not timed). Classes then
-    have unequal token counts, and the batched product one call per count."""
-    owner = torch.arange(len(counts)).repeat_interleave(counts * (len(x) // int(counts.sum())))
-    live = g.abs().amax(dim=1) > 0
-    return per_class_seconds(x[live], g[live], torch.bincount(owner[live], minlength=len(counts)).tolist(), dim)
+def layer_seconds(x: torch.Tensor, g: torch.Tensor, tokens: list[int], dim: int) -> float:
+    """``per_class_seconds`` over all tokens, or over only those whose output gradient is not all
+    zero (``rule_io.live_tokens``: a decoder's head read at one position, masked keys add nothing;
+    picking them is not timed), the less. Classes then have unequal token counts, and the batched
+    product one call per count."""
+    every = per_class_seconds(x, g, tokens, dim)
+    live = live_tokens(g)
+    if live is None:
+        return every
+    kept = Ragged(g, x, tokens, 0).keeping(live)
+    return min(every, per_class_seconds(kept.inputs, kept.grads, kept.tokens, dim))
 
 
 def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> dict[str, float]:
@@ -117,9 +127,7 @@ def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: in
                     continue
                 per_sample = inputs.numel() // (len(idx) * inputs.shape[-1])
                 x2, g2 = inputs.reshape(-1, inputs.shape[-1]), g.reshape(-1, g.shape[-1])
-                per_class += min(
-                    per_class_seconds(x2, g2, (counts * per_sample).tolist(), dim), live_seconds(x2, g2, counts, dim)
-                )
+                per_class += layer_seconds(x2, g2, (counts * per_sample).tolist(), dim)
     finally:
         for h in hooks:
             h.remove()
