@@ -3,12 +3,13 @@
 Rows from the hook path, on every route of the sketched sums (fft, form, and the embeddings'
 direct scatter; unpadded tokens and the padded grid), against the same map applied to the float64
 reference engine's full rows, per layer type (Linear on tokens and as a head, Conv1d/2d, Embedding
-with a padding row and called twice, EmbeddingBag mean/max, transformers' Conv1D, norms in the
-rest), with empty and one-sample classes, frozen and tied parameters; the map itself (a sparse JL
-map: unbiased, the structured hash equal to the circular convolution); a job's store against
-``per_class_gradients``; that no per-class head matrix is formed; the default's fallback; and old
-stores (dense by the old default, kronecker, sketch, and tensorsketch from before its units shared
-one sketch in the work row) resuming with the map they record.
+with a padding row and called twice, EmbeddingBag mean/max, transformers' Conv1D, LSTM/GRU/RNN
+weight matrices, norms in the rest), with empty and one-sample classes, frozen and tied
+parameters; the map itself (a sparse JL map: unbiased, the structured hash equal to the circular
+convolution); a job's store against ``per_class_gradients``; that no per-class head matrix is
+formed; the default's fallback; and old stores (dense by the old default, kronecker, sketch, and
+tensorsketch from before its units shared one sketch in the work row or before recurrent layers
+had units) resuming with the map they record.
 """
 
 from __future__ import annotations
@@ -98,7 +99,39 @@ def head_case():
     return model, (torch.randn(len(y), 7, generator=torch.Generator().manual_seed(2)), y)
 
 
-CASES = {"mixed": mixed_case, "gpt2": gpt2_case, "head": head_case}
+class Recurrent(nn.Module):
+    """Every recurrent layer type as units: two bidirectional LSTM layers, a GRU, an RNN without
+    biases and an LSTM with ``proj_size`` (its ``weight_hr``), on fixed-length token sequences."""
+
+    def __init__(self, vocab: int = 13):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, 4)
+        self.lstm = nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(6, 3, batch_first=True)
+        self.rnn = nn.RNN(3, 3, bias=False, batch_first=True)
+        self.proj = nn.LSTM(3, 4, proj_size=2, batch_first=True)
+        self.head = nn.Linear(2, C)
+
+    def forward(self, ids):
+        h, _ = self.lstm(self.tok(ids))
+        h, _ = self.rnn(self.gru(h)[0])
+        return self.head(self.proj(h)[0][:, -1])
+
+
+def recurrent_case():
+    torch.manual_seed(4)
+    model = Recurrent().eval()
+    g = torch.Generator().manual_seed(8)
+    y = torch.tensor([0, 0, 0, 1, 2, 2, 3, 4, 4, 4, 4])  # class 5: no samples
+    return model, (torch.randint(0, 13, (len(y), 5), generator=g), y)
+
+
+CASES = {"mixed": mixed_case, "gpt2": gpt2_case, "head": head_case, "recurrent": recurrent_case}
+RECURRENT_WEIGHTS = {
+    *(f"lstm.weight_{w}_l{n}{d}" for w in ("ih", "hh") for n in (0, 1) for d in ("", "_reverse")),
+    "gru.weight_ih_l0", "gru.weight_hh_l0", "rnn.weight_ih_l0", "rnn.weight_hh_l0",
+    "proj.weight_ih_l0", "proj.weight_hh_l0", "proj.weight_hr_l0",
+}  # fmt: skip
 
 
 def sketched(case: str, monkeypatch, route: str | None = None, grid: bool = False, **options):
@@ -129,6 +162,10 @@ def test_rows_equal_the_map_applied_to_the_float64_reference(case, route, grid, 
         units = {u["param"] for u in eng.describe()["units"]}
         assert {"tok.weight", "bag.weight", "bag_max.weight", "mix.weight", "conv.weight", "img.weight"} <= units
         assert {"norm.weight", "norm.bias", "scale"} <= set(eng.describe()["rest_params"])
+    if case == "recurrent":  # every weight matrix a unit, with its bias: nothing left in the rest
+        units = {u["param"]: u["bias"] for u in eng.describe()["units"]}
+        assert RECURRENT_WEIGHTS <= set(units) and eng.describe()["rest_params"] == []
+        assert units["lstm.weight_hh_l1_reverse"] == "lstm.bias_hh_l1_reverse" and units["rnn.weight_ih_l0"] is None
 
 
 @pytest.mark.parametrize("route", ["fft", "form"])
@@ -334,7 +371,9 @@ def test_the_default_falls_back_to_a_sketch_of_finished_rows_and_says_so():
     )
 
 
-@pytest.mark.parametrize("name", ["v3_dense_default", "v3_kronecker", "v3_sketch", "v3_tensorsketch"])
+@pytest.mark.parametrize(
+    "name", ["v3_dense_default", "v3_kronecker", "v3_sketch", "v3_tensorsketch", "v3_tensorsketch_recurrent"]
+)
 def test_a_store_of_the_previous_version_resumes_with_the_map_it_records(name, tmp_path):
     url = tmp_path / f"{name}.zarr"
     shutil.copytree(FIXTURES / f"{name}.zarr", url)
@@ -352,6 +391,9 @@ def test_a_store_of_the_previous_version_resumes_with_the_map_it_records(name, t
         full = per_class_gradients(model, build_probe(config.data.factory, config.data.kwargs), num_classes=12)
         want = Projector(full.shape[1], 16, seed=5).project(full)
         np.testing.assert_allclose(store.rows(np.arange(12)), want.numpy(), rtol=1e-5, atol=1e-6)
+    if name == "v3_tensorsketch_recurrent":  # its LSTM's weights stay in the rest, as recorded
+        assert "lstm.weight_ih_l0" in record["rest_params"]
+        assert not any(u["param"].startswith("lstm.") for u in record["units"])
     if name == "v3_kronecker":
         assert KroneckerMap  # the record keeps its split: same units, same widths
         assert [u["k_out"] * u["k_in"] for u in record["units"]] == [

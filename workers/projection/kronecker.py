@@ -5,8 +5,9 @@ Holds:
 
 - ``kronecker_factor`` — one factor ``[n, k]`` from the counter-based generator of
   ``classgrad.workers.projection`` (same bits on every device), entries of variance ``1/k``.
-- ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, or from one part's
-  per-class gradients (``part_matrix``), shared by every structure's units.
+- ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, from one part's
+  per-class gradients (``part_matrix``) or both (``joined``), and its projection (``map_matrix``,
+  ``map_part``), shared by every structure's units.
 - ``KroneckerUnit`` — one layer's weight (and its bias, as a constant-1 input feature: a column
   of ``M``, or a row where the input is the first axis) of stored shape ``[a, b]`` projected to
   ``P_a M P_b^T``: ``k_out x k_in`` columns of the stored row.
@@ -205,6 +206,23 @@ class OuterMatrix:
             m = torch.cat([m, bias], dim=2)
         return m
 
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
+        """``[k, width]``: the unit's projection of per-class matrices ``m`` ``[k, rows, cols_in]``."""
+        raise NotImplementedError
+
+    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
+        """``[k, width]``: the projection of per-class gradients ``value`` of the weight or the bias
+        alone (the other zero), for a gradient another path formed whole."""
+        return self.map_matrix(self.part_matrix(part, value))
+
+    def joined(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``[k, rows, cols_in]``: ``M`` from per-class gradients of its weight and its bias."""
+        k = weight.shape[0]
+        m = weight.reshape(k, self.a, self.b)
+        if self.input_first:  # [W; b^T]
+            return torch.cat([m, bias.reshape(k, 1, self.b).to(m.dtype)], dim=1)
+        return torch.cat([m, bias.reshape(k, self.a, 1).to(m.dtype)], dim=2)
+
     def part_matrix(self, part: str, value: torch.Tensor) -> torch.Tensor:
         """``[k, rows, cols_in]``: ``M`` with only its weight, or only its bias, filled from the
         per-class gradients ``value`` (for a gradient another path formed whole)."""
@@ -261,14 +279,10 @@ class KroneckerUnit(OuterMatrix):
 
     def project_matrix(self, full: torch.Tensor, slots_rows: torch.Tensor) -> torch.Tensor:
         """Rows ``[n, width]`` from full rows ``slots_rows`` ``[n, D]`` (the reference: ``F_a^T M F_b``)."""
-        m = self.matrices(slots_rows)
-        fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
-        return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(m.shape[0], self.width)
+        return self.map_matrix(self.matrices(slots_rows))
 
-    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
-        """``[k, width]``: ``F_a^T M F_b`` of per-class gradients ``value`` of the weight or the
-        bias alone (the other zero), for a gradient another path formed whole."""
-        m = self.part_matrix(part, value)
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
+        """``[k, width]``: ``F_a^T M F_b`` of per-class matrices ``m`` ``[k, rows, cols_in]``."""
         fa, fb = (f.to(m.dtype) for f in self.factors(m.device))
         return torch.matmul(torch.matmul(fa.t(), m), fb).reshape(m.shape[0], self.width)
 

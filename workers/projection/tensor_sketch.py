@@ -15,8 +15,9 @@ Holds:
   ``add_rest``, so a block's work rows can go before the rest of many blocks is sketched at once),
   ``work_rows`` / ``project_full`` (full rows to the same numbers: what the tests compare with)
   and ``describe`` (what the store records).
-- ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``TS_GROUP_BASE`` and
-  ``ENTRY_TABLE_ENTRIES``.
+- ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``recurrent_layers`` (the
+  weight matrices of ``nn.LSTM``/``GRU``/``RNN``, units too: a store that recorded them in the
+  rest, as stores made before them did, resumes so), ``TS_GROUP_BASE`` and ``ENTRY_TABLE_ENTRIES``.
 
 The map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a unit
 ``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b`` (``m_b``
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,11 +77,35 @@ def _bag_shape(m: nn.EmbeddingBag) -> UnitShape | None:
 
 
 SKETCH_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {nn.EmbeddingBag: _bag_shape}
+# Recurrent layers (exactly these types: the recurrent rule's) and, per weight kind, its bias kind.
+# Each weight's gradient is a sum over a class's samples and steps of outer products (the gate
+# gradient with the input or the previous state; ``weight_hr``'s with the unprojected state), so
+# ``[W | b]`` is a unit like a Linear's: the rule forms each class's matrix, the unit sketches it.
+RECURRENT_SKETCH_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
+RECURRENT_BIAS = {"weight_ih": "bias_ih", "weight_hh": "bias_hh", "weight_hr": None}
 
 
 def sketch_shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
     """The ``UnitShape`` function of ``module``'s type for a sketch unit, or None."""
     return SKETCH_SHAPES.get(type(module)) or shape_for(module)
+
+
+def recurrent_layers(
+    slots: Sequence[ParamSlot], modules: dict[str, nn.Module], hooked: set[str]
+) -> Iterator[tuple[int, ParamSlot, ParamSlot | None, UnitShape]]:
+    """``(index, weight, bias, shape)`` of every selected weight matrix of a hooked recurrent
+    layer (``weight_ih_l0``, ``weight_hh_l1_reverse``, ``weight_hr_l0``, ...), as ``outer_layers``."""
+    by_name = {s.name: s for s in slots}
+    for i, slot in enumerate(slots):
+        owner, _, kind = slot.name.rpartition(".")
+        base, _, suffix = kind.partition("_l")
+        if owner not in hooked or type(modules.get(owner)) not in RECURRENT_SKETCH_TYPES or base not in RECURRENT_BIAS:
+            continue
+        bias_kind = RECURRENT_BIAS[base]
+        bias_name = f"{owner}.{bias_kind}_l{suffix}" if owner else f"{bias_kind}_l{suffix}"
+        bias = by_name.get(bias_name) if bias_kind else None
+        rows, cols = slot.shape
+        yield i, slot, bias, (int(rows), int(cols), False)
 
 
 @dataclass
@@ -187,10 +212,9 @@ class SketchUnit(OuterMatrix):
             self._cache[key] = SignedMap(self.full, self.dim, self.nonzeros, scale, columns)
         return self._cache[key].apply(matrices.reshape(matrices.shape[0], self.full), out)
 
-    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
-        """``[k, dim]``: the sketch of per-class gradients ``value`` of the weight or the bias
-        alone (the other zero), for a gradient another path formed whole."""
-        return self.sketch(self.part_matrix(part, value))
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
+        """``[k, dim]``: the sketch of per-class matrices ``m`` (``sketch``)."""
+        return self.sketch(m)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -248,9 +272,14 @@ class TensorSketchMap:
         if dim > full:
             raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
         nonzeros = min(nonzeros, dim)
+        found = list(outer_layers(slots, modules, hooked, sketch_shape_for))
+        recurrent = list(recurrent_layers(slots, modules, hooked))
+        if record is not None:  # stores made before recurrent units kept those weights in the rest
+            recorded = {u.get("param") for u in record.get("units", [])}
+            recurrent = [r for r in recurrent if r[1].name in recorded]
         units = [
             SketchUnit(i, slot, bias, *shape, dim, UNIT_NONZEROS, seed)
-            for i, slot, bias, shape in outer_layers(slots, modules, hooked, sketch_shape_for)
+            for i, slot, bias, shape in sorted(found + recurrent, key=lambda r: r[0])
         ]
         out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros)
         if record is not None:

@@ -217,9 +217,13 @@ class ClassRows:
             for part in ("weight", "bias"):
                 param = getattr(unit, part)
                 if param is not None and param.name == slot.name:
-                    work = ParamSlot(unit.weight.name, (unit.width,), unit.offset, unit.width)
-                    return work, unit.map_part(part, value)
+                    return self.unit_slot(unit), unit.map_part(part, value)
         return slot, value
+
+    @staticmethod
+    def unit_slot(unit: Any) -> ParamSlot:
+        """The work columns a projection unit writes."""
+        return ParamSlot(unit.weight.name, (unit.width,), unit.offset, unit.width)
 
     def columns(self, slot: ParamSlot) -> torch.Tensor:
         return self.rows[:, slot.offset : slot.offset + slot.size]
@@ -260,6 +264,24 @@ class LayerRows:
         slot = self.slots[kind]
         if self.full and self.run.projections:
             slot, value = self.run.mapped(slot, value.reshape(self.k, -1))
+        self._write(slot, value)
+
+    def put_all(self, values: dict[str, torch.Tensor]) -> None:
+        """``put`` of every kind in ``values``; whole gradients (``full``) of a projected layer's
+        weight and bias joined into its unit's one matrix and mapped once (not each part apart,
+        the other part zero: half the entries sketched)."""
+        pending = dict(values)
+        for unit in self.run.projections.values() if self.full else ():
+            kinds = {self.slots[kind].name: kind for kind in pending}
+            weight = kinds.get(unit.weight.name)
+            bias = kinds.get(unit.bias.name) if unit.bias is not None else None
+            if weight is not None and bias is not None:
+                w, b = pending.pop(weight).reshape(self.k, -1), pending.pop(bias).reshape(self.k, -1)
+                self._write(self.run.unit_slot(unit), unit.map_matrix(unit.joined(w, b)))
+        for kind, value in pending.items():
+            self.put(kind, value)
+
+    def _write(self, slot: ParamSlot, value: torch.Tensor) -> None:
         target = self.run.columns(slot)
         if _key(slot) in self.run.written:
             target.add_(value.reshape(self.k, slot.size))

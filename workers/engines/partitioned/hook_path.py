@@ -220,12 +220,14 @@ class HookPath:
                 raise NotLocal(c.module, f"{type(c.module).__name__} alone on one sample gives other outputs")
             grads = self.plan.units[c.module](c.module, args, kwargs, c.grad_outputs(mine), grid, tuple(slots))
         out = sink.for_layer(slots, full=True)
+        values = {}
         for name, value in grads.items():
             value = value.to(grid.dtype)
             if inv is not None:
                 value = value * inv.view(-1, *[1] * (value.ndim - 1))
             out.check_sums(value)
-            out.put(name, value)
+            values[name] = value
+        out.put_all(values)
 
     def check(self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice) -> None:
         """Once per model (see ``choices.HOOKS_CHECKED``): two rows from hooks against the plain
