@@ -4,7 +4,7 @@ Rows from the hook path, on every route of the sketched sums (fft, form, and the
 direct scatter; unpadded tokens and the padded grid), against the same map applied to the float64
 reference engine's full rows, per layer type (Linear on tokens and as a head, Conv1d/2d, Embedding
 with a padding row and called twice, EmbeddingBag mean/max, transformers' Conv1D, LSTM/GRU/RNN
-weight matrices, norms in the rest), with empty and one-sample classes, frozen and tied
+and attention weight matrices, norms in the rest), with empty and one-sample classes, frozen and tied
 parameters; the map itself (a sparse JL map: unbiased, the structured hash equal to the circular
 convolution); a job's store against ``per_class_gradients``; that no per-class head matrix is
 formed; the default's fallback; and old stores (dense by the old default, kronecker, sketch, and
@@ -126,7 +126,34 @@ def recurrent_case():
     return model, (torch.randint(0, 13, (len(y), 5), generator=g), y)
 
 
-CASES = {"mixed": mixed_case, "gpt2": gpt2_case, "head": head_case, "recurrent": recurrent_case}
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` as units: a ``TransformerEncoderLayer``'s (one ``in_proj_weight``)
+    and one with separate q/k/v weights (``kdim``, ``vdim``; its ``in_proj_bias`` in the rest)."""
+
+    def __init__(self, vocab: int = 13):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, 4)
+        self.layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+        self.cross = nn.MultiheadAttention(4, 2, kdim=3, vdim=5, batch_first=True)
+        self.key, self.value = nn.Linear(4, 3), nn.Linear(4, 5)
+        self.head = nn.Linear(4, C)
+
+    def forward(self, ids):
+        h = self.layer(self.tok(ids))
+        return self.head(self.cross(h, self.key(h), self.value(h))[0].mean(1))
+
+
+def attention_case():
+    torch.manual_seed(5)
+    model = Attention().eval()
+    y = torch.tensor([0, 0, 1, 2, 2, 2, 3, 4, 4])  # class 5: no samples
+    return model, (torch.randint(0, 13, (len(y), 6), generator=torch.Generator().manual_seed(9)), y)
+
+
+CASES = {
+    "mixed": mixed_case, "gpt2": gpt2_case, "head": head_case, "recurrent": recurrent_case,
+    "attention": attention_case,
+}  # fmt: skip
 RECURRENT_WEIGHTS = {
     *(f"lstm.weight_{w}_l{n}{d}" for w in ("ih", "hh") for n in (0, 1) for d in ("", "_reverse")),
     "gru.weight_ih_l0", "gru.weight_hh_l0", "rnn.weight_ih_l0", "rnn.weight_hh_l0",
@@ -166,6 +193,13 @@ def test_rows_equal_the_map_applied_to_the_float64_reference(case, route, grid, 
         units = {u["param"]: u["bias"] for u in eng.describe()["units"]}
         assert RECURRENT_WEIGHTS <= set(units) and eng.describe()["rest_params"] == []
         assert units["lstm.weight_hh_l1_reverse"] == "lstm.bias_hh_l1_reverse" and units["rnn.weight_ih_l0"] is None
+    if case == "attention":
+        units = {u["param"]: u["bias"] for u in eng.describe()["units"]}
+        attn = "layer.self_attn."
+        assert units[attn + "in_proj_weight"] == attn + "in_proj_bias"
+        assert units[attn + "out_proj.weight"] == attn + "out_proj.bias"
+        assert all(units[f"cross.{p}_proj_weight"] is None for p in "qkv")
+        assert "cross.in_proj_bias" in eng.describe()["rest_params"]
 
 
 @pytest.mark.parametrize("route", ["fft", "form"])

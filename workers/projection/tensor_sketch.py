@@ -15,9 +15,10 @@ Holds:
   ``add_rest``, so a block's work rows can go before the rest of many blocks is sketched at once),
   ``work_rows`` / ``project_full`` (full rows to the same numbers: what the tests compare with)
   and ``describe`` (what the store records).
-- ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``recurrent_layers`` (the
-  weight matrices of ``nn.LSTM``/``GRU``/``RNN``, units too: a store that recorded them in the
-  rest, as stores made before them did, resumes so), ``TS_GROUP_BASE`` and ``ENTRY_TABLE_ENTRIES``.
+- ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``UNIT_MATRICES`` and
+  ``unit_matrices`` (the weight matrices of module-VJP units, ``nn.LSTM``/``GRU``/``RNN`` and
+  ``nn.MultiheadAttention``, units too: a store that recorded them in the rest, as stores made
+  before them did, resumes so), ``TS_GROUP_BASE`` and ``ENTRY_TABLE_ENTRIES``.
 
 The map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a unit
 ``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b`` (``m_b``
@@ -77,12 +78,6 @@ def _bag_shape(m: nn.EmbeddingBag) -> UnitShape | None:
 
 
 SKETCH_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {nn.EmbeddingBag: _bag_shape}
-# Recurrent layers (exactly these types: the recurrent rule's) and, per weight kind, its bias kind.
-# Each weight's gradient is a sum over a class's samples and steps of outer products (the gate
-# gradient with the input or the previous state; ``weight_hr``'s with the unprojected state), so
-# ``[W | b]`` is a unit like a Linear's: the rule forms each class's matrix, the unit sketches it.
-RECURRENT_SKETCH_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
-RECURRENT_BIAS = {"weight_ih": "bias_ih", "weight_hh": "bias_hh", "weight_hr": None}
 
 
 def sketch_shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
@@ -90,22 +85,55 @@ def sketch_shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | N
     return SKETCH_SHAPES.get(type(module)) or shape_for(module)
 
 
-def recurrent_layers(
+def _recurrent_matrices(m: nn.RNNBase) -> list[tuple[str, str | None]]:
+    bias = {"weight_ih": "bias_ih", "weight_hh": "bias_hh", "weight_hr": None}
+    pairs: list[tuple[str, str | None]] = []
+    for name in m._flat_weights_names:
+        base, _, suffix = name.partition("_l")
+        if base in bias:
+            b = bias[base]
+            pairs.append((name, f"{b}_l{suffix}" if b is not None and m.bias else None))
+    return pairs
+
+
+def _attention_matrices(m: nn.MultiheadAttention) -> list[tuple[str, str | None]]:
+    if m.in_proj_weight is not None:
+        pairs = [("in_proj_weight", "in_proj_bias" if m.in_proj_bias is not None else None)]
+    else:  # separate q/k/v weights; their one in_proj_bias stays in the rest
+        pairs = [("q_proj_weight", None), ("k_proj_weight", None), ("v_proj_weight", None)]
+    return [*pairs, ("out_proj.weight", "out_proj.bias" if m.out_proj.bias is not None else None)]
+
+
+# Module-VJP units (exactly these types) whose weight matrices are sketch units: the names, under
+# the module, of each matrix and its bias (None: none). Such a unit hands over each class's whole
+# gradients, and any matrix of them is sketched like a Linear's ``[W | b]`` (the map hashes its
+# entries; nothing needs an outer product): for a recurrent layer each is also a sum of outer
+# products over a class's samples and steps, for attention over its tokens.
+UNIT_MATRICES: dict[type[nn.Module], Callable[[Any], list[tuple[str, str | None]]]] = {
+    nn.LSTM: _recurrent_matrices,
+    nn.GRU: _recurrent_matrices,
+    nn.RNN: _recurrent_matrices,
+    nn.MultiheadAttention: _attention_matrices,
+}
+
+
+def unit_matrices(
     slots: Sequence[ParamSlot], modules: dict[str, nn.Module], hooked: set[str]
 ) -> Iterator[tuple[int, ParamSlot, ParamSlot | None, UnitShape]]:
-    """``(index, weight, bias, shape)`` of every selected weight matrix of a hooked recurrent
-    layer (``weight_ih_l0``, ``weight_hh_l1_reverse``, ``weight_hr_l0``, ...), as ``outer_layers``."""
-    by_name = {s.name: s for s in slots}
-    for i, slot in enumerate(slots):
-        owner, _, kind = slot.name.rpartition(".")
-        base, _, suffix = kind.partition("_l")
-        if owner not in hooked or type(modules.get(owner)) not in RECURRENT_SKETCH_TYPES or base not in RECURRENT_BIAS:
-            continue
-        bias_kind = RECURRENT_BIAS[base]
-        bias_name = f"{owner}.{bias_kind}_l{suffix}" if owner else f"{bias_kind}_l{suffix}"
-        bias = by_name.get(bias_name) if bias_kind else None
-        rows, cols = slot.shape
-        yield i, slot, bias, (int(rows), int(cols), False)
+    """``(index, weight, bias, shape)`` of every selected weight matrix of a hooked module of an
+    ``UNIT_MATRICES`` type (an LSTM's ``weight_hh_l1_reverse``, attention's ``in_proj_weight``,
+    ...), as ``outer_layers`` (a bias that is not selected is left to the rest)."""
+    index = {s.name: (i, s) for i, s in enumerate(slots)}
+    for owner in sorted(hooked):
+        module = modules.get(owner)
+        pairs_of = UNIT_MATRICES.get(type(module)) if module is not None else None
+        for weight, bias in pairs_of(module) if pairs_of is not None else ():
+            found = index.get(f"{owner}.{weight}" if owner else weight)
+            if found is None or len(found[1].shape) != 2:
+                continue
+            i, slot = found
+            b = index.get(f"{owner}.{bias}" if owner else bias) if bias is not None else None
+            yield i, slot, (b[1] if b is not None else None), (int(slot.shape[0]), int(slot.shape[1]), False)
 
 
 @dataclass
@@ -273,13 +301,13 @@ class TensorSketchMap:
             raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
         nonzeros = min(nonzeros, dim)
         found = list(outer_layers(slots, modules, hooked, sketch_shape_for))
-        recurrent = list(recurrent_layers(slots, modules, hooked))
-        if record is not None:  # stores made before recurrent units kept those weights in the rest
+        matrices = list(unit_matrices(slots, modules, hooked))
+        if record is not None:  # stores made before these units kept those weights in the rest
             recorded = {u.get("param") for u in record.get("units", [])}
-            recurrent = [r for r in recurrent if r[1].name in recorded]
+            matrices = [r for r in matrices if r[1].name in recorded]
         units = [
             SketchUnit(i, slot, bias, *shape, dim, UNIT_NONZEROS, seed)
-            for i, slot, bias, shape in sorted(found + recurrent, key=lambda r: r[0])
+            for i, slot, bias, shape in sorted(found + matrices, key=lambda r: r[0])
         ]
         out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros)
         if record is not None:

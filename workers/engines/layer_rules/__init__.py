@@ -8,12 +8,14 @@ covers) and registers the built-in rules: ``linear`` (nn.Linear), ``conv`` (nn.C
 ``batchnorm`` (eval-mode nn.BatchNorm1d/2d/3d), ``embedding`` (nn.Embedding, nn.EmbeddingBag),
 ``norms`` (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm) and ``hf_conv1d`` (transformers' Conv1D,
 registered on first sight). docs/layers.md lists what each supports and refuses. Recurrent
-layers (nn.LSTM/GRU/RNN) are units computed by ``recurrent_class_grads`` (class-batched).
+layers (nn.LSTM/GRU/RNN) and nn.MultiheadAttention are units computed class-batched by
+``recurrent_class_grads`` and ``attention_class_grads``.
 """
 
 from __future__ import annotations
 
 from classgrad.workers.engines.layer_rules import batchnorm, conv, embedding, linear, norms  # noqa: F401 - registers the rules
+from classgrad.workers.engines.layer_rules.attention import attention_class_grads, attention_refusal
 from classgrad.workers.engines.layer_rules.hf_conv1d import register_hf_conv1d
 from classgrad.workers.engines.layer_rules.module_vjp import (
     UNIT_COMPUTERS,
@@ -38,6 +40,8 @@ __all__ = [
     "LayerRows",
     "LayerRule",
     "OuterFactors",
+    "attention_class_grads",
+    "attention_refusal",
     "class_outer_sums",
     "recurrent_class_grads",
     "recurrent_refusal",

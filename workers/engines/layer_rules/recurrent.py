@@ -42,7 +42,7 @@ from classgrad.workers.engines.layer_rules.recurrent_scan import (
     previous_states,
     unrolled_layer,
 )
-from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
+from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, TokenSums
 
 RECURRENT_TYPES = (nn.LSTM, nn.GRU, nn.RNN)
 
@@ -177,48 +177,6 @@ def _run_layers(
     return inputs, passes
 
 
-class _ClassSums:
-    """Per-class sums over a class's samples and steps. Classes of equal size are done in one batched
-    product (no padding rows multiplied: a grid of classes of 1 to 4 samples is a third padding)."""
-
-    def __init__(self, grid: ClassGrid, device: torch.device):
-        self.k = grid.k
-        if grid.spots is None:
-            self.owner = torch.arange(grid.k, device=device).repeat_interleave(grid.width)
-            self.groups: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self.owner[:: grid.width], None)]
-            self.complete = True
-            return
-        self.owner = torch.div(grid.spots, grid.width, rounding_mode="floor").to(device)
-        sizes = torch.bincount(self.owner, minlength=grid.k)
-        starts = torch.cumsum(sizes, 0) - sizes  # the run's samples are class after class
-        self.groups = []
-        for size in sizes.unique().tolist():
-            if size > 0:
-                classes = (sizes == size).nonzero().squeeze(1)
-                rows = (starts[classes, None] + torch.arange(size, device=device)).reshape(-1)
-                self.groups.append((classes, rows))
-        self.complete = bool((sizes > 0).all())
-
-    def outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``sum_{samples, steps} a_t b_t^T`` per class: ``[N, T, p]``, ``[N, T, q]`` -> ``[k, p, q]``."""
-        p, q = a.shape[2], b.shape[2]
-        out: torch.Tensor | None = None
-        for classes, rows in self.groups:
-            A, B = (t if rows is None else t.index_select(0, rows) for t in (a, b))
-            part = torch.bmm(A.reshape(len(classes), -1, p).transpose(1, 2), B.reshape(len(classes), -1, q))
-            if rows is None:
-                return part
-            if out is None:
-                out = a.new_empty(self.k, p, q) if self.complete else a.new_zeros(self.k, p, q)
-            out.index_copy_(0, classes, part)
-        assert out is not None
-        return out
-
-    def total(self, a: torch.Tensor) -> torch.Tensor:
-        """``sum_{samples, steps} a_t`` per class: ``[N, T, p]`` -> ``[k, p]``."""
-        return a.new_zeros(self.k, a.shape[2]).index_add_(0, self.owner, a.sum(dim=1))
-
-
 def recurrent_class_grads(
     module: nn.RNNBase,
     args: tuple,
@@ -301,7 +259,7 @@ def _fill(
     for layer, d in proj:
         targets += passes[layer].proj_h[d]
     found = torch.autograd.grad(outs, targets, grads, allow_unused=True)
-    sums = _ClassSums(grid, call.x.device)
+    sums = TokenSums(grid, call.x.device)
     for (layer, d), dgi in zip(keys, found[: len(keys)]):
         if dgi is not None:  # else no path from this direction to the given gradients: zero
             names = {name.split("_l")[0]: name for name in wanted[(layer, d)]}
@@ -327,7 +285,7 @@ def _direction_sums(
     layer: int,
     d: int,
     dgi: torch.Tensor,
-    sums: _ClassSums,
+    sums: TokenSums,
     names: dict[str, str],
     result: dict[str, torch.Tensor | None],
 ) -> None:

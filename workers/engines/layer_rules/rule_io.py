@@ -5,7 +5,8 @@ Holds:
   grid by class, short classes padded with zero rows (or, ``copies``, with copies of their own
   last sample, for module VJPs that need real inputs there).
 - ``LayerCapture``: one layer's input and output gradient in one run, laid out by class on
-  request; ``Ragged``: a layer's token factors of a run, unpadded, and the product per class.
+  request; ``Ragged``: a layer's token factors of a run, unpadded, and the product per class;
+  ``TokenSums``: per-class sums of a unit's ``[N, T, ...]`` tensors (outer products, totals).
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
 - ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``live_tokens``: the tokens whose
@@ -150,6 +151,50 @@ class Ragged:
                 torch.bmm(a.transpose(1, 2), b, out=out)
             else:
                 out.index_copy_(0, classes, torch.bmm(a.transpose(1, 2), b))
+
+
+class TokenSums:
+    """Per-class sums over a class's samples and their steps or tokens (``[N, T, ...]``, the run's
+    samples class after class, placed by ``grid``): a module unit's gradients (recurrent layers,
+    attention). Classes of equal size are done in one batched product (no padding rows
+    multiplied: a grid of classes of 1 to 4 samples is a third padding)."""
+
+    def __init__(self, grid: ClassGrid, device: torch.device):
+        self.k = grid.k
+        if grid.spots is None:
+            self.owner = torch.arange(grid.k, device=device).repeat_interleave(grid.width)
+            self.groups: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self.owner[:: grid.width], None)]
+            self.complete = True
+            return
+        self.owner = torch.div(grid.spots, grid.width, rounding_mode="floor").to(device)
+        sizes = torch.bincount(self.owner, minlength=grid.k)
+        starts = torch.cumsum(sizes, 0) - sizes  # the run's samples are class after class
+        self.groups = []
+        for size in sizes.unique().tolist():
+            if size > 0:
+                classes = (sizes == size).nonzero().squeeze(1)
+                rows = (starts[classes, None] + torch.arange(size, device=device)).reshape(-1)
+                self.groups.append((classes, rows))
+        self.complete = bool((sizes > 0).all())
+
+    def outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``sum_{samples, steps} a_t b_t^T`` per class: ``[N, T, p]``, ``[N, T, q]`` -> ``[k, p, q]``."""
+        p, q = a.shape[2], b.shape[2]
+        out: torch.Tensor | None = None
+        for classes, rows in self.groups:
+            A, B = (t if rows is None else t.index_select(0, rows) for t in (a, b))
+            part = torch.bmm(A.reshape(len(classes), -1, p).transpose(1, 2), B.reshape(len(classes), -1, q))
+            if rows is None:
+                return part
+            if out is None:
+                out = a.new_empty(self.k, p, q) if self.complete else a.new_zeros(self.k, p, q)
+            out.index_copy_(0, classes, part)
+        assert out is not None
+        return out
+
+    def total(self, a: torch.Tensor) -> torch.Tensor:
+        """``sum_{samples, steps} a_t`` per class: ``[N, T, p]`` -> ``[k, p]``."""
+        return a.new_zeros(self.k, a.shape[2]).index_add_(0, self.owner, a.sum(dim=1))
 
 
 @dataclass(frozen=True)
