@@ -20,7 +20,9 @@ sees: the engine's one-off choices, hashes and allocations included), through th
 
 Models: ``hf_resnet`` (``ResNetForImageClassification``, hidden sizes 16-32-64-256, head 256 x C,
 32 px) and ``bag_text`` (``EmbeddingBag`` 2,000 x 128 mean, Linear 256 + LayerNorm, head 256 x C),
-2 samples per class; and the seven models of ``benchmarks.real_model_cases`` (1-4 per class).
+2 samples per class; the seven models of ``benchmarks.real_model_cases`` (1-4 per class); and
+``torch_encoder`` (torch's own ``nn.TransformerEncoder``, 2 layers of hidden 128 on 16 tokens, 1-4
+per class: its attention is ``nn.MultiheadAttention``, not Linear layers).
 Settings: ``default`` (``{"dim": k}``: tensorsketch), ``kronecker``, ``kronecker_lr``
 (``low_rank: kronecker``), ``sketch``, ``dense`` (only where small enough) and ``full``
 (unprojected, real models only).
@@ -67,6 +69,7 @@ from benchmarks import common
 
 OUT = common.OUT_DIR / "projection_scale.json"
 SCALE_MODELS = ("hf_resnet", "bag_text")
+TORCH_ENCODER = "torch_encoder"  # torch's own nn.TransformerEncoder (attention: nn.MultiheadAttention)
 REAL = ("bert", "gpt2", "lstm", "ln_mlp", "resnet", "vit", "llama")
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -101,6 +104,12 @@ def build(name: str, classes: int, width: int | None = None) -> tuple[nn.Module,
 
         case = build_case(name, classes, width=width or WIDTH)
         return case.model, Samples(case.samples), case.labels
+    if name == TORCH_ENCODER:  # 2 layers, 4 heads, hidden 128 (or width), 1-4 samples per class
+        from classgrad.workers.zoo import tiny_transformer
+
+        labels = torch.repeat_interleave(torch.arange(classes), torch.randint(1, 5, (classes,), generator=g))
+        model = tiny_transformer(classes, vocab=512, dim=width or 128, heads=4, layers=2, max_len=16).eval()
+        return model, (torch.randint(0, 512, (len(labels), 16), generator=g), labels), labels
     labels = torch.arange(classes).repeat_interleave(2)
     if name == "bag_text":
         return BagText(classes).eval(), (torch.randint(0, 2000, (len(labels), 16), generator=g), labels), labels
@@ -354,7 +363,7 @@ def main() -> None:
     for name in models:
         for classes in map(int, args.classes.split(",")):
             for setting in args.settings.split(","):
-                if setting == "full" and name not in REAL:
+                if setting == "full" and name not in (*REAL, TORCH_ENCODER):
                     continue  # full rows of a 10k-class head do not fit: the reason for this benchmark
                 if setting == "dense" and classes * 3e6 * args.dim > 4e14:
                     continue  # C x D x k: hours

@@ -53,7 +53,8 @@ from torch import nn
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME
-from classgrad.workers.projection.kronecker import OuterMatrix, UnitShape, outer_layers, shape_for
+from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
+from classgrad.workers.projection.outer_matrix import OuterMatrix
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
 
 STRUCTURE = "tensorsketch"

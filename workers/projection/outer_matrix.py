@@ -1,0 +1,82 @@
+"""A unit's matrix: the part of a gradient row that one layer's weight and bias make.
+
+Holds ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, from one part's
+per-class gradients (``part_matrix``) or both (``joined``), and its projection (``map_matrix``,
+``map_part``), shared by every structure's units (``kronecker.KroneckerUnit``,
+``tensor_sketch.SketchUnit``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from classgrad.service.store.params import ParamSlot
+
+
+class OuterMatrix:
+    """A unit's matrix ``M``: its weight, with the bias as a constant-1 input feature (a column of
+    ``[W | b]``, or a row of ``[W; b^T]`` where the stored matrix's first axis is the input); what
+    every structure's unit shares (``KroneckerUnit``, ``tensor_sketch.SketchUnit``)."""
+
+    weight: ParamSlot
+    bias: ParamSlot | None
+    a: int
+    b: int
+    input_first: bool
+
+    @property
+    def rows(self) -> int:
+        """Rows of ``M``: ``a``, plus the bias row of an ``input_first`` unit."""
+        return self.a + (self.bias is not None and self.input_first)
+
+    @property
+    def cols_in(self) -> int:
+        """Columns of ``M``: ``b``, plus the bias column of the others."""
+        return self.b + (self.bias is not None and not self.input_first)
+
+    @property
+    def full(self) -> int:
+        return self.rows * self.cols_in
+
+    def matrices(self, full: torch.Tensor) -> torch.Tensor:
+        """``[n, rows, cols_in]``: the unit's ``M`` from full rows ``[n, D]`` (layout order)."""
+        n = full.shape[0]
+        w = self.weight
+        m = full[:, w.offset : w.offset + w.size].reshape(n, self.a, self.b)
+        if self.bias is not None and self.input_first:  # [W; b^T]
+            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, 1, self.b)
+            m = torch.cat([m, bias], dim=1)
+        elif self.bias is not None:  # [W | b]
+            bias = full[:, self.bias.offset : self.bias.offset + self.bias.size].reshape(n, self.a, 1)
+            m = torch.cat([m, bias], dim=2)
+        return m
+
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
+        """``[k, width]``: the unit's projection of per-class matrices ``m`` ``[k, rows, cols_in]``."""
+        raise NotImplementedError
+
+    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor:
+        """``[k, width]``: the projection of per-class gradients ``value`` of the weight or the bias
+        alone (the other zero), for a gradient another path formed whole."""
+        return self.map_matrix(self.part_matrix(part, value))
+
+    def joined(self, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``[k, rows, cols_in]``: ``M`` from per-class gradients of its weight and its bias."""
+        k = weight.shape[0]
+        m = weight.reshape(k, self.a, self.b)
+        if self.input_first:  # [W; b^T]
+            return torch.cat([m, bias.reshape(k, 1, self.b).to(m.dtype)], dim=1)
+        return torch.cat([m, bias.reshape(k, self.a, 1).to(m.dtype)], dim=2)
+
+    def part_matrix(self, part: str, value: torch.Tensor) -> torch.Tensor:
+        """``[k, rows, cols_in]``: ``M`` with only its weight, or only its bias, filled from the
+        per-class gradients ``value`` (for a gradient another path formed whole)."""
+        k = value.shape[0]
+        m = value.new_zeros(k, self.rows, self.cols_in)
+        if part == "weight":
+            m[:, : self.a, : self.b] = value.reshape(k, self.a, self.b)
+        elif self.input_first:  # [W; b^T]
+            m[:, self.a, :] = value.reshape(k, self.b)
+        else:  # [W | b]
+            m[:, :, self.b] = value.reshape(k, self.a)
+        return m
