@@ -34,17 +34,23 @@ from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, TokenSums
 
 def attention_refusal(module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any) -> str | None:
     """None when ``attention_class_grads`` is exact for this layer and call, else why not."""
+    return _layer_refusal(module) or _call_refusal(_arguments(module, args, kwargs), _grads(grad_outputs))
+
+
+def _layer_refusal(module: nn.Module) -> str | None:
     if type(module) is not nn.MultiheadAttention:
         return f"{type(module).__name__} is not exactly nn.MultiheadAttention (its forward may differ)"
     if module.bias_k is not None or module.add_zero_attn:
         return "add_bias_kv or add_zero_attn"
     if module.training and module.dropout > 0:
         return "dropout in train mode (rows would depend on the seed)"
-    call = _arguments(module, args, kwargs)
+    return None
+
+
+def _call_refusal(call: dict[str, Any], grads: tuple) -> str | None:
     query = call["query"]
     if not isinstance(query, torch.Tensor) or query.dim() != 3 or query.is_nested:
         return "an unbatched or nested query"
-    grads = tuple(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else (grad_outputs,)
     if grads[0] is None or any(g is not None for g in grads[1:]):
         return "a gradient at the attention weights, or none at the output"
     return None
@@ -54,6 +60,10 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _grads(grad_outputs: Any) -> tuple:
+    return tuple(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else (grad_outputs,)
 
 
 def attention_class_grads(
@@ -68,8 +78,13 @@ def attention_class_grads(
     (``in_proj_weight``, ``out_proj.bias``, ...), in ``grid.dtype``: class i's entry is the
     gradient of ``sum <grad_output, output>`` over its samples (``grid`` places the call's
     samples, class after class). The caller checks ``attention_refusal`` first."""
-    call = _arguments(module, args, kwargs)
-    g_out = (tuple(grad_outputs) if isinstance(grad_outputs, (tuple, list)) else (grad_outputs,))[0]
+    return _class_grads(module, _arguments(module, args, kwargs), _grads(grad_outputs)[0], grid, kinds)
+
+
+def _class_grads(
+    module: nn.MultiheadAttention, call: dict[str, Any], g_out: torch.Tensor, grid: ClassGrid, kinds: Sequence[str]
+) -> dict[str, torch.Tensor]:
+    """``attention_class_grads`` of a bound call (``_arguments``) and its output's gradient."""
     first = module.batch_first
 
     def seq_first(t: torch.Tensor) -> torch.Tensor:
@@ -133,8 +148,10 @@ def attention_unit(
     module: nn.Module, args: tuple, kwargs: dict, grad_outputs: Any, grid: ClassGrid, kinds: tuple[str, ...]
 ) -> dict[str, torch.Tensor]:
     """The hook path's unit computer for attention: class-batched where ``attention_refusal``
-    allows, the generic module VJP otherwise."""
-    if attention_refusal(module, args, kwargs, grad_outputs) is not None:
-        return module_class_grads(module, args, kwargs, grad_outputs, grid, kinds)
-    assert isinstance(module, nn.MultiheadAttention)
-    return attention_class_grads(module, args, kwargs, grad_outputs, grid, kinds)
+    allows, the generic module VJP otherwise (the call bound once for the check and the rule)."""
+    if _layer_refusal(module) is None:
+        call, grads = _arguments(module, args, kwargs), _grads(grad_outputs)
+        if _call_refusal(call, grads) is None:
+            assert isinstance(module, nn.MultiheadAttention)
+            return _class_grads(module, call, grads[0], grid, kinds)
+    return module_class_grads(module, args, kwargs, grad_outputs, grid, kinds)

@@ -316,8 +316,8 @@ class LayerRows:
         weight and bias joined into its unit's one matrix and mapped once (not each part apart,
         the other part zero: half the entries sketched)."""
         pending = dict(values)
+        kinds = {self.slots[kind].name: kind for kind in values}  # parameter name -> kind
         for unit in self.run.projections.values() if self.full else ():
-            kinds = {self.slots[kind].name: kind for kind in pending}
             weight = kinds.get(unit.weight.name)
             bias = kinds.get(unit.bias.name) if unit.bias is not None else None
             if weight is not None and bias is not None:
