@@ -8,6 +8,11 @@
 - ``--section conv``: a convolution's per-class weight gradients (128 or 32 classes of 2
   samples) by a grouped backward (channels-last and NCHW), one backward per class, and patches
   with one batched product (the ``tokens`` route): where ``conv.FEW_POSITIONS`` comes from.
+- ``--section sizes``: a convolution's per-class weight gradients for classes of 1 to 4 samples
+  (a run of 100 classes; HF ResNet's layers at hidden 64 up to a ResNet-18 layer) by one backward
+  per class against ``ConvFactors._by_size`` (one grouped backward per class size), each run
+  with new class sizes: group counts as they come (a new kernel shape nearly every run) or
+  rounded up to ``conv.GROUPS_STEP`` (shapes that recur); median ms over the runs.
 - ``--section patches``: every output position's input patch for 256 samples, by ``F.unfold``
   (im2col, then a transpose to tokens), by ``conv.patches`` (``Tensor.unfold`` windows) and by
   ``conv.patches_channels_inner`` (the windows of a channels-last copy: what sketched sums take).
@@ -19,6 +24,7 @@
 
     .venv/bin/python -m benchmarks.sketch_kernels --section sign
     .venv/bin/python -m benchmarks.sketch_kernels --section conv
+    .venv/bin/python -m benchmarks.sketch_kernels --section sizes
     .venv/bin/python -m benchmarks.sketch_kernels --section patches
     .venv/bin/python -m benchmarks.sketch_kernels --section mm
     .venv/bin/python -m benchmarks.sketch_kernels --section route
@@ -29,6 +35,8 @@ Prints tables (2 threads unless ``--threads``).
 from __future__ import annotations
 
 import argparse
+import functools
+import statistics
 import time
 from collections.abc import Callable
 
@@ -36,8 +44,14 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import print_table
-from classgrad.workers.engines.layer_rules.conv import grouped_channels_last, patches, patches_channels_inner
-from classgrad.workers.engines.layer_rules.rule_io import Ragged
+from classgrad.workers.engines.layer_rules import conv as conv_module
+from classgrad.workers.engines.layer_rules.conv import (
+    ConvFactors,
+    grouped_channels_last,
+    patches,
+    patches_channels_inner,
+)
+from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged
 from classgrad.workers.engines.layer_rules.sketch_sums import ROUTE_COST
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.sketch import SparseSignSketch
@@ -53,6 +67,15 @@ CONV_CASES = [
     ("16 positions, 128 ch", 128, 128, 3, 1, 1, 4, 32),
     ("64 positions, 64 ch", 64, 64, 3, 1, 1, 8, 8),
     ("256 positions, 3 -> 16 ch, 7x7 s2", 3, 16, 7, 2, 3, 32, 128),
+]
+# (name, cin, cout, kernel, stride, padding, input side) for --section sizes
+SIZE_CASES = [
+    ("HF ResNet stem, 3 -> 16 ch, 7x7 s2, 32 px", 3, 16, 7, 2, 3, 32),
+    ("HF ResNet, 16 ch, 3x3, 8 px", 16, 16, 3, 1, 1, 8),
+    ("32 ch, 3x3, 16 px", 32, 32, 3, 1, 1, 16),
+    ("64 ch, 3x3, 16 px", 64, 64, 3, 1, 1, 16),
+    ("64 ch, 3x3, 28 px", 64, 64, 3, 1, 1, 28),
+    ("ResNet-18, 64 ch, 3x3, 56 px", 64, 64, 3, 1, 1, 56),
 ]
 
 # (cin, kernel, stride, padding, input side): a small ResNet's convolutions at 32 px
@@ -121,6 +144,56 @@ def conv_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, k: int
     return positions, [best_ms(f, reps) for f in (grouped_cl, nchw, per_class, tokens)]
 
 
+def _work(cin: int, cout: int, ks: int, st: int, pd: int, side: int) -> int:
+    out = (side + 2 * pd - ks) // st + 1
+    return out * out * cin * ks * ks * cout
+
+
+def _per_class_backward(conv: torch.nn.Conv2d, seen: LayerCapture, counts: list[int]) -> None:
+    """One convolution backward per class (the ``per_class`` route)."""
+    weight = torch.zeros(()).expand(conv.weight.shape)  # only its shape is read
+    args = ([conv.out_channels], conv.stride, conv.padding, conv.dilation, False, [0, 0], 1, [False, True, True])
+    start = 0
+    for n in counts:
+        x, g = seen.inputs[start : start + n], seen.grads[start : start + n]
+        torch.ops.aten.convolution_backward(g, x, weight, *args)
+        start += n
+
+
+def _by_size(conv: torch.nn.Conv2d, seen: LayerCapture, step: int) -> None:
+    """``ConvFactors._by_size`` with group counts rounded up to ``step``."""
+    saved, conv_module.GROUPS_STEP = conv_module.GROUPS_STEP, step
+    try:
+        ConvFactors(conv, seen)._by_size(True, True)
+    finally:
+        conv_module.GROUPS_STEP = saved
+
+
+def size_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, runs: int) -> list[float]:
+    """Median ms over ``runs`` runs of 100 classes of 1 to 4 samples (new sizes each run) of: one
+    backward per class, ``_by_size`` with group counts as they come, and with ``GROUPS_STEP``."""
+    conv = torch.nn.Conv2d(cin, cout, ks, stride=st, padding=pd)
+    times: list[list[float]] = [[], [], []]
+    for run in range(runs):
+        counts = torch.randint(1, 5, (100,), generator=torch.Generator().manual_seed(run))
+        sample_class = torch.repeat_interleave(torch.arange(100), counts)
+        within = torch.arange(len(sample_class)) - (torch.cumsum(counts, 0) - counts)[sample_class]
+        x = torch.randn(len(sample_class), cin, side, side)
+        with torch.no_grad():
+            g = torch.randn_like(conv(x))
+        seen = LayerCapture(x, g, ClassGrid(100, 4, sample_class * 4 + within, torch.float32))
+        routes = [
+            functools.partial(_per_class_backward, conv, seen, counts.tolist()),
+            functools.partial(_by_size, conv, seen, 1),
+            functools.partial(_by_size, conv, seen, conv_module.GROUPS_STEP),
+        ]
+        for slot, route in enumerate(routes):
+            t0 = time.perf_counter()
+            route()
+            times[slot].append(1e3 * (time.perf_counter() - t0))
+    return [statistics.median(t) for t in times]
+
+
 def patch_times(cin: int, ks: int, st: int, pd: int, side: int, reps: int) -> tuple[str, float, float, float]:
     """(patch shape, ms of ``F.unfold`` to tokens, of ``conv.patches``, of
     ``conv.patches_channels_inner``) for 256 samples."""
@@ -173,7 +246,7 @@ def route_costs(reps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", choices=["sign", "conv", "patches", "mm", "route"], required=True)
+    parser.add_argument("--section", choices=["sign", "conv", "sizes", "patches", "mm", "route"], required=True)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -195,6 +268,13 @@ def main() -> None:
             case = f"{cin} x {side}x{side}, {ks}x{ks} stride {st}"
             rows.append([case, shape, f"{unfold:.2f}", f"{windows:.2f}", f"{inner:.2f}"])
         headers = ["input, kernel", "positions x features", "F.unfold ms", "conv.patches ms", "channels inner ms"]
+        print_table(headers, rows)
+    elif args.section == "sizes":
+        rows = [[name, *(f"{t:.1f}" for t in size_times(*shape, 2 * args.reps + 1))] for name, *shape in SIZE_CASES]
+        headers = ["layer (100 classes of 1-4 samples)", "per class ms", "by size ms", "by size, GROUPS_STEP ms"]
+        # the multiply-adds per sample that conv.SMALL_WORK compares
+        rows = [[*row[:1], f"{_work(*shape) / 1e6:.2f}M", *row[1:]] for row, (_, *shape) in zip(rows, SIZE_CASES)]
+        headers.insert(1, "multiply-adds per sample")
         print_table(headers, rows)
     elif args.section == "route":
         table = ROUTE_COST["cpu"]

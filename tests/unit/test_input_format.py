@@ -35,14 +35,20 @@ def grouped_cnn(num_classes: int) -> nn.Module:
 @pytest.mark.parametrize("projection", [None, KRONECKER], ids=["full", "kronecker"])
 def test_rows_under_every_forced_format_and_conv_kernel_agree_to_rounding(projection, monkeypatch):
     model = grouped_cnn(C)
-    # Classes of unequal size (1 to 5 samples): the CPU's per-class kernel is the rule's there.
+    # Classes of unequal size (1 to 5 samples): the CPU's kernel per class size is the rule's there.
     data = zoo.synthetic_probe(C, 3, kind="image", input_shape=(3, 8, 8), imbalance=1.0, seed=3)
     rows = {}
-    # Both formats, and each kernel of the conv rule (the grouped one in either layout, per class).
-    forced = (("contiguous", "contiguous"), ("channels_last", "channels_last"), ("channels_last", "per_class"))
+    # Both formats, and each kernel of the conv rule (the grouped one in either layout, one per
+    # class size, one per class).
+    forced = (
+        ("contiguous", "contiguous"),
+        ("channels_last", "channels_last"),
+        ("channels_last", "by_size"),
+        ("channels_last", "per_class"),
+    )
     for fmt, route in forced:
         monkeypatch.setattr(input_format, "image_format", lambda model, fmt=fmt: fmt)
-        monkeypatch.setattr(conv, "conv_route", lambda seen, route=route: route)
+        monkeypatch.setattr(conv, "conv_route", lambda module, seen, route=route: route)
         choices.clear()
         rows[fmt, route] = per_class_gradients(model, data, num_classes=C, batch_size=8, projection=projection)
     base = rows["contiguous", "contiguous"]

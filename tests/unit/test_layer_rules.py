@@ -225,8 +225,8 @@ def test_rules_compute_only_the_selected_parameters(case, params):
 )
 def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, dilation, padding):
     """The convolution rule's outer-product factors (what a projection inside the backward will
-    use) and each of its fast kernels (a grouped convolution backward in either layout, a plain
-    one per class) give the same per-class sums."""
+    use) and each of its fast kernels (a grouped convolution backward in either layout, one per class
+    size, one per class) give the same per-class sums."""
     torch.manual_seed(0)
     conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
     conv = conv_type(6, 3 * groups, 3, stride=stride, dilation=dilation, padding=padding, groups=groups).double()
@@ -252,12 +252,16 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
         def direct_sums(self, want_weight: bool, want_bias: bool):
             if self.route == "timed":
                 return super().direct_sums(want_weight, want_bias)
+            if self.route == "by_size":
+                return self._by_size(want_weight, want_bias)
             if self.route == "per_class":
                 return self._per_class(want_weight, want_bias)
-            return None if self.route == "tokens" else self._grouped(self.route, want_weight, want_bias)
+            if self.route == "tokens":
+                return None
+            return self._grouped(self.route, self.G, self.A, want_weight, want_bias)
 
     results = []
-    for route in ("timed", "contiguous", "channels_last", "per_class", "tokens"):
+    for route in ("timed", "contiguous", "channels_last", "by_size", "per_class", "tokens"):
         factors = Route(conv, seen)
         factors.route = route
         run = ClassRows(torch.full((k, dim), float("nan"), dtype=torch.float64))
@@ -281,22 +285,31 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
 
 
 @pytest.mark.parametrize(
-    "side,counts,route",
-    [(4, [2, 2], "tokens"), (4, [3, 1], "tokens"), (8, [3, 1], "per_class"), (8, [2, 2], "contiguous")],
+    "side,channels,counts,route",
+    [
+        (4, 2, [2, 2], "tokens"),
+        (4, 2, [3, 1], "tokens"),
+        (8, 2, [3, 1], "by_size"),
+        (32, 64, [3, 1], "per_class"),  # 1,024 positions x 576 x 64: past SMALL_WORK
+        (8, 2, [2, 2], "contiguous"),
+    ],
 )
-def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, counts, route):
+def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, channels, counts, route):
     """On a CPU: few output positions per sample (16 here) -> patches and one batched product;
-    more, with classes of unequal size -> a backward per class; equal sizes -> one grouped one."""
-    conv = nn.Conv2d(2, 3, 3, padding=1)
+    more, with classes of unequal size -> a grouped backward per class size for a small layer, a
+    backward per class for a larger one; equal sizes -> one grouped one."""
+    conv = nn.Conv2d(channels, channels + 1, 3, padding=1)
     counts_t = torch.tensor(counts)
     k, width = len(counts), int(counts_t.max())
     local = torch.repeat_interleave(torch.arange(k), counts_t)
     within = torch.arange(len(local)) - (torch.cumsum(counts_t, 0) - counts_t)[local]
-    x = torch.randn(len(local), 2, side, side)
-    seen = LayerCapture(x, torch.randn_like(conv(x)), ClassGrid(k, width, local * width + within, torch.float32))
+    x = torch.randn(len(local), channels, side, side)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x))
+    seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, torch.float32))
     if counts[0] == counts[1]:  # equal classes: the plain grid
         seen = LayerCapture(x, seen.grads, ClassGrid(k, width, None, torch.float32))
-    assert conv_module.conv_route(seen) == route
+    assert conv_module.conv_route(conv, seen) == route
 
 
 @pytest.mark.parametrize(

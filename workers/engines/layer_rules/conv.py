@@ -13,8 +13,9 @@ job, every resume and ``per_class_gradients`` then compute a row with the same k
 kernels of other layouts may differ in more than rounding: TF32 or not), and a first call
 measures nothing. On a CPU, a layer with few output positions per sample (``FEW_POSITIONS``)
 forms its sums from patches (``tokens``: one batched product); else, with classes of unequal
-size in the run, a plain backward per class on its own unpadded samples (no padded zeros, no
-layout copies, like the other outer-product layers' CPU route); else one grouped backward in
+size in the run, unpadded (no products of padded zeros): a small layer (``SMALL_WORK``) by one
+grouped backward per class size, a larger one by a plain backward per class (like the other
+outer-product layers' CPU route); else one grouped backward in
 the memory format the layer's input comes in (channels-last inputs, the partitioned engine's
 for convolutional models: what tensor cores take, and measured about twice as fast on a CPU as
 NCHW; on an AMD EPYC without AVX-512 it was slower than NCHW at 4 of 5 shapes of
@@ -53,16 +54,31 @@ def zero_padding(module: ConvNd) -> str | None:
 # channels: 43 / 20 / 9.2 ms; at 64 positions the grouped kernel is faster (1.4 against 3.5 ms).
 FEW_POSITIONS = 16
 
+# Classes of unequal size on a CPU: weight-gradient multiply-adds per sample at or below which
+# one grouped backward per class size (``by_size``) is faster than one backward per class (a
+# kernel call's overhead is then much of a class's cost); above it, slower. `python -m
+# benchmarks.sketch_kernels --section sizes` (2-core AMD EPYC, 100 classes of 1-4 samples; per
+# class / by size ms): 0.15M multiply-adds 22.8 / 5.0; 0.6M 30.8 / 20.5; 2.4M 41.1 / 27.1; 9.4M
+# 103.1 / 91.1; 29M 246.9 / 320.7; 116M 977.6 / 1,691.5. On a 2-core Intel Xeon the two cross at
+# 9.4M (27.5 / 29.9 ms; 2.4M: 14.3 / 9.9; 29M: 66.7 / 102.9).
+SMALL_WORK = 10_000_000
 
-def conv_route(seen: LayerCapture) -> str:
+# ``by_size``'s group counts are multiples of this (see ``ConvFactors._by_size``).
+GROUPS_STEP = 8
+
+
+def conv_route(module: ConvNd, seen: LayerCapture) -> str:
     """The kernel of a run's per-class weight gradients (see the module docstring): ``tokens``
-    (patches and one batched product), ``per_class``, or a grouped backward in ``channels_last``
-    or ``contiguous`` layout."""
+    (patches and one batched product), ``by_size`` (classes of unequal size, small layers: a
+    grouped backward per class size), ``per_class`` (unequal size, larger layers), or one
+    grouped backward in ``channels_last`` or ``contiguous`` layout."""
     on_cpu = seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES
-    if on_cpu and math.prod(seen.grads.shape[2:]) <= FEW_POSITIONS:
+    positions = math.prod(seen.grads.shape[2:])
+    if on_cpu and positions <= FEW_POSITIONS:
         return "tokens"
     if on_cpu and seen.grid.spots is not None:
-        return "per_class"
+        work = positions * module.weight[0].numel() * module.out_channels  # per sample
+        return "by_size" if work <= SMALL_WORK else "per_class"
     x = seen.inputs
     return "channels_last" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "contiguous"
 
@@ -139,14 +155,14 @@ class ConvFactors(OuterFactors):
 
     def _per_class(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One plain convolution backward per class on its own samples (no padding, no layout
-        copies; a CPU's route: on a GPU the launches add up)."""
+        copies; a CPU's route for larger layers: on a GPU the launches add up)."""
         module, seen = self.module, self.seen
         dtype = seen.grid.dtype
         G, A = seen.grads.to(dtype), seen.inputs.to(dtype)  # [total, ...], class after class
-        k, cout = seen.k, module.out_channels
+        cout = module.out_channels
         weight = G.new_zeros(()).expand(module.weight.shape)  # only its shape is read
-        gw = G.new_zeros(k, *module.weight.shape) if want_weight else None
-        gb = G.new_zeros(k, cout) if want_bias else None
+        gw = G.new_zeros(seen.k, *module.weight.shape) if want_weight else None
+        gb = G.new_zeros(seen.k, cout) if want_bias else None
         start = 0
         for i, n in enumerate(seen.grid.counts(G.device).tolist()):
             if n == 0:
@@ -171,23 +187,58 @@ class ConvFactors(OuterFactors):
             start += n
         return gw, gb
 
+    def _by_size(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Classes of unequal size (a CPU's route for small layers, ``SMALL_WORK``): one grouped
+        backward per class size, over the classes with that many samples, unpadded (a few kernel
+        calls a run, where one per class pays a call's overhead a class). Each call's group count
+        is rounded up to ``GROUPS_STEP`` (the last class repeated, its copies' sums dropped) so
+        that runs share a few kernel shapes: a CPU's convolution library builds a kernel for each
+        new shape, about 0.5 ms on a first call."""
+        module, seen = self.module, self.seen
+        dtype = seen.grid.dtype
+        G, A = seen.grads.to(dtype), seen.inputs.to(dtype)  # [total, ...], class after class
+        counts = seen.grid.counts(G.device)
+        first = torch.cumsum(counts, 0) - counts
+        gw = G.new_zeros(seen.k, *module.weight.shape) if want_weight else None
+        gb = G.new_zeros(seen.k, module.out_channels) if want_bias else None
+        for n in torch.unique(counts[counts > 0]).tolist():
+            classes = (counts == n).nonzero().squeeze(1)
+            k = len(classes)
+            groups = -(-k // GROUPS_STEP) * GROUPS_STEP
+            padded = torch.cat([classes, classes[-1:].expand(groups - k)])
+            take = (first[padded].unsqueeze(1) + torch.arange(n, device=G.device)).reshape(-1)
+            w, b = self._grouped(
+                "contiguous",
+                G.index_select(0, take).view(groups, n, *G.shape[1:]),
+                A.index_select(0, take).view(groups, n, *A.shape[1:]),
+                want_weight,
+                want_bias,
+            )
+            if gw is not None and w is not None:
+                gw.index_copy_(0, classes, w.view(groups, *module.weight.shape)[:k])
+            if gb is not None and b is not None:
+                gb.index_copy_(0, classes, b.view(groups, module.out_channels)[:k])
+        return gw, gb
+
     def direct_sums(self, want_weight: bool, want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """The sums from an exact kernel that never forms patches: a grouped backward (the k
-        classes as k times the layer's groups) or, on a CPU, a backward per class; None on the
+        classes as k times the layer's groups) or, on a CPU, one per class size; None on the
         ``tokens`` route (the sums are formed from patches). See ``conv_route``."""
-        route = conv_route(self.seen)
+        route = conv_route(self.module, self.seen)
         if route == "tokens":
             return None
+        if route == "by_size":
+            return self._by_size(want_weight, want_bias)
         if route == "per_class":
             return self._per_class(want_weight, want_bias)
-        return self._grouped(route, want_weight, want_bias)
+        return self._grouped(route, self.G, self.A, want_weight, want_bias)
 
     def _grouped(
-        self, layout: str, want_weight: bool, want_bias: bool
+        self, layout: str, G: torch.Tensor, A: torch.Tensor, want_weight: bool, want_bias: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One convolution backward with the k classes as k times the layer's groups, its inputs
-        in ``layout``."""
-        module, G, A = self.module, self.G, self.A
+        """One convolution backward with the k classes of ``G`` ``[k, m, cout, *out]`` and ``A``
+        ``[k, m, cin, *in]`` as k times the layer's groups, its inputs in ``layout``."""
+        module = self.module
         k, m, cout = G.shape[:3]
         # Only the weight's shape matters for its own gradient (the input's gradient is not
         # asked for), so a zero-stride stand-in of the grouped shape; a copy of the weight per
