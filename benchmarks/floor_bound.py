@@ -15,10 +15,20 @@ it then projects it, must at least
   over only those whose output gradient is not all zero (the engine drops the others where they
   are at least half), per layer and batch.
 
-Nothing is added for sketching the formed entries, for convolutions, recurrent or norm layers
-(their per-class work counts zero), or for the engine's bookkeeping: ``bound = activations + per
-class`` is a lower bound of the default's time. Printed beside it, measured in the same process,
-the default's warm call (``per_class_gradients(..., projection={"dim": k})``). Where ``bound /
+Convolutions and recurrent layers are bounded too (``per class`` includes them):
+
+- a convolution's per-class weight gradients by the cheapest exact kernel the engine has
+  (``layer_rules.conv``): one grouped backward per class size (``by_size``), one backward per
+  class (``per_class``), or patches and the per-class products above (``tokens``, the patches'
+  copy included), per layer and batch;
+- a recurrent layer's (single-layer, one direction) by the per-class products of its weights'
+  sums over steps, ``sum dgi_t x_t^T`` and ``sum dgi_t h_{t-1}^T``, as above; the gate
+  gradients ``dgi`` are taken as given (random, of their shape): getting them counts zero.
+
+Nothing is added for sketching the formed entries, for norm layers or embeddings (their
+per-class work counts zero), or for the engine's bookkeeping: ``bound = activations + per class``
+is a lower bound of the default's time. Printed beside it, measured in the same process, the
+default's warm call (``per_class_gradients(..., projection={"dim": k})``). Where ``bound /
 floor`` exceeds a target, no implementation of these kernels on this machine meets it.
 
     .venv/bin/python -m benchmarks.floor_bound --models real --classes 1000
@@ -42,20 +52,32 @@ from benchmarks import common
 from benchmarks.projection_scale import REAL, _floor, build
 from classgrad import per_class_gradients
 from classgrad.workers.engines import build_engine
-from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
+from classgrad.workers.engines.layer_rules.conv import ConvFactors, patches_channels_inner
+from classgrad.workers.engines.layer_rules.recurrent_scan import GATES
+from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged, live_tokens
 from classgrad.workers.projection.kronecker import shape_for
 
 OUT = common.OUT_DIR / "floor_bound.json"
 
 
 # Of the layers the default sketches as units (``kronecker.shape_for``), those whose per-class
-# products are not timed here: convolutions (patches) and embeddings (lookups) count zero.
-UNBOUNDED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+# products are not timed here: embeddings (lookups) count zero.
+UNBOUNDED = (nn.Embedding,)
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+RECURRENT = (nn.LSTM, nn.GRU, nn.RNN)
 
 
 def outer_layers(model: nn.Module) -> list[nn.Module]:
     """The Linear and transformers ``Conv1D`` layers (matrices whose gradient is a sum of outer products)."""
-    return [m for m in model.modules() if shape_for(m) is not None and not isinstance(m, UNBOUNDED)]
+    return [m for m in model.modules() if shape_for(m) is not None and not isinstance(m, UNBOUNDED + CONVS)]
+
+
+def bounded_layers(model: nn.Module) -> list[nn.Module]:
+    """Every layer whose per-class work is timed: outer-product layers, zero-padded convolutions
+    and single-layer, one-direction recurrent layers."""
+    convs = [m for m in model.modules() if isinstance(m, CONVS) and m.padding_mode == "zeros"]
+    recurrent = [m for m in model.modules() if isinstance(m, RECURRENT) and m.num_layers == 1 and not m.bidirectional]
+    return outer_layers(model) + convs + recurrent
 
 
 def class_batches(labels: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -100,14 +122,67 @@ def layer_seconds(x: torch.Tensor, g: torch.Tensor, tokens: list[int], dim: int)
     return min(every, per_class_seconds(kept.inputs, kept.grads, kept.tokens, dim))
 
 
+def conv_seconds(module: nn.Module, x: torch.Tensor, g: torch.Tensor, counts: list[int], dim: int) -> float:
+    """The cheapest exact per-class weight gradients of a convolution (see the module docstring)."""
+    width = max(counts)
+    within = torch.cat([torch.arange(n) for n in counts])
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    seen = LayerCapture(x, g, ClassGrid(len(counts), width, owner * width + within, torch.float32))
+    times = []
+    for route in ("_by_size", "_per_class"):
+        t0 = time.perf_counter()
+        getattr(ConvFactors(module, seen), route)(True, module.bias is not None)
+        times.append(time.perf_counter() - t0)
+    if module.groups == 1:
+        t0 = time.perf_counter()
+        tokens = patches_channels_inner(x, module)
+        positions = tokens.shape[1]
+        copy = time.perf_counter() - t0
+        g_tokens = g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1])
+        per_class = per_class_seconds(
+            tokens.reshape(-1, tokens.shape[2]), g_tokens, [n * positions for n in counts], dim
+        )
+        times.append(copy + per_class)
+    return min(times)
+
+
+def recurrent_seconds(x: torch.Tensor, states: torch.Tensor, gates: int, counts: list[int], dim: int) -> float:
+    """The per-class products of a recurrent layer's two weights' sums over steps (``x`` and
+    ``states`` batch-first ``[N, T, ...]``); the gate gradients are stand-ins of their shape."""
+    n, steps = x.shape[:2]
+    dgi = torch.randn(n * steps, gates * states.shape[2])
+    previous = torch.cat([states.new_zeros(n, 1, states.shape[2]), states[:, :-1]], dim=1)
+    tokens = [c * steps for c in counts]
+    return per_class_seconds(x.reshape(n * steps, -1), dgi, tokens, dim) + per_class_seconds(
+        previous.reshape(n * steps, -1), dgi, tokens, dim
+    )
+
+
+def layer_bound(
+    module: nn.Module, inputs: torch.Tensor, output: torch.Tensor, g: torch.Tensor, counts: list[int], dim: int
+) -> float:
+    """Seconds of one layer's per-class work in one batch (``inputs`` and ``output`` as the layer
+    saw and gave them, ``g`` the gradient at ``output``, ``counts`` samples per class)."""
+    if isinstance(module, CONVS):
+        return conv_seconds(module, inputs, g, counts, dim)
+    if isinstance(module, RECURRENT):
+        x = inputs if module.batch_first else inputs.transpose(0, 1)
+        states = output if module.batch_first else output.transpose(0, 1)
+        return recurrent_seconds(x, states.detach(), GATES[module.mode], counts, dim)
+    per_sample = inputs.numel() // (sum(counts) * inputs.shape[-1])
+    x2, g2 = inputs.reshape(-1, inputs.shape[-1]), g.reshape(-1, g.shape[-1])
+    return layer_seconds(x2, g2, [n * per_sample for n in counts], dim)
+
+
 def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> dict[str, float]:
     """Seconds of the activations pass and of the per-class work, over the whole probe set."""
     eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size)
-    layers = outer_layers(model)
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layers = bounded_layers(model)
+    seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
 
-    def keep(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        seen.append((args[0].detach(), output))
+    def keep(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        out = output[0] if isinstance(module, RECURRENT) else output
+        seen.append((module, args[0].detach(), out))
 
     hooks = [m.register_forward_hook(keep) for m in layers]
     activations = per_class = 0.0
@@ -117,17 +192,15 @@ def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: in
             t0 = time.perf_counter()
             x, y = eng.probe.batch(idx, eng.device, eng.compute_dtype)
             loss = eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
-            outputs = [o for _, o in seen]
+            outputs = [o for _, _, o in seen]
             grads = torch.autograd.grad(loss, outputs, allow_unused=True)
             activations += time.perf_counter() - t0
             counts = torch.bincount(y.long())
             counts = counts[counts > 0]
-            for (inputs, _), g in zip(seen, grads):
-                if g is None:
-                    continue
-                per_sample = inputs.numel() // (len(idx) * inputs.shape[-1])
-                x2, g2 = inputs.reshape(-1, inputs.shape[-1]), g.reshape(-1, g.shape[-1])
-                per_class += layer_seconds(x2, g2, (counts * per_sample).tolist(), dim)
+            with torch.no_grad():
+                for (module, inputs, output), g in zip(seen, grads):
+                    if g is not None:
+                        per_class += layer_bound(module, inputs, output, g, counts.tolist(), dim)
     finally:
         for h in hooks:
             h.remove()
@@ -147,7 +220,7 @@ def measure(name: str, classes: int, dim: int, batch_size: int, width: int | Non
         warms.append(time.perf_counter() - t0)
     best = min(bounds, key=lambda b: b["activations_s"] + b["per_class_s"])
     return {
-        "model": name, "classes": classes, "width": width, "layers": len(outer_layers(model)),
+        "model": name, "classes": classes, "width": width, "layers": len(bounded_layers(model)),
         "floor_s": min(floors), **best, "bound_s": best["activations_s"] + best["per_class_s"], "default_s": min(warms),
     }  # fmt: skip
 
