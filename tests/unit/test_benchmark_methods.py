@@ -1,6 +1,6 @@
 """The benchmarks compare like with like: every alternative they time computes the same rows as
 the reference engine (on a model small enough to run in a second), and ``floor_bound`` times
-whole classes' work on every outer-product layer."""
+whole classes' work on every layer it bounds (outer-product, convolution, recurrent)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,42 @@ def test_the_floor_bound_batches_whole_classes_and_times_every_layer() -> None:
     found = floor_bound.bound(model, (torch.randn(len(y), 5), y), NUM_CLASSES, dim=16, batch_size=8)
     assert len(floor_bound.outer_layers(model)) == 2
     assert found["activations_s"] > 0 and found["per_class_s"] > 0
+
+
+def test_the_floor_bound_times_convolutions_and_recurrent_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Convolutions and one-layer recurrent layers count in the bound (their per-class sums are
+    work any exact method does), at classes of unequal size."""
+    import torch
+    from torch import nn
+
+    from benchmarks import floor_bound
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(5, 4, batch_first=True)
+            self.head = nn.Linear(4, NUM_CLASSES)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.lstm(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    y = torch.repeat_interleave(torch.arange(NUM_CLASSES), torch.tensor([1, 2, 3, 1, 2, 4]))
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, NUM_CLASSES))
+    cases = [(conv.eval(), torch.randn(len(y), 3, 6, 6)), (Recurrent().eval(), torch.randn(len(y), 7, 5))]
+    timed: list[str] = []
+    original = floor_bound.layer_bound
+
+    def spy(module: nn.Module, *args: object) -> float:
+        timed.append(type(module).__name__)
+        return original(module, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(floor_bound, "layer_bound", spy)
+    for model, x in cases:
+        assert len(floor_bound.bounded_layers(model)) == 2 and len(floor_bound.outer_layers(model)) == 1
+        timed.clear()
+        found = floor_bound.bound(model, (x, y), NUM_CLASSES, dim=16, batch_size=8)
+        assert found["per_class_s"] > 0
+        batches = len(floor_bound.class_batches(y, 8))
+        assert sorted(set(timed)) == sorted({type(m).__name__ for m in floor_bound.bounded_layers(model)})
+        assert len(timed) == 2 * batches  # both layers, every batch
