@@ -187,8 +187,9 @@ def format_report(info: dict) -> str:
     elif proj and proj.get("structure") == "tensorsketch":
         units = proj.get("units") or []
         lines.append(
-            f"projection  tensorsketch (one CountSketch of the row, {proj.get('nonzeros')} signed entries per "
-            f"coordinate) from {proj.get('dim_in')} to {D} dims (seed {proj.get('seed')}): {len(units)} layers "
+            f"projection  tensorsketch (one CountSketch of the row: {proj.get('unit_nonzeros', 1)} signed entry per "
+            f"coordinate of a layer, {proj.get('nonzeros')} of another parameter) from {proj.get('dim_in')} to {D} "
+            f"dims (seed {proj.get('seed')}): {len(units)} layers "
             f"sketched in the backward, {len(proj.get('rest_params') or [])} other parameters sketched after; "
             "no per-parameter layout"
         )

@@ -137,9 +137,10 @@ class ProjectionConfig(Section):
     )
     sketch_nonzeros: StrictPositiveInt = Field(
         4,
-        description="structure=tensorsketch, sketch, or rest=sketch: columns each entry is sent to (s; at most the "
-        "width it is sketched to). Cost grows as s, the error's tail for rows concentrated on few "
-        "parameters shrinks with it.",
+        description="structure=sketch, rest=sketch, or the parameters structure=tensorsketch sketches after the "
+        "backward (norms, raw parameters; its layers' entries go to one bucket each): columns each entry is "
+        "sent to (s; at most the width it is sketched to). Cost grows as s, the error's tail for rows "
+        "concentrated on few parameters shrinks with it.",
     )
     allocation: Literal["norm", "size"] = Field(
         "norm",

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import load_config
 from classgrad.service.store import open_store
@@ -389,6 +390,9 @@ def test_job_store_matches_python_api_and_resumes_with_the_recorded_map(tmp_path
     # Same map; only how classes are grouped into runs differs (shards): float32 summation order.
     np.testing.assert_allclose(store.rows(np.arange(store.num_classes)), api.numpy(), rtol=1e-5, atol=1e-7)
     assert verify_store(config.store.url).code == 0
+    report = format_report(inspect_store(store))  # what ``classgrad inspect`` prints
+    assert "tensorsketch (one CountSketch of the row: 1 signed entry per coordinate of a layer, 4 of" in report
+    assert "3 layers sketched in the backward" in report
     assert run_without_ray(config).attrs["projection"] == info
 
 
