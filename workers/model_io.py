@@ -6,10 +6,12 @@ Holds:
   model's ``forward`` names, and when it also takes ``**kwargs`` (as Hugging Face models do)
   every other key holding a tensor; other keys (raw text, ids) are dropped with one note per
   process. Anything else, and a dict none of whose keys ``forward`` names (a model that takes
-  the dict itself), is passed as the one positional argument, as before. The output becomes
-  the logits tensor: a tensor as it is; a ``ModelOutput``, dict or tuple gives ``.logits`` /
-  ``["logits"]`` when present, else its first tensor; ``output`` (a key, or an index into a
-  tuple) chooses another. ``functional`` does the same through ``torch.func.functional_call``.
+  the dict itself), is passed as the one positional argument, as before. A model whose
+  ``forward`` takes ``use_cache`` (Hugging Face decoders) is called with ``use_cache=False``
+  unless the batch sets it. The output becomes the logits tensor: a tensor as it is; a
+  ``ModelOutput``, dict or tuple gives ``.logits`` / ``["logits"]`` when present, else its first
+  tensor; ``output`` (a key, or an index into a tuple) chooses another. ``functional`` does the
+  same through ``torch.func.functional_call``.
 - ``logits_of``: that choice of tensor, for any output.
 - ``class_names_of``: the class names a model's config holds (``config.id2label``, a Hugging
   Face model's), unless they are the ``LABEL_i`` placeholders filled in by default.
@@ -51,6 +53,10 @@ _PLACEHOLDER = re.compile(r"LABEL_\d+")
 
 # (model class, dropped keys) already noted in this process: the note is said once, not per batch.
 _NOTED: set[tuple[str, tuple[str, ...]]] = set()
+# Hugging Face decoders' switch for their key/value cache, set off: rows need no cache, and a
+# cache is state that a layer's units would change when they run the layer again (OPT's
+# decoder layers gave other outputs on their second run, so every path but the loop failed).
+NO_CACHE = "use_cache"
 
 
 def _tensors(seq: Any) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -164,10 +170,12 @@ class ModelIO:
         return kwargs
 
     def arguments(self, x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """(args, kwargs) the model is called with for the batch ``x``."""
-        if self.positional(x):
-            return (x,), {}
-        return (), self.select(x)
+        """(args, kwargs) the model is called with for the batch ``x``; ``use_cache=False`` where
+        its ``forward`` takes that argument and the batch does not set it (see ``NO_CACHE``)."""
+        args, kwargs = ((x,), {}) if self.positional(x) else ((), self.select(x))
+        if NO_CACHE in self.names and NO_CACHE not in kwargs:
+            kwargs[NO_CACHE] = False
+        return args, kwargs
 
     def __call__(self, x: Any) -> torch.Tensor:
         """The model's logits on the batch ``x`` (with the graph, under the caller's context)."""

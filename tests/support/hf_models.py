@@ -1,7 +1,7 @@
 """The models users bring, tiny: built from small configs, seeded, no downloads, no wrappers.
 
-Holds the builders ``tiny_bert``, ``tiny_gpt2``, ``tiny_llama``, ``tiny_vit``, ``tiny_resnet``
-(Hugging Face classes as their library defines them, eval mode: the engines pass dict batches
+Holds the builders ``tiny_bert``, ``tiny_gpt2``, ``tiny_llama``, ``tiny_opt``, ``tiny_vit``,
+``tiny_resnet`` (Hugging Face classes as their library defines them, eval mode: the engines pass dict batches
 as keyword arguments and take ``.logits``), ``lstm_classifier`` (``nn.Embedding`` +
 ``nn.LSTM`` + ``nn.Linear``) and ``layernorm_mlp``; ``HF_BUILDERS`` (the Hugging Face
 transformers by name), ``REAL_MODELS`` (all of them) and ``hf_probe`` (a seeded probe set for
@@ -95,6 +95,29 @@ def tiny_llama(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     return _randomised(LlamaForSequenceClassification(config), seed).eval()
 
 
+def tiny_opt(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
+    """OPT: a decoder whose layers take a key/value cache object (state) and whose feed-forward
+    block runs on ``[samples * tokens, hidden]``."""
+    from transformers import OPTConfig, OPTForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = OPTConfig(
+        **dict(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            ffn_dim=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            word_embed_proj_dim=16,
+            max_position_embeddings=16,
+            num_labels=num_classes,
+            pad_token_id=PAD,
+        )
+        | sizes
+    )
+    return _randomised(OPTForSequenceClassification(config), seed).eval()
+
+
 def tiny_vit(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -171,6 +194,7 @@ HF_BUILDERS: dict[str, Callable[..., nn.Module]] = {
 # Every model of issue 16's table, as users bring them.
 REAL_MODELS: dict[str, Callable[..., nn.Module]] = {
     **HF_BUILDERS,
+    "opt": tiny_opt,
     "resnet": tiny_resnet,
     "lstm": lstm_classifier,
     "ln_mlp": layernorm_mlp,

@@ -93,6 +93,10 @@ def _build(case: str) -> tuple[nn.Module, dict]:
             ),
             image,
         ),
+        "conv_pointwise": (  # a 1x1 convolution at 16 positions: the patches are a strided view
+            lambda: _conv_head(nn.Conv2d(3, 4, 3, stride=2), nn.Conv2d(4, 4, 1), channels=4),
+            image,
+        ),
         "conv1d": (
             lambda: _conv_head(
                 nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=2),
@@ -145,6 +149,7 @@ RULE_CASES = {  # case -> the layer types whose rule must be used
     "conv_no_bias": {nn.Conv2d, nn.Linear},
     "conv_strided": {nn.Conv2d, nn.Linear},
     "conv_grouped": {nn.Conv2d, nn.Linear},
+    "conv_pointwise": {nn.Conv2d, nn.Linear},
     "conv1d": {nn.Conv1d, nn.Linear},
     "conv3d": {nn.Conv3d, nn.Linear},
     "batchnorm3d": {nn.BatchNorm3d, nn.Conv3d, nn.Linear},

@@ -70,6 +70,24 @@ def test_dict_batches_pass_only_the_keys_forward_takes_with_one_note(caplog):
     assert ModelIO(Kw()).arguments({"text": ["a"]}) == (({"text": ["a"]},), {})
 
 
+def test_a_model_that_takes_use_cache_is_called_without_a_cache_unless_the_batch_asks():
+    """Rows need no key/value cache, and a cache is state a layer's unit would change by running
+    the layer again (see ``model_io.NO_CACHE``)."""
+
+    class Decoder(nn.Module):
+        def forward(self, input_ids: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+            self.seen = use_cache
+            return input_ids.float()
+
+    model, ids = Decoder(), torch.ones(2, 3, dtype=torch.long)
+    io = ModelIO(model)
+    for batch, want in [(ids, False), ({"input_ids": ids}, False), ({"input_ids": ids, "use_cache": True}, True)]:
+        io(batch)
+        assert model.seen is want
+    plain = ModelIO(nn.Identity())
+    assert plain.arguments({"input": ids})[1] == {"input": ids}  # forward takes no use_cache: nothing added
+
+
 def test_class_names_come_from_a_real_id2label_only():
     assert class_names_of(hf_jobs.job_bert(3, names=True), 3) == ("class-0", "class-1", "class-2")
     assert class_names_of(hf_jobs.job_bert(3), 3) is None  # LABEL_0.. placeholders

@@ -25,12 +25,13 @@ C = 7
 TOL = 1e-5
 # The engines' low-precision bounds (about 20 unit roundoffs of the half type over these models).
 HALF_TOL = {"fp16": 1e-2, "bf16": 1e-1}
-# Other small configs of the same architectures (more heads and layers, grouped KV heads, a
-# bidirectional two-layer LSTM, wider images).
+# Other small configs of the same architectures (more heads and layers, grouped KV heads, OPT's
+# projections in and out of narrower embeddings, a bidirectional two-layer LSTM, wider images).
 OTHER_CONFIGS = {
     "bert": {"hidden_size": 24, "num_attention_heads": 3, "num_hidden_layers": 1, "intermediate_size": 32},
     "gpt2": {"n_embd": 24, "n_head": 3, "n_layer": 3},
     "llama": {"hidden_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 20},
+    "opt": {"hidden_size": 24, "num_attention_heads": 3, "word_embed_proj_dim": 12, "do_layer_norm_before": False},
     "vit": {"hidden_size": 12, "num_attention_heads": 3, "patch_size": 2},
     "resnet": {"embedding_size": 6, "hidden_sizes": [6, 10, 12], "depths": [1, 2, 1]},
     "lstm": {"layers": 2, "bidirectional": True},

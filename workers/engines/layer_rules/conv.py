@@ -287,8 +287,8 @@ class ConvFactors(OuterFactors):
         A, groups = self.A, self.module.groups
         k, m = A.shape[:2]
         found = patches(A.reshape(k * m, *A.shape[2:]), self.module)  # [k * m, positions, cin * prod(kernel)]
-        if groups == 1:
-            return found.view(k, -1, found.shape[2])
+        if groups == 1:  # a reshape: a 1x1, stride-1 layer's patches are a strided view of A
+            return found.reshape(k, -1, found.shape[2])
         tokens = found.reshape(k, m, found.shape[1], groups, -1).permute(0, 3, 1, 2, 4)
         return tokens.reshape(k * groups, -1, found.shape[2] // groups)
 
