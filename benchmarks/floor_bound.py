@@ -124,10 +124,7 @@ def layer_seconds(x: torch.Tensor, g: torch.Tensor, tokens: list[int], dim: int)
 
 def conv_seconds(module: nn.Module, x: torch.Tensor, g: torch.Tensor, counts: list[int], dim: int) -> float:
     """The cheapest exact per-class weight gradients of a convolution (see the module docstring)."""
-    width = max(counts)
-    within = torch.cat([torch.arange(n) for n in counts])
-    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-    seen = LayerCapture(x, g, ClassGrid(len(counts), width, owner * width + within, torch.float32))
+    seen = LayerCapture(x, g, ClassGrid.of_counts(torch.tensor(counts), torch.float32))
     times = []
     for route in ("_by_size", "_per_class"):
         t0 = time.perf_counter()

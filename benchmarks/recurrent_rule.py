@@ -149,12 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     set_clock("auto", args.device, args.threads)
     sizes = torch.randint(1, 5, (args.classes,), generator=torch.Generator().manual_seed(2)).tolist()
-    grid = ClassGrid(
-        len(sizes),
-        max(sizes),
-        torch.cat([torch.arange(s) + i * max(sizes) for i, s in enumerate(sizes)]).to(args.device),
-        torch.float32,
-    )
+    grid = ClassGrid.of_counts(torch.tensor(sizes, device=args.device), torch.float32)
     print(json.dumps({**machine_info(), "clock": common.CLOCK_NAME, "args": vars(args), "samples": sum(sizes)}))
     for mode in args.modes.split(","):
         print(json.dumps(_measure(mode, args, sizes, grid)))

@@ -176,12 +176,10 @@ def size_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, runs: 
     times: list[list[float]] = [[], [], []]
     for run in range(runs):
         counts = torch.randint(1, 5, (100,), generator=torch.Generator().manual_seed(run))
-        sample_class = torch.repeat_interleave(torch.arange(100), counts)
-        within = torch.arange(len(sample_class)) - (torch.cumsum(counts, 0) - counts)[sample_class]
-        x = torch.randn(len(sample_class), cin, side, side)
+        x = torch.randn(int(counts.sum()), cin, side, side)
         with torch.no_grad():
             g = torch.randn_like(conv(x))
-        seen = LayerCapture(x, g, ClassGrid(100, 4, sample_class * 4 + within, torch.float32))
+        seen = LayerCapture(x, g, ClassGrid.of_counts(counts, torch.float32))
         routes = [
             functools.partial(_per_class_backward, conv, seen, counts.tolist()),
             functools.partial(_by_size, conv, seen, 1),

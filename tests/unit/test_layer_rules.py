@@ -238,10 +238,9 @@ def test_conv_token_factors_give_the_grouped_kernels_sums(dims, groups, stride, 
     x = torch.randn(6, 6, *(7, 8, 9)[:dims], dtype=torch.float64)
     counts = torch.tensor([3, 1, 0, 2])  # an empty class too
     g = torch.randn_like(conv(x))
-    k, width = len(counts), int(counts.max())
-    local = torch.repeat_interleave(torch.arange(k), counts)
-    within = torch.arange(len(local)) - (torch.cumsum(counts, 0) - counts)[local]
-    seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, torch.float64))
+    k = len(counts)
+    seen = LayerCapture(x, g, ClassGrid.of_counts(counts, torch.float64))
+    local = seen.grid.sample_class(x.device)  # each sample's class
     slots = {
         "weight": ParamSlot("weight", tuple(conv.weight.shape), 0, conv.weight.numel()),
         "bias": ParamSlot("bias", tuple(conv.bias.shape), conv.weight.numel(), conv.bias.numel()),
@@ -304,17 +303,12 @@ def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, channels, 
     more, with classes of unequal size -> a grouped backward per class size for a small layer, a
     backward per class for a larger one; equal sizes -> one grouped one."""
     conv = nn.Conv2d(channels, channels + 1, 3, padding=1)
-    counts_t = torch.tensor(counts)
-    k, width = len(counts), int(counts_t.max())
-    local = torch.repeat_interleave(torch.arange(k), counts_t)
-    within = torch.arange(len(local)) - (torch.cumsum(counts_t, 0) - counts_t)[local]
-    x = torch.randn(len(local), channels, side, side)
+    x = torch.randn(sum(counts), channels, side, side)
     with torch.no_grad():
         g = torch.randn_like(conv(x))
-    seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, torch.float32))
-    if counts[0] == counts[1]:  # equal classes: the plain grid
-        seen = LayerCapture(x, seen.grads, ClassGrid(k, width, None, torch.float32))
-    assert conv_module.conv_route(conv, seen) == route
+    grid = ClassGrid.of_counts(torch.tensor(counts), torch.float32)
+    assert (grid.spots is None) == (counts[0] == counts[1])  # equal classes: the plain grid
+    assert conv_module.conv_route(conv, LayerCapture(x, g, grid)) == route
 
 
 @pytest.mark.parametrize(

@@ -178,10 +178,9 @@ def test_norm_rules_recompute_x_hat_with_torchs_eps_and_dims(norm, scale, dtype)
     counts = torch.tensor([3, 1, 2])
     x = scale * torch.randn(int(counts.sum()), 4, 3, 4, dtype=dtype)
     g = torch.randn_like(layer(x))
-    k, width = len(counts), int(counts.max())
-    local = torch.repeat_interleave(torch.arange(k), counts)
-    within = torch.arange(len(local)) - (torch.cumsum(counts, 0) - counts)[local]
-    seen = LayerCapture(x, g, ClassGrid(k, width, local * width + within, dtype))
+    k = len(counts)
+    seen = LayerCapture(x, g, ClassGrid.of_counts(counts, dtype))
+    local = seen.grid.sample_class(x.device)  # each sample's class
     params = dict(layer.named_parameters())
     slots, offset = {}, 0
     for name, p in params.items():

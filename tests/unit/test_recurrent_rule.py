@@ -26,11 +26,7 @@ TOL = 1e-5
 
 
 def grid_for(sizes: list[int], dtype: torch.dtype = torch.float32) -> ClassGrid:
-    width = max(sizes)
-    if all(s == width for s in sizes):
-        return ClassGrid(len(sizes), width, None, dtype)
-    spots = torch.cat([torch.arange(s) + i * width for i, s in enumerate(sizes)])
-    return ClassGrid(len(sizes), width, spots, dtype)
+    return ClassGrid.of_counts(torch.tensor(sizes), dtype)
 
 
 def build(mode: str, **options) -> nn.RNNBase:

@@ -61,6 +61,17 @@ class ClassGrid:
     spots: torch.Tensor | None
     dtype: torch.dtype
 
+    @classmethod
+    def of_counts(cls, counts: torch.Tensor, dtype: torch.dtype) -> ClassGrid:
+        """The grid of a run whose classes have ``counts`` samples each, class after class (no
+        ``spots`` when they are all equal, as the hook path lays a run out)."""
+        width = int(counts.max())
+        if bool((counts == width).all()):
+            return cls(len(counts), width, None, dtype)
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+        within = torch.arange(len(owner), device=counts.device) - (torch.cumsum(counts, 0) - counts)[owner]
+        return cls(len(counts), width, owner * width + within, dtype)
+
     @property
     def total(self) -> int:
         """How many samples the run has (class after class)."""
