@@ -149,17 +149,6 @@ def _work(cin: int, cout: int, ks: int, st: int, pd: int, side: int) -> int:
     return out * out * cin * ks * ks * cout
 
 
-def _per_class_backward(conv: torch.nn.Conv2d, seen: LayerCapture, counts: list[int]) -> None:
-    """One convolution backward per class (the ``per_class`` route)."""
-    weight = torch.zeros(()).expand(conv.weight.shape)  # only its shape is read
-    args = ([conv.out_channels], conv.stride, conv.padding, conv.dilation, False, [0, 0], 1, [False, True, True])
-    start = 0
-    for n in counts:
-        x, g = seen.inputs[start : start + n], seen.grads[start : start + n]
-        torch.ops.aten.convolution_backward(g, x, weight, *args)
-        start += n
-
-
 def _by_size(conv: torch.nn.Conv2d, seen: LayerCapture, step: int) -> None:
     """``ConvFactors._by_size`` with group counts rounded up to ``step``."""
     saved, conv_module.GROUPS_STEP = conv_module.GROUPS_STEP, step
@@ -181,7 +170,7 @@ def size_times(cin: int, cout: int, ks: int, st: int, pd: int, side: int, runs: 
             g = torch.randn_like(conv(x))
         seen = LayerCapture(x, g, ClassGrid.of_counts(counts, torch.float32))
         routes = [
-            functools.partial(_per_class_backward, conv, seen, counts.tolist()),
+            functools.partial(ConvFactors(conv, seen)._per_class, True, True),
             functools.partial(_by_size, conv, seen, 1),
             functools.partial(_by_size, conv, seen, conv_module.GROUPS_STEP),
         ]

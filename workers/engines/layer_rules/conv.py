@@ -60,7 +60,7 @@ FEW_POSITIONS = 16
 # benchmarks.sketch_kernels --section sizes` (2-core AMD EPYC, 100 classes of 1-4 samples; per
 # class / by size ms): 0.15M multiply-adds 22.8 / 5.0; 0.6M 30.8 / 20.5; 2.4M 41.1 / 27.1; 9.4M
 # 103.1 / 91.1; 29M 246.9 / 320.7; 116M 977.6 / 1,691.5. On a 2-core Intel Xeon the two cross at
-# 9.4M (27.5 / 29.9 ms; 2.4M: 14.3 / 9.9; 29M: 66.7 / 102.9).
+# 9.4M (34.5 / 33.4 ms; 2.4M: 17.9 / 11.2; 29M: 75.8 / 116.3).
 SMALL_WORK = 10_000_000
 
 # ``by_size``'s group counts are multiples of this (see ``ConvFactors._by_size``).
