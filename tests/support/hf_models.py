@@ -33,66 +33,61 @@ def _randomised(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def _seeded(model_cls: Any, config_cls: Any, seed: int, defaults: dict[str, Any], sizes: dict[str, Any]) -> nn.Module:
+    """``model_cls(config_cls(defaults | sizes))`` built under ``seed``, every parameter moved
+    (``_randomised``), in eval mode."""
+    torch.manual_seed(seed)
+    return _randomised(model_cls(config_cls(**defaults | sizes)), seed).eval()
+
+
 def tiny_bert(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
-    torch.manual_seed(seed)
-    config = BertConfig(
-        **dict(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=24,
-            max_position_embeddings=16,
-            num_labels=num_classes,
-            pad_token_id=PAD,
-        )
-        | sizes
+    defaults = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        num_labels=num_classes,
+        pad_token_id=PAD,
     )
-    return _randomised(BertForSequenceClassification(config), seed).eval()
+    return _seeded(BertForSequenceClassification, BertConfig, seed, defaults, sizes)
 
 
 def tiny_gpt2(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        **dict(
-            vocab_size=VOCAB,
-            n_positions=16,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            num_labels=num_classes,
-            pad_token_id=PAD,
-            bos_token_id=1,
-            eos_token_id=1,
-        )
-        | sizes
+    defaults = dict(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        num_labels=num_classes,
+        pad_token_id=PAD,
+        bos_token_id=1,
+        eos_token_id=1,
     )
-    return _randomised(GPT2ForSequenceClassification(config), seed).eval()
+    return _seeded(GPT2ForSequenceClassification, GPT2Config, seed, defaults, sizes)
 
 
 def tiny_llama(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        **dict(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-            num_labels=num_classes,
-            pad_token_id=PAD,
-        )
-        | sizes
+    defaults = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        num_labels=num_classes,
+        pad_token_id=PAD,
     )
-    return _randomised(LlamaForSequenceClassification(config), seed).eval()
+    return _seeded(LlamaForSequenceClassification, LlamaConfig, seed, defaults, sizes)
 
 
 def tiny_opt(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
@@ -100,54 +95,42 @@ def tiny_opt(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     block runs on ``[samples * tokens, hidden]``."""
     from transformers import OPTConfig, OPTForSequenceClassification
 
-    torch.manual_seed(seed)
-    config = OPTConfig(
-        **dict(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            ffn_dim=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            word_embed_proj_dim=16,
-            max_position_embeddings=16,
-            num_labels=num_classes,
-            pad_token_id=PAD,
-        )
-        | sizes
+    defaults = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        ffn_dim=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+        max_position_embeddings=16,
+        num_labels=num_classes,
+        pad_token_id=PAD,
     )
-    return _randomised(OPTForSequenceClassification(config), seed).eval()
+    return _seeded(OPTForSequenceClassification, OPTConfig, seed, defaults, sizes)
 
 
 def tiny_vit(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
-    torch.manual_seed(seed)
-    config = ViTConfig(
-        **dict(
-            image_size=8,
-            patch_size=4,
-            num_channels=3,
-            hidden_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=24,
-            num_labels=num_classes,
-        )
-        | sizes
+    defaults = dict(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        num_labels=num_classes,
     )
-    return _randomised(ViTForImageClassification(config), seed).eval()
+    return _seeded(ViTForImageClassification, ViTConfig, seed, defaults, sizes)
 
 
 def tiny_resnet(num_classes: int, seed: int = 0, **sizes: Any) -> nn.Module:
     """Hugging Face's ResNet (BatchNorm in eval mode, with running statistics away from 0 and 1)."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
-    torch.manual_seed(seed)
-    config = ResNetConfig(
-        **dict(embedding_size=8, hidden_sizes=[8, 12], depths=[1, 1], layer_type="basic", num_labels=num_classes)
-        | sizes
-    )
-    model = _randomised(ResNetForImageClassification(config), seed)
+    defaults = dict(embedding_size=8, hidden_sizes=[8, 12], depths=[1, 1], layer_type="basic", num_labels=num_classes)
+    model = _seeded(ResNetForImageClassification, ResNetConfig, seed, defaults, sizes)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
