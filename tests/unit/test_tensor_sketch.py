@@ -32,7 +32,7 @@ from classgrad.workers.engines import build_engine, per_class_gradients, project
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
 from classgrad.workers.engines.partitioned import projected_engine
 from classgrad.workers.layout import ParamSlot
-from classgrad.workers.projection import Projector, SketchUnit, tensor_sketch
+from classgrad.workers.projection import Projector, SketchUnit, chunked_sketch
 from classgrad.workers.projection.kronecker import KroneckerMap
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.projection.tensor_sketch import TensorSketchMap
@@ -174,15 +174,20 @@ def sketched(case: str, monkeypatch, route: str | None = None, grid: bool = Fals
     return eng, got, eng.kmap.project_full(ref.compute(range(C)).rows)
 
 
+# dim 64: most layers one chunk pair; dim 8: every layer's rows and columns in several chunks
+# (the head's 6 rows in one, its 25 columns in four), so every route filters and combines them.
+@pytest.mark.parametrize("dim", [64, 8])
 @pytest.mark.parametrize("grid", [False, True])
 @pytest.mark.parametrize("route", ["fft", "form", None])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_rows_equal_the_map_applied_to_the_float64_reference(case, route, grid, monkeypatch):
+def test_rows_equal_the_map_applied_to_the_float64_reference(case, route, grid, dim, monkeypatch):
     if case == "gpt2" and grid:
         pytest.skip("the padded grid's sums are those of the mixed case's layers; GPT-2 is slow here")
-    eng, got, want = sketched(case, monkeypatch, route, grid)
+    eng, got, want = sketched(case, monkeypatch, route, grid, dim=dim)
     assert not fell_back(eng) and type(eng.kmap) is TensorSketchMap
-    assert eng.stored_dim == got.shape[1] == 64
+    assert eng.stored_dim == got.shape[1] == dim
+    if dim == 8:
+        assert max(u.chunk_pairs for u in eng.kmap.units) > 1
     # float32 products, FFTs and sums against float64: 1e-5 of the rows' scale.
     assert max_relative_error(got, want) < 1e-5
     if case == "mixed":
@@ -228,7 +233,7 @@ def test_embedding_lookups_with_and_without_the_kept_bucket_table(table, monkeyp
     """The direct route of the embeddings takes each entry's bucket from ``SketchUnit.entry_index``
     (tables up to ``ENTRY_TABLE_ENTRIES``) or hashes it per call (larger ones): the same map."""
     if table != "kept":
-        monkeypatch.setattr(tensor_sketch, "ENTRY_TABLE_ENTRIES", 0)
+        monkeypatch.setattr(chunked_sketch, "ENTRY_TABLE_ENTRIES", 0)
     eng, got, want = sketched("mixed", monkeypatch)
     tok = next(u for u in eng.kmap.units if u.weight.name == "tok.weight")
     assert (tok.entry_index("cpu") is not None) == (table == "kept")

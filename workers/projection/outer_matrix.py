@@ -51,6 +51,13 @@ class OuterMatrix:
             m = torch.cat([m, bias], dim=2)
         return m
 
+    def column_order(self, channels: int) -> torch.Tensor:
+        """int64 ``[cols_in]``: the column of ``M`` held by each column of a matrix whose weight
+        columns are kernel-offset-major with ``channels`` channels innermost (a convolution's
+        ``patches_channels_inner``; ``M``'s own order is channel-major), the bias column last."""
+        order = torch.arange(self.b).view(channels, self.b // channels).t().reshape(-1)
+        return torch.cat([order, torch.arange(self.b, self.cols_in)])
+
     def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
         """``[k, width]``: the unit's projection of per-class matrices ``m`` ``[k, rows, cols_in]``."""
         raise NotImplementedError

@@ -1,42 +1,43 @@
 """TensorSketch projection of gradient rows (``projection.structure: tensorsketch``, the default):
-one CountSketch of the whole row with a hash that follows each layer's outer-product structure.
+one sketch of the whole row whose map follows each layer's outer-product structure.
 
 Holds:
 
-- ``SketchUnit`` — one outer-product layer's weight (and bias, as a constant-1 input feature, as
-  in ``kronecker.KroneckerUnit``) of matrix ``M`` (``rows x cols_in``), with the two hashes of its
-  axes and ``sketch(M)``, the unit's share of the stored row from its per-class matrices (the
-  reference, and the "form" route of ``layer_rules.sketch_sums``), and ``entry_index`` (every
-  entry's bucket, kept for small tables: what the embeddings' lookups gather).
-- ``TensorSketchMap`` — the whole stored row: every unit, then the parameters outside every unit
-  (the "rest", sketched by a ``SparseSignSketch``), all added into the same ``dim`` columns; its
-  ``work_slots`` (where the hook path writes: the ``dim`` columns every unit adds into, then the
-  rest whole), ``stored_rows`` (work rows to stored rows; in two steps, ``unit_rows`` then
-  ``add_rest``, so a block's work rows can go before the rest of many blocks is sketched at once),
-  ``work_rows`` / ``project_full`` (full rows to the same numbers: what the tests compare with)
-  and ``describe`` (what the store records).
+- ``TensorSketchMap`` — the whole stored row: every unit (one outer-product layer's ``[W | b]``
+  matrix: ``chunked_sketch.ChunkedSketchUnit`` for new stores, ``SketchUnit`` for stores that
+  recorded no ``placement``), then the parameters outside every unit (the "rest", sketched by a
+  ``SparseSignSketch``), all added into the same ``dim`` columns; its ``work_slots`` (where the
+  hook path writes: the ``dim`` columns every unit adds into, then the rest whole),
+  ``stored_rows`` (work rows to stored rows; in two steps, ``unit_rows`` then ``add_rest``, so a
+  block's work rows can go before the rest of many blocks is sketched at once), ``work_rows`` /
+  ``project_full`` (full rows to the same numbers: what the tests compare with) and ``describe``
+  (what the store records, with its ``placement``).
+- ``SketchUnit`` — the ``hashed`` placement of stores made before ``chunked`` (issue 44): a
+  unit with the two hashes of its axes, ``sketch(M)`` and ``entry_index``, and the interface the
+  layer rules apply (``first_spectrum``, ``second_spectrum``, ``from_spectra``,
+  ``entry_columns``, ``combine``). Kept so that those stores resume with the map they hold.
 - ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``UNIT_MATRICES`` and
   ``unit_matrices`` (the weight matrices of module-VJP units, ``nn.LSTM``/``GRU``/``RNN`` and
   ``nn.MultiheadAttention``, units too: a store that recorded them in the rest, as stores made
-  before them did, resumes so), ``TS_GROUP_BASE`` and ``ENTRY_TABLE_ENTRIES``.
+  before them did, resumes so), ``HASHED`` and ``TS_GROUP_BASE``.
 
-The map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a unit
-``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b`` (``m_b``
-columns from ``start_b``), row coordinate ``i`` of ``M`` has a bucket ``h1_b(i)`` in ``[0, m_b)``
-and a sign ``s1_b(i)``, column coordinate ``j`` has ``h2_b(j)`` and ``s2_b(j)``: the buckets and signs of two
-``SparseSignSketch`` maps (stream groups ``TS_GROUP_BASE + 2 u`` and ``+ 1``, ``u`` the weight's
-index in the parameter layout). Entry ``M[i, j]`` is added to column ``start_b + (h1_b(i) +
-h2_b(j)) mod m_b`` of every block with sign ``s1_b(i) s2_b(j) / sqrt(s)``. That is a sparse JL
-map of the whole row (each coordinate to one column per block, a random sign each), so its
-inner-product variance is a CountSketch's, whatever the rank of a class's gradient. Because the
-hash is a sum, the block of a rank-one ``M = g x^T`` is the circular convolution of the two
-factors' CountSketches, ``irfft(rfft(CS1 g) * rfft(CS2 x))`` (Pham and Pagh, KDD 2013), and a
-class's sum over its tokens is a sum in the frequency domain: the layer's per-class matrix need
-never exist (``layer_rules.sketch_sums``). The rest's parameters (norms, raw parameters, layers
-without a unit) are one ``SparseSignSketch`` over their concatenated columns (stream group
-``sketch.SKETCH_GROUP``), added into the same columns. No split of ``dim`` among layers, nothing
-measured: the map is a pure function of the layout, the model's layer types, ``dim``, ``s`` and
-the seed, the same on every worker and device.
+The hashed map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a
+unit ``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b``
+(``m_b`` columns from ``start_b``), row coordinate ``i`` of ``M`` has a bucket ``h1_b(i)`` in
+``[0, m_b)`` and a sign ``s1_b(i)``, column coordinate ``j`` has ``h2_b(j)`` and ``s2_b(j)``: the
+buckets and signs of two ``SparseSignSketch`` maps (stream groups ``TS_GROUP_BASE + 2 u`` and ``+
+1``, ``u`` the weight's index in the parameter layout). Entry ``M[i, j]`` is added to column
+``start_b + (h1_b(i) + h2_b(j)) mod m_b`` of every block with sign ``s1_b(i) s2_b(j) / sqrt(s)``.
+Its inner-product variance is a CountSketch's, but not its tail: two rows with the same ``h1``
+send their whole rows to the same columns (the chunked placement's docstring says what that did
+to a classifier head). Because the hash is a sum, the block of a rank-one ``M = g x^T`` is the
+circular convolution of the two factors' CountSketches, ``irfft(rfft(CS1 g) * rfft(CS2 x))``
+(Pham and Pagh, KDD 2013), as for the chunked units. The rest's parameters (norms, raw
+parameters, layers without a unit) are one ``SparseSignSketch`` over their concatenated columns
+(stream group ``sketch.SKETCH_GROUP``), added into the same columns, for both placements. No
+split of ``dim`` among layers, nothing measured: the map is a pure function of the layout, the
+model's layer types, ``dim``, ``s``, the placement and the seed, the same on every worker and
+device.
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ from torch import nn
 
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
+from classgrad.workers.projection import chunked_sketch
+from classgrad.workers.projection.chunked_sketch import PLACEMENT, ChunkedSketchUnit
 from classgrad.workers.projection.dense import HASH_NAME
 from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
 from classgrad.workers.projection.outer_matrix import OuterMatrix
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
 
 STRUCTURE = "tensorsketch"
+HASHED = "hashed"  # the placement of stores made before ``chunked_sketch`` (their record has none)
 # Buckets per coordinate of a layer's matrix: one (the plain TensorSketch). Its inner-product
 # variance is a CountSketch's whatever s is; more buckets only thin the tail of rows whose mass
 # sits on a few coordinates, which a layer's gradient rarely has (measured: bag_text at C = 300,
@@ -65,11 +69,7 @@ STRUCTURE = "tensorsketch"
 # exact rows 0.0108/0.0403), and each costs a bucket more per entry on both routes. The rest
 # (norms, raw parameters: small, sometimes concentrated) keeps ``sketch_nonzeros``.
 UNIT_NONZEROS = 1
-# Entries of a unit's matrix up to which its folded buckets are kept as one int32 table (64 MiB):
-# bag_text's 2,000 x 128 EmbeddingBag sketched 4x faster from it (8.1 against 2.0 ms a run of
-# 124 classes, 4k lookups; scratch timing). BERT-base's 30,522 x 768 table hashes per call.
-ENTRY_TABLE_ENTRIES = 1 << 24
-TS_GROUP_BASE = 3 << 29  # stream groups of the units' hashes: clear of 0.., SKETCH_GROUP (2^30) and 2^31..
+TS_GROUP_BASE = chunked_sketch.TS_GROUP_BASE  # stream groups of the units' hashes
 
 
 def _bag_shape(m: nn.EmbeddingBag) -> UnitShape | None:
@@ -193,7 +193,7 @@ class SketchUnit(OuterMatrix):
         sign is negative (``sketch.folded_index``'s fold), for a matrix of at most
         ``ENTRY_TABLE_ENTRIES`` entries, else None. An embedding's lookups gather their buckets from
         it (one gather per token instead of a sum, a modulo and a fold of its hashes)."""
-        if self.full * len(self.blocks) > ENTRY_TABLE_ENTRIES:
+        if self.full * len(self.blocks) > chunked_sketch.ENTRY_TABLE_ENTRIES:
             return None
         key = f"entries:{device}"
         if key not in self._cache:
@@ -201,12 +201,39 @@ class SketchUnit(OuterMatrix):
             self._cache[key] = folded.to(torch.int32).view(-1, self.rows, self.cols_in)
         return self._cache[key]
 
-    def column_order(self, channels: int) -> torch.Tensor:
-        """int64 ``[cols_in]``: the column of ``M`` held by each column of a matrix whose weight
-        columns are kernel-offset-major with ``channels`` channels innermost (a convolution's
-        ``patches_channels_inner``; ``M``'s own order is channel-major), the bias column last."""
-        order = torch.arange(self.b).view(channels, self.b // channels).t().reshape(-1)
-        return torch.cat([order, torch.arange(self.b, self.cols_in)])
+    # --- the interface of ``layer_rules.sketch_sums`` (``chunked_sketch.ChunkedSketchUnit``'s):
+    # one block (``UNIT_NONZEROS``), one chunk pair, nothing filtered.
+    row_chunks = col_chunks = chunk_pairs = 1
+
+    def _one_block(self) -> tuple[SparseSignSketch, SparseSignSketch]:
+        if self.nonzeros != 1:
+            raise ValueError("a hashed sketch unit is applied by the layer rules with one block only")
+        return self.factor_sketches()
+
+    def first_spectrum(self, first: torch.Tensor) -> torch.Tensor:
+        """``[T, rows]`` -> complex ``[T, dim // 2 + 1]``: the rfft of the first factor's CountSketch."""
+        return torch.fft.rfft(self._one_block()[0].project(first), dim=1)
+
+    def second_spectrum(self, second: torch.Tensor) -> torch.Tensor:
+        """``[T, cols_in]`` -> complex ``[T, dim // 2 + 1]``: the rfft of the second's CountSketch."""
+        return torch.fft.rfft(self._one_block()[1].project(second), dim=1)
+
+    def from_spectra(self, sums: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-class sums of ``first_spectrum * second_spectrum`` -> ``[n, dim]`` (into ``out``)."""
+        rows = torch.fft.irfft(sums, n=self.dim, dim=1)
+        return rows if out is None else out.copy_(rows)
+
+    def entry_columns(
+        self, i: torch.Tensor, j: torch.Tensor, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(col, negative)`` of entries ``(i, j)`` (broadcast): ``(h1(i) + h2(j)) mod dim``, signs."""
+        self._one_block()
+        h1, n1, h2, n2 = self.hashes(device)
+        return (h1[i, 0] + h2[j, 0]) % self.dim, n1[i, 0] ^ n2[j, 0]
+
+    def combine(self, pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, dim]`` entries added at their columns -> the unit's columns (the same)."""
+        return pairs if out is None else out.copy_(pairs)
 
     def _flat_columns(
         self, start: int, stop: int, device: torch.device, channels: int | None = None
@@ -263,9 +290,19 @@ class TensorSketchMap:
 
     structure = STRUCTURE
 
-    def __init__(self, slots: Sequence[ParamSlot], units: list[SketchUnit], *, dim: int, seed: int, nonzeros: int):
+    def __init__(
+        self,
+        slots: Sequence[ParamSlot],
+        units: Sequence[SketchUnit | ChunkedSketchUnit],
+        *,
+        dim: int,
+        seed: int,
+        nonzeros: int,
+        placement: str = PLACEMENT,
+    ):
         self.slots = tuple(slots)
-        self.units = units
+        self.units = list(units)
+        self.placement = placement
         self.dim = dim
         self.seed = seed
         self.nonzeros = min(nonzeros, dim)
@@ -306,11 +343,17 @@ class TensorSketchMap:
         if record is not None:  # stores made before these units kept those weights in the rest
             recorded = {u.get("param") for u in record.get("units", [])}
             matrices = [r for r in matrices if r[1].name in recorded]
-        units = [
-            SketchUnit(i, slot, bias, *shape, dim, UNIT_NONZEROS, seed)
+        # A new store's units are chunked; one recorded without a placement was hashed, and resumes so.
+        placement = PLACEMENT if record is None else record.get("placement", HASHED)
+        if placement not in (PLACEMENT, HASHED):
+            raise ConfigError(f"projection: the store's tensorsketch placement {placement!r} is unknown")
+        units: list[SketchUnit | ChunkedSketchUnit] = [
+            ChunkedSketchUnit(i, slot, bias, *shape, dim, seed)
+            if placement == PLACEMENT
+            else SketchUnit(i, slot, bias, *shape, dim, UNIT_NONZEROS, seed)
             for i, slot, bias, shape in sorted(found + matrices, key=lambda r: r[0])
         ]
-        out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros)
+        out = cls(slots, units, dim=dim, seed=seed, nonzeros=nonzeros, placement=placement)
         if record is not None:
             out.check_record(record)
             # Stores made before the units shared one sketch recorded each unit's work columns
@@ -320,8 +363,9 @@ class TensorSketchMap:
 
     def check_record(self, record: dict[str, Any]) -> None:
         """Refuse a store whose recorded map is not this one (another model, layout or setting)."""
-        mine = self.describe()
-        for key in ("dim", "seed", "nonzeros", "unit_nonzeros", "dim_in", "rest_params"):
+        mine = {**self.describe(), "placement": self.placement}
+        record = {**record, "placement": record.get("placement", HASHED)}
+        for key in ("dim", "seed", "nonzeros", "unit_nonzeros", "dim_in", "rest_params", "placement"):
             if record.get(key) != mine[key]:
                 raise ConfigError(
                     f"projection: the store's tensorsketch {key} is {record.get(key)!r}, this job's {mine[key]!r}"
@@ -403,6 +447,8 @@ class TensorSketchMap:
             ],
             "rest_params": [s.name for s in self.rest],
         }
+        if self.placement != HASHED:  # stores made before placements existed record none
+            out["placement"] = self.placement
         if self.rest_projector is not None:
             out["rest_sketch"] = self.rest_projector.describe()
         return out

@@ -1,32 +1,35 @@
 """Per-class TensorSketches of outer-product layers: the default projection inside the backward.
 
 Holds ``sketched_outer_sums`` (``outer.class_outer_sums`` calls it for a layer whose rows are
-TensorSketch-projected: ``LayerRows.projection`` a ``classgrad.workers.projection.SketchUnit``),
-``sketched_embedding_sums`` (the embedding rules call it instead of forming the table) and
-``ROUTE_COST`` (the cost model that picks a route per call).
+TensorSketch-projected: ``LayerRows.projection`` a unit of ``classgrad.workers.projection``'s
+``ChunkedSketchUnit`` or, for stores made before it, ``SketchUnit``), ``sketched_embedding_sums``
+(the embedding rules call it instead of forming the table) and ``ROUTE_COST`` (the cost model that
+picks a route per call). The units say how their map is applied; this module picks the route.
 
 Class i's part of the row is the unit's sketch of ``M_i = sum_t u_t v_t^T`` (``u`` the first
 token factor, ``v`` the second, the bias a constant-1 feature on the input's side). Two routes
-give the same numbers up to float32 rounding (both are the map ``SketchUnit.sketch``):
+give the same numbers up to float32 rounding (both are the map ``unit.sketch``):
 
-- ``fft``: per token, both factors CountSketched (``[T, rows] -> [T, dim]``), each block's
-  ``rfft`` multiplied, summed over the class's tokens in the frequency domain, one ``irfft``
-  per class and block. ``M_i`` never exists: for a C-wide classifier head (``rows = C``) its
-  cost is ``C s`` additions and two FFTs per sample, not ``C x hidden`` per class.
+- ``fft``: per token, each factor placed and transformed (``unit.first_spectrum``,
+  ``second_spectrum``: an rfft per chunk of ``dim`` coordinates, the chunks' filters applied),
+  the two multiplied, summed over the class's tokens in the frequency domain, one ``irfft`` per
+  class (``from_spectra``). ``M_i`` never exists: for a C-wide classifier head (``rows = C``) its
+  cost is ``C / dim`` FFTs and ``C`` additions per sample, not ``C x hidden`` per class.
 - ``form``: ``M_i`` formed exactly (the layer's own product per class, or a convolution's
-  grouped backward), then sketched (``rows x cols_in x s`` additions per class). Cheaper where
-  a class has many tokens and the layer is small (convolutions, attention on sequences).
+  grouped backward), then sketched (``rows x cols_in`` additions per class, and an FFT per
+  chunk pair when there are several). Cheaper where a class has many tokens and the layer is
+  small (convolutions, attention on sequences).
 
 The route is the cheaper by ``ROUTE_COST`` for this call's token and class counts: a pure
 function of the shapes, never a timing, so every worker and every run takes the same one.
-Embedding tables (one-hot inputs) take a third, ``direct``: each looked-up entry added to its
-bucket (``H s`` additions per token, the buckets gathered from ``SketchUnit.entry_index`` where
-the table is small enough to keep them), never a ``[V, H]`` table of gradients.
+Embedding tables (one-hot inputs) take a third, ``direct``: each looked-up entry added at its
+column (``H`` additions per token, the columns gathered from ``unit.entry_index`` where the
+table is small enough to keep them), then each chunk pair filtered (``unit.combine``), never a
+``[V, H]`` table of gradients.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -54,9 +57,13 @@ def route_for(unit: Any, tokens: int, classes: int, device: torch.device) -> str
         return FORCED_ROUTE
     c = _costs(device)
     s, dim = unit.nonzeros, unit.dim
-    fft = tokens * ((unit.rows + unit.cols_in) * s * c["scatter"] + 3 * dim * c["fft_column"])
+    # fft: per token both factors placed, one rfft per chunk of each, their product; per class an irfft.
+    ffts = unit.row_chunks + unit.col_chunks + 1
+    fft = tokens * ((unit.rows + unit.cols_in) * s * c["scatter"] + ffts * dim * c["fft_column"])
     fft += classes * dim * c["fft_column"]
-    form = tokens * unit.full * c["mac"] + classes * unit.full * s * c["scatter"]
+    # form: per class its matrix's entries added at their places, then each chunk pair filtered.
+    filtered = unit.chunk_pairs + 1 if unit.chunk_pairs > 1 else 0
+    form = tokens * unit.full * c["mac"] + classes * (unit.full * s * c["scatter"] + filtered * dim * c["fft_column"])
     return "fft" if fft < form else "form"
 
 
@@ -81,20 +88,13 @@ def _fft_sketch(
     """``[k, dim]`` (into ``into`` when given) from token factors ``[T, rows]``, ``[T, cols_in]``
     (``owner``: each token's class; None: ``T = k * tokens`` class-major, padding tokens zero)."""
     dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
-    sk1, sk2 = unit.factor_sketches()
-    p = sk1.project(first.to(dtype))
-    q = sk2.project(second.to(dtype))
-    out = p.new_empty(k, unit.dim) if into is None else into
-    for b0, m in unit.blocks:
-        prod = torch.fft.rfft(p[:, b0 : b0 + m], dim=1).mul_(torch.fft.rfft(q[:, b0 : b0 + m], dim=1))
-        if owner is None:
-            sums = prod.view(k, -1, prod.shape[1]).sum(dim=1)
-        else:
-            real = torch.view_as_real(prod)
-            sums = torch.view_as_complex(real.new_zeros(k, *real.shape[1:]).index_add_(0, owner, real))
-        out[:, b0 : b0 + m] = torch.fft.irfft(sums, n=m, dim=1)
-    # Each factor's sketch carries 1/sqrt(s); the map carries it once.
-    return out.mul_(math.sqrt(unit.nonzeros))
+    prod = unit.first_spectrum(first.to(dtype)).mul_(unit.second_spectrum(second.to(dtype)))
+    if owner is None:
+        sums = prod.view(k, -1, prod.shape[1]).sum(dim=1)
+    else:
+        real = torch.view_as_real(prod)
+        sums = torch.view_as_complex(real.new_zeros(k, *real.shape[1:]).index_add_(0, owner, real))
+    return unit.from_spectra(sums, into)
 
 
 def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
@@ -158,30 +158,25 @@ def sketch_entries(
     into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[k, dim]``: entries ``values`` (``[T, H]``) at ``(i, j)`` of class ``cls[t]``'s matrix, each
-    added to its bucket of every block (the ``direct`` route; equal to ``unit.sketch`` of the summed
-    matrices). ``i``: ``[T]`` (a row per token) or ``[T, H]``; ``j``: None (column ``h``) or ``[T, H]``."""
+    added at its column (the ``direct`` route; equal to ``unit.sketch`` of the summed matrices).
+    ``i``: ``[T]`` (a row per token) or ``[T, H]``; ``j``: None (column ``h``) or ``[T, H]``."""
     device = values.device
-    dim = unit.dim
-    acc = values.new_zeros(k * 2 * dim)
-    base = (cls * (2 * dim)).unsqueeze(1)  # [T, 1]
+    width = unit.chunk_pairs * unit.dim  # the unit's columns before its chunk pairs are combined
+    acc = values.new_zeros(k * 2 * width)
+    base = (cls * (2 * width)).unsqueeze(1)  # [T, 1]
     flat = values.reshape(-1)
-    whole_rows = j is None and i.dim() == 1 and values.shape[1] == unit.cols_in and k * 2 * dim < 2**31
+    whole_rows = j is None and i.dim() == 1 and values.shape[1] == unit.cols_in and k * 2 * width < 2**31
     table = unit.entry_index(device) if whole_rows else None
-    if table is not None:  # every entry's folded bucket kept: one gather of a table row per token
-        base = base.to(torch.int32)
-        for block in table:
-            acc.index_add_(0, (block[i] + base).reshape(-1), flat)
+    if table is not None:  # every entry's folded column kept: one gather of a table row per token
+        acc.index_add_(0, (table[0][i] + base.to(torch.int32)).reshape(-1), flat)
     else:
-        h1, n1, h2, n2 = unit.hashes(device)
-        cols = torch.arange(values.shape[1], device=device) if j is None else j
-        for b, (b0, m) in enumerate(unit.blocks):
-            # [T, 1] + [H] (or [T, H]): one bucket and sign per entry, no per-entry gathers of rows
-            hi, ni = (h1[i, b], n1[i, b]) if i.dim() == 2 else (h1[i, b].unsqueeze(1), n1[i, b].unsqueeze(1))
-            col = (hi + h2[cols, b]) % m + b0
-            neg = ni ^ n2[cols, b]
-            acc.index_add_(0, (base + col + neg.long() * dim).reshape(-1), flat)
-    both = acc.view(k, 2, dim)
-    return torch.sub(both[:, 0], both[:, 1], out=into).mul_(1.0 / math.sqrt(unit.nonzeros))
+        rows = i if i.dim() == 2 else i.unsqueeze(1)
+        cols = torch.arange(values.shape[1], device=device).unsqueeze(0) if j is None else j
+        # [T, 1] + [1, H] (or [T, H]): one column and sign per entry, no per-entry gathers of rows
+        col, neg = unit.entry_columns(rows, cols, device)
+        acc.index_add_(0, (base + col + neg.long() * width).reshape(-1), flat)
+    both = acc.view(k, 2, width)
+    return unit.combine(torch.sub(both[:, 0], both[:, 1]), into)
 
 
 def sketched_embedding_sums(

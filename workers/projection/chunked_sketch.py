@@ -1,0 +1,270 @@
+"""The default TensorSketch unit: each axis placed without collisions in chunks of ``dim``, the
+chunks mixed by random-phase filters (``placement: chunked``).
+
+Holds ``ChunkedSketchUnit`` — one outer-product layer's ``[W | b]`` matrix ``M`` (``rows x
+cols_in``) mapped into the ``dim`` columns every unit adds into, with the three ways the layer
+rules apply it: per token factor in the frequency domain (``first_spectrum``,
+``second_spectrum``: ``layer_rules.sketch_sums``' fft route), from each class's formed matrix
+(``sketch``) and from single entries (``entry_columns`` / ``entry_index`` then ``combine``: an
+embedding's lookups); ``PLACEMENT`` (the name a store records) and ``GROUPS_PER_UNIT``.
+
+Why not a hash per axis (``tensor_sketch.SketchUnit``, the ``hashed`` placement of stores made
+before this one): entry ``(i, j)`` went to column ``h1(i) + h2(j) mod dim``, so two rows with the
+same ``h1`` sent their whole rows to the same shifted copy of one sketch. A classifier head's
+per-class gradient sits almost all on its own row (``g ~ -e_c``) and penultimate features
+correlate between classes, so each such collision gave two unrelated classes a cosine near their
+features' cosine (0.6-0.8): at C = 10,000 and ``dim`` 4,096 most classes had a false nearest
+neighbour (issue 44). A collision of whole rows or columns is what must never happen.
+
+The map. Row ``i`` of ``M`` is in row chunk ``a = i // dim`` at place ``p = i % dim`` (in order);
+column ``j`` in column chunk ``b = j // dim`` at place ``pi(j % dim)``, ``pi`` a seeded
+permutation of ``[0, dim)``; signs ``s1(i)``, ``s2(j)``. Entry ``(i, j)`` goes to place ``(p +
+pi(q)) mod dim`` of chunk pair ``(a, b)`` with sign ``s1(i) s2(j)``, and chunk pair ``(a, b)`` is
+filtered by ``F_ab``: the all-pass filter whose frequency response is ``phi_a(f) psi_b(f)``,
+random unit phases (real +-1 at frequency 0 and ``dim / 2``), ``phi_0 = psi_0 = 1``. The unit's
+columns are the sum over chunk pairs. So:
+
+- every entry's image has norm 1 and entries of one row, or of one column, of a chunk pair never
+  share a column (the places are distinct); two entries share one with chance ``1/dim``, as in a
+  CountSketch, with independent signs: the map is unbiased;
+- rows (or columns) of different chunks meet only through a random all-pass filter: their
+  images have inner products of order ``1/sqrt(dim)`` with a Gaussian-like tail, never 1 (an
+  all-pass filter keeps norms, so nothing is lost);
+- a layer no wider than ``dim`` on both axes is one chunk pair, no filter: each entry one signed
+  column, no FFT outside the fft route;
+- on a token, ``M = g x^T``, the image is the circular convolution of the two factors' placed
+  vectors, filtered: in the frequency domain ``(sum_a phi_a rfft(g_a)) (sum_b psi_b rfft(x_b))``
+  (``first_spectrum`` times ``second_spectrum``; Pham and Pagh, KDD 2013, for one chunk). A class's
+  sum over its tokens is a sum of such products: its matrix never exists.
+
+Streams: group ``TS_GROUP_BASE + GROUPS_PER_UNIT u`` (``u`` the weight's index in the layout) and
+the next three: the row signs, the column signs, the permutation (argsort of ``dim`` words) and
+the phases (word ``c * (dim // 2 + 1) + f`` for chunk ``c``, the row chunks first, then the
+column chunks). Phases are computed in float64 on the CPU and cast, so every device filters alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from classgrad.service.store.params import ParamSlot
+from classgrad.workers.projection.dense import stream_keys, stream_words
+from classgrad.workers.projection.outer_matrix import OuterMatrix
+from classgrad.workers.projection.sketch import SignedMap
+
+PLACEMENT = "chunked"
+GROUPS_PER_UNIT = 4
+TS_GROUP_BASE = 3 << 29  # as tensor_sketch's: clear of 0.., SKETCH_GROUP (2^30) and 2^31..
+# Entries of a unit's matrix up to which its folded columns are kept as one int32 table (64 MiB),
+# both placements: bag_text's 2,000 x 128 EmbeddingBag sketched 4x faster from it (8.1 against
+# 2.0 ms a run of 124 classes, 4k lookups; scratch timing). BERT-base's 30,522 x 768 table hashes
+# per call.
+ENTRY_TABLE_ENTRIES = 1 << 24
+
+
+def _words(seed: int, group: int, count: int) -> torch.Tensor:
+    return stream_words(stream_keys(seed, group), 0, count, 1, "cpu")[:, 0]
+
+
+def _phases(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """complex128 ``[chunks, dim // 2 + 1]`` unit phases from words ``[chunks, dim // 2 + 1]``; real
+    +-1 at frequency 0 and, for an even ``dim``, ``dim / 2`` (what the rfft of a real signal has)."""
+    angle = words.to(torch.float64) * (2 * math.pi / 2**32)
+    out = torch.polar(torch.ones_like(angle), angle)
+    real = [0] + ([dim // 2] if dim % 2 == 0 else [])
+    out[:, real] = torch.where((words[:, real] & 1) == 1, -1.0, 1.0).to(out.dtype)
+    out[0] = 1  # the first chunk is not filtered
+    return out
+
+
+@dataclass
+class ChunkedSketchUnit(OuterMatrix):
+    """One layer's weight (+ bias) sketched into ``dim`` work columns at ``offset`` (module docstring)."""
+
+    index: int
+    weight: ParamSlot
+    bias: ParamSlot | None
+    a: int
+    b: int
+    input_first: bool
+    dim: int
+    seed: int
+    offset: int = 0  # of its columns in the work row: 0, the columns every unit adds into
+    structure: str = "tensorsketch"  # what layer_rules dispatch on
+    nonzeros: int = 1  # signed entries per coordinate and chunk pair (the route costs read it)
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def width(self) -> int:
+        return self.dim
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        first = TS_GROUP_BASE + GROUPS_PER_UNIT * self.index
+        return tuple(range(first, first + GROUPS_PER_UNIT))
+
+    @property
+    def row_chunks(self) -> int:
+        return -(-self.rows // self.dim)
+
+    @property
+    def col_chunks(self) -> int:
+        return -(-self.cols_in // self.dim)
+
+    @property
+    def chunk_pairs(self) -> int:
+        return self.row_chunks * self.col_chunks
+
+    # --- the map's parts, generated once per device -------------------------------------------
+
+    def _cpu(self) -> dict[str, torch.Tensor]:
+        if "cpu" not in self._cache:
+            g_row, g_col, g_perm, g_phase = self.groups
+            freqs = self.dim // 2 + 1
+            chunks = self.row_chunks + self.col_chunks
+            phases = _phases(_words(self.seed, g_phase, chunks * freqs).view(chunks, freqs), self.dim)
+            perm = torch.argsort(_words(self.seed, g_perm, self.dim), stable=True)
+            j = torch.arange(self.cols_in)
+            i = torch.arange(self.rows)
+            self._cache["cpu"] = {
+                "neg1": (_words(self.seed, g_row, self.rows) & 1).bool(),
+                "neg2": (_words(self.seed, g_col, self.cols_in) & 1).bool(),
+                "row_place": i % self.dim,
+                "row_chunk": i // self.dim,
+                "col_place": perm[j % self.dim],
+                "col_chunk": j // self.dim,
+                "phi": phases[: self.row_chunks],
+                "psi": torch.cat([phases[:1], phases[self.row_chunks + 1 :]]),
+            }
+        return self._cache["cpu"]
+
+    def _on(self, name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        key = f"{name}:{device}:{dtype}"
+        if key not in self._cache:
+            t = self._cpu()[name]
+            if dtype is not None and name in ("phi", "psi"):
+                t = t.to(torch.complex128 if dtype == torch.float64 else torch.complex64)
+            elif dtype is not None:
+                t = torch.where(t, -1.0, 1.0).to(dtype)
+            self._cache[key] = t.to(device)
+        return self._cache[key]
+
+    def filters(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """complex ``[chunk_pairs, dim // 2 + 1]``: ``phi_a psi_b`` of pair ``a * col_chunks + b``."""
+        key = f"filters:{device}:{dtype}"
+        if key not in self._cache:
+            phi, psi = self._on("phi", "cpu", dtype), self._on("psi", "cpu", dtype)
+            self._cache[key] = (phi[:, None] * psi[None]).reshape(self.chunk_pairs, -1).to(device)
+        return self._cache[key]
+
+    # --- the fft route: each token factor's placed, filtered spectrum ---------------------------
+
+    def first_spectrum(self, first: torch.Tensor) -> torch.Tensor:
+        """``[T, rows]`` (the first axis's factor per token) -> complex ``[T, dim // 2 + 1]``."""
+        signed = first * self._on("neg1", first.device, first.dtype)
+        if self.row_chunks == 1:
+            return torch.fft.rfft(signed, n=self.dim, dim=1)
+        padded = torch.nn.functional.pad(signed, (0, self.row_chunks * self.dim - self.rows))
+        spectra = torch.fft.rfft(padded.view(-1, self.row_chunks, self.dim), dim=2)
+        return (spectra * self._on("phi", first.device, first.dtype)).sum(dim=1)
+
+    def second_spectrum(self, second: torch.Tensor) -> torch.Tensor:
+        """``[T, cols_in]`` (the second axis's factor per token) -> complex ``[T, dim // 2 + 1]``."""
+        key = f"col_index:{second.device}"
+        if key not in self._cache:
+            cpu = self._cpu()
+            self._cache[key] = (cpu["col_chunk"] * self.dim + cpu["col_place"]).to(second.device)
+        signed = second * self._on("neg2", second.device, second.dtype)
+        placed = signed.new_zeros(signed.shape[0], self.col_chunks * self.dim).index_copy_(1, self._cache[key], signed)
+        if self.col_chunks == 1:
+            return torch.fft.rfft(placed, dim=1)
+        spectra = torch.fft.rfft(placed.view(-1, self.col_chunks, self.dim), dim=2)
+        return (spectra * self._on("psi", second.device, second.dtype)).sum(dim=1)
+
+    def from_spectra(self, sums: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-class sums of ``first_spectrum * second_spectrum`` -> ``[n, dim]`` (into ``out``)."""
+        rows = torch.fft.irfft(sums, n=self.dim, dim=1)
+        return rows if out is None else out.copy_(rows)
+
+    # --- single entries: columns in chunk-pair space, then ``combine`` -------------------------
+
+    def entry_columns(
+        self, i: torch.Tensor, j: torch.Tensor, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(col, negative)`` of entries ``(i, j)`` (broadcast): int64 columns in ``[0,
+        chunk_pairs * dim)`` (pair ``a * col_chunks + b``, then place) and bool signs."""
+        row_place, row_chunk, neg1 = (self._on(n, device) for n in ("row_place", "row_chunk", "neg1"))
+        col_place, col_chunk, neg2 = (self._on(n, device) for n in ("col_place", "col_chunk", "neg2"))
+        pair = row_chunk[i] * self.col_chunks + col_chunk[j]
+        return pair * self.dim + (row_place[i] + col_place[j]) % self.dim, neg1[i] ^ neg2[j]
+
+    def entry_index(self, device: torch.device | str) -> torch.Tensor | None:
+        """int32 ``[1, rows, cols_in]``: every entry's column plus ``chunk_pairs * dim`` when its
+        sign is negative (folded as ``sketch.folded_index``), for a matrix of at most
+        ``ENTRY_TABLE_ENTRIES`` entries, else None (an embedding's lookups gather rows of it)."""
+        if self.full > ENTRY_TABLE_ENTRIES:
+            return None
+        key = f"entries:{device}"
+        if key not in self._cache:
+            i = torch.arange(self.rows, device=device)[:, None]
+            j = torch.arange(self.cols_in, device=device)[None]
+            col, neg = self.entry_columns(i, j, device)
+            self._cache[key] = (col + neg.long() * (self.chunk_pairs * self.dim)).to(torch.int32).unsqueeze(0)
+        return self._cache[key]
+
+    def combine(self, pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, chunk_pairs * dim]`` (entries added at their columns) -> ``[n, dim]``: each chunk
+        pair filtered, then summed (one pair: the columns as they are)."""
+        if self.chunk_pairs == 1:
+            return pairs if out is None else out.copy_(pairs)
+        spectra = torch.fft.rfft(pairs.reshape(pairs.shape[0], self.chunk_pairs, self.dim), dim=2)
+        summed = (spectra * self.filters(pairs.device, pairs.dtype)).sum(dim=1)
+        return self.from_spectra(summed, out)
+
+    # --- per-class matrices ---------------------------------------------------------------------
+
+    def _flat_columns(
+        self, start: int, stop: int, device: torch.device, channels: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cols, negative)`` of flat coordinates ``[start, stop)`` of ``M`` (row-major, its
+        columns in ``column_order(channels)`` when given), ``[stop - start, 1]``, as ``SignedMap``
+        takes them."""
+        flat = torch.arange(start, stop, device=device)
+        i, j = flat // self.cols_in, flat % self.cols_in
+        if channels is not None:
+            j = self.column_order(channels).to(device)[j]
+        col, neg = self.entry_columns(i, j, device)
+        return col.unsqueeze(1), neg.unsqueeze(1)
+
+    def sketch(
+        self, matrices: torch.Tensor, out: torch.Tensor | None = None, *, channels_inner: int | None = None
+    ) -> torch.Tensor:
+        """``[n, rows, cols_in]`` (or ``[n, rows * cols_in]``) per-class matrices -> ``[n, dim]``
+        (into ``out`` when given); ``channels_inner``: their columns are in ``column_order`` of it."""
+        key = f"signed:{channels_inner}"
+        if key not in self._cache:
+            columns = lambda start, stop, device: self._flat_columns(start, stop, device, channels_inner)  # noqa: E731
+            self._cache[key] = SignedMap(self.full, self.chunk_pairs * self.dim, 1, 1.0, columns)
+        placed = self._cache[key].apply(matrices.reshape(matrices.shape[0], self.full))
+        return self.combine(placed, out)
+
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
+        """``[k, dim]``: the sketch of per-class matrices ``m`` (``sketch``)."""
+        return self.sketch(m)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "param": self.weight.name,
+            "bias": self.bias.name if self.bias is not None else None,
+            "shape": [self.a, self.b],
+            "matrix_shape": [self.rows, self.cols_in],
+            "chunks": [self.row_chunks, self.col_chunks],
+            "groups": list(self.groups),
+        }
+        if self.input_first:
+            out["input_first"] = True
+        return out
