@@ -9,7 +9,8 @@ their cosines to the queries compared with those of
 - ``hashed``: the placement of stores made before (``tensor_sketch.SketchUnit``, a hash per
   axis), applied to the exact rows: what those stores hold;
 - ``countsketch``: an independent CountSketch (one signed entry per coordinate, another seed) of
-  the exact rows, the reference of the targets.
+  the exact rows, the reference of the targets; with ``--second-sketch``, ``countsketch 2``, one
+  more of another seed: how far two draws of the same map differ with ``Q`` queries.
 
 Reported per method: top-1 agreement (the query's nearest other class is the exact one), recall@10,
 the median and the worst absolute cosine error over the ``Q x (C - 1)`` pairs, and the share of
@@ -23,6 +24,7 @@ Hugging Face BERT, hidden 64, 1-4 samples per class).
 
     .venv/bin/python -m benchmarks.projection_tail                   # C = 10,000 (BERT 2,000), k = 4,096 and 1,024
     .venv/bin/python -m benchmarks.projection_tail --models cnn --dims 4096 --queries 50
+    .venv/bin/python -m benchmarks.projection_tail --models hf_resnet --dims 1024 --queries 300 --second-sketch
     .venv/bin/python -m benchmarks.projection_tail --quick           # C = 1,000, k = 256, two models
 
 Prints a table, asserts nothing; writes ``benchmarks/out/projection_tail.json``.
@@ -95,7 +97,9 @@ def tail_stats(cos: torch.Tensor, exact: torch.Tensor, queries: torch.Tensor) ->
     }
 
 
-def measure(name: str, classes: int, dims: list[int], n_queries: int, batch_size: int) -> list[dict[str, Any]]:
+def measure(
+    name: str, classes: int, dims: list[int], n_queries: int, batch_size: int, second_sketch: bool = False
+) -> list[dict[str, Any]]:
     from classgrad.workers.engines import build_engine, projected_options, projection_options
     from classgrad.workers.projection import SketchUnit
     from classgrad.workers.projection.sketch import RowSketch
@@ -104,6 +108,7 @@ def measure(name: str, classes: int, dims: list[int], n_queries: int, batch_size
     model, samples = build(name, classes)
     queries = torch.linspace(0, classes - 1, n_queries).round().long().unique()
     t0 = time.perf_counter()
+    seeds = {"countsketch": 99, **({"countsketch 2": 98} if second_sketch else {})}
     defaults, hashed, sketches = {}, {}, {}
     for k in dims:
         proj = projected_options(projection_options({"dim": k}))
@@ -112,14 +117,15 @@ def measure(name: str, classes: int, dims: list[int], n_queries: int, batch_size
         kmap = eng.kmap
         units = [SketchUnit(u.index, u.weight, u.bias, u.a, u.b, u.input_first, k, 1, u.seed) for u in kmap.units]
         hashed[k] = TensorSketchMap(kmap.slots, units, dim=k, seed=kmap.seed, nonzeros=kmap.nonzeros, placement=HASHED)
-        sketches[k] = RowSketch(sum(s.size for s in kmap.slots), k, nonzeros=1, seed=99)
+        width = sum(s.size for s in kmap.slots)
+        sketches[k] = {m: RowSketch(width, k, nonzeros=1, seed=seed) for m, seed in seeds.items()}
     projected_s = time.perf_counter() - t0
     exact_eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size)
     q_rows = _unit_rows(exact_eng.compute(queries.tolist()).rows)
     width = q_rows.shape[1]
     block = max(1, BLOCK_BYTES // (4 * width))
     exact = torch.empty(len(queries), classes, dtype=torch.float64)
-    others = {(method, k): torch.empty(classes, k) for method in ("hashed", "countsketch") for k in dims}
+    others = {(method, k): torch.empty(classes, k) for method in ("hashed", *seeds) for k in dims}
     t0 = time.perf_counter()
     for start in range(0, classes, block):
         part = range(start, min(classes, start + block))
@@ -127,12 +133,13 @@ def measure(name: str, classes: int, dims: list[int], n_queries: int, batch_size
         exact[:, start : part.stop] = (q_rows @ _unit_rows(full).t()).double()
         for k in dims:
             others["hashed", k][start : part.stop] = hashed[k].project_full(full)
-            others["countsketch", k][start : part.stop] = sketches[k].project(full)
+            for method, sketch in sketches[k].items():
+                others[method, k][start : part.stop] = sketch.project(full)
         del full
     exact_s = time.perf_counter() - t0
     results = []
     for k in dims:
-        methods = {"default": defaults[k], "hashed": others["hashed", k], "countsketch": others["countsketch", k]}
+        methods = {"default": defaults[k], **{m: others[m, k] for m in ("hashed", *seeds)}}
         row: dict[str, Any] = {"model": name, "classes": classes, "dim": k, "queries": len(queries), "D": width}
         for method, rows in methods.items():
             unit = _unit_rows(rows.double())
@@ -144,7 +151,9 @@ def measure(name: str, classes: int, dims: list[int], n_queries: int, batch_size
 
 def _fmt(r: dict[str, Any]) -> list[Any]:
     cells: list[Any] = [r["model"], f"{r['classes']:,}", f"{r['dim']:,}"]
-    for method in ("default", "hashed", "countsketch"):
+    for method in ("default", "hashed", "countsketch", "countsketch 2"):
+        if method not in r:
+            continue
         s = r[method]
         parts = (f"{s['top1']:.2f}", f"{s['recall10']:.2f}", f"{s['median']:.4f}", f"{s['worst']:.3f}")
         cells.append(" / ".join((*parts, f"{s['share_over_0.3']:.2f}")))
@@ -154,10 +163,12 @@ def _fmt(r: dict[str, Any]) -> list[Any]:
     return cells
 
 
-HEADERS = [
-    "model", "C", "k", "default: top1 / r@10 / median / worst / >0.3", "hashed (old stores)", "countsketch",
-    "worst / CS", "targets",
-]  # fmt: skip
+def headers(rows: list[dict[str, Any]]) -> list[str]:
+    second = ["countsketch 2"] if any("countsketch 2" in r for r in rows) else []
+    return [
+        "model", "C", "k", "default: top1 / r@10 / median / worst / >0.3", "hashed (old stores)", "countsketch",
+        *second, "worst / CS", "targets",
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -168,6 +179,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--second-sketch", action="store_true", help="a second CountSketch (another seed): its spread")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -177,12 +189,12 @@ def main() -> None:
     results = []
     for name in args.models.split(","):
         t0 = time.perf_counter()
-        rows = measure(name, args.classes or CLASSES[name], dims, args.queries, args.batch_size)
+        rows = measure(name, args.classes or CLASSES[name], dims, args.queries, args.batch_size, args.second_sketch)
         print(f"{name}: {time.perf_counter() - t0:.0f} s")
-        common.print_table(HEADERS, [_fmt(r) for r in rows])
+        common.print_table(headers(rows), [_fmt(r) for r in rows])
         results += rows
     print("\n== all")
-    common.print_table(HEADERS, [_fmt(r) for r in results])
+    common.print_table(headers(results), [_fmt(r) for r in results])
     common.write_report(OUT, {"machine": common.machine_info(), "args": vars(args), "results": results})
 
 

@@ -170,6 +170,7 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None, **opti
     dict for ``.pt``/``.pth``: what the suffix says). Returns a
     summary (norm before and after clipping, tensors written, ...)."""
     from classgrad.service.store import open_store
+    from classgrad.workers.projection import structure_label
 
     config: AggregateConfig = validated(AggregateConfig, "aggregate", **options)
     _check_out(Path(out))  # before any row is read
@@ -177,7 +178,7 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None, **opti
     if not store.layout:
         proj = store.attrs.get("projection")
         what = (
-            f"projected rows ({proj.get('kind')} projection to {store.dim} dims)"
+            f"projected rows ({structure_label(proj)}, to {store.dim} dims)"
             if proj
             else f"rows without a parameter layout ({store.dim} columns)"
         )

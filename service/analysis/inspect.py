@@ -23,6 +23,7 @@ from classgrad.service.analysis import (
     iter_tiles,
     plan_blocks,
 )
+from classgrad.workers.projection import neighbour_caveat, structure_label
 
 # What an older store lacks, beside its format version in the report.
 _FORMAT_NOTES = {
@@ -186,12 +187,18 @@ def format_report(info: dict) -> str:
         lines += kronecker_lines(proj, D)
     elif proj and proj.get("structure") == "tensorsketch":
         units = proj.get("units") or []
+        per_layer = (
+            "a layer's rows and columns placed without collisions in chunks of the width, chunks mixed by "
+            "random-phase filters"
+            if proj.get("placement")
+            else f"one hashed CountSketch of the row: {proj.get('unit_nonzeros', 1)} signed entry per coordinate "
+            "of a layer"
+        )
         lines.append(
-            f"projection  tensorsketch (one CountSketch of the row: {proj.get('unit_nonzeros', 1)} signed entry per "
-            f"coordinate of a layer, {proj.get('nonzeros')} of another parameter) from {proj.get('dim_in')} to {D} "
-            f"dims (seed {proj.get('seed')}): {len(units)} layers "
-            f"sketched in the backward, {len(proj.get('rest_params') or [])} other parameters sketched after; "
-            "no per-parameter layout"
+            f"projection  {structure_label(proj)} ({per_layer}; {proj.get('nonzeros')} signed entries per "
+            f"coordinate of another parameter) from {proj.get('dim_in')} to {D} dims (seed {proj.get('seed')}): "
+            f"{len(units)} layers sketched in the backward, {len(proj.get('rest_params') or [])} other parameters "
+            "sketched after; no per-parameter layout"
         )
     elif proj and proj.get("structure") == "sketch":
         lines.append(
@@ -200,7 +207,10 @@ def format_report(info: dict) -> str:
         )
     elif proj:
         lines.append(f"projection  {proj.get('kind')} to {D} dims (seed {proj.get('seed')}); no per-parameter layout")
-    elif info["layout"]:
+    caveat = neighbour_caveat(proj)
+    if caveat:
+        lines.append(f"warning     {caveat}")
+    if not proj and info["layout"]:
         lines.append(f"layout      {len(info['layout'])} parameters")
         width = max(len(e["name"]) for e in info["layout"])
         for e in info["layout"]:

@@ -27,6 +27,7 @@ from classgrad.service.analysis import MIB, validated
 from classgrad.service.analysis.score_precondition import damping_for, ensure_gram, inverse, trak_form
 from classgrad.service.analysis.scoring import ScoreConfig, ScorePlan, plan_scores, score_task
 from classgrad.service.errors import ClassgradError, ConfigError, InputError, StoreIncompleteError, first_line
+from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,10 @@ def check_stores(stores: list[Any]) -> None:
             raise StoreIncompleteError(
                 f"store {store.url} is incomplete: rows {fmt_ranges(missing)} are not written yet; finish the job first"
             )
+    for store in stores:
+        caveat = neighbour_caveat(store.attrs.get("projection"))
+        if caveat:
+            log.warning("store %s: %s", store.url, caveat)
     first = row_definition(stores[0])
     for store in stores[1:]:
         other = row_definition(store)

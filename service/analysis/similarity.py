@@ -60,6 +60,7 @@ from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk
 from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
 
@@ -454,6 +455,9 @@ def compute_similarity(
         )
     if store.num_classes < 2:
         raise StoreError(f"store {url} has {store.num_classes} class; similarity needs two")
+    caveat = neighbour_caveat(store.attrs.get("projection"))
+    if caveat:
+        log.warning("store %s: %s", url, caveat)
     dense = wants_dense(config, store.num_classes)
     _plan(store, config, dense)  # checks the sizes before Ray starts (minutes on a cluster)
     task_fn = strip_task if dense else topk_task

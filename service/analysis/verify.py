@@ -53,6 +53,7 @@ class VerifyReport:
     """Result of ``verify_store``: the OR of the failed flags and the problems per check."""
 
     store: str
+    rows: str = ""  # what the rows are (``projection.structure_label``)
     problems: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in FLAG_NAMES.values()})
     notes: list[str] = field(default_factory=list)
     repaired: list[int] = field(default_factory=list)  # shards unmarked by ``--repair``
@@ -67,6 +68,7 @@ class VerifyReport:
     def to_dict(self) -> dict:
         return {
             "store": self.store,
+            "rows": self.rows,
             "exit_code": self.code,
             "failed": [FLAG_NAMES[f] for f in FLAG_NAMES if self.code & f],
             "problems": self.problems,
@@ -81,7 +83,7 @@ class VerifyReport:
             "nonfinite": "NaN/Inf scan",
             "metadata": "metadata",
         }
-        lines = [f"store       {self.store}"]
+        lines = [f"store       {self.store}"] + ([f"rows        {self.rows}"] if self.rows else [])
         for flag, name in FLAG_NAMES.items():
             found = self.problems[name]
             status = (
@@ -103,6 +105,7 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
     recomputes them; the report still says what was found, and a note says what was unmarked."""
     from classgrad.service.errors import StoreError
     from classgrad.service.store import check_metadata, fmt_ranges, open_store
+    from classgrad.workers.projection import neighbour_caveat, structure_label
 
     report = VerifyReport(url)
     for line in check_metadata(url, storage_options=storage_options):
@@ -115,6 +118,11 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
         report.notes.append(f"the store cannot be opened, so its data was not checked: {exc}")
         return report
 
+    record = store.attrs.get("projection")
+    report.rows = structure_label(record)
+    caveat = neighbour_caveat(record)
+    if caveat:
+        report.notes.append(caveat)
     done = store.shard_done
     missing = store.missing_ranges(done)
     if missing:

@@ -116,12 +116,16 @@ class ProjectionConfig(Section):
         description="null (the default): tensorsketch for a new store where the partitioned engine's "
         "hook path takes the job (else sketch, said in the run's notes), and what the store recorded "
         "when it resumes one (a store made before this default, with only `dim`, is dense). "
-        "tensorsketch: one CountSketch of the whole row whose hash follows each layer's outer product, "
-        "formed inside the backward: Linear, Conv1d/2d/3d, Embedding, EmbeddingBag and transformers' "
-        "Conv1D layers (the classifier head above all) never form a full row; the other parameters "
-        "sketched into the same columns (`sketch_nonzeros` per entry); its error is a CountSketch's "
-        "of the exact rows at every class size. dense: each finished row times a k-column random "
-        "matrix (2 D k flops per row). kronecker: those layers projected as P_out W P_in^T inside the "
+        "tensorsketch: one sketch of the whole row that follows each layer's outer product, formed "
+        "inside the backward: Linear, Conv1d/2d/3d, Embedding, EmbeddingBag and transformers' Conv1D "
+        "layers (the classifier head above all) never form a full row; each layer's rows and columns "
+        "are placed without collisions in chunks of dim, chunks mixed by random-phase filters, so no "
+        "two classes' head rows share their columns; the other parameters sketched into the same "
+        "columns (`sketch_nonzeros` per entry); over all C classes its nearest neighbours and worst "
+        "pairs are those of a CountSketch of the exact rows (stores made before 2026-12-04 hold a "
+        "hashed placement whose neighbours may be collisions: `classgrad inspect` says which). "
+        "dense: each finished row times a k-column random matrix (2 D k flops per row). kronecker: "
+        "those layers projected as P_out W P_in^T inside the "
         "backward, the other parameters as `rest` says (fast, but far noisier where a class's "
         "gradient has low rank: heads, few samples). sketch: each finished row by a sparse sign "
         "sketch (s D additions per row; `kind` does not apply to it).",
@@ -138,7 +142,7 @@ class ProjectionConfig(Section):
     sketch_nonzeros: StrictPositiveInt = Field(
         4,
         description="structure=sketch, rest=sketch, or the parameters structure=tensorsketch sketches after the "
-        "backward (norms, raw parameters; its layers' entries go to one bucket each): columns each entry is "
+        "backward (norms, raw parameters; its layers' entries are placed, not hashed): columns each entry is "
         "sent to (s; at most the width it is sketched to). Cost grows as s, the error's tail for rows "
         "concentrated on few parameters shrinks with it.",
     )

@@ -4,23 +4,36 @@ The map itself (every entry's image of norm 1, entries of one row or one column 
 distinct columns, unbiased inner products, the fft route's spectra equal to the map of an outer
 product); and, over every pair of 2,000 classes of a model whose head is wider than ``dim``, the
 nearest neighbours and the worst cosine error of the default's rows against a CountSketch of the
-exact rows (issue 44), where the ``hashed`` placement of older stores fails. The rows of every
-route against the float64 reference are in ``test_tensor_sketch.py``.
+exact rows (issue 44), where the ``hashed`` placement of older stores fails; what ``inspect``,
+``verify``, ``similarity`` and ``score`` say of such a store, and its rebuild. The rows of every
+route against the float64 reference, and old stores resuming, are in ``test_tensor_sketch.py``.
 """
 
 from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from classgrad.service.analysis.inspect import format_report, inspect_store
+from classgrad.service.analysis.score_driver import check_stores
+from classgrad.service.analysis.similarity import compute_similarity
+from classgrad.service.analysis.verify import verify_store
+from classgrad.service.config import load_config
+from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import SketchUnit
 from classgrad.workers.projection.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.projection.tensor_sketch import HASHED, TensorSketchMap
+from classgrad.workers.runtime.factory import build_model, build_probe
+from tests.support.jobs import mlp_job, run_without_ray
 
 
 def unit(rows: int = 11, cols: int = 6, dim: int = 4, seed: int = 3) -> ChunkedSketchUnit:
@@ -66,7 +79,7 @@ def test_the_fft_route_is_the_map_of_an_outer_product():
     u = unit(rows=9, cols=13, dim=4)  # 3 row chunks, 4 column chunks
     g, x = torch.randn(2, 9, dtype=torch.float64), torch.randn(2, 13, dtype=torch.float64)
     direct = u.sketch(torch.einsum("ti,tj->tij", g, x))
-    spectra = u.from_spectra(u.first_spectrum(g) * u.second_spectrum(x))
+    spectra = u.from_spectra(u.token_spectra(g, x))
     torch.testing.assert_close(spectra, direct, rtol=1e-10, atol=1e-12)  # float64: roundoff only
 
 
@@ -127,3 +140,52 @@ def test_nearest_neighbours_over_all_classes_are_a_countsketchs(wide_head):
     hashed_units = [SketchUnit(u.index, u.weight, u.bias, u.a, u.b, u.input_first, k, 1, u.seed) for u in kmap.units]
     hashed = TensorSketchMap(kmap.slots, hashed_units, dim=k, seed=kmap.seed, nonzeros=kmap.nonzeros, placement=HASHED)
     assert neighbour_quality(hashed.project_full(full), exact_cos)["top1"] < countsketch["top1"] - 0.05
+
+
+# --- stores made with the hashed placement -------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stores"
+
+
+@pytest.fixture
+def hashed_store(tmp_path):
+    """A copy of a store made before the chunked placement (its record has no ``placement``)."""
+    url = tmp_path / "v3_tensorsketch.zarr"
+    shutil.copytree(FIXTURES / "v3_tensorsketch.zarr", url)
+    return str(url)
+
+
+def test_inspect_and_verify_name_the_placement_and_warn_of_collisions(hashed_store, tmp_path):
+    old = format_report(inspect_store(open_store(hashed_store)))
+    assert "projection  tensorsketch, hashed placement (one hashed CountSketch" in old
+    assert old.count("may hold hash collisions") == 1 and "--set store.overwrite=true" in old
+    report = verify_store(hashed_store)
+    assert report.code == 0 and report.rows == "tensorsketch, hashed placement"
+    assert [n for n in report.notes if "hash collisions" in n] and "rows        tensorsketch" in report.format()
+    new = run_without_ray(mlp_job(tmp_path, projection={"dim": 48}))
+    text = format_report(inspect_store(new))
+    assert "projection  tensorsketch, chunked placement (a layer's rows and columns placed" in text
+    assert "hash collisions" not in text and verify_store(new.url).notes == []
+
+
+def test_similarity_and_score_warn_once_on_a_hashed_store(hashed_store, caplog):
+    with caplog.at_level(logging.WARNING, logger="classgrad"):
+        compute_similarity(hashed_store, executor="local", top_k=3)
+        check_stores([open_store(hashed_store)])  # what every scoring path checks first
+    warned = [r for r in caplog.records if "may hold hash collisions" in r.getMessage()]
+    assert [r.name for r in warned] == [
+        "classgrad.service.analysis.similarity",
+        "classgrad.service.analysis.score_driver",
+    ]
+
+
+def test_rerun_with_overwrite_rebuilds_a_hashed_store_with_the_chunked_placement(hashed_store):
+    config = load_config(FIXTURES / "v3_tensorsketch.yaml", [f"store.url={hashed_store}", "store.overwrite=true"])
+    store = run_without_ray(config)
+    record = store.attrs["projection"]
+    assert record["placement"] == "chunked" and store.is_complete and verify_store(hashed_store).notes == []
+    model = build_model(config.model.factory, config.model.kwargs)
+    probe = build_probe(config.data.factory, config.data.kwargs)
+    api = per_class_gradients(model, probe, num_classes=12, projection={"dim": 16, "seed": 5})
+    # The same map as the Python API's default; shards group classes differently: float32 sums.
+    np.testing.assert_allclose(store.rows(np.arange(12)), api.numpy(), rtol=1e-5, atol=1e-7)

@@ -396,7 +396,7 @@ def test_job_store_matches_python_api_and_resumes_with_the_recorded_map(tmp_path
     np.testing.assert_allclose(store.rows(np.arange(store.num_classes)), api.numpy(), rtol=1e-5, atol=1e-7)
     assert verify_store(config.store.url).code == 0
     report = format_report(inspect_store(store))  # what ``classgrad inspect`` prints
-    assert "tensorsketch (one CountSketch of the row: 1 signed entry per coordinate of a layer, 4 of" in report
+    assert "tensorsketch, chunked placement (a layer's rows and columns placed without collisions" in report
     assert "3 layers sketched in the backward" in report
     assert run_without_ray(config).attrs["projection"] == info
 

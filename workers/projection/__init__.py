@@ -2,8 +2,8 @@
 
 Holds the re-exports of ``dense`` (the counter-based hash and the dense Johnson-Lindenstrauss
 ``Projector``), ``sketch`` (sparse sign sketches), ``kronecker`` (``P_a M P_b^T`` per layer),
-``tensor_sketch`` (the default: one CountSketch of the row, hashed along each layer's outer
-product), ``structures`` (the registry of structures, the default, old stores' records) and
+``tensor_sketch`` (the default: one sketch of the row along each layer's outer product; its
+units in ``chunked_sketch``), ``structures`` (the registry of structures, the default, old stores' records) and
 ``rows`` (the projector of finished rows a job asks for).
 """
 
@@ -29,9 +29,11 @@ from classgrad.workers.projection.structures import (
     STRUCTURES,
     Structure,
     get_structure,
+    neighbour_caveat,
     recorded_structure,
     register_structure,
     resolve_structure,
+    structure_label,
 )
 from classgrad.workers.projection.tensor_sketch import SketchUnit, TensorSketchMap
 
@@ -55,6 +57,7 @@ __all__ = [
     "mix32",
     "mix32_",
     "mix32_int",
+    "neighbour_caveat",
     "recorded_structure",
     "register_projection",
     "register_structure",
@@ -62,4 +65,5 @@ __all__ = [
     "row_projector",
     "stream_keys",
     "stream_words",
+    "structure_label",
 ]

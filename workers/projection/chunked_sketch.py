@@ -3,8 +3,8 @@ chunks mixed by random-phase filters (``placement: chunked``).
 
 Holds ``ChunkedSketchUnit`` — one outer-product layer's ``[W | b]`` matrix ``M`` (``rows x
 cols_in``) mapped into the ``dim`` columns every unit adds into, with the three ways the layer
-rules apply it: per token factor in the frequency domain (``first_spectrum``,
-``second_spectrum``: ``layer_rules.sketch_sums``' fft route), from each class's formed matrix
+rules apply it (``outer_matrix.SketchedMatrix``): per token in the frequency domain
+(``token_spectra``: ``layer_rules.sketch_sums``' fft route), from each class's formed matrix
 (``sketch``) and from single entries (``entry_columns`` / ``entry_index`` then ``combine``: an
 embedding's lookups); ``PLACEMENT`` (the name a store records) and ``GROUPS_PER_UNIT``.
 
@@ -16,13 +16,13 @@ correlate between classes, so each such collision gave two unrelated classes a c
 features' cosine (0.6-0.8): at C = 10,000 and ``dim`` 4,096 most classes had a false nearest
 neighbour (issue 44). A collision of whole rows or columns is what must never happen.
 
-The map. Row ``i`` of ``M`` is in row chunk ``a = i // dim`` at place ``p = i % dim`` (in order);
-column ``j`` in column chunk ``b = j // dim`` at place ``pi(j % dim)``, ``pi`` a seeded
-permutation of ``[0, dim)``; signs ``s1(i)``, ``s2(j)``. Entry ``(i, j)`` goes to place ``(p +
-pi(q)) mod dim`` of chunk pair ``(a, b)`` with sign ``s1(i) s2(j)``, and chunk pair ``(a, b)`` is
-filtered by ``F_ab``: the all-pass filter whose frequency response is ``phi_a(f) psi_b(f)``,
-random unit phases (real +-1 at frequency 0 and ``dim / 2``), ``phi_0 = psi_0 = 1``. The unit's
-columns are the sum over chunk pairs. So:
+The map. Row ``i`` of ``M`` is in row chunk ``a = i // dim`` at place ``p = i % dim`` (in order),
+sign ``s1(i)``; column ``j`` is in column chunk ``b = j // dim`` at place ``pi_a(j % dim)``, sign
+``s2_a(j)``: a seeded permutation of ``[0, dim)`` and column signs drawn for each row chunk
+``a``. Entry ``(i, j)`` goes to place ``(p + pi_a(q)) mod dim`` of chunk pair ``(a, b)`` with
+sign ``s1(i) s2_a(j)``, and chunk pair ``(a, b)`` is filtered by ``F_ab``: the all-pass filter
+whose frequency response is ``phi_a(f) psi_b(f)``, random unit phases (real +-1 at frequency 0
+and ``dim / 2``), ``phi_0 = psi_0 = 1``. The unit's columns are the sum over chunk pairs. So:
 
 - every entry's image has norm 1 and entries of one row, or of one column, of a chunk pair never
   share a column (the places are distinct); two entries share one with chance ``1/dim``, as in a
@@ -30,17 +30,22 @@ columns are the sum over chunk pairs. So:
 - rows (or columns) of different chunks meet only through a random all-pass filter: their
   images have inner products of order ``1/sqrt(dim)`` with a Gaussian-like tail, never 1 (an
   all-pass filter keeps norms, so nothing is lost);
+- the columns' own places and signs per row chunk: with one set for all, two head rows in
+  different chunks met through the same sketch of their (correlated) features, whose power
+  spectrum fluctuates, and their cosine error's spread was 1.2x a CountSketch's (C = 10,000,
+  ``dim`` 1,024, a synthetic 256-wide head; 1.0x with a set per row chunk);
 - a layer no wider than ``dim`` on both axes is one chunk pair, no filter: each entry one signed
   column, no FFT outside the fft route;
-- on a token, ``M = g x^T``, the image is the circular convolution of the two factors' placed
-  vectors, filtered: in the frequency domain ``(sum_a phi_a rfft(g_a)) (sum_b psi_b rfft(x_b))``
-  (``first_spectrum`` times ``second_spectrum``; Pham and Pagh, KDD 2013, for one chunk). A class's
-  sum over its tokens is a sum of such products: its matrix never exists.
+- on a token, ``M = g x^T``, the image is a sum of circular convolutions of the two factors'
+  placed vectors, filtered: in the frequency domain ``sum_a phi_a rfft(g_a) (sum_b psi_b
+  rfft(x_b placed for a))`` (``token_spectra``; Pham and Pagh, KDD 2013, for one chunk pair). A
+  class's sum over its tokens is a sum of such products: its matrix never exists.
 
 Streams: group ``TS_GROUP_BASE + GROUPS_PER_UNIT u`` (``u`` the weight's index in the layout) and
-the next three: the row signs, the column signs, the permutation (argsort of ``dim`` words) and
-the phases (word ``c * (dim // 2 + 1) + f`` for chunk ``c``, the row chunks first, then the
-column chunks). Phases are computed in float64 on the CPU and cast, so every device filters alike.
+the next three: the row signs, the column signs (word ``a * cols_in + j``), the permutations
+(argsort of the words ``a * dim`` to ``(a + 1) * dim``) and the phases (word ``c * (dim // 2 + 1)
++ f`` for chunk ``c``, the row chunks first, then the column chunks). Phases are computed in
+float64 on the CPU and cast, so every device filters alike.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import torch
 
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import stream_keys, stream_words
-from classgrad.workers.projection.outer_matrix import OuterMatrix
+from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap
 
 PLACEMENT = "chunked"
@@ -82,7 +87,7 @@ def _phases(words: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @dataclass
-class ChunkedSketchUnit(OuterMatrix):
+class ChunkedSketchUnit(SketchedMatrix):
     """One layer's weight (+ bias) sketched into ``dim`` work columns at ``offset`` (module docstring)."""
 
     index: int
@@ -127,15 +132,16 @@ class ChunkedSketchUnit(OuterMatrix):
             freqs = self.dim // 2 + 1
             chunks = self.row_chunks + self.col_chunks
             phases = _phases(_words(self.seed, g_phase, chunks * freqs).view(chunks, freqs), self.dim)
-            perm = torch.argsort(_words(self.seed, g_perm, self.dim), stable=True)
+            # One permutation and one set of column signs per row chunk: [row_chunks, ...].
+            perms = torch.argsort(_words(self.seed, g_perm, self.row_chunks * self.dim).view(-1, self.dim), stable=True)
             j = torch.arange(self.cols_in)
             i = torch.arange(self.rows)
             self._cache["cpu"] = {
                 "neg1": (_words(self.seed, g_row, self.rows) & 1).bool(),
-                "neg2": (_words(self.seed, g_col, self.cols_in) & 1).bool(),
+                "neg2": (_words(self.seed, g_col, self.row_chunks * self.cols_in) & 1).bool().view(-1, self.cols_in),
                 "row_place": i % self.dim,
                 "row_chunk": i // self.dim,
-                "col_place": perm[j % self.dim],
+                "col_place": perms[:, j % self.dim],
                 "col_chunk": j // self.dim,
                 "phi": phases[: self.row_chunks],
                 "psi": torch.cat([phases[:1], phases[self.row_chunks + 1 :]]),
@@ -161,36 +167,31 @@ class ChunkedSketchUnit(OuterMatrix):
             self._cache[key] = (phi[:, None] * psi[None]).reshape(self.chunk_pairs, -1).to(device)
         return self._cache[key]
 
-    # --- the fft route: each token factor's placed, filtered spectrum ---------------------------
+    # --- the fft route: each token's image in the frequency domain ------------------------------
 
-    def first_spectrum(self, first: torch.Tensor) -> torch.Tensor:
-        """``[T, rows]`` (the first axis's factor per token) -> complex ``[T, dim // 2 + 1]``."""
-        signed = first * self._on("neg1", first.device, first.dtype)
-        if self.row_chunks == 1:
-            return torch.fft.rfft(signed, n=self.dim, dim=1)
-        padded = torch.nn.functional.pad(signed, (0, self.row_chunks * self.dim - self.rows))
-        spectra = torch.fft.rfft(padded.view(-1, self.row_chunks, self.dim), dim=2)
-        return (spectra * self._on("phi", first.device, first.dtype)).sum(dim=1)
-
-    def second_spectrum(self, second: torch.Tensor) -> torch.Tensor:
-        """``[T, cols_in]`` (the second axis's factor per token) -> complex ``[T, dim // 2 + 1]``."""
-        key = f"col_index:{second.device}"
-        if key not in self._cache:
-            cpu = self._cpu()
-            self._cache[key] = (cpu["col_chunk"] * self.dim + cpu["col_place"]).to(second.device)
-        signed = second * self._on("neg2", second.device, second.dtype)
-        placed = signed.new_zeros(signed.shape[0], self.col_chunks * self.dim).index_copy_(1, self._cache[key], signed)
-        if self.col_chunks == 1:
-            return torch.fft.rfft(placed, dim=1)
-        spectra = torch.fft.rfft(placed.view(-1, self.col_chunks, self.dim), dim=2)
-        return (spectra * self._on("psi", second.device, second.dtype)).sum(dim=1)
-
-    def from_spectra(self, sums: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-class sums of ``first_spectrum * second_spectrum`` -> ``[n, dim]`` (into ``out``)."""
-        rows = torch.fft.irfft(sums, n=self.dim, dim=1)
-        return rows if out is None else out.copy_(rows)
-
-    # --- single entries: columns in chunk-pair space, then ``combine`` -------------------------
+    def token_spectra(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """Factors ``[T, rows]`` and ``[T, cols_in]`` per token -> complex ``[T, dim // 2 + 1]``: the
+        rfft of each token's image ``sum_a phi_a rfft(g_a) (sum_b psi_b rfft(x_b placed for a))``,
+        one row chunk at a time (memory ``[T, col_chunks * dim]``, whatever the head's width)."""
+        device, dtype = first.device, first.dtype
+        g = first * self._on("neg1", device, dtype)
+        cpu = self._cpu()
+        key = f"col_index:{device}"
+        if key not in self._cache:  # [row_chunks, cols_in]: each column's place for each row chunk
+            self._cache[key] = (cpu["col_chunk"] * self.dim + cpu["col_place"]).to(device)
+        places, signs = self._cache[key], self._on("neg2", device, dtype)
+        phi, psi = self._on("phi", device, dtype), self._on("psi", device, dtype)
+        out = None
+        for a in range(self.row_chunks):
+            g_a = torch.fft.rfft(g[:, a * self.dim : (a + 1) * self.dim], n=self.dim, dim=1)
+            placed = second.new_zeros(second.shape[0], self.col_chunks * self.dim)
+            placed.index_copy_(1, places[a], second * signs[a])
+            x_a = torch.fft.rfft(placed.view(-1, self.col_chunks, self.dim), dim=2)
+            x_a = x_a[:, 0] if self.col_chunks == 1 else (x_a * psi).sum(dim=1)
+            term = g_a.mul_(x_a) if a == 0 else g_a.mul_(x_a).mul_(phi[a])
+            out = term if out is None else out.add_(term)
+        assert out is not None
+        return out
 
     def entry_columns(
         self, i: torch.Tensor, j: torch.Tensor, device: torch.device | str
@@ -199,8 +200,9 @@ class ChunkedSketchUnit(OuterMatrix):
         chunk_pairs * dim)`` (pair ``a * col_chunks + b``, then place) and bool signs."""
         row_place, row_chunk, neg1 = (self._on(n, device) for n in ("row_place", "row_chunk", "neg1"))
         col_place, col_chunk, neg2 = (self._on(n, device) for n in ("col_place", "col_chunk", "neg2"))
-        pair = row_chunk[i] * self.col_chunks + col_chunk[j]
-        return pair * self.dim + (row_place[i] + col_place[j]) % self.dim, neg1[i] ^ neg2[j]
+        a = row_chunk[i]
+        pair = a * self.col_chunks + col_chunk[j]
+        return pair * self.dim + (row_place[i] + col_place[a, j]) % self.dim, neg1[i] ^ neg2[a, j]
 
     def entry_index(self, device: torch.device | str) -> torch.Tensor | None:
         """int32 ``[1, rows, cols_in]``: every entry's column plus ``chunk_pairs * dim`` when its
@@ -221,6 +223,8 @@ class ChunkedSketchUnit(OuterMatrix):
         pair filtered, then summed (one pair: the columns as they are)."""
         if self.chunk_pairs == 1:
             return pairs if out is None else out.copy_(pairs)
+        if pairs.dtype not in (torch.float32, torch.float64):  # half-precision FFTs: CUDA and powers of 2 only
+            pairs = pairs.float()
         spectra = torch.fft.rfft(pairs.reshape(pairs.shape[0], self.chunk_pairs, self.dim), dim=2)
         summed = (spectra * self.filters(pairs.device, pairs.dtype)).sum(dim=1)
         return self.from_spectra(summed, out)
@@ -252,19 +256,5 @@ class ChunkedSketchUnit(OuterMatrix):
         placed = self._cache[key].apply(matrices.reshape(matrices.shape[0], self.full))
         return self.combine(placed, out)
 
-    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
-        """``[k, dim]``: the sketch of per-class matrices ``m`` (``sketch``)."""
-        return self.sketch(m)
-
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "param": self.weight.name,
-            "bias": self.bias.name if self.bias is not None else None,
-            "shape": [self.a, self.b],
-            "matrix_shape": [self.rows, self.cols_in],
-            "chunks": [self.row_chunks, self.col_chunks],
-            "groups": list(self.groups),
-        }
-        if self.input_first:
-            out["input_first"] = True
-        return out
+        return {**self.matrix_record(), "chunks": [self.row_chunks, self.col_chunks], "groups": list(self.groups)}

@@ -2,11 +2,14 @@
 
 Holds ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows, from one part's
 per-class gradients (``part_matrix``) or both (``joined``), and its projection (``map_matrix``,
-``map_part``), shared by every structure's units (``kronecker.KroneckerUnit``,
-``tensor_sketch.SketchUnit``).
+``map_part``), shared by every structure's units (``kronecker.KroneckerUnit``, the sketch
+units); and ``SketchedMatrix`` — what ``layer_rules.sketch_sums`` applies of a TensorSketch unit
+(``chunked_sketch.ChunkedSketchUnit``, ``tensor_sketch.SketchUnit``), whatever its placement.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -58,6 +61,18 @@ class OuterMatrix:
         order = torch.arange(self.b).view(channels, self.b // channels).t().reshape(-1)
         return torch.cat([order, torch.arange(self.b, self.cols_in)])
 
+    def matrix_record(self) -> dict[str, Any]:
+        """What a store records of the unit's matrix (its structure adds its own fields)."""
+        out: dict[str, Any] = {
+            "param": self.weight.name,
+            "bias": self.bias.name if self.bias is not None else None,
+            "shape": [self.a, self.b],
+            "matrix_shape": [self.rows, self.cols_in],
+        }
+        if self.input_first:
+            out["input_first"] = True
+        return out
+
     def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
         """``[k, width]``: the unit's projection of per-class matrices ``m`` ``[k, rows, cols_in]``."""
         raise NotImplementedError
@@ -87,3 +102,54 @@ class OuterMatrix:
         else:  # [W | b]
             m[:, :, self.b] = value.reshape(k, self.a)
         return m
+
+
+class SketchedMatrix(OuterMatrix):
+    """A unit whose matrix is sketched into ``dim`` columns, and the ways the layer rules apply it:
+    per token in the frequency domain (``token_spectra``, summed per class, then
+    ``from_spectra``), from per-class matrices (``sketch``), and from single entries
+    (``entry_columns`` or ``entry_index``, added into ``chunk_pairs * dim`` columns, then
+    ``combine``)."""
+
+    dim: int
+    nonzeros: int
+    row_chunks: int
+    col_chunks: int
+    chunk_pairs: int
+
+    def token_spectra(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """Factors ``[T, rows]``, ``[T, cols_in]`` per token -> complex ``[T, dim // 2 + 1]``: the
+        rfft of each token's image (the sketch of its outer product)."""
+        raise NotImplementedError
+
+    def from_spectra(self, sums: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-class sums of ``token_spectra`` -> ``[n, dim]`` (into ``out``)."""
+        rows = torch.fft.irfft(sums, n=self.dim, dim=1)
+        return rows if out is None else out.copy_(rows)
+
+    def entry_columns(
+        self, i: torch.Tensor, j: torch.Tensor, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(col, negative)`` of entries ``(i, j)`` (broadcast): int64 columns in ``[0,
+        chunk_pairs * dim)`` and bool signs (True: -1)."""
+        raise NotImplementedError
+
+    def entry_index(self, device: torch.device | str) -> torch.Tensor | None:
+        """int32 ``[1, rows, cols_in]``: every entry's column plus ``chunk_pairs * dim`` when its sign
+        is negative, for tables small enough to keep; else None."""
+        raise NotImplementedError
+
+    def combine(self, pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, chunk_pairs * dim]`` entries added at their columns -> ``[n, dim]``."""
+        raise NotImplementedError
+
+    def sketch(
+        self, matrices: torch.Tensor, out: torch.Tensor | None = None, *, channels_inner: int | None = None
+    ) -> torch.Tensor:
+        """``[n, rows, cols_in]`` per-class matrices -> ``[n, dim]`` (``channels_inner``: their
+        columns in ``column_order`` of it)."""
+        raise NotImplementedError
+
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
+        """``[k, dim]``: the sketch of per-class matrices ``m`` (``sketch``)."""
+        return self.sketch(m)

@@ -4,7 +4,8 @@ Holds ``Structure`` (a structure's name, whether it projects inside the backward
 that do not, how to build the projector of finished rows), ``STRUCTURES`` with
 ``register_structure`` / ``create_row_projector``, ``DEFAULT_STRUCTURE`` (what a ``projection``
 section with only ``dim`` means for a new store), ``FALLBACK_STRUCTURE`` (the default's stand-in
-where the hook path cannot take a job), ``recorded_structure`` and ``resolve_structure``.
+where the hook path cannot take a job), ``recorded_structure`` and ``resolve_structure``, and what
+the analysis commands say of a store's rows: ``structure_label`` and ``neighbour_caveat``.
 
 A structure projecting inside the backward has its engine registered beside the engines
 (``classgrad.workers.engines.PROJECTED_ENGINES``, same names): the projection package never
@@ -25,6 +26,7 @@ from classgrad.service.errors import ConfigError
 from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection.dense import Projector
 from classgrad.workers.projection.sketch import RowSketch
+from classgrad.workers.projection.tensor_sketch import HASHED
 
 DEFAULT_STRUCTURE = "tensorsketch"
 FALLBACK_STRUCTURE = "sketch"
@@ -83,6 +85,30 @@ def recorded_structure(record: Any) -> str | None:
     if not isinstance(record, dict):
         return None
     return str(record.get("structure", "dense"))
+
+
+def structure_label(record: Any) -> str:
+    """A store's rows in a few words, from its ``projection`` record ("tensorsketch, chunked
+    placement"; "full rows" without one)."""
+    name = recorded_structure(record)
+    if name is None:
+        return "full rows"
+    if name == "tensorsketch":
+        return f"tensorsketch, {record.get('placement', HASHED)} placement"
+    return name
+
+
+def neighbour_caveat(record: Any) -> str | None:
+    """What to tell a user who ranks the classes of a store whose rows may hold false neighbours
+    (None: nothing): a tensorsketch store made before the chunked placement (issue 44)."""
+    if recorded_structure(record) != "tensorsketch" or record.get("placement", HASHED) != HASHED:
+        return None
+    return (
+        "its rows are a hashed tensorsketch (stores made before 2026-12-04), where two classes whose "
+        "head rows share a hash bucket look alike: its nearest neighbours may hold hash collisions "
+        "(at 10,000 classes and dim 4,096, most classes have one). Rebuild it with the current default "
+        "(chunked placement): rerun its job with --set store.overwrite=true"
+    )
 
 
 def resolve_structure(configured: str | None, record: Any = None, *, per_param: bool = False) -> str:

@@ -14,8 +14,7 @@ Holds:
   (what the store records, with its ``placement``).
 - ``SketchUnit`` — the ``hashed`` placement of stores made before ``chunked`` (issue 44): a
   unit with the two hashes of its axes, ``sketch(M)`` and ``entry_index``, and the interface the
-  layer rules apply (``first_spectrum``, ``second_spectrum``, ``from_spectra``,
-  ``entry_columns``, ``combine``). Kept so that those stores resume with the map they hold.
+  layer rules apply (``outer_matrix.SketchedMatrix``). Kept so that those stores resume with the map they hold.
 - ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``UNIT_MATRICES`` and
   ``unit_matrices`` (the weight matrices of module-VJP units, ``nn.LSTM``/``GRU``/``RNN`` and
   ``nn.MultiheadAttention``, units too: a store that recorded them in the rest, as stores made
@@ -57,7 +56,7 @@ from classgrad.workers.projection import chunked_sketch
 from classgrad.workers.projection.chunked_sketch import PLACEMENT, ChunkedSketchUnit
 from classgrad.workers.projection.dense import HASH_NAME
 from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
-from classgrad.workers.projection.outer_matrix import OuterMatrix
+from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
 
 STRUCTURE = "tensorsketch"
@@ -138,7 +137,7 @@ def unit_matrices(
 
 
 @dataclass
-class SketchUnit(OuterMatrix):
+class SketchUnit(SketchedMatrix):
     """One layer's weight (+ bias) sketched into ``dim`` work columns at ``offset``."""
 
     index: int
@@ -210,18 +209,11 @@ class SketchUnit(OuterMatrix):
             raise ValueError("a hashed sketch unit is applied by the layer rules with one block only")
         return self.factor_sketches()
 
-    def first_spectrum(self, first: torch.Tensor) -> torch.Tensor:
-        """``[T, rows]`` -> complex ``[T, dim // 2 + 1]``: the rfft of the first factor's CountSketch."""
-        return torch.fft.rfft(self._one_block()[0].project(first), dim=1)
-
-    def second_spectrum(self, second: torch.Tensor) -> torch.Tensor:
-        """``[T, cols_in]`` -> complex ``[T, dim // 2 + 1]``: the rfft of the second's CountSketch."""
-        return torch.fft.rfft(self._one_block()[1].project(second), dim=1)
-
-    def from_spectra(self, sums: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-class sums of ``first_spectrum * second_spectrum`` -> ``[n, dim]`` (into ``out``)."""
-        rows = torch.fft.irfft(sums, n=self.dim, dim=1)
-        return rows if out is None else out.copy_(rows)
+    def token_spectra(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """``[T, rows]``, ``[T, cols_in]`` -> complex ``[T, dim // 2 + 1]``: the product of the
+        rffts of the two factors' CountSketches."""
+        sk1, sk2 = self._one_block()
+        return torch.fft.rfft(sk1.project(first), dim=1).mul_(torch.fft.rfft(sk2.project(second), dim=1))
 
     def entry_columns(
         self, i: torch.Tensor, j: torch.Tensor, device: torch.device | str
@@ -268,21 +260,8 @@ class SketchUnit(OuterMatrix):
             self._cache[key] = SignedMap(self.full, self.dim, self.nonzeros, scale, columns)
         return self._cache[key].apply(matrices.reshape(matrices.shape[0], self.full), out)
 
-    def map_matrix(self, m: torch.Tensor) -> torch.Tensor:
-        """``[k, dim]``: the sketch of per-class matrices ``m`` (``sketch``)."""
-        return self.sketch(m)
-
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "param": self.weight.name,
-            "bias": self.bias.name if self.bias is not None else None,
-            "shape": [self.a, self.b],
-            "matrix_shape": [self.rows, self.cols_in],
-            "groups": list(self.groups),
-        }
-        if self.input_first:
-            out["input_first"] = True
-        return out
+        return {**self.matrix_record(), "groups": list(self.groups)}
 
 
 class TensorSketchMap:

@@ -10,10 +10,10 @@ Class i's part of the row is the unit's sketch of ``M_i = sum_t u_t v_t^T`` (``u
 token factor, ``v`` the second, the bias a constant-1 feature on the input's side). Two routes
 give the same numbers up to float32 rounding (both are the map ``unit.sketch``):
 
-- ``fft``: per token, each factor placed and transformed (``unit.first_spectrum``,
-  ``second_spectrum``: an rfft per chunk of ``dim`` coordinates, the chunks' filters applied),
-  the two multiplied, summed over the class's tokens in the frequency domain, one ``irfft`` per
-  class (``from_spectra``). ``M_i`` never exists: for a C-wide classifier head (``rows = C``) its
+- ``fft``: per token, each factor placed and transformed, the two multiplied
+  (``unit.token_spectra``: rffts per chunk of ``dim`` coordinates, the chunks' filters applied),
+  summed over the class's tokens in the frequency domain, one ``irfft`` per class
+  (``from_spectra``). ``M_i`` never exists: for a C-wide classifier head (``rows = C``) its
   cost is ``C / dim`` FFTs and ``C`` additions per sample, not ``C x hidden`` per class.
 - ``form``: ``M_i`` formed exactly (the layer's own product per class, or a convolution's
   grouped backward), then sketched (``rows x cols_in`` additions per class, and an FFT per
@@ -88,7 +88,7 @@ def _fft_sketch(
     """``[k, dim]`` (into ``into`` when given) from token factors ``[T, rows]``, ``[T, cols_in]``
     (``owner``: each token's class; None: ``T = k * tokens`` class-major, padding tokens zero)."""
     dtype = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
-    prod = unit.first_spectrum(first.to(dtype)).mul_(unit.second_spectrum(second.to(dtype)))
+    prod = unit.token_spectra(first.to(dtype), second.to(dtype))
     if owner is None:
         sums = prod.view(k, -1, prod.shape[1]).sum(dim=1)
     else:
