@@ -37,7 +37,7 @@ FORMAT = "classgrad-aggregate-1"
 class AggregateConfig(BaseModel):
     """Options of ``classgrad aggregate`` (defaults in one place)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN options: refused in one line
 
     weights: str = Field(
         "mean", description="'mean' (1/C per class) or a file of C weights in row order: .npy, or .txt/.csv numbers"

@@ -63,7 +63,7 @@ NAME_CHARS = 40  # parameter names longer than this keep their end
 class PlotConfig(BaseModel):
     """Options of ``classgrad plot`` (defaults in one place)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN options: refused in one line
 
     top_n: int = Field(40, ge=2, le=500, description="classes in the heatmap: the ones with the largest gradient norms")
     metric: Literal["cosine", "dot"] | None = Field(

@@ -32,7 +32,7 @@ from classgrad.service.errors import ConfigError, InputError
 class QueryFile(BaseModel):
     """The file of ``classgrad score --queries``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN options: refused in one line
 
     data: DataConfig = Field(description="The query set, as a job's `data` section (a factory and its kwargs...).")
     fn: str = Field(

@@ -42,7 +42,7 @@ _SLACK_BYTES = 32 * MIB
 class ScoreConfig(BaseModel):
     """Options of ``classgrad score`` and ``classgrad.score`` (defaults in one place)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN options: refused in one line
 
     method: Literal["dot", "cosine", "trak"] = Field(
         "trak", description="dot products of query and class rows, their cosine, or TRAK's g^T (Phi^T Phi + l I)^-1 phi"

@@ -79,7 +79,7 @@ DENSE_MAX_BYTES = 16 << 30
 class SimilarityConfig(BaseModel):
     """Options of ``classgrad similarity`` (defaults in one place)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or NaN options: refused in one line
 
     metric: Literal["cosine", "dot"] = Field(
         "cosine", description="cosine similarity of rows, or their dot product (the Gram matrix)"

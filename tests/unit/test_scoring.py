@@ -195,6 +195,16 @@ def test_bad_inputs_end_in_one_line_with_nothing_written(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "option", [{"damping_fraction": float("inf")}, {"damping": float("nan")}, {"weights": [float("nan")]}]
+)
+def test_non_finite_damping_and_weights_are_refused(option, tmp_path):
+    """Before: every score NaN and a top-k of 0, 1, 2, ... with exit code 0 (issue 45, item 4)."""
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
+    with pytest.raises(ConfigError, match="finite number"):
+        score_rows([store], [_queries(3, 96)], method="trak", executor="local", **option)
+
+
 def test_the_readme_score_snippet_runs(tmp_path):
     """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
     from pathlib import Path
