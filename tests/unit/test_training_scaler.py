@@ -339,6 +339,47 @@ def test_bad_input_is_one_line():
         assert words in str(info.value) and "\n" not in str(info.value)
 
 
+def test_inputs_that_gave_a_wrong_step_are_refused_before_any_step():
+    """Issue 45, items 5 and 6: each of these stepped (or failed later with a raw error) before."""
+    model = mlp()
+    x, y = batch()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    classes = torch.unique(y)
+    other = mlp(seed=3)  # its loss does not reach model's parameters
+    cases = [
+        (lambda: PerClassGradScaler()(class_losses(other(x), y, classes), opt, model=model), "reaches none"),
+        (lambda: PerClassGradScaler()(class_losses(model(x), y, classes), opt, model=model, clip_grad=-1), "clip_grad"),
+        (lambda: PerClassGradScaler().step_batch(model, x, y, opt, num_classes=C, clip_grad=float("nan")), "clip_grad"),
+        (
+            lambda: PerClassGradScaler()(class_losses(model(x), y, classes), opt, model=model, class_ids=classes[:2]),
+            "class_ids",
+        ),
+        (lambda: PerClassGradScaler(init_scale=-3), "init_scale must be a finite number > 0"),
+        (lambda: PerClassGradScaler(bogus=1), "unknown option 'bogus'"),
+        (lambda: PerClassGradScaler().load_state_dict({"scale": -5.0}), "scale must be"),
+        (lambda: PerClassGradScaler().load_state_dict({"scale": "abc"}), "scale must be"),
+        (lambda: PerClassGradScaler().load_state_dict({"foo": 1}), "not a GradScaler's state"),
+        (lambda: PerClassGradScaler().load_state_dict(opt.state_dict()), "not a GradScaler's state"),
+    ]
+    for call, words in cases:
+        with pytest.raises(InputError) as info:
+            call()
+        assert words in str(info.value) and "\n" not in str(info.value)
+    # An enabled scaler's state into one that runs fp32: refused, not dropped (get_scale() was 1.0).
+    state = torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict()
+    disabled = PerClassGradScaler(num_classes=C)
+    disabled.load_state_dict(state)
+    with pytest.raises(InputError, match="precision='fp16'"):
+        disabled.step_batch(model, x, y, opt)
+    enabled = PerClassGradScaler(precision="fp16", num_classes=C)
+    enabled.load_state_dict(state)
+    enabled.step_batch(model, x, y, opt, update_grad=False)
+    assert enabled.get_scale() == 1024.0
+    for name, value in model.state_dict().items():  # nothing above took a step
+        assert torch.equal(value, before[name]), name
+
+
 def test_the_readme_training_loop_runs():
     """The README's "In a training loop" snippet, as written."""
     text = (REPO / "README.md").read_text()

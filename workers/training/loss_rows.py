@@ -68,6 +68,7 @@ class LossRows:
         self.per_row: dict[int, float] = {}  # block size -> seconds per row, measured
         self.warm = False
         self.chosen: int | None = block_rows  # the block size kept
+        self._reached = False  # whether the current call's graph reached any parameter
 
     def _next(self, remaining: int, dim: int) -> tuple[int, bool]:
         """(rows of the next block, whether its time is a measurement of that size)."""
@@ -103,6 +104,7 @@ class LossRows:
         clock = choice_clock(root.device)
         cap = max(1, BLOCK_BYTES // (4 * max(layout.dim, 1)))
         c0 = 0
+        self._reached = False
         while c0 < n:
             size, timed = self._next(n - c0, layout.dim)
             c1 = c0 + size
@@ -115,6 +117,11 @@ class LossRows:
             elif size > 1 and self.batched:
                 self.warm = True
             c0 = c1
+        if not self._reached:  # every row zero: a step would apply only weight decay and momentum
+            raise InputError(
+                "loss: its graph reaches none of the parameters the rows are of (model= or the optimizer's): "
+                "compute it from that model's outputs"
+            )
         return out
 
     def _block(
@@ -153,11 +160,13 @@ class LossRows:
             )
             self._write([None if g is None else g.unsqueeze(0) for g in grads], layout, dest[i : i + 1], scale)
 
-    @staticmethod
-    def _write(grads: Sequence[torch.Tensor | None], layout: ParamLayout, dest: torch.Tensor, scale: float) -> None:
+    def _write(
+        self, grads: Sequence[torch.Tensor | None], layout: ParamLayout, dest: torch.Tensor, scale: float
+    ) -> None:
         if all(g is None for g in grads):
             dest.zero_()
             return
+        self._reached = True
         layout.flatten(grads, batch_dims=1, out=dest)
         if scale != 1.0:
             dest.div_(scale)

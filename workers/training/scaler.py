@@ -20,6 +20,7 @@ way and there is no scale to lower); ``clip_grad`` clips the total norm after un
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -77,6 +78,7 @@ class PerClassGradScaler:
             raise InputError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         if scaler is not None and scaler_kwargs:
             raise InputError(f"scaler given: its options {sorted(scaler_kwargs)} belong to that GradScaler")
+        _check_scaler_values(scaler_kwargs, "option")
         self._scaler = scaler
         self.precision = precision
         self.num_classes = num_classes
@@ -96,6 +98,11 @@ class PerClassGradScaler:
     def _scaler_for(self, device: torch.device, precision: str) -> torch.amp.GradScaler:
         if self._scaler is None:
             enabled = (self.precision or precision) == "fp16"
+            if self._pending_state and not enabled:
+                raise InputError(
+                    "load_state_dict: the state is an fp16 (enabled) GradScaler's, but this scaler runs "
+                    f"{self.precision or precision}, where it would be dropped: give precision='fp16'"
+                )
             self._scaler = torch.amp.GradScaler(device.type, enabled=enabled, **self.scaler_kwargs)
             if self._pending_state is not None:
                 self._scaler.load_state_dict(self._pending_state)
@@ -121,6 +128,18 @@ class PerClassGradScaler:
         scaler is made then)."""
         if not isinstance(state, dict):
             raise InputError(f"state must be a dict from state_dict(), got {type(state).__name__}")
+        unknown = sorted(set(state) - set(STATE_KEYS))
+        if unknown:
+            raise InputError(
+                f"load_state_dict: {unknown} are not a GradScaler's state (keys: {', '.join(STATE_KEYS)}); "
+                "give this scaler's own state_dict()"
+            )
+        _check_scaler_values(state, "state")
+        if state and self._scaler is not None and not self._scaler.is_enabled():
+            raise InputError(
+                "load_state_dict: the state is an fp16 (enabled) GradScaler's, but this scaler is disabled "
+                "(fp32 or bf16), where it would be dropped: make it with precision='fp16'"
+            )
         if self._scaler is None:
             self._pending_state = dict(state)
         else:
@@ -153,7 +172,11 @@ class PerClassGradScaler:
         if create_graph:
             raise InputError(CREATE_GRAPH_REFUSAL)
         _check_aggregate(aggregate)
+        _check_clip(clip_grad)
         loss = check_loss_vector(loss)
+        if class_ids is not None and (not isinstance(class_ids, torch.Tensor) or class_ids.shape != (loss.numel(),)):
+            got = list(class_ids.shape) if isinstance(class_ids, torch.Tensor) else type(class_ids).__name__
+            raise InputError(f"class_ids must be a tensor of one id per entry of loss ([{loss.numel()}]), got {got}")
         layout, tensors = _columns(model, params, optimizer)
         _check_optimizer(optimizer, tensors, layout, update_grad)
         device = tensors[0].device
@@ -207,6 +230,7 @@ class PerClassGradScaler:
         if not isinstance(model, nn.Module):
             raise InputError(f"model must be an nn.Module, got {type(model).__name__}")
         _check_aggregate(aggregate)
+        _check_clip(clip_grad)
         classes = _num_classes(self.num_classes if num_classes is None else num_classes, model)
         labels = check_labels(labels, classes, batch_size_of(inputs))
         layout, tensors = parameters_of(model, params)
@@ -309,6 +333,43 @@ class PerClassGradScaler:
 
 
 # --- helpers ----------------------------------------------------------------------------------------
+
+# What a GradScaler's state_dict holds (an enabled one's; a disabled one's is empty), and the
+# options PerClassGradScaler passes to the GradScaler it makes: each value's check.
+STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+OPTION_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+_VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "scale": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    "init_scale": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    "growth_factor": ("a finite number > 1", lambda v: _finite(v) and v > 1),
+    "backoff_factor": ("a number in (0, 1)", lambda v: _finite(v) and 0 < v < 1),
+    "growth_interval": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "_growth_tracker": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
+}
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_scaler_values(values: dict[str, Any], what: str) -> None:
+    """``GradScaler`` options (``what="option"``) or state entries: known names, sane values."""
+    for name, value in values.items():
+        if what == "option" and name not in OPTION_KEYS:
+            raise InputError(f"PerClassGradScaler: unknown option {name!r} (GradScaler's: {', '.join(OPTION_KEYS)})")
+        rule = _VALUE_CHECKS.get(name)
+        if rule is not None and not rule[1](value):
+            where = "PerClassGradScaler" if what == "option" else "load_state_dict"
+            raise InputError(f"{where}: {name} must be {rule[0]}, got {value!r}")
+
+
+def _check_clip(clip_grad: float | None) -> None:
+    if clip_grad is not None and not (_finite(clip_grad) and clip_grad > 0):
+        raise InputError(f"clip_grad must be a finite number > 0 (a maximum gradient norm), got {clip_grad!r}")
 
 
 def _slots(params: Sequence[torch.Tensor]) -> list[ParamSlot]:
