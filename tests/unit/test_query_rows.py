@@ -120,6 +120,18 @@ def test_query_data_the_model_cannot_take_is_refused_in_one_line(stores):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("fn", ["loss", "margin"])
+def test_query_labels_outside_the_stores_classes_are_refused_in_one_line(stores, fn):
+    """Before: the default store's hook path failed on the label and its refusal advised a dense
+    projection (issue 45, item 8)."""
+    x, y = _probe()
+    y = y.clone()
+    y[3] = C
+    with pytest.raises(InputError, match=rf"query labels outside the store's classes \[0, {C}\): example 3") as info:
+        query_rows(stores["default"], (x, y), fn=fn)
+    assert "\n" not in str(info.value)
+
+
 class _WithoutRecord:
     """A projected store whose ``projection`` attribute is gone."""
 

@@ -95,6 +95,20 @@ def query_function(fn: str | SampleFn, config: JobConfig) -> tuple[SampleFn, str
     )
 
 
+def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
+    """Query labels are the store's classes: one line before any model runs (an out-of-range label
+    failed inside the hook path, whose refusal advised a dense projection)."""
+    if labels.ndim != 1 or labels.is_floating_point():
+        return  # what the loss itself checks
+    bad = (labels < 0) | (labels >= num_classes)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise InputError(
+            f"query labels outside the store's classes [0, {num_classes}): example {i} has label "
+            f"{int(labels[i])} ({int(bad.sum())} such examples)"
+        )
+
+
 class QueryLoss(PartitionedLoss):
     """Every query example its own class: the probe set's targets are example indices, and
     example i's loss is ``fn(outputs, labels[i])`` on its own label."""
@@ -234,6 +248,8 @@ def query_rows(
     if group_ids is not None:
         h.update(np.ascontiguousarray(position).tobytes())
     labels = probe.targets
+    if fn_name == "margin" or fn_name.startswith("loss"):  # built-in functions read each example's label
+        _check_labels(labels, config.loss.num_classes)
     # The engine's classes are the examples: its targets become their indices; the labels stay
     # with the loss, which looks each example's own label up.
     probe.targets = torch.arange(n)
