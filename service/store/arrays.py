@@ -43,6 +43,11 @@ class StoreArrays:
                 arr = group[name]
             except KeyError:
                 raise StoreError(f"store at {loc.url} has no '{name}' array; it is damaged") from None
+            except ValueError as exc:  # a truncated or garbled zarr.json: json's and zarr's own errors
+                raise StoreError(
+                    f"store at {loc.url}: the metadata of '{name}' ({name}/zarr.json) cannot be read "
+                    f"({first_line(exc)}); it is damaged"
+                ) from None
             if not isinstance(arr, zarr.Array):
                 raise StoreError(f"store at {loc.url}: '{name}' is not an array; it is damaged")
             # Every chunk is written, even one equal to the fill value, so a written chunk

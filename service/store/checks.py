@@ -129,6 +129,9 @@ def _check_arrays(loc: Location, meta: dict) -> list[str]:
         except KeyError:
             out.append(f"array {name!r} is missing")
             continue
+        except ValueError as exc:  # a truncated or garbled zarr.json
+            out.append(f"array {name!r}: its metadata ({name}/zarr.json) cannot be read ({first_line(exc)})")
+            continue
         if not isinstance(arr, zarr.Array):
             out.append(f"array {name!r} is a group, not an array")
             continue

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import zarr
 
-from classgrad.service.errors import StoreError
+from classgrad.service.errors import StoreError, first_line
 from classgrad.service.store.format import (
     ARRAY_DIMS,
     CLASS_ID,
@@ -168,7 +168,10 @@ def coordinate_problems(group: zarr.Group, spec: StoreSpec) -> list[str]:
 def consolidated_problems(loc: Location) -> list[str]:
     """Problems of a format-3 store's consolidated metadata: missing, or not what its nodes
     hold now (``classgrad verify --repair`` rewrites it)."""
-    fresh = consolidated_root(loc)
+    try:
+        fresh = consolidated_root(loc)
+    except StoreError as exc:  # a node's zarr.json cannot be read: said once, by its own check too
+        return [f"consolidated metadata not checked: {exc}"]
     root = loc.read_bytes(ZARR_JSON)
     if fresh is None or root is None:
         return []
@@ -198,18 +201,26 @@ def consolidated_root(loc: Location) -> bytes | None:
     root = loc.read_bytes(ZARR_JSON)
     if root is None:
         return None
-    meta = json.loads(root)
+    meta = _parsed(loc, ZARR_JSON, root)
     nodes = {}
     for name in _children(loc):
         data = loc.read_bytes(f"{name}/{ZARR_JSON}")
         if data is None:
             continue  # a file, or a directory that is no Zarr node
-        node = json.loads(data)
+        node = _parsed(loc, f"{name}/{ZARR_JSON}", data)
         if node.get("node_type") == "group":
             node.setdefault("consolidated_metadata", _inline({}))  # its records are not nodes
         nodes[name] = node
     meta["consolidated_metadata"] = _inline(nodes)
     return json.dumps(meta, indent=2).encode()
+
+
+def _parsed(loc: Location, key: str, data: bytes) -> dict:
+    """A metadata document, or one line naming the file that cannot be read."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:  # truncated or garbled (UnicodeDecodeError is a ValueError too)
+        raise StoreError(f"store at {loc.url}: {key} cannot be read ({first_line(exc)}); it is damaged") from None
 
 
 def _children(loc: Location) -> list[str]:

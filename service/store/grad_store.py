@@ -60,6 +60,8 @@ class GradStore:
             )
         except FileNotFoundError:
             raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})") from None
+        except ValueError as exc:  # a truncated or garbled zarr.json
+            raise StoreError(f"store at {url}: zarr.json cannot be read ({first_line(exc)}); it is damaged") from None
         except Exception as exc:
             raise StoreError(f"cannot open store at {url}: {first_line(exc, with_type=True)}") from None
         meta = group.attrs.get(ATTR_KEY)

@@ -115,6 +115,8 @@ def probe(loc: Location) -> tuple[str, dict | None]:
         return ("empty" if loc.is_empty() else "other"), None
     except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):
         return "other", None
+    except ValueError as exc:  # a truncated or garbled zarr.json
+        raise StoreError(f"store at {loc.url}: zarr.json cannot be read ({first_line(exc)}); it is damaged") from None
     except Exception as exc:
         raise StoreError(f"cannot read store location {loc.url}: {first_line(exc, with_type=True)}") from None
     meta = group.attrs.get(ATTR_KEY)

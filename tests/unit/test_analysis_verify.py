@@ -17,6 +17,8 @@ import zarr
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, NONFINITE, verify_store
 from classgrad.service.commands.cli import main as cli_main
+from classgrad.service.errors import StoreError
+from classgrad.service.store import open_store
 from tests.support.stores import synthetic_store
 
 # synthetic_store: 200 classes x 96, chunks 16 x 40, shards of 64 rows (4 shards).
@@ -123,6 +125,25 @@ def test_broken_layout_is_reported_even_though_the_store_cannot_open(sound, caps
     assert "layout entry 'layer.bias' starts at 81, expected 80" in text
     assert "class_ids has 199 entries, expected one per row (200)" in text
     assert "cannot be opened" in report.notes[0]
+
+
+def test_a_truncated_array_metadata_file_is_named_in_one_line(sound, capsys):
+    """Before: verify, inspect, score, similarity and run said ``internal error: JSONDecodeError``
+    (exit 1) and open_store raised the raw error (issue 45, item 6)."""
+    meta = sound / "grads" / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[:200])
+    code, out = verify(sound, capsys)
+    assert code == METADATA and "array 'grads': its metadata (grads/zarr.json) cannot be read" in out
+    with pytest.raises(StoreError, match=r"the metadata of 'grads' \(grads/zarr.json\) cannot be read"):
+        open_store(str(sound))
+    for command in (["inspect", str(sound)], ["similarity", str(sound), "--local"]):
+        assert cli_main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "grads/zarr.json" in err[0]
+    (sound / "zarr.json").write_bytes((sound / "zarr.json").read_bytes()[:100])  # the group's own
+    assert cli_main(["verify", str(sound)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "zarr.json cannot be read" in err[0]
 
 
 def test_flags_combine_and_json(sound, capsys):
