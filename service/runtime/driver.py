@@ -339,6 +339,7 @@ class JobDriver:
                 self.summary.shards_total = len(prepared.shards)
                 check_identity(store, prepared.identity)  # before any done shard is trusted
                 self._identity = prepared.identity
+                todo: list[Shard] = []
                 try:
                     # One listing: done shards whose recorded chunks are gone or resized are unmarked.
                     todo = dispatch_order(prepared.shards, store.unmark_damaged_shards())
@@ -364,11 +365,26 @@ class JobDriver:
                     self.summary.error = redact_text(first_line(exc, with_type=True))
                     raise
                 finally:
+                    if self.summary.status != "complete":
+                        self._count_saved(store, todo)
                     self.summary.ended = _now()
                     self.summary.finish(time.perf_counter() - t_start, self._ready_after_s)
                     self._record(store)
         finally:
             self._shutdown()
+
+    def _count_saved(self, store: GradStore, todo: list[Shard]) -> None:
+        """A stopped run's shards and rows as the store holds them: an actor may have marked a shard
+        done whose report the driver never read (Ctrl-C between the two), and the record must
+        say what the rerun will skip."""
+        try:
+            done = store.shard_done
+        except ClassgradError as exc:  # the run's own error says more; keep the driver's count
+            log.warning("could not count the run's saved shards from the store: %s", exc)
+            return
+        saved = [s for s in todo if done[s.index]]
+        self.summary.shards_done = len(saved)
+        self.summary.rows = sum(s.rows for s in saved)
 
     def _record(self, store: GradStore) -> None:
         try:
