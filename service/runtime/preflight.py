@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from classgrad.service.config import JobConfig
-from classgrad.service.errors import ConfigError, ResourceError
+from classgrad.service.errors import ResourceError
 from classgrad.service.runtime.footprint import Footprint, Part, mb
 from classgrad.service.store import local_path
 from classgrad.service.units import fmt_bytes
+from classgrad.workers.projection import check_width
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,9 @@ def _tree_bytes(root: Path) -> int:
 
 
 def check_sizes(config: JobConfig, row_width: int) -> None:
-    """Refuse a ``projection.dim`` larger than the row it projects, whatever the structure (the
-    stored row would be wider than the row itself)."""
-    dim = config.projection.dim
-    if dim is not None and dim > row_width:
-        raise ConfigError(
-            f"projection.dim ({dim}) is larger than the row it projects ({row_width} columns): lower "
-            f"projection.dim, or store full rows (projection.dim: null)"
-        )
+    """Refuse a ``projection.dim`` larger than the row it projects, whatever the structure."""
+    if config.projection.dim is not None:
+        check_width(config.projection.dim, row_width)
 
 
 def _largest(parts: list[Part]) -> Part:

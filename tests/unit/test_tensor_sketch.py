@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.config import load_config
+from classgrad.service.errors import ConfigError
 from classgrad.service.store import open_store
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
@@ -412,6 +413,15 @@ def test_the_default_falls_back_to_a_sketch_of_finished_rows_and_says_so():
     torch.testing.assert_close(
         rows, RowSketch(full.shape[1], 8, nonzeros=4, seed=1).project(full), rtol=1e-5, atol=1e-6
     )
+
+
+def test_a_dim_wider_than_the_row_is_refused_without_a_fallback_warning(caplog):
+    """No structure takes it: before, the default logged that finished rows "would be sketched
+    instead", then the sketch refused it (issue 45, item 7)."""
+    model, data = head_case()
+    with caplog.at_level("WARNING"), pytest.raises(ConfigError, match=r"larger than the row it projects"):
+        per_class_gradients(model, data, num_classes=C, projection={"dim": 10**9})
+    assert not [r for r in caplog.records if "sketched instead" in r.getMessage()]
 
 
 @pytest.mark.parametrize(

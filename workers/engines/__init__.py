@@ -44,7 +44,13 @@ from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.memory import keep_freed_memory
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.projection import FALLBACK_STRUCTURE, get_structure, resolve_structure, row_projector
+from classgrad.workers.projection import (
+    FALLBACK_STRUCTURE,
+    check_width,
+    get_structure,
+    resolve_structure,
+    row_projector,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +118,7 @@ def create_engine(
     if projected is None:
         return ENGINES[resolved](model, probe, loss, layout, **options)
     structure = projected["structure"]
+    check_width(int(projected["dim"]), layout.dim)  # no structure takes it: never a fallback
     why = None
     if resolved != "partitioned":
         why = (

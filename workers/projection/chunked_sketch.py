@@ -6,7 +6,8 @@ cols_in``) mapped into the ``dim`` columns every unit adds into, with the three 
 rules apply it (``outer_matrix.SketchedMatrix``): per token in the frequency domain
 (``token_spectra``: ``layer_rules.sketch_sums``' fft route), from each class's formed matrix
 (``sketch``) and from single entries (``entry_columns`` / ``entry_index`` then ``combine``: an
-embedding's lookups); ``PLACEMENT`` (the name a store records) and ``GROUPS_PER_UNIT``.
+embedding's lookups); ``PLACEMENT`` (the name a store records), ``HASHED`` (the placement of
+stores that record none) and ``GROUPS_PER_UNIT``.
 
 Why not a hash per axis (``tensor_sketch.SketchUnit``, the ``hashed`` placement of stores made
 before this one): entry ``(i, j)`` went to column ``h1(i) + h2(j) mod dim``, so two rows with the
@@ -62,6 +63,7 @@ from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap
 
 PLACEMENT = "chunked"
+HASHED = "hashed"  # the placement of stores made before this one (their record has none)
 GROUPS_PER_UNIT = 4
 TS_GROUP_BASE = 3 << 29  # as tensor_sketch's: clear of 0.., SKETCH_GROUP (2^30) and 2^31..
 # Entries of a unit's matrix up to which its folded columns are kept as one int32 table (64 MiB),

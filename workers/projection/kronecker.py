@@ -80,6 +80,7 @@ from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import OuterMatrix
 from classgrad.workers.projection.sketch import SparseSignSketch
+from classgrad.workers.projection.structures import check_width
 
 GROUP_BASE = 1 << 31  # stream groups of the factors: far above the dense projection's 0, 1, ...
 MEASURE_CLASSES = 32  # classes of the first block whose rows measure the gradient norms
@@ -299,8 +300,7 @@ def allocate(units: list[KroneckerUnit], dim: int, rest_size: int, rest_mode: st
     """Set every unit's ``k_out``/``k_in``; return the rest's width. ``weights``: one per unit, then
     one for the rest (ignored unless the rest is projected: dense or sketch)."""
     full = sum(u.full for u in units) + rest_size
-    if dim > full:
-        raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
+    check_width(dim, full)
     dense_rest = rest_mode in PROJECTED_REST and rest_size > 0
     budget = dim - (rest_size if rest_mode == "keep" else 0)
     entries = len(units) + dense_rest

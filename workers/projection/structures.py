@@ -5,7 +5,8 @@ that do not, how to build the projector of finished rows), ``STRUCTURES`` with
 ``register_structure`` / ``create_row_projector``, ``DEFAULT_STRUCTURE`` (what a ``projection``
 section with only ``dim`` means for a new store), ``FALLBACK_STRUCTURE`` (the default's stand-in
 where the hook path cannot take a job), ``recorded_structure`` and ``resolve_structure``, and what
-the analysis commands say of a store's rows: ``structure_label`` and ``neighbour_caveat``.
+the analysis commands say of a store's rows: ``structure_label`` and ``neighbour_caveat``; and
+``check_width``, the one refusal of a ``dim`` wider than the row.
 
 A structure projecting inside the backward has its engine registered beside the engines
 (``classgrad.workers.engines.PROJECTED_ENGINES``, same names): the projection package never
@@ -24,9 +25,9 @@ from typing import Any
 
 from classgrad.service.errors import ConfigError
 from classgrad.workers.layout import ParamSlot
+from classgrad.workers.projection.chunked_sketch import HASHED
 from classgrad.workers.projection.dense import Projector
 from classgrad.workers.projection.sketch import RowSketch
-from classgrad.workers.projection.tensor_sketch import HASHED
 
 DEFAULT_STRUCTURE = "tensorsketch"
 FALLBACK_STRUCTURE = "sketch"
@@ -85,6 +86,16 @@ def recorded_structure(record: Any) -> str | None:
     if not isinstance(record, dict):
         return None
     return str(record.get("structure", "dense"))
+
+
+def check_width(dim: int, row_width: int) -> None:
+    """Refuse a ``projection.dim`` larger than the row it projects, whatever the structure (the
+    stored row would be wider than the row itself): one message for every place that checks."""
+    if dim > row_width:
+        raise ConfigError(
+            f"projection.dim ({dim}) is larger than the row it projects ({row_width} columns): lower "
+            f"projection.dim, or store full rows (projection.dim: null)"
+        )
 
 
 def structure_label(record: Any) -> str:

@@ -53,14 +53,14 @@ from torch import nn
 from classgrad.service.errors import ConfigError
 from classgrad.service.store.params import ParamSlot
 from classgrad.workers.projection import chunked_sketch
-from classgrad.workers.projection.chunked_sketch import PLACEMENT, ChunkedSketchUnit
+from classgrad.workers.projection.chunked_sketch import HASHED, PLACEMENT, ChunkedSketchUnit
 from classgrad.workers.projection.dense import HASH_NAME
 from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
+from classgrad.workers.projection.structures import check_width
 
 STRUCTURE = "tensorsketch"
-HASHED = "hashed"  # the placement of stores made before ``chunked_sketch`` (their record has none)
 # Buckets per coordinate of a layer's matrix: one (the plain TensorSketch). Its inner-product
 # variance is a CountSketch's whatever s is; more buckets only thin the tail of rows whose mass
 # sits on a few coordinates, which a layer's gradient rarely has (measured: bag_text at C = 300,
@@ -314,8 +314,7 @@ class TensorSketchMap:
         """A unit for every hooked layer of a sketchable type whose weight is selected (``hooked``:
         the modules the hook path covers); ``record``: a store's ``describe()``, checked to match."""
         full = sum(s.size for s in slots)
-        if dim > full:
-            raise ConfigError(f"projection.dim ({dim}) is larger than the row it projects ({full} columns)")
+        check_width(dim, full)
         nonzeros = min(nonzeros, dim)
         found = list(outer_layers(slots, modules, hooked, sketch_shape_for))
         matrices = list(unit_matrices(slots, modules, hooked))
