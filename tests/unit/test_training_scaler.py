@@ -366,6 +366,9 @@ def test_inputs_that_gave_a_wrong_step_are_refused_before_any_step():
         with pytest.raises(InputError) as info:
             call()
         assert words in str(info.value) and "\n" not in str(info.value)
+    wide = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 10 * C)).eval()
+    with pytest.raises(InputError, match=rf"not \[batch, num_classes={C}\]: give num_classes="):
+        PerClassGradScaler().step_batch(wide, x, y, torch.optim.SGD(wide.parameters(), lr=0.1), num_classes=C)
     # An enabled scaler's state into one that runs fp32: refused, not dropped (get_scale() was 1.0).
     state = torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict()
     disabled = PerClassGradScaler(num_classes=C)
@@ -378,6 +381,25 @@ def test_inputs_that_gave_a_wrong_step_are_refused_before_any_step():
     assert enabled.get_scale() == 1024.0
     for name, value in model.state_dict().items():  # nothing above took a step
         assert torch.equal(value, before[name]), name
+
+
+def test_a_call_after_an_fp16_autocast_block_scales_the_loss():
+    """The README's call pattern with fp16: the forward under the autocast, the call after it.
+    Before, the scaler was made disabled (no loss scaling) unless precision="fp16" was given
+    (issue 45, item 9)."""
+    model = mlp()
+    x, y = batch()
+    classes = torch.unique(y)
+    scaler = PerClassGradScaler(num_classes=C)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model(x)
+    rows = scaler(class_losses(logits.float(), y, classes), torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    assert scaler.scaler is not None and scaler.scaler.is_enabled() and scaler.get_scale() > 1
+    # fp16 products against the float64 reference: fp16's rounding of the forward.
+    assert close(rows, reference64(mlp(), x, y, classes), 2e-2)
+    plain, other = PerClassGradScaler(num_classes=C), mlp()
+    plain(class_losses(other(x), y, classes), torch.optim.SGD(other.parameters(), lr=0.1), model=other)
+    assert plain.scaler is not None and not plain.scaler.is_enabled()
 
 
 def test_the_readme_training_loop_runs():

@@ -43,6 +43,34 @@ def ambient_precision(device: torch.device) -> str:
     return AUTOCAST_NAMES.get(torch.get_autocast_dtype(kind), "fp32")
 
 
+# Autograd nodes looked at for an fp16 graph: enough for the models of a training step's head and
+# body as far as a cast to fp16 is (autocast casts at every matmul), bounded for huge graphs.
+GRAPH_NODES_LOOKED_AT = 2000
+
+
+def fp16_graph(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s graph holds an fp16 tensor (its forward ran under an fp16 autocast, or
+    in half precision), when the call itself is outside any autocast: the saved tensors of its
+    nodes, a bounded walk."""
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack and len(seen) < GRAPH_NODES_LOOKED_AT:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:  # freed
+                    continue
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float16:
+                    return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
+
+
 def check_labels(labels: Any, num_classes: int, size: int | None) -> torch.Tensor:
     """Integer class labels ``[N]`` in ``[0, num_classes)``; one line otherwise."""
     if not isinstance(labels, torch.Tensor) or labels.ndim != 1 or labels.is_floating_point() or len(labels) == 0:
@@ -106,6 +134,11 @@ def fast_rows(
             rows.fill_(float("inf"))
             return rows, class_ids, True
         except InputError as exc:  # a non-finite loss or row (fp32, bf16): GradScaler would skip
+            if str(exc).startswith("model output has shape"):  # its shape is the engine's packing's
+                raise InputError(
+                    f"step_batch: the model's outputs are not [batch, num_classes={num_classes}]: give "
+                    "num_classes= (of step_batch or PerClassGradScaler) the width of model(inputs)"
+                ) from None
             if not str(exc).startswith("non-finite"):
                 raise
             rows.fill_(float("nan"))

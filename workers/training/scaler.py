@@ -37,6 +37,7 @@ from classgrad.workers.training.batch_rows import (
     batch_size_of,
     check_labels,
     fast_rows,
+    fp16_graph,
     parameters_of,
 )
 from classgrad.workers.training.loss_rows import LossRows, check_loss_vector
@@ -56,8 +57,10 @@ class PerClassGradScaler:
     """A ``torch.amp.GradScaler`` step that also gives every class's gradient row.
 
     ``scaler``: the ``GradScaler`` to wrap; by default one is made at the first call for the
-    model's device, enabled only for fp16 (``precision="fp16"``, or a first call made under an
-    fp16 autocast), disabled for fp32 and bf16. ``scaler_kwargs`` (``init_scale``,
+    model's device, enabled only for fp16 (``precision="fp16"``, a first call made under an fp16
+    autocast, or one made after it on a loss whose graph holds fp16 tensors), disabled for fp32 and
+    bf16. With ``update_grad`` the aggregate is added into ``.grad``, as ``backward()`` adds: zero
+    the gradients each step. ``scaler_kwargs`` (``init_scale``,
     ``growth_interval``, ...) go to that ``GradScaler``. ``block_rows``: rows per batched backward
     of the general route (default: 1, 4, 16 or 32, whichever the first calls measure fastest per
     row; fewer for rows over 256 MiB a block).
@@ -180,7 +183,13 @@ class PerClassGradScaler:
         layout, tensors = _columns(model, params, optimizer)
         _check_optimizer(optimizer, tensors, layout, update_grad)
         device = tensors[0].device
-        scaler = self._scaler_for(device, ambient_precision(device))
+        precision = ambient_precision(device)
+        if self._scaler is None and self.precision is None and precision == "fp32" and fp16_graph(loss):
+            # The README's loop: the forward under an fp16 autocast, this call after it. Unscaled, its
+            # small gradients would underflow in fp16: the scaler is made enabled, as for fp16.
+            log.info("training: the loss's graph holds fp16 tensors: loss scaling on (precision fp16)")
+            precision = "fp16"
+        scaler = self._scaler_for(device, precision)
         n = loss.numel()
         rows = _rows_buffer(out, n, layout.dim, device)
         scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
