@@ -122,10 +122,6 @@ class ChunkedSketchUnit(SketchedMatrix):
     def col_chunks(self) -> int:
         return -(-self.cols_in // self.dim)
 
-    @property
-    def chunk_pairs(self) -> int:
-        return self.row_chunks * self.col_chunks
-
     # --- the map's parts, generated once per device -------------------------------------------
 
     def _cpu(self) -> dict[str, torch.Tensor]:

@@ -113,9 +113,21 @@ class SketchedMatrix(OuterMatrix):
 
     dim: int
     nonzeros: int
-    row_chunks: int
-    col_chunks: int
-    chunk_pairs: int
+
+    @property
+    def row_chunks(self) -> int:
+        """Chunks of ``dim`` rows of ``M`` (1: every row in one)."""
+        return 1
+
+    @property
+    def col_chunks(self) -> int:
+        """Chunks of ``dim`` columns of ``M``."""
+        return 1
+
+    @property
+    def chunk_pairs(self) -> int:
+        """``row_chunks * col_chunks``: the width of ``entry_columns``' space is this times ``dim``."""
+        return self.row_chunks * self.col_chunks
 
     def token_spectra(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         """Factors ``[T, rows]``, ``[T, cols_in]`` per token -> complex ``[T, dim // 2 + 1]``: the

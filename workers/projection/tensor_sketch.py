@@ -201,8 +201,7 @@ class SketchUnit(SketchedMatrix):
         return self._cache[key]
 
     # --- the interface of ``layer_rules.sketch_sums`` (``chunked_sketch.ChunkedSketchUnit``'s):
-    # one block (``UNIT_NONZEROS``), one chunk pair, nothing filtered.
-    row_chunks = col_chunks = chunk_pairs = 1
+    # one block (``UNIT_NONZEROS``), one chunk pair (``SketchedMatrix``'s), nothing filtered.
 
     def _one_block(self) -> tuple[SparseSignSketch, SparseSignSketch]:
         if self.nonzeros != 1:
