@@ -40,6 +40,7 @@ def status_of(store) -> dict:
         "lease": lease,
         "lease_state": state,  # null (no lease) | live | expired | holder_gone
         "lease_state_detail": why,
+        "chunks_checked": False,  # done marks only: `classgrad verify` reads the chunks
     }
 
 
@@ -58,6 +59,8 @@ def main(args: argparse.Namespace) -> int:
         f"progress  {info['shards_done']}/{info['shards_total']} shards, {info['rows_done']}/"
         f"{info['num_classes']} rows ({pct:.1f}%){'  complete' if info['complete'] else ''}"
     )
+    # status reads the done marks only: what it calls complete, verify may still fail.
+    print("          (done marks only; `classgrad verify` reads every chunk against its shard's record)")
     if info["missing_ranges"]:
         shown = ", ".join(f"{a}-{b - 1}" for a, b in info["missing_ranges"][:5])
         more = " ..." if len(info["missing_ranges"]) > 5 else ""

@@ -9,7 +9,7 @@ read error a checksum or decoding failure, as opposed to an I/O problem).
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import zarr
@@ -19,6 +19,7 @@ from classgrad.service.store.coords import consolidate
 from classgrad.service.store.format import ARRAYS, FORMAT_VERSION, array_dims
 from classgrad.service.store.location import Location
 from classgrad.service.store.retry import io_error, retry_transient
+from classgrad.service.store.verified import CheckedArray, RecordedDigests
 
 
 def is_corruption(exc: BaseException) -> bool:
@@ -38,6 +39,8 @@ class StoreArrays:
         self.version = version
         self.dims = array_dims(version)  # name -> dimension names in this store's format
         self._arrays: dict[str, zarr.Array] = {}
+        # What reads of recorded chunks found unlike their records (``verified``); set by the store.
+        self.digests: RecordedDigests | None = None
         for name in ARRAYS:
             try:
                 arr = group[name]
@@ -105,12 +108,21 @@ class StoreArrays:
         selection = (sel_rows,) if arr.ndim == 1 else (sel_rows, slice(None) if cols is None else cols)
         try:
             # An array for slice and index-array selections (zarr's stubs also allow a scalar).
-            return cast(np.ndarray, arr.get_orthogonal_selection(selection))
+            out = cast(np.ndarray, arr.get_orthogonal_selection(selection))
+            if self.digests is not None:
+                self.digests.raise_failed()
+            return out
         except ClassgradError:
             raise
         except Exception as exc:
             # Index columns: every column chunk of the rows is checked.
             raise self._read_error(name, rows, cols if isinstance(cols, slice) else None, exc) from None
+
+    def lazy(self, name: str, chunks: tuple[int, ...]) -> Any:
+        """``name`` as a dask array of ``chunks`` whose reads raise what its records disagree with."""
+        import dask.array as da
+
+        return da.from_array(CheckedArray(self._arrays[name], self.digests), chunks=chunks)
 
     def read_all(self, name: str) -> np.ndarray:
         return self.read(name, np.arange(self._arrays[name].shape[0], dtype=np.int64))

@@ -197,6 +197,9 @@ def open_dataset(url: str, *, storage_options: dict | None = None):  # -> xarray
 
 def _create(loc: Location, spec: StoreSpec) -> None:
     meta = spec_to_meta(spec)
+    # Each creation of a store at this location its own: records and run entries of a run that
+    # opened an earlier one (and lost it) are told apart from this one's (``records.foreign``).
+    meta["generation"] = uuid.uuid4().hex
     fills = {
         "grads": BF16_NAN if spec.dtype == "bfloat16" else np.nan,
         "row_scale": np.nan,

@@ -70,7 +70,7 @@ def store_dataset(
     data: dict[str, Any] = {"grads": (ARRAY_DIMS["grads"], grads, grads_attrs)}
     for name in ("loss", "count", "shard_done"):
         arr = arrays[name]
-        data[name] = (ARRAY_DIMS[name], da.from_zarr(arr, chunks=arr.chunks), attrs[name])
+        data[name] = (ARRAY_DIMS[name], arrays.lazy(name, arr.chunks), attrs[name])
     coords: dict[str, Any] = {}
     values_of = coordinate_values(spec)
     if spec.layout:

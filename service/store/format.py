@@ -25,7 +25,9 @@ Layout of a store (a Zarr v3 group)::
     shard_records/<shard>.json  (format 2) written just before the shard's shard_done mark:
                       {"shard", "rows", "digest", "chunks": {key: [size, digest]}} for every
                       chunk object of its rows in grads, row_scale, loss and count; digest =
-                      blake2b-128 of the key, a NUL byte and the object's bytes
+                      blake2b-128 of the key, a NUL byte and the object's bytes (as its writer
+                      wrote them); "generation": the store's (stores that have one); deleted
+                      when the shard is unmarked. Every read checks chunks against it.
   written by ``classgrad similarity`` (optional; replaced whole by each run):
     similarity/       (C, C) float32, chunks (chunk_rows, C) (row blocks; chunk_rows divides
                       row_chunk), fill NaN: cosine or dot product of rows i and j; only in a
@@ -89,7 +91,8 @@ metadata declares (about twice as fast as zarr-python's pipeline; tests check th
 byte-identical to Zarr's); everything else goes through zarr-python.
 
 ``attributes["classgrad"]`` (JSON) holds: ``format_version``; ``state`` ("creating" until every
-array exists, then "ready"); ``num_classes``, ``dim``, ``shard_rows``, ``num_shards``,
+array exists, then "ready"); ``generation`` (a random id per creation of a store at its location,
+named by every shard record: stores made before it have none); ``num_classes``, ``dim``, ``shard_rows``, ``num_shards``,
 ``row_chunk``, ``col_chunk``; ``dtype`` (float32 | float16 | bfloat16), ``storage_dtype``,
 ``scaling`` and ``encoding`` (plain-text descriptions of the two rules below); ``codec`` and
 ``checksum``; ``sharded``; ``class_ids`` (null means row i is class i) and ``class_names``

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
-from classgrad.service.errors import StoreError, first_line
+from classgrad.service.errors import ClassgradError, StoreError, first_line
 from classgrad.service.store.arrays import StoreArrays
 from classgrad.service.store.coords import consolidated_problems
 from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
@@ -40,6 +40,7 @@ from classgrad.service.store.records import ShardRecord, list_sizes, record_key,
 from classgrad.service.store.retry import io_error, retry_transient
 from classgrad.service.store.scan import ChunkProblem, scan_chunks
 from classgrad.service.store.similarity_arrays import SimilarityArrays
+from classgrad.service.store.verified import DigestCheckingStore, RecordedDigests, object_rows
 from classgrad.service.store.writer import RowWriter
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,11 @@ class GradStore:
         url = loc.url
         if loc.local and not os.path.isdir(loc.path):
             raise StoreError(f"no classgrad store at {url} (no such directory)")
+        # Reads of recorded chunks are checked against their shard's record (``verified``) once
+        # the store's shape is known (below).
+        checking = DigestCheckingStore(loc.zarr_store(read_only=mode == "r"))
         try:
-            group = zarr.open_group(
-                loc.zarr_store(read_only=mode == "r"), mode=mode, zarr_format=3, use_consolidated=False
-            )
+            group = zarr.open_group(checking, mode=mode, zarr_format=3, use_consolidated=False)
         except FileNotFoundError:
             raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})") from None
         except ValueError as exc:  # a truncated or garbled zarr.json
@@ -88,8 +90,16 @@ class GradStore:
             np.arange(self.num_classes, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
         )
         self._class_ids.flags.writeable = False
+        self._checking = checking
+        self._digests: RecordedDigests | None = None
+        if self.format_version >= 2:  # format 1 has no records
+            self._digests = RecordedDigests(url, object_rows(self._arrays), self._spec.shard_rows, self.generation)
+            self.check_digests = True
         self._reader = RowReader(self._arrays, self._spec)
-        self._writer = RowWriter(self._arrays, self._spec, self._class_ids, records=self.format_version >= 2)
+        self._writer = RowWriter(
+            self._arrays, self._spec, self._class_ids, records=self.format_version >= 2, generation=self.generation
+        )
+        checking.written = self._writer.written
         self.lease = StoreLease(loc, writable=mode != "r")
         self.similarity_arrays = SimilarityArrays(self._arrays, self._spec)
         # ``classgrad score --method trak``'s saved Gram matrix, tied to the rows by their digest.
@@ -98,6 +108,17 @@ class GradStore:
             self._spec,
             lambda: rows_digest(self._loc, self._spec, self.shard_done, self._meta.get("metadata_digest")),
         )
+
+    @property
+    def check_digests(self) -> bool:
+        """Whether reads check each recorded chunk against its shard's record (``verified``): on
+        for every store that has records (format 2 and later); off only to measure what it costs."""
+        return self._checking.digests is not None
+
+    @check_digests.setter
+    def check_digests(self, value: bool) -> None:
+        digests = self._digests if value else None
+        self._checking.digests = self._arrays.digests = digests
 
     def __repr__(self) -> str:
         return f"GradStore({self.url!r}, {self.num_classes} x {self.dim} {self.dtype}, mode={self._mode!r})"
@@ -112,6 +133,13 @@ class GradStore:
     def local_path(self) -> str | None:
         """The store's directory (absolute, ``~`` expanded) when it is local, else None."""
         return self._loc.path if self._loc.local else None
+
+    @property
+    def generation(self) -> str | None:
+        """Which creation of the store at this location this one is (None: made before stores had
+        one): the records and run entries of a run that opened another creation are refused."""
+        value = self._meta.get("generation")
+        return None if value is None else str(value)
 
     @property
     def format_version(self) -> int:
@@ -199,6 +227,8 @@ class GradStore:
         """Mark a shard complete; call only once all its rows have been written. Writes the
         shard's record first, and on local disks makes its chunks durable (fsync) before the mark."""
         self._writer.set_done(shard, 1)
+        if self._digests is not None:
+            self._digests.forget(shard)
 
     @property
     def durable(self) -> bool:
@@ -210,7 +240,16 @@ class GradStore:
         self._writer.durable = bool(value)
 
     def clear_shard_done(self, shard: int) -> None:
+        """Unmark a shard, then drop its record: a record exists only for a shard marked done, so
+        readers never check a shard's new chunks against the record of its old ones."""
         self._writer.set_done(shard, 0)
+        if self.format_version >= 2:
+            try:
+                retry_transient(lambda: self._loc.delete(record_key(shard)), f"deleting the record of shard {shard}")
+            except Exception as exc:
+                raise io_error(f"cannot delete the record of shard {shard} of {self.url}", exc) from None
+        if self._digests is not None:
+            self._digests.forget(shard)
 
     def append_run(self, entry: dict) -> None:
         """Append one run record (any JSON-serialisable dict) to attributes["runs"]."""
@@ -223,6 +262,11 @@ class GradStore:
             )
             meta = group.attrs[ATTR_KEY]
             assert isinstance(meta, dict)  # checked when the store was opened
+            if meta.get("generation") != self._meta.get("generation"):
+                raise StoreError(
+                    f"store {self.url} was created again by another run since this one opened it; "
+                    "this run's record is not appended to its history"
+                )
             runs = meta.setdefault("runs", [])
             if not runs or runs[-1] != entry:  # a try whose answer was lost may have appended it
                 runs.append(entry)
@@ -231,6 +275,8 @@ class GradStore:
 
         try:
             self._meta = retry_transient(append, f"recording the run in {self.url}")
+        except ClassgradError:
+            raise
         except Exception as exc:
             raise io_error(f"cannot record the run in {self.url}", exc) from None
         self.consolidate()
@@ -293,7 +339,7 @@ class GradStore:
             present = record_key(shard) in sizes
             if not present and self.format_version < 2:
                 continue
-            problems = record_problems(self.shard_record(shard) if present else None, sizes)
+            problems = record_problems(self.shard_record(shard) if present else None, sizes, self.generation)
             if problems:
                 damaged[shard] = problems
         return damaged
@@ -394,7 +440,18 @@ class GradStore:
     def scan_chunks(self) -> list[ChunkProblem]:
         """Read every chunk of every array once, results included; one ``ChunkProblem`` per
         problem, with its kind (see ``classgrad.service.store.scan.scan_chunks``)."""
-        return scan_chunks(self._arrays, self._spec, self.similarity_arrays, records=self.format_version >= 2)
+        checking = self.check_digests
+        self.check_digests = False  # the scan checks the records itself, and reports every problem
+        try:
+            return scan_chunks(
+                self._arrays,
+                self._spec,
+                self.similarity_arrays,
+                records=self.format_version >= 2,
+                generation=self.generation,
+            )
+        finally:
+            self.check_digests = checking
 
     def verify_chunks(self) -> list[str]:
         """Read every chunk of every array; return one line per problem (empty when sound):

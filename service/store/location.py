@@ -86,6 +86,13 @@ class Location:
         else:
             self.fs.pipe_file(self.key(name), data)
 
+    def delete(self, name: str) -> None:
+        """Remove the object ``name`` (relative to the store), if it is there."""
+        try:
+            self.fs.rm_file(self.key(name))
+        except FileNotFoundError:
+            pass
+
     def is_empty(self) -> bool:
         if self.local:
             return not os.path.exists(self.path) or (os.path.isdir(self.path) and not os.listdir(self.path))

@@ -90,6 +90,10 @@ class RowReader:
         if have.size:
             scale = self._arrays.read("row_scale", have) if dtype != "float32" else None
             values = decode_rows(self._arrays.read("grads", have, cols), scale, dtype)
+            digests = self._arrays.digests
+            if digests is not None:  # every done shard read is vouched for by a record of this store
+                digests.require(np.unique(have // self._spec.shard_rows).tolist())
+                digests.raise_failed()
             holes = np.isnan(values).any(axis=1)
             if holes.any():
                 raise CorruptChunkError(
@@ -155,9 +159,9 @@ class RowReader:
         dtype = self._spec.dtype
         grads = self._arrays["grads"]
         unit = grads.shards or grads.chunks
-        x = da.from_zarr(grads, chunks=unit)
+        x = self._arrays.lazy("grads", unit)
         if dtype != "float32":
-            scale = da.from_zarr(self._arrays["row_scale"], chunks=(unit[0],))
+            scale = self._arrays.lazy("row_scale", (unit[0],))
             if dtype == "bfloat16":
                 x = x.map_blocks(bf16_bits_to_f32, dtype=np.float32)
             else:

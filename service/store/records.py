@@ -2,7 +2,8 @@
 
 Holds the record keys (``record_key``), ``chunk_digest`` (a digest of a chunk object's bytes,
 bound to its key), ``shard_chunk_keys`` (the objects that hold a work shard's rows),
-``ShardRecord`` (one shard's chunks: key -> size and digest; ``to_bytes`` / ``parse``),
+``ShardRecord`` (one shard's chunks: key -> size and digest, and the store's generation it was
+written for; ``to_bytes`` / ``parse``), ``foreign`` (a record of another creation of the store),
 ``list_sizes`` (every key of a store with its size, from one listing), ``record_problems``
 (a done shard's recorded chunks checked against that listing: the cheap check of a resume)
 and ``sync_paths`` / ``sync_dir`` (fsync of local files and directories, the durability step
@@ -64,6 +65,7 @@ class ShardRecord:
     shard: int
     rows: tuple[int, int]
     chunks: dict[str, tuple[int, str]] = field(default_factory=dict)
+    generation: str | None = None  # the store's, when it has one: which creation of it the rows are of
 
     def to_bytes(self) -> bytes:
         body = {
@@ -72,6 +74,8 @@ class ShardRecord:
             "digest": DIGEST,
             "chunks": {k: [size, digest] for k, (size, digest) in sorted(self.chunks.items())},
         }
+        if self.generation is not None:
+            body["generation"] = self.generation
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -80,7 +84,9 @@ class ShardRecord:
         try:
             body = json.loads(data)
             chunks = {str(k): (int(v[0]), str(v[1])) for k, v in body["chunks"].items()}
-            return cls(int(body["shard"]), (int(body["rows"][0]), int(body["rows"][1])), chunks)
+            generation = body.get("generation")
+            rows = (int(body["rows"][0]), int(body["rows"][1]))
+            return cls(int(body["shard"]), rows, chunks, None if generation is None else str(generation))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return None
 
@@ -110,10 +116,21 @@ def list_sizes(loc: Location) -> dict[str, int]:
     return sizes
 
 
-def record_problems(record: ShardRecord | None, sizes: dict[str, int]) -> list[str]:
+def foreign(record: ShardRecord, generation: str | None) -> bool:
+    """Whether ``record`` was written for another creation of the store than ``generation`` (the
+    store's; None: a store made before generations, whose records are taken as they are)."""
+    return generation is not None and record.generation != generation
+
+
+FOREIGN = "its record was written by a run that no longer owned the store (another creation of it)"
+
+
+def record_problems(record: ShardRecord | None, sizes: dict[str, int], generation: str | None = None) -> list[str]:
     """What is wrong with a done shard's recorded chunks in a listing (empty when sound)."""
     if record is None:
         return ["its shard record is missing or unreadable"]
+    if foreign(record, generation):
+        return [FOREIGN]
     out = []
     for key, (size, _) in sorted(record.chunks.items()):
         found = sizes.get(key)

@@ -18,7 +18,7 @@ from classgrad.service.errors import CorruptChunkError, first_line
 from classgrad.service.store.arrays import StoreArrays, is_corruption
 from classgrad.service.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
 from classgrad.service.store.indexing import fmt_ranges, row_ranges
-from classgrad.service.store.records import ShardRecord, chunk_digest, record_key
+from classgrad.service.store.records import FOREIGN, ShardRecord, chunk_digest, foreign, record_key
 from classgrad.service.store.similarity_arrays import SimilarityArrays
 
 # scan_chunks reads this many elements per request at most (64 MiB of float32).
@@ -39,7 +39,12 @@ class ChunkProblem:
 
 
 def scan_chunks(
-    arrays: StoreArrays, spec: StoreSpec, similarity: SimilarityArrays, *, records: bool = True
+    arrays: StoreArrays,
+    spec: StoreSpec,
+    similarity: SimilarityArrays,
+    *,
+    records: bool = True,
+    generation: str | None = None,
 ) -> list[ChunkProblem]:
     """Read every chunk of every array once (results included) and report each problem
     with its kind, for ``classgrad verify``:
@@ -108,13 +113,16 @@ def scan_chunks(
                     )
                 continue
             problems += _scan_values(arrays, spec, name, block, sel, checked)
-    return problems + scan_records(arrays, done, require=records, skip={p.key for p in problems})
+    skip = {p.key for p in problems}
+    return problems + scan_records(arrays, done, require=records, skip=skip, generation=generation)
 
 
-def scan_records(arrays: StoreArrays, done: np.ndarray, *, require: bool, skip: set[str]) -> list[ChunkProblem]:
+def scan_records(
+    arrays: StoreArrays, done: np.ndarray, *, require: bool, skip: set[str], generation: str | None = None
+) -> list[ChunkProblem]:
     """Each done shard's recorded chunk objects read whole and checked against the record's
     size and digest (``require``: a done shard without a record is a problem too; keys in
-    ``skip`` were reported already)."""
+    ``skip`` were reported already; ``generation``: the store's, whose records alone vouch)."""
     loc = arrays.loc
     out = []
     for shard in np.flatnonzero(done).tolist():
@@ -129,6 +137,9 @@ def scan_records(arrays: StoreArrays, done: np.ndarray, *, require: bool, skip: 
                 why = "is unreadable" if data is not None else "is missing"
                 message = f"shard {shard} is marked done but its record ({record_key(shard)}) {why}"
                 out.append(ChunkProblem("shard_records", "missing", message, (shard,)))
+            continue
+        if foreign(record, generation):
+            out.append(ChunkProblem("shard_records", "corrupt", f"shard {shard}: {FOREIGN}", (shard,)))
             continue
         for key, (size, digest) in sorted(record.chunks.items()):
             if key in skip:

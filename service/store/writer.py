@@ -43,15 +43,27 @@ from classgrad.service.store.retry import io_error, retry_transient
 class RowWriter:
     """Writes rows and shard marks into one open store (its ``StoreArrays``)."""
 
-    def __init__(self, arrays: StoreArrays, spec: StoreSpec, class_ids: np.ndarray, *, records: bool = True) -> None:
+    def __init__(
+        self,
+        arrays: StoreArrays,
+        spec: StoreSpec,
+        class_ids: np.ndarray,
+        *,
+        records: bool = True,
+        generation: str | None = None,
+    ) -> None:
         self._arrays = arrays
+        self._generation = generation  # the store's creation this writer opened: in every record
         self._spec = spec
         self._class_ids = class_ids
         loc = arrays.loc
         self._direct = loc.local and spec.codec == "none" and not spec.sharded
         self._records = records  # format 2; a format-1 store has no place for them
         self.durable = loc.local  # fsync before shard_done (object stores are durable per PUT)
-        self._written: dict[str, tuple[int, str]] = {}  # key -> (size, digest) of chunks written here
+        # key -> (size, digest) of chunks written here: by the direct path, and by Zarr's through
+        # the store (``verified.DigestCheckingStore.written``), so a record vouches for the bytes
+        # this writer wrote, never for what another writer left there since.
+        self.written: dict[str, tuple[int, str]] = {}
 
     def write_rows(self, start: int, rows: np.ndarray, *, loss: np.ndarray, count: np.ndarray) -> int:
         """See ``GradStore.write_rows``."""
@@ -110,7 +122,7 @@ class RowWriter:
     def _write(self, name: str, start: int, values: np.ndarray) -> None:
         if self._direct:
             for key, size, digest in write_direct(self._arrays[name], self._arrays.loc.path, name, start, values):
-                self._written[key] = (size, digest)
+                self.written[key] = (size, digest)
         else:
             self._arrays[name][start : start + len(values)] = values
 
@@ -148,13 +160,14 @@ class RowWriter:
             raise io_error(f"cannot update shard_done[{shard}] in {url}", exc) from None
 
     def _record(self, shard: int, rows: tuple[int, int]) -> ShardRecord:
-        """The shard's record: digests of the chunks written by this writer, else read back."""
-        record = ShardRecord(shard, rows)
+        """The shard's record: digests of the chunks written by this writer, else read back (a
+        shard whose rows an earlier writer of this store wrote)."""
+        record = ShardRecord(shard, rows, generation=self._generation)
         loc = self._arrays.loc
         for name in RECORDED_ARRAYS:
             arr = self._arrays[name]
             for key in shard_chunk_keys(name, rows, arr.shards or arr.chunks, arr.shape):
-                entry = self._written.pop(key, None)
+                entry = self.written.pop(key, None)
                 if entry is None:
                     try:
                         data = loc.fs.cat_file(loc.key(key))

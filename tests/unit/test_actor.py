@@ -99,9 +99,10 @@ def test_a_run_that_lost_the_lease_does_not_mark_its_shard_done(tmp_path):
     prepare_store(config)
     open_store(config.store.url, mode="r+").lease.acquire("run-b")
     stale = GradientWorker(config.model_dump(mode="json"), run_id="run-a")
-    with pytest.raises(LeaseHeldError, match=r"run 'run-a' no longer holds the lease .* shard 0 is not marked done"):
+    with pytest.raises(LeaseHeldError, match=r"run 'run-a' no longer holds the lease .* shard 0 is not computed"):
         stale.compute_shard(0)
     assert not open_store(config.store.url).shard_done.any()
+    assert open_store(config.store.url).shard_record(0) is None  # nothing started: no chunk, no record
     current = GradientWorker(config.model_dump(mode="json"), run_id="run-b")
     current.compute_shard(0)
     assert open_store(config.store.url).shard_done.tolist() == [True, False, False]

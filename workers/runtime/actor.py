@@ -169,6 +169,7 @@ class GradientWorker:
     def compute_shard(self, shard: int, attempt: int = 1) -> dict[str, Any]:
         """Compute and store every row of ``shard``; return a small report."""
         start, stop = self.store.shard_range(shard)
+        self._check_lease(shard)  # an actor of a run that lost the store starts no shard in it
         t0 = time.perf_counter()
         recomputed_before = self.engine.stats.recomputed_rows
         writer = ShardWriter(self.store, start, stop)
@@ -196,10 +197,13 @@ class GradientWorker:
         }
 
     def _check_lease(self, shard: int) -> None:
-        """Refuse to mark a shard done for a run that no longer holds the store.
+        """Refuse to start a shard, or mark it done, for a run that no longer holds the store.
 
-        An actor that outlives its driver (killed with SIGKILL) may still finish a shard; if a
-        new run has since replaced the store (``store.overwrite``), that shard must not count.
+        An actor that outlives its driver (killed with SIGKILL) or was paused past the lease's
+        TTL may still finish a shard; if a new run has since replaced the store
+        (``store.overwrite``), that shard must not count. What it wrote between the checks is
+        never read as the new store's: its record carries the store creation it opened, and
+        readers check chunks against the new creation's records (``store.verified``).
         """
         if self.run_id is None:
             return
@@ -207,7 +211,7 @@ class GradientWorker:
         if holder != self.run_id:
             raise LeaseHeldError(
                 f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "
-                f"shard {shard} is not marked done"
+                f"shard {shard} is not computed nor marked done"
             )
 
 
