@@ -25,7 +25,8 @@ Layout of a store (a Zarr v3 group)::
     shard_records/<shard>.json  (format 2) written just before the shard's shard_done mark:
                       {"shard", "rows", "digest", "chunks": {key: [size, digest]}} for every
                       chunk object of its rows in grads, row_scale, loss and count; digest =
-                      blake2b-128 of the key, a NUL byte and the object's bytes (as its writer
+                      xxh3-128 (records made before: blake2b-128, as "digest" names it) of the
+                      key, a NUL byte and the object's bytes (as its writer
                       wrote them); "generation": the store's (stores that have one); deleted
                       when the shard is unmarked. Every read checks chunks against it.
   written by ``classgrad similarity`` (optional; replaced whole by each run):

@@ -155,7 +155,7 @@ def scan_records(
                 why, kind = "is missing", "missing"
             elif len(found) != size:
                 why, kind = f"has {len(found)} bytes, its shard record says {size} (truncated or replaced)", "corrupt"
-            elif chunk_digest(key, (found,)) != digest:
+            elif chunk_digest(key, (found,), record.digest) != digest:
                 why, kind = (
                     "does not match its shard record's digest (damaged, or another chunk copied over it)",
                     "corrupt",

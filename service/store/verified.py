@@ -39,7 +39,14 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from classgrad.service.errors import CorruptChunkError
-from classgrad.service.store.records import FOREIGN, RECORDED_ARRAYS, ShardRecord, chunk_digest, foreign, record_key
+from classgrad.service.store.records import (
+    FOREIGN,
+    RECORDED_ARRAYS,
+    ShardRecord,
+    chunk_digest,
+    foreign,
+    record_key,
+)
 
 
 class RecordedDigests:
@@ -83,7 +90,7 @@ class RecordedDigests:
         self._records.pop(shard, None)
         self.checked = {k for k in self.checked if self.shard_of(k) != shard}
 
-    def check(self, key: str, shard: int, data: bytes) -> None:
+    def check(self, key: str, shard: int, data: Any) -> None:
         """Note a failure unless ``data`` is what the shard's record holds at ``key``: raised by
         ``raise_failed`` once the read that fetched it is over (raised inside Zarr's fetches, it
         would leave the others of the read pending, and the process says so on its way out)."""
@@ -102,7 +109,7 @@ class RecordedDigests:
         if expected is None:
             return  # an object the record does not cover
         size, digest = expected
-        if len(data) != size or chunk_digest(key, (data,)) != digest:
+        if len(data) != size or chunk_digest(key, (data,), record.digest) != digest:
             self.failed.setdefault(
                 key,
                 f"store {self.url}: chunk {key} of shard {shard} (rows from {start}) is not the one its shard "
@@ -149,7 +156,7 @@ class DigestCheckingStore(WrapperStore[Store]):
     async def set(self, key: str, value: Buffer) -> None:
         await self._store.set(key, value)
         if self.written is not None and key.partition("/c/")[0] in RECORDED_ARRAYS:
-            data = value.to_bytes()
+            data = value.as_numpy_array()
             self.written[key] = (len(data), chunk_digest(key, (data,)))
 
     async def _check(self, key: str, prototype: BufferPrototype, data: Buffer) -> None:
@@ -161,7 +168,7 @@ class DigestCheckingStore(WrapperStore[Store]):
         if not digests.knows(shard):
             found = await self._store.get(record_key(shard), prototype)
             digests.learn(shard, None if found is None else found.to_bytes())
-        digests.check(key, shard, data.to_bytes())
+        digests.check(key, shard, data.as_numpy_array())  # a view of the bytes read: no copy
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         if byte_range is not None:  # part of an object: the whole of it checked once
