@@ -14,7 +14,7 @@ the scores from ``score_driver.score_rows``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,6 +55,10 @@ def load_query_file(path: str | Path) -> QueryFile:
         raise ConfigError(f"--queries {str(path)!r}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--queries {str(path)!r}: expected a mapping with a 'data' section")
+    if not isinstance(raw.get("data"), dict) or "factory" not in raw["data"]:
+        # A job's data section defaults its factory; a query set's must be named (the default
+        # probe would score examples the user never asked about).
+        raise ConfigError(f"--queries {str(path)!r}: data.factory is missing: name the factory of the query set")
     return validated(QueryFile, f"--queries {path}", **raw)
 
 
@@ -65,12 +69,10 @@ def query_data(spec: QueryFile) -> tuple[Any, list | None]:
     data = _call_factory(spec.data.factory, dict(spec.data.kwargs), "data.factory")
     if spec.group_field is None:
         return data, None
-    try:
-        groups = [data[i][spec.group_field] for i in range(len(data))]
-    except (KeyError, TypeError, IndexError) as exc:
-        raise InputError(
-            f"group_field {spec.group_field!r}: the query samples are not dicts holding it ({type(exc).__name__})"
-        ) from None
+    samples = [data[i] for i in range(len(data))] if hasattr(data, "__getitem__") and hasattr(data, "__len__") else []
+    if not samples or not all(isinstance(x, Mapping) and spec.group_field in x for x in samples):
+        raise InputError(f"group_field {spec.group_field!r}: the query samples are not dicts holding it")
+    groups = [x[spec.group_field] for x in samples]
     return data, [g.item() if hasattr(g, "item") else g for g in groups]
 
 

@@ -239,6 +239,16 @@ def test_the_command_refuses_bad_requests_in_one_line_before_any_model_runs(stor
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
     assert not out.exists()
+    # Issue 45, item 6: a file without a factory scored the default probe set; a group field on
+    # samples that are not dicts printed a torch warning with a source line before its line.
+    no_factory = tmp_path / "no_factory.yaml"
+    no_factory.write_text(f"data:\n  kwargs: {ONE_PER_CLASS}\n")
+    tuples = tmp_path / "tuples.yaml"
+    tuples.write_text(queries.read_text() + "group_field: nope\n")
+    for path, words in ((no_factory, "data.factory is missing"), (tuples, "group_field 'nope': the query samples")):
+        assert cli_main(["score", stores["full"].url, "--queries", str(path), "--local"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
 
 
 def test_a_query_file_s_group_field_gives_each_example_s_group():

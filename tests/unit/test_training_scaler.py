@@ -369,6 +369,10 @@ def test_inputs_that_gave_a_wrong_step_are_refused_before_any_step():
     wide = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 10 * C)).eval()
     with pytest.raises(InputError, match=rf"not \[batch, num_classes={C}\]: give num_classes="):
         PerClassGradScaler().step_batch(wide, x, y, torch.optim.SGD(wide.parameters(), lr=0.1), num_classes=C)
+    # Inputs the model cannot take: one line, before the fast route's slower paths were tried
+    # and said so (two "fallback" warnings, then the model's raw error).
+    with pytest.raises(InputError, match="step_batch: the model's forward failed on the inputs: RuntimeError"):
+        PerClassGradScaler().step_batch(model, torch.randn(20, 7), y, opt, num_classes=C)
     # An enabled scaler's state into one that runs fp32: refused, not dropped (get_scale() was 1.0).
     state = torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict()
     disabled = PerClassGradScaler(num_classes=C)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from classgrad.service.errors import InputError, RowOverflowError
+from classgrad.service.errors import ClassgradError, InputError, RowOverflowError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
@@ -134,16 +134,40 @@ def fast_rows(
             rows.fill_(float("inf"))
             return rows, class_ids, True
         except InputError as exc:  # a non-finite loss or row (fp32, bf16): GradScaler would skip
-            if str(exc).startswith("model output has shape"):  # its shape is the engine's packing's
-                raise InputError(
-                    f"step_batch: the model's outputs are not [batch, num_classes={num_classes}]: give "
-                    "num_classes= (of step_batch or PerClassGradScaler) the width of model(inputs)"
-                ) from None
             if not str(exc).startswith("non-finite"):
                 raise
             rows.fill_(float("nan"))
             return rows, class_ids, True
     return rows, class_ids, False
+
+
+def input_signature(inputs: Any) -> tuple:
+    """What a forward check of ``inputs`` holds for: each tensor's dtype and shape after the batch."""
+    out: list = []
+    tree_map_tensors(lambda t: out.append((t.dtype, tuple(t.shape[1:]))) or t, inputs)
+    return tuple(out)
+
+
+def check_forward(model: nn.Module, inputs: Any, *, num_classes: int, output: str | int | None) -> None:
+    """One forward, without a graph, of the batch's first two samples: inputs the model cannot
+    take, or outputs that are not ``[N, num_classes]``, refused in one line (the fast route's
+    engine would otherwise try its slower paths on them first, saying so, then fail raw)."""
+    device = next(model.parameters()).device
+    head = tree_map_tensors(lambda t: t[:2].to(device), inputs)
+    try:
+        with torch.no_grad():
+            logits = ModelIO(model, output, device)(head)
+    except ClassgradError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's model cannot take the user's inputs
+        raise InputError(
+            f"step_batch: the model's forward failed on the inputs: {first_line(exc, with_type=True)}"
+        ) from None
+    if logits.ndim != 2 or logits.shape[1] != num_classes:
+        raise InputError(
+            f"step_batch: the model's outputs are [N, {logits.shape[-1]}], not [batch, num_classes={num_classes}]: "
+            "give num_classes= (of step_batch or PerClassGradScaler) the width of model(inputs)"
+        )
 
 
 def batch_loss_vector(

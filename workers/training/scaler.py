@@ -35,9 +35,11 @@ from classgrad.workers.training.batch_rows import (
     ambient_precision,
     batch_loss_vector,
     batch_size_of,
+    check_forward,
     check_labels,
     fast_rows,
     fp16_graph,
+    input_signature,
     parameters_of,
 )
 from classgrad.workers.training.loss_rows import LossRows, check_loss_vector
@@ -88,6 +90,7 @@ class PerClassGradScaler:
         self.scaler_kwargs = scaler_kwargs
         self._pending_state: dict[str, Any] | None = None
         self._rows = LossRows(block_rows)
+        self._forward_checked: set[tuple] = set()  # input signatures the fast route checked a forward of
         # Whether the last call with update_grad found a non-finite row (and so skipped its step).
         self.found_inf = False
 
@@ -269,6 +272,10 @@ class PerClassGradScaler:
                 class_ids=class_ids,
             )
             return rows, class_ids
+        signature = input_signature(inputs)
+        if signature not in self._forward_checked:  # once per input shape: a forward of two samples
+            check_forward(model, inputs, num_classes=classes, output=output)
+            self._forward_checked.add(signature)
         k = int(torch.unique(labels).numel())
         buf = None if out is None else _rows_buffer(out, k, layout.dim, device)
         rows, class_ids, found = fast_rows(
