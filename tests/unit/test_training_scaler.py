@@ -406,6 +406,23 @@ def test_a_call_after_an_fp16_autocast_block_scales_the_loss():
     assert plain.scaler is not None and not plain.scaler.is_enabled()
 
 
+def test_step_batch_fills_the_first_rows_of_a_buffer_of_the_batchs_size():
+    """One buffer serves every step, whatever the classes present (issue 45, item 9)."""
+    model = mlp()
+    x, y = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dim = sum(p.numel() for p in model.parameters())
+    buf = torch.full((len(y), dim), float("nan"))
+    scaler = PerClassGradScaler(num_classes=C)
+    rows, ids = scaler.step_batch(model, x, y, opt, out=buf, update_grad=False)
+    assert rows.data_ptr() == buf.data_ptr() and rows.shape == (len(ids), dim)
+    assert torch.isnan(buf[len(ids) :]).all()  # the rest untouched
+    want, _ = PerClassGradScaler(num_classes=C).step_batch(model, x, y, opt, update_grad=False)
+    torch.testing.assert_close(rows, want, rtol=0, atol=0)  # the same engine on the same batch
+    with pytest.raises(InputError, match="at least"):
+        scaler.step_batch(model, x, y, opt, out=buf[:2], update_grad=False)
+
+
 def test_the_readme_training_loop_runs():
     """The README's "In a training loop" snippet, as written."""
     text = (REPO / "README.md").read_text()

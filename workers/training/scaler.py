@@ -236,6 +236,9 @@ class PerClassGradScaler:
         the batch's statistics, running statistics updated once) or ``"auto"`` (fast when it
         applies). ``inputs``: a tensor, or a dict of tensors passed as keyword arguments (a
         tokenizer's output); ``output`` picks the logits of a ``ModelOutput``/dict/tuple.
+        ``out``: a float32 buffer of at least ``[classes present, D]`` rows (one of the batch's
+        size takes every step's), whose first rows are returned: a loop reusing it holds one set
+        of rows, not two.
         """
         if route not in ("auto", "fast", "general"):
             raise InputError(f"route {route!r} is unknown (choices: auto, fast, general)")
@@ -456,14 +459,18 @@ def _num_classes(given: int | None, model: nn.Module) -> int:
 
 
 def _rows_buffer(out: torch.Tensor | None, n: int, dim: int, device: torch.device) -> torch.Tensor:
+    """``out[:n]`` (its first ``n`` rows: a buffer of the batch's size takes any step's classes,
+    whose count varies), or a new ``[n, dim]``."""
     if out is None:
         return torch.empty(n, dim, device=device)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, dim) or out.dtype != torch.float32:
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] < n or out.shape[1] != dim:
         shown = f"{list(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise InputError(f"out must be a float32 tensor [{n}, {dim}], got {shown}")
+        raise InputError(f"out must be a float32 tensor of at least [{n}, {dim}], got {shown}")
+    if out.dtype != torch.float32 or not out.is_contiguous():
+        raise InputError(f"out must be a contiguous float32 tensor, got {out.dtype}")
     if out.device != device:
         raise InputError(f"out is on {out.device}, the rows' parameters on {device}")
-    return out
+    return out if out.shape[0] == n else out[:n]
 
 
 def _class_weights(aggregate: Aggregate, class_ids: torch.Tensor) -> Aggregate:
