@@ -144,7 +144,12 @@ def fast_rows(
 def input_signature(inputs: Any) -> tuple:
     """What a forward check of ``inputs`` holds for: each tensor's dtype and shape after the batch."""
     out: list = []
-    tree_map_tensors(lambda t: out.append((t.dtype, tuple(t.shape[1:]))) or t, inputs)
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        out.append((t.dtype, tuple(t.shape[1:])))
+        return t
+
+    tree_map_tensors(note, inputs)
     return tuple(out)
 
 
