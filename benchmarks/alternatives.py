@@ -73,8 +73,12 @@ def run_table(
             "seconds": timings[name].best,
             "median_s": timings[name].median,
             "times_s": timings[name].times,
-            "note": note,
+            "note": timings[name].note or note,
         }
+        if timings[name].note.startswith("failed"):
+            entry["error"] = timings[name].note
+            results[name] = entry
+            continue
         entry["rows_per_s"] = case.num_classes / entry["seconds"]
         if "rows" in holder or "blocks" in holder:
             ok, err = common.compare(common.held_rows(holder), holder["classes"], ref_rows, ref_classes, case.precision)

@@ -309,12 +309,18 @@ def interleaved(
     methods: dict[str, Callable[[], Any]], reps: int, device: torch.device | str = "cpu", warmup: bool = True
 ) -> dict[str, Timing]:
     """Time every method ``reps`` times, round-robin. A method returns either nothing or
-    ``{"seconds": s}`` (an extrapolated time it measured itself)."""
+    ``{"seconds": s}`` (an extrapolated time it measured itself). A method that raises in the
+    warm-up is not timed: its ``Timing`` holds one infinite time and the error as its note (a table
+    of alternatives says which one failed, and still times the others)."""
     out = {name: Timing() for name in methods}
     if warmup:
-        for fn in methods.values():
-            fn()
-            sync(device)
+        for name, fn in list(methods.items()):
+            try:
+                fn()
+                sync(device)
+            except Exception as exc:  # noqa: BLE001 - an alternative's failure is a row of the table
+                out[name] = Timing([math.inf], f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                methods = {n: f for n, f in methods.items() if n != name}
     for _ in range(reps):
         for name, fn in methods.items():
             sync(device)

@@ -1,0 +1,386 @@
+"""Proof on a GPU (issue 49): exactness against the float64 CPU reference, then speed beside the floor.
+
+One command for a lent GPU (``scripts/gpu_proof.sh`` installs the carried wheels and calls this),
+at most 8 minutes on one H200; each section runs on its own, a failure is recorded and the next
+section runs. Writes ``log.txt`` (what it printed) and ``gpu_proof.json`` (every figure) into
+``--out``.
+
+Sections (``--sections``, default all):
+
+- ``env``: the device, torch's version and its TF32 defaults (what the engines get unless set).
+- ``exact``: the engine harness of the CPU tests (``tests/support/engine_cases``: every model x
+  loss x engine the tests run) on the device against the float64 CPU reference, with the tests'
+  tolerances: fp32 (2e-6; TF32 turned off for it), fp16 and bf16 (``LOW_PRECISION_TOLERANCE``);
+  then fp32 with TF32 on for matmuls and convolutions, recording what it does to rows; the seven
+  real-model families (``benchmarks.real_model_cases``, tiny configs) fp32 against the reference.
+- ``projection``: the default projection's rows on the device against the CPU's (same seed):
+  the same map, so fp32 roundoff apart.
+- ``scaler``: ``PerClassGradScaler`` with a CUDA fp16 ``GradScaler`` against a plain
+  ``GradScaler`` loop on the same forced overflow: the same skipped steps, scale and state.
+- ``headline``: ResNet-18 (``zoo.resnet18``, 224 px unless ``--quick``), 10 samples per class,
+  C = 10,000, ``projection.dim`` 4,096: the whole projected matrix, its time and its floor (one
+  forward and backward of the summed loss over the same samples), and GPU kernel time over wall
+  (torch.profiler) on one micro-batch's worth.
+- ``actor``: the actor's compute-and-write loop without Ray (``GradientWorker`` on a local store)
+  against the engine alone over the same shard.
+- ``speed``: the default projection at C = 10,000 (k = 4,096) on the scale models and the seven
+  real models, first call over its floor; then ``gpu_resnet18.py`` (fp32, bf16) and
+  ``training_step.py`` (fp16, bf16) as subprocesses, within what is left of ``--budget-s``.
+
+    scripts/gpu_proof.sh OUT_DIR                       # on the GPU machine (see the script)
+    .venv/bin/python -m benchmarks.gpu_proof --device cpu --quick --out /tmp/gp   # CPU smoke run
+
+Asserts nothing; a check's figure and whether it is within its tolerance are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gpu_proof")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 for CUDA matmuls and cuDNN convolutions on or off, put back after."""
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t0, out
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+
+def env(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    out: dict[str, Any] = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0]}
+    if device.type == "cuda":
+        out |= {
+            "name": torch.cuda.get_device_name(device),
+            "capability": list(torch.cuda.get_device_capability(device)),
+            "memory_gib": torch.cuda.get_device_properties(device).total_memory / 2**30,
+            "tf32_matmul_default": torch.backends.cuda.matmul.allow_tf32,
+            "tf32_cudnn_default": torch.backends.cudnn.allow_tf32,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        }
+    return out
+
+
+def exact(args: argparse.Namespace) -> dict[str, Any]:
+    from tests.support.engine_cases import (
+        BATCH_COUPLED_MODELS,
+        LOSS_CASES,
+        MODEL_CASES,
+        NUM_CLASSES,
+        PARTITIONED_LOSSES,
+        engine_for,
+        max_relative_error,
+        reference_rows,
+    )
+
+    tolerance = {"fp32": 2e-6, "fp16": 1e-2, "bf16": 1e-1}  # tests/unit/test_engines.py's
+    cases = []
+    for m in MODEL_CASES:
+        for loss in LOSS_CASES:
+            for engine in ("partitioned", "dense"):
+                if engine == "partitioned" and (loss not in PARTITIONED_LOSSES or m in BATCH_COUPLED_MODELS):
+                    continue
+                precisions = ["fp32"] + (["fp16", "bf16"] if loss in ("cross_entropy", "logit") else [])
+                cases += [(m, loss, engine, p) for p in precisions]
+    if args.quick:
+        cases = [c for c in cases if c[0] in ("mlp", "cnn")]
+    results = []
+    for m, loss, engine, precision in cases:
+        spc = 3 if precision == "fp32" else 8  # as the tests: more samples per class in low precision
+        ref, _ = reference_rows(m, loss, samples_per_class=spc)
+        row: dict[str, Any] = {"model": m, "loss": loss, "engine": engine, "precision": precision}
+        for mode in (False, True) if precision == "fp32" and args.device != "cpu" else (False,):
+            with tf32(mode):
+                eng = engine_for(m, loss, engine, precision=precision, samples_per_class=spc, device=args.device)
+                rows = eng.compute(range(NUM_CLASSES)).rows.cpu()
+            key = "error_tf32" if mode else "error"
+            row[key] = max_relative_error(rows, ref)
+        row["ok"] = row["error"] <= tolerance[precision]
+        results.append(row)
+    real = real_models(args)
+    bad = [r for r in results if not r["ok"]] + [r for r in real if not r["ok"]]
+    tf32_worst = max((r.get("error_tf32", 0.0) for r in results), default=0.0)
+    log.info("exact: %d harness cases, %d real models, %d beyond tolerance; TF32 on: worst fp32 error %.2e",
+             len(results), len(real), len(bad), tf32_worst)  # fmt: skip
+    return {"harness": results, "real_models": real, "beyond_tolerance": bad, "tf32_worst_error": tf32_worst}
+
+
+def real_models(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from benchmarks.real_model_cases import CASES, build_case
+    from classgrad.workers.engines import per_class_gradients
+    from tests.support.engine_cases import max_relative_error
+
+    out = []
+    for name in CASES if not args.quick else CASES[:2]:
+        case = build_case(name, 12)
+        ref = per_class_gradients(copy.deepcopy(case.model).double(), case.samples, num_classes=12, engine="reference")
+        with tf32(False):
+            rows = per_class_gradients(case.model, case.samples, num_classes=12, device=args.device).cpu()
+        # fp32 against float64 on models of a few layers: the harness's bound, with room for
+        # the longer sums of attention and recurrent layers.
+        error = max_relative_error(rows, ref)
+        out.append({"model": name, "error": error, "ok": error <= 1e-5})
+    return out
+
+
+def projection(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.projection_scale import build
+    from classgrad.workers.engines import per_class_gradients
+
+    out = []
+    for name, classes in (("hf_resnet", 200 if args.quick else 2000), ("bag_text", 200 if args.quick else 2000)):
+        model, samples, _ = build(name, classes)
+        proj = {"dim": 256 if args.quick else 4096, "seed": 3}
+        cpu = per_class_gradients(model, samples, num_classes=classes, projection=proj)
+        with tf32(False):
+            dev = per_class_gradients(model, samples, num_classes=classes, projection=proj, device=args.device).cpu()
+        error = float(((dev - cpu).norm(dim=1) / cpu.norm(dim=1).clamp(min=1e-30)).max())
+        out.append({"model": name, "classes": classes, "dim": proj["dim"], "error": error, "ok": error <= 1e-5})
+    return {"cases": out}
+
+
+def scaler(args: argparse.Namespace) -> dict[str, Any]:
+    from torch import nn
+
+    from classgrad import PerClassGradScaler
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        return {"skipped": "fp16 GradScaler on CUDA only"}
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6)).to(device)
+    x, y = torch.randn(24, 8, device=device), torch.randint(0, 6, (24,), device=device)
+    traces = {}
+    for how in ("plain", "classgrad"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scale = torch.amp.GradScaler("cuda", init_scale=2.0**16) if how == "plain" else None
+        per_class = PerClassGradScaler(precision="fp16", init_scale=2.0**16) if how == "classgrad" else None
+        trace = []
+        for step in range(6):
+            opt.zero_grad()
+            xs = x * (1e4 if step in (1, 2) else 1.0)  # two steps that overflow in fp16
+            with torch.autocast("cuda", dtype=torch.float16):
+                logits = model(xs)
+            if scale is not None:
+                scale.scale(nn.functional.cross_entropy(logits.float(), y)).backward()
+                scale.step(opt)
+                scale.update()
+                trace.append(scale.get_scale())
+            else:
+                assert per_class is not None
+                per_class.step_batch(model, xs, y, opt, num_classes=6)
+                trace.append(per_class.get_scale())
+        traces[how] = {"scales": trace, "state": (scale or per_class).state_dict()}  # type: ignore[union-attr]
+    same = traces["plain"]["scales"] == traces["classgrad"]["scales"]
+    return {**traces, "same_scales": same, "ok": same}
+
+
+def headline(args: argparse.Namespace) -> dict[str, Any]:
+    from classgrad.workers import zoo
+    from classgrad.workers.engines import build_engine, projected_options, projection_options
+
+    device = torch.device(args.device)
+    classes, per_class, size = (40, 2, 32) if args.quick else (10000, 10, 224)
+    # 100,000 images of 224 px are 60 GB in float32: made on the device (the H200 holds them; the
+    # engine's batches are then views, no copies), labels on the host, where the grid is planned.
+    y = torch.arange(classes).repeat_interleave(per_class)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(len(y), 3, size, size, device=device, generator=gen)
+    model = zoo.resnet18(classes, small_inputs=size <= 64, seed=0).eval().to(device)
+    dim = 256 if args.quick else 4096
+    batch = args.batch_size
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def floor() -> None:
+        for start in range(0, len(y), batch):
+            xb = x[start : start + batch]
+            loss = torch.nn.functional.cross_entropy(model(xb), y[start : start + batch].to(device), reduction="sum")
+            torch.autograd.grad(loss, params)
+
+    out: dict[str, Any] = {"classes": classes, "per_class": per_class, "image": size, "dim": dim}
+    for precision in ("fp32", "bf16"):
+        if time.perf_counter() - STARTED > args.budget_s * 0.6:
+            out[precision] = {"skipped": "over 60% of the run's budget spent before it"}
+            continue
+        proj = projected_options(projection_options({"dim": dim}))
+        eng = build_engine(model, (x, y), num_classes=classes, batch_size=batch, device=device,
+                           precision=precision, projected=proj)  # fmt: skip
+        first, _ = timed(lambda eng=eng: eng.compute(range(classes)), device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            floor_s, _ = timed(floor, device)
+        out[precision] = {"first_call_s": first, "floor_s": floor_s, "over_floor": first / floor_s}
+        if device.type == "cuda":
+            few = range(min(classes, 64))
+            out[precision]["kernel_over_wall"] = kernel_over_wall(lambda eng=eng, few=few: eng.compute(few), device)
+        log.info("headline %s: %.1f s, floor %.1f s (%.2fx)", precision, first, floor_s, first / floor_s)
+    return out
+
+
+def kernel_over_wall(fn: Callable[[], Any], device: torch.device) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - t0
+    kernels = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e6
+    return kernels / wall
+
+
+def actor(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    from classgrad.service.config import JobConfig
+    from classgrad.service.runtime.preparation import prepare_store
+    from classgrad.workers.runtime.actor import GradientWorker
+
+    classes = 64 if args.quick else 2048
+    with tempfile.TemporaryDirectory() as tmp:
+        job = {
+            "model": {"factory": "classgrad.workers.zoo:mlp",
+                      "kwargs": {"num_classes": classes, "in_features": 64, "hidden": 256}},
+            "data": {"factory": "classgrad.workers.zoo:synthetic_probe",
+                     "kwargs": {"num_classes": classes, "samples_per_class": 4, "kind": "vector",
+                                "input_shape": [64]}, "batch_size": 256},
+            "loss": {"num_classes": classes},
+            "engine": {"device": args.device},
+            "sharding": {"shard_rows": classes // 2},
+            "store": {"url": f"{tmp}/s.zarr", "row_chunk": 32},
+        }  # fmt: skip
+        config = JobConfig.model_validate(job)
+        Path(f"{tmp}/job.yaml").write_text(yaml.safe_dump(job))
+        store = prepare_store(config).store
+        worker = GradientWorker(config.model_dump(mode="json"))
+        device = torch.device(args.device)
+        loop_s, _ = timed(lambda: worker.compute_shard(0), device)
+        engine_s, _ = timed(lambda: worker.engine.compute(range(classes // 2, classes)), device)
+        return {"classes_per_shard": classes // 2, "row_floats": store.dim, "loop_s": loop_s, "engine_s": engine_s,
+                "loop_over_engine": loop_s / engine_s}  # fmt: skip
+
+
+def speed(args: argparse.Namespace) -> dict[str, Any]:
+    """The default projection at C = 10,000 (k = 4,096) on the scale models and the seven real
+    models: a first call over its floor, in this process; then ``gpu_resnet18.py`` (fp32, bf16)
+    and ``training_step.py`` (fp16, bf16, time) as subprocesses, each within what is left of
+    ``--budget-s``."""
+    import subprocess
+
+    from benchmarks.projection_scale import REAL, SCALE_MODELS, _floor, build
+    from classgrad.workers.engines import per_class_gradients
+
+    device = torch.device(args.device)
+    classes, dim = (100, 256) if args.quick else (10000, 4096)
+    out: dict[str, Any] = {"classes": classes, "dim": dim, "models": {}}
+    options = {"num_classes": classes, "device": device, "batch_size": args.batch_size,
+               "projection": {"dim": dim}, "progress": False}  # fmt: skip
+    for name in (*SCALE_MODELS, *REAL) if not args.quick else SCALE_MODELS:
+        try:
+            model, samples, _ = build(name, classes)
+            model.to(device)
+            first, _ = timed(lambda m=model, s=samples: per_class_gradients(m, s, **options), device)
+            floor = _floor(model, samples, classes, dim, args.batch_size)
+            out["models"][name] = {"first_call_s": first, "floor_s": floor, "over_floor": first / floor}
+            log.info("speed %s: %.2f s, floor %.2f s (%.2fx)", name, first, floor, first / floor)
+        except Exception as exc:  # noqa: BLE001 - one model's failure is a finding, not the end
+            out["models"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    quick = ["--quick"] if args.quick else []
+    for label, cmd in (
+        ("gpu_resnet18", ["benchmarks.gpu_resnet18", "--device", args.device, "--precisions", "fp32,bf16", *quick,
+                          "--out", str(Path(args.out) / "gpu_resnet18.json")]),
+        ("training_step", ["benchmarks.training_step", "--device", args.device, "--sections", "time",
+                           "--precisions", "fp16,bf16" if device.type == "cuda" else "fp32", *quick]),
+    ):  # fmt: skip
+        left = args.budget_s - (time.perf_counter() - STARTED)
+        if left < 30:
+            out[label] = {"skipped": f"{left:.0f} s of the budget left"}
+            continue
+        try:
+            done = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=left)
+            out[label] = {"returncode": done.returncode, "tail": done.stdout[-4000:] + done.stderr[-1000:]}
+        except subprocess.TimeoutExpired:
+            out[label] = {"error": f"stopped after {left:.0f} s (the budget)"}
+    return out
+
+
+STARTED = time.perf_counter()
+SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "env": env, "exact": exact, "projection": projection, "scaler": scaler, "headline": headline, "actor": actor,
+    "speed": speed,
+}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True, help="folder for log.txt and gpu_proof.json")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--budget-s", type=float, default=460, help="seconds the whole run may take (speed's subprocesses)")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every section")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stream = io.StringIO()
+    for handler in (logging.StreamHandler(sys.stdout), logging.StreamHandler(stream)):
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    report: dict[str, Any] = {"args": vars(args)}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            report[name] = SECTIONS[name](args)
+        except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            log.info("%s FAILED: %s: %s", name, type(exc).__name__, exc)
+        report[name]["seconds"] = time.perf_counter() - t0
+        log.info("%s done in %.1f s", name, report[name]["seconds"])
+        (out / "gpu_proof.json").write_text(
+            json.dumps(report, indent=2, default=str)
+        )  # after each: a cut run keeps its part
+        (out / "log.txt").write_text(stream.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
