@@ -98,22 +98,22 @@ def env(args: argparse.Namespace) -> dict[str, Any]:
 
 def exact(args: argparse.Namespace) -> dict[str, Any]:
     from tests.support.engine_cases import (
-        BATCH_COUPLED_MODELS,
         LOSS_CASES,
+        LOW_PRECISION_TOLERANCE,
         MODEL_CASES,
         NUM_CLASSES,
-        PARTITIONED_LOSSES,
+        applicable,
         engine_for,
         max_relative_error,
         reference_rows,
     )
 
-    tolerance = {"fp32": 2e-6, "fp16": 1e-2, "bf16": 1e-1}  # tests/unit/test_engines.py's
+    tolerance = {"fp32": 2e-6, **LOW_PRECISION_TOLERANCE}  # tests/unit/test_engines.py's
     cases = []
     for m in MODEL_CASES:
         for loss in LOSS_CASES:
             for engine in ("partitioned", "dense"):
-                if engine == "partitioned" and (loss not in PARTITIONED_LOSSES or m in BATCH_COUPLED_MODELS):
+                if not applicable(m, loss, engine):
                     continue
                 precisions = ["fp32"] + (["fp16", "bf16"] if loss in ("cross_entropy", "logit") else [])
                 cases += [(m, loss, engine, p) for p in precisions]

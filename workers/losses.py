@@ -26,6 +26,19 @@ from classgrad.service.errors import InputError
 from classgrad.workers.imports import import_object
 
 
+def check_label_range(
+    labels: torch.Tensor, num_classes: int, *, prefix: str = "labels outside", item: str = "sample"
+) -> None:
+    """Integer labels all in ``[0, num_classes)``, or one line naming the first that is not (the
+    engines', the training step's and the query rows' check)."""
+    bad = (labels < 0) | (labels >= num_classes)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise InputError(
+            f"{prefix} [0, {num_classes}): {item} {i} has label {int(labels[i])} ({int(bad.sum())} such {item}s)"
+        )
+
+
 class LossKind(ABC):
     """How per-class losses are computed from model outputs and targets."""
 
@@ -97,13 +110,7 @@ class PartitionedLoss(LossKind):
                 f"loss {self.name!r}: targets must be integer class labels of shape [N], "
                 f"got {tuple(targets.shape)} {targets.dtype}"
             )
-        bad = (targets < 0) | (targets >= self.num_classes)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise InputError(
-                f"labels outside [0, {self.num_classes}): sample {i} has label {int(targets[i])} "
-                f"({int(bad.sum())} such samples)"
-            )
+        check_label_range(targets, self.num_classes)
 
     def counts(self, targets: torch.Tensor) -> torch.Tensor:
         return torch.bincount(self.labels(targets), minlength=self.num_classes)

@@ -17,7 +17,7 @@ import zarr
 from classgrad.service.errors import ClassgradError, CorruptChunkError, StoreError, first_line
 from classgrad.service.store.coords import consolidate
 from classgrad.service.store.format import ARRAYS, FORMAT_VERSION, array_dims
-from classgrad.service.store.location import Location
+from classgrad.service.store.location import Location, unreadable
 from classgrad.service.store.retry import io_error, retry_transient
 from classgrad.service.store.verified import CheckedArray, RecordedDigests
 
@@ -47,10 +47,7 @@ class StoreArrays:
             except KeyError:
                 raise StoreError(f"store at {loc.url} has no '{name}' array; it is damaged") from None
             except ValueError as exc:  # a truncated or garbled zarr.json: json's and zarr's own errors
-                raise StoreError(
-                    f"store at {loc.url}: the metadata of '{name}' ({name}/zarr.json) cannot be read "
-                    f"({first_line(exc)}); it is damaged"
-                ) from None
+                raise unreadable(loc.url, f"the metadata of '{name}' ({name}/zarr.json)", exc) from None
             if not isinstance(arr, zarr.Array):
                 raise StoreError(f"store at {loc.url}: '{name}' is not an array; it is damaged")
             # Every chunk is written, even one equal to the fill value, so a written chunk

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import zarr
 
-from classgrad.service.errors import StoreError, first_line
+from classgrad.service.errors import StoreError
 from classgrad.service.store.format import (
     ARRAY_DIMS,
     CLASS_ID,
@@ -30,7 +30,7 @@ from classgrad.service.store.format import (
     StoreSpec,
     codecs,
 )
-from classgrad.service.store.location import Location
+from classgrad.service.store.location import Location, unreadable
 
 ZARR_JSON = "zarr.json"
 
@@ -220,7 +220,7 @@ def _parsed(loc: Location, key: str, data: bytes) -> dict:
     try:
         return json.loads(data)
     except ValueError as exc:  # truncated or garbled (UnicodeDecodeError is a ValueError too)
-        raise StoreError(f"store at {loc.url}: {key} cannot be read ({first_line(exc)}); it is damaged") from None
+        raise unreadable(loc.url, key, exc) from None
 
 
 def _children(loc: Location) -> list[str]:

@@ -32,7 +32,7 @@ from classgrad.service.store.coords import consolidated_problems
 from classgrad.service.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
 from classgrad.service.store.indexing import col_range, row_ids
 from classgrad.service.store.lease import StoreLease
-from classgrad.service.store.location import Location
+from classgrad.service.store.location import Location, unreadable
 from classgrad.service.store.params import ParamSlot
 from classgrad.service.store.preconditioner import Preconditioners, rows_digest
 from classgrad.service.store.reader import RowReader
@@ -63,7 +63,7 @@ class GradStore:
         except FileNotFoundError:
             raise StoreError(f"no classgrad store at {url} ({loc.why_absent()})") from None
         except ValueError as exc:  # a truncated or garbled zarr.json
-            raise StoreError(f"store at {url}: zarr.json cannot be read ({first_line(exc)}); it is damaged") from None
+            raise unreadable(url, "zarr.json", exc) from None
         except Exception as exc:
             raise StoreError(f"cannot open store at {url}: {first_line(exc, with_type=True)}") from None
         meta = group.attrs.get(ATTR_KEY)

@@ -114,6 +114,11 @@ class Location:
         return "no Zarr group there"
 
 
+def unreadable(url: str, what: str, exc: BaseException) -> StoreError:
+    """The one line for a metadata document of a store that cannot be parsed (truncated or garbled)."""
+    return StoreError(f"store at {url}: {what} cannot be read ({first_line(exc)}); it is damaged")
+
+
 def probe(loc: Location) -> tuple[str, dict | None]:
     """What is at a location: 'empty', 'other', 'creating' or 'ready' (+ classgrad metadata)."""
     try:
@@ -123,7 +128,7 @@ def probe(loc: Location) -> tuple[str, dict | None]:
     except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):
         return "other", None
     except ValueError as exc:  # a truncated or garbled zarr.json
-        raise StoreError(f"store at {loc.url}: zarr.json cannot be read ({first_line(exc)}); it is damaged") from None
+        raise unreadable(loc.url, "zarr.json", exc) from None
     except Exception as exc:
         raise StoreError(f"cannot read store location {loc.url}: {first_line(exc, with_type=True)}") from None
     meta = group.attrs.get(ATTR_KEY)

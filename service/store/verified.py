@@ -160,7 +160,8 @@ class DigestCheckingStore(WrapperStore[Store]):
             self.written[key] = (len(data), chunk_digest(key, (data,)))
 
     async def _check(self, key: str, prototype: BufferPrototype, data: Buffer) -> None:
-        """Raise unless ``data``, the whole object ``key``, is what its shard's record holds."""
+        """Note (``RecordedDigests.check``) whether ``data``, the whole object ``key``, is what its
+        shard's record holds, reading that record first when this store has not yet."""
         digests = self.digests
         shard = None if digests is None else digests.shard_of(key)
         if digests is None or shard is None:

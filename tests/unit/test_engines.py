@@ -13,12 +13,13 @@ from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, per_class_gradients
 from classgrad.workers.layout import ParamLayout
 from tests.support.engine_cases import (
-    BATCH_COUPLED_MODELS,
     EMPTY_CLASS,
     LOSS_CASES,
+    LOW_PRECISION_TOLERANCE,
     MODEL_CASES,
     NUM_CLASSES,
     PARTITIONED_LOSSES,
+    applicable,
     engine_for,
     max_relative_error,
     reference_rows,
@@ -28,18 +29,12 @@ from tests.support.engine_cases import (
 ENGINE_CASES = ["partitioned", "dense", "reference"]
 
 
-def _applicable(model_case: str, loss_case: str, engine: str) -> bool:
-    if engine != "partitioned":
-        return True
-    return loss_case in PARTITIONED_LOSSES and model_case not in BATCH_COUPLED_MODELS
-
-
 MATRIX = [
     pytest.param(m, loss, e, id=f"{e}-{loss}-{m}")
     for m in MODEL_CASES
     for loss in LOSS_CASES
     for e in ENGINE_CASES
-    if _applicable(m, loss, e)
+    if applicable(m, loss, e)
 ]
 
 
@@ -81,15 +76,7 @@ def test_rows_come_in_the_order_asked_for():
 
 # --- mixed precision ----------------------------------------------------------------------
 
-# Unit roundoff u: fp16 2^-11 = 4.9e-4, bf16 2^-8 = 3.9e-3. Activations, weight copies and
-# activation gradients are rounded about once per layer; over the 3-6 layers of these models the
-# rows land within a few u of the truth, more where a class's per-sample gradients cancel (the
-# error scales with the sum of the parts, not with their small sum). Observed worst cases:
-# fp16 4.3e-3 (9u), bf16 4.4e-2 (11u, a class whose samples' gradients largely cancel; all three
-# engines give that same row bit for bit), BatchNorm in train mode (batch statistics in low
-# precision) fp16 3.6e-3 and bf16 4.1e-2. The bounds, about 20-25u, leave room for those and
-# still sit far below what a missing unscale (error ~1e4) or a wrong row (error ~1) would give.
-LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
+# The bounds and why: tests/support/engine_cases.LOW_PRECISION_TOLERANCE (about 20-25 unit roundoffs).
 
 LOW_PRECISION_MATRIX = [
     pytest.param(m, loss, e, p, id=f"{p}-{e}-{loss}-{m}")
@@ -97,7 +84,7 @@ LOW_PRECISION_MATRIX = [
     for loss in ("cross_entropy", "logit")
     for e in ("partitioned", "dense")
     for p in ("fp16", "bf16")
-    if _applicable(m, loss, e)
+    if applicable(m, loss, e)
 ]
 
 

@@ -15,15 +15,21 @@ from torch import nn
 from classgrad.workers import zoo
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for, rule_io
 from classgrad.workers.layout import ParamSlot
-from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
+from tests.support.engine_cases import (
+    EMPTY_CLASS,
+    LOW_PRECISION_TOLERANCE,
+    NUM_CLASSES,
+    fell_back,
+    max_relative_error,
+    zero_rows,
+)
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference
 
 # float32 has a unit roundoff of 6e-8; these tiny models sum at most a few hundred terms per entry,
 # so rows stay within a few roundoffs of the float64 reference (the engines' contract).
 FP32_TOLERANCE = 1e-5
-# As test_engines' LOW_PRECISION_TOLERANCE (about 20-25 unit roundoffs of the half type): inputs,
-# activations and their gradients are rounded once per layer in these few-layer models.
-LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
+# The engines' LOW_PRECISION_TOLERANCE (engine_cases: about 20-25 unit roundoffs of the half type):
+# inputs, activations and their gradients are rounded once per layer in these few-layer models.
 
 
 # Every test measures and spot-checks anew (tests/conftest.py).

@@ -17,7 +17,14 @@ from transformers.pytorch_utils import Conv1D
 
 from classgrad.workers import zoo
 from classgrad.workers.engines.layer_rules import RULES, rule_for
-from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
+from tests.support.engine_cases import (
+    EMPTY_CLASS,
+    LOW_PRECISION_TOLERANCE,
+    NUM_CLASSES,
+    fell_back,
+    max_relative_error,
+    zero_rows,
+)
 from tests.support.rule_cases import Tokens, assert_hook_path, rows_and_reference, token_probe
 
 VOCAB, SEQ = 23, 7
@@ -259,9 +266,8 @@ def test_gpt2_mlp_takes_the_hook_path():
     _check_exact(GPT2MLPClassifier(), _vector_probe(24), {Conv1D, nn.Linear})
 
 
-# As test_engines' LOW_PRECISION_TOLERANCE (about 20-25 unit roundoffs of the half type): inputs,
-# activations and their gradients are rounded once per layer in these few-layer models.
-LOW_PRECISION_TOLERANCE = {"fp16": 1e-2, "bf16": 1e-1}
+# The engines' LOW_PRECISION_TOLERANCE (engine_cases: about 20-25 unit roundoffs of the half type):
+# inputs, activations and their gradients are rounded once per layer in these few-layer models.
 LOW_PRECISION_CASES = {
     "embedding_padding_idx": (
         lambda: EmbedClassifier(_embedding(padding_idx=PAD)),

@@ -158,7 +158,7 @@ def test_bf16_on_a_hf_model_matches_the_reference_within_the_engine_tolerance(mo
     rows = per_class_gradients(hf_jobs.job_bert(C), data, num_classes=C, precision="bf16", **options)
     ref = reference(hf_jobs.job_bert(C), data, C, **options)
     assert bool(torch.isfinite(rows).all())
-    # bf16 bound of tests/unit/test_engines.py (LOW_PRECISION_TOLERANCE, about 25 unit roundoffs).
+    # bf16 bound of the engines (tests/support/engine_cases.LOW_PRECISION_TOLERANCE, about 25 unit roundoffs).
     assert max_relative_error(rows, ref) <= 1e-1
 
 

@@ -88,7 +88,7 @@ def test_hf_units_take_one_copy_per_sample_after_the_check(name):
     assert max_relative_error(got, ref) <= TOL
 
 
-# The engines' low-precision bounds (test_engines.LOW_PRECISION_TOLERANCE: about 20 unit
+# The engines' low-precision bounds (engine_cases.LOW_PRECISION_TOLERANCE: about 20 unit
 # roundoffs); observed here 3e-4 to 1e-3 in fp16 and 3e-3 to 7e-3 in bf16.
 HALF_TOL = {"fp16": 1e-2, "bf16": 1e-1}
 
@@ -544,7 +544,7 @@ def test_a_unit_vmap_cannot_batch_is_done_class_by_class():
     assert max_relative_error(got, ref) <= TOL
 
 
-# fp16 rows against the float64 reference: LOW_PRECISION_TOLERANCE in test_engines (about 20u).
+# fp16 rows against the float64 reference: engine_cases.LOW_PRECISION_TOLERANCE (about 20u).
 FP16_TOL = 1e-2
 
 

@@ -220,7 +220,7 @@ class ChunkedSketchUnit(SketchedMatrix):
         """``[n, chunk_pairs * dim]`` (entries added at their columns) -> ``[n, dim]``: each chunk
         pair filtered, then summed (one pair: the columns as they are)."""
         if self.chunk_pairs == 1:
-            return pairs if out is None else out.copy_(pairs)
+            return super().combine(pairs, out)
         if pairs.dtype not in (torch.float32, torch.float64):  # half-precision FFTs: CUDA and powers of 2 only
             pairs = pairs.float()
         spectra = torch.fft.rfft(pairs.reshape(pairs.shape[0], self.chunk_pairs, self.dim), dim=2)

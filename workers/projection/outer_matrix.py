@@ -152,8 +152,11 @@ class SketchedMatrix(OuterMatrix):
         raise NotImplementedError
 
     def combine(self, pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[n, chunk_pairs * dim]`` entries added at their columns -> ``[n, dim]``."""
-        raise NotImplementedError
+        """``[n, chunk_pairs * dim]`` entries added at their columns -> ``[n, dim]``: with one chunk
+        pair, the columns as they are (a unit of several overrides this)."""
+        if self.chunk_pairs != 1:
+            raise NotImplementedError
+        return pairs if out is None else out.copy_(pairs)
 
     def sketch(
         self, matrices: torch.Tensor, out: torch.Tensor | None = None, *, channels_inner: int | None = None

@@ -222,10 +222,6 @@ class SketchUnit(SketchedMatrix):
         h1, n1, h2, n2 = self.hashes(device)
         return (h1[i, 0] + h2[j, 0]) % self.dim, n1[i, 0] ^ n2[j, 0]
 
-    def combine(self, pairs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[n, dim]`` entries added at their columns -> the unit's columns (the same)."""
-        return pairs if out is None else out.copy_(pairs)
-
     def _flat_columns(
         self, start: int, stop: int, device: torch.device, channels: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from classgrad.service.config import JobConfig
 from classgrad.service.errors import InputError, StoreError, first_line
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.losses import PartitionedLoss, create_loss
+from classgrad.workers.losses import PartitionedLoss, check_label_range, create_loss
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.runtime.actor import build_projector, project_rows_for, projection_record, stored_blocks
@@ -100,13 +100,7 @@ def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
     failed inside the hook path, whose refusal advised a dense projection)."""
     if labels.ndim != 1 or labels.is_floating_point():
         return  # what the loss itself checks
-    bad = (labels < 0) | (labels >= num_classes)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise InputError(
-            f"query labels outside the store's classes [0, {num_classes}): example {i} has label "
-            f"{int(labels[i])} ({int(bad.sum())} such examples)"
-        )
+    check_label_range(labels, num_classes, prefix="query labels outside the store's classes", item="example")
 
 
 class QueryLoss(PartitionedLoss):

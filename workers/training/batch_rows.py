@@ -28,7 +28,7 @@ from classgrad.service.errors import ClassgradError, InputError, RowOverflowErro
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.losses import create_loss
+from classgrad.workers.losses import check_label_range, create_loss
 from classgrad.workers.model_io import ModelIO
 from classgrad.workers.probe import ProbeSet, tree_map_tensors
 
@@ -79,12 +79,7 @@ def check_labels(labels: Any, num_classes: int, size: int | None) -> torch.Tenso
     if size is not None and size != len(labels):
         raise InputError(f"inputs hold {size} samples but labels {len(labels)}")
     labels = labels.long()
-    bad = (labels < 0) | (labels >= num_classes)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise InputError(
-            f"labels outside [0, {num_classes}): sample {i} has label {int(labels[i])} ({int(bad.sum())} such samples)"
-        )
+    check_label_range(labels, num_classes)
     return labels
 
 
