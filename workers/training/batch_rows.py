@@ -26,6 +26,7 @@ from torch import nn
 
 from classgrad.service.errors import ClassgradError, InputError, RowOverflowError, first_line
 from classgrad.workers.amp import PrecisionPolicy
+from classgrad.workers.engines import host_device
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import check_label_range, create_loss
@@ -72,13 +73,15 @@ def fp16_graph(loss: torch.Tensor) -> bool:
 
 
 def check_labels(labels: Any, num_classes: int, size: int | None) -> torch.Tensor:
-    """Integer class labels ``[N]`` in ``[0, num_classes)``; one line otherwise."""
+    """Integer class labels ``[N]`` in ``[0, num_classes)``, on the host; one line otherwise."""
     if not isinstance(labels, torch.Tensor) or labels.ndim != 1 or labels.is_floating_point() or len(labels) == 0:
         shown = list(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise InputError(f"labels must be integer class labels [N] (N > 0), got {shown}")
     if size is not None and size != len(labels):
         raise InputError(f"inputs hold {size} samples but labels {len(labels)}")
-    labels = labels.long()
+    # The step's one read of its labels: the host plans the run from them (classes present,
+    # their samples), and checks them, without another read from the device.
+    labels = host_device.to_host(labels).long()
     check_label_range(labels, num_classes)
     return labels
 
@@ -105,7 +108,7 @@ def fast_rows(
     """``(rows, class_ids, found_inf)`` of the classes present in the batch, by the partitioned
     engine; fp16 rows at loss scale ``scale`` (never a smaller one: an overflow is ``found_inf``)."""
     device = next(model.parameters()).device
-    class_ids = torch.unique(labels.cpu())
+    class_ids = torch.unique(labels)  # host labels (check_labels)
     # One run over the whole batch: the probe's batch size is the batch, and the group holds
     # every class present.
     probe = ProbeSet((inputs, labels), batch_size=len(labels), digest_now=False)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from classgrad.workers.engines import host_device
 from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
@@ -72,7 +73,7 @@ def conv_route(module: ConvNd, seen: LayerCapture) -> str:
     (patches and one batched product), ``by_size`` (classes of unequal size, small layers: a
     grouped backward per class size), ``per_class`` (unequal size, larger layers), or one
     grouped backward in ``channels_last`` or ``contiguous`` layout."""
-    on_cpu = seen.grads.device.type in rule_io.CPU_ROUTE_DEVICES
+    on_cpu = rule_io.cpu_routes(seen.grads.device)
     positions = math.prod(seen.grads.shape[2:])
     if on_cpu and positions <= FEW_POSITIONS:
         return "tokens"
@@ -164,7 +165,7 @@ class ConvFactors(OuterFactors):
         gw = G.new_zeros(seen.k, *module.weight.shape) if want_weight else None
         gb = G.new_zeros(seen.k, cout) if want_bias else None
         start = 0
-        for i, n in enumerate(seen.grid.counts(G.device).tolist()):
+        for i, n in enumerate(seen.grid.sizes):
             if n == 0:
                 continue
             _, w, b = torch.ops.aten.convolution_backward(
@@ -197,16 +198,17 @@ class ConvFactors(OuterFactors):
         module, seen = self.module, self.seen
         dtype = seen.grid.dtype
         G, A = seen.grads.to(dtype), seen.inputs.to(dtype)  # [total, ...], class after class
-        counts = seen.grid.counts(G.device)
-        first = torch.cumsum(counts, 0) - counts
+        sizes = seen.grid.sizes  # host: which samples each call takes is worked out there
+        first = torch.cumsum(torch.tensor(sizes), 0) - torch.tensor(sizes)
         gw = G.new_zeros(seen.k, *module.weight.shape) if want_weight else None
         gb = G.new_zeros(seen.k, module.out_channels) if want_bias else None
-        for n in torch.unique(counts[counts > 0]).tolist():
-            classes = (counts == n).nonzero().squeeze(1)
-            k = len(classes)
+        for n in sorted(set(sizes) - {0}):
+            picked = [i for i, size in enumerate(sizes) if size == n]
+            k = len(picked)
             groups = -(-k // GROUPS_STEP) * GROUPS_STEP
-            padded = torch.cat([classes, classes[-1:].expand(groups - k)])
-            take = (first[padded].unsqueeze(1) + torch.arange(n, device=G.device)).reshape(-1)
+            padded = torch.tensor(picked + picked[-1:] * (groups - k))
+            take = host_device.to_device((first[padded].unsqueeze(1) + torch.arange(n)).reshape(-1), G.device)
+            classes = host_device.to_device(torch.tensor(picked), G.device)
             w, b = self._grouped(
                 "contiguous",
                 G.index_select(0, take).view(groups, n, *G.shape[1:]),

@@ -64,5 +64,5 @@ def register_hf_conv1d() -> bool:
         log.debug("transformers does not import: no layer rule for its Conv1D")
         return False
     if Conv1D not in RULES:
-        register_rule(Conv1D)(hf_conv1d_sums)
+        register_rule(Conv1D, live_tokens=True)(hf_conv1d_sums)
     return True

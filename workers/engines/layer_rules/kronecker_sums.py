@@ -62,7 +62,7 @@ def _project_pair(
 def projected_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s projected ``[dW_i | db_i]`` (``unit.width`` columns) into ``out``'s weight columns."""
     conv = isinstance(getattr(factors, "module", None), (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-    ragged = factors.ragged() if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES and not conv else None
+    ragged = factors.ragged() if rule_io.cpu_routes(out.run.rows.device) and not conv else None
     if ragged is not None:
         _ragged_projected_sums(ragged, out, unit)
         return
@@ -131,11 +131,11 @@ def projected_embedding_sums(module: nn.Embedding, seen: Any, out: LayerRows, un
     shape = (out.k, unit.k_out, unit.k_in)
     sums = target.view(shape) if target is not None else gp.new_empty(shape)
     grid = seen.grid
-    if grid.spots is not None and grads.device.type in rule_io.CPU_ROUTE_DEVICES:
+    if grid.spots is not None and rule_io.cpu_routes(grads.device):
         # Unpadded: one product per class on its own samples (they come class after class).
         positions = idx.shape[1]
         gp, ap = gp.reshape(-1, unit.k_out), ap.reshape(-1, unit.k_in)
-        tokens = [n * positions for n in grid.counts(grads.device).tolist()]
+        tokens = [n * positions for n in grid.sizes]
         Ragged(gp, ap, tokens, positions).per_class_mm(gp, ap, sums)
     else:  # the padded grid: one batched product
         gk = seen.by_class(gp).reshape(out.k, -1, unit.k_out)

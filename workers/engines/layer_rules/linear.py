@@ -11,7 +11,7 @@ from torch import nn
 
 from classgrad.workers.engines.layer_rules.outer import OuterFactors, class_outer_sums
 from classgrad.workers.engines.layer_rules.registry import register_rule
-from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, Ragged, live_tokens
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, Ragged
 
 # Dead tokens (an output gradient of zeros) are dropped when at most this fraction of a run's
 # tokens is live: a decoder's classifier head, which scores every position and keeps one
@@ -42,14 +42,14 @@ class LinearFactors(OuterFactors):
             # Products of a few tokens: a loop over classes costs more in calls than the padding
             # saves (an MLP of classes of 1 to 4 samples: 5-10% slower than the padded grid).
             return None
-        alive = live_tokens(seen.grads.reshape(-1, seen.grads.shape[-1])) if live else None
+        alive = seen.live if live else None  # read by the hook path, with every layer's
         if alive is not None and not 0 < int(alive.sum()) <= DROP_BELOW * alive.numel():
             # A sequence's padding (the classes' varied token counts cost more calls), or nothing
             # live at all (the sums are zero either way; the rules read at least one token).
             alive = None
         if alive is None and seen.grid.spots is None:
             return None
-        tokens = (seen.grid.counts(first.device) * per_sample).tolist()
+        tokens = [n * per_sample for n in seen.grid.sizes]
         dtype = seen.grid.dtype
         found = Ragged(
             first.reshape(-1, first.shape[-1]).to(dtype),
@@ -70,6 +70,6 @@ class LinearFactors(OuterFactors):
         return self._tokens(self.seen.inputs)
 
 
-@register_rule(nn.Linear)
+@register_rule(nn.Linear, live_tokens=True)
 def linear_sums(module: nn.Linear, seen: LayerCapture, out: LayerRows) -> None:
     class_outer_sums(LinearFactors(seen), out)

@@ -164,7 +164,7 @@ def module_class_grads(
             want = _by_vjp(module, args, kwargs, grad_outputs, grid, kinds)
             # Decided on a run of two or more classes with samples: with one, any attribution
             # of the gradient to samples sums to the same class total.
-            if int((grid.counts(want[kinds[0]].device) > 0).sum()) >= 2:
+            if sum(n > 0 for n in grid.sizes) >= 2:
                 choices.PER_SAMPLE_LEAVES[module] = _close(got, want)
             return want
     return _by_vjp(module, args, kwargs, grad_outputs, grid, kinds)
@@ -331,11 +331,9 @@ def _looped(
     ``torch.autograd.grad`` of the module each (what vmap would do, as a loop)."""
     lay = _Layout(module, args, kwargs, grad_outputs, grid.total)
     own, frozen = _split_params(module, kinds)
-    device = next(iter(own.values())).device
-    counts = grid.counts(device).tolist()
     out = {name: torch.zeros(grid.k, *p.shape, dtype=p.dtype, device=p.device) for name, p in own.items()}
     start = 0
-    for i, n in enumerate(counts):
+    for i, n in enumerate(grid.sizes):
         if n == 0:
             continue
         leaves = [None if d is None else t.narrow(d, start, n) for t, d in zip(lay.leaves, lay.in_dims)]

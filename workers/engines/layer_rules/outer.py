@@ -101,7 +101,7 @@ def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
         return
     # On a CPU, classes of unequal size: one product per class on its own slice of tokens (no
     # padded copies, no products of padding; a loop a GPU would pay for in launches).
-    ragged = factors.ragged(live=True) if out.run.rows.device.type in rule_io.CPU_ROUTE_DEVICES else None
+    ragged = factors.ragged(live=True) if rule_io.cpu_routes(out.run.rows.device) else None
     if ragged is not None:
         _ragged_sums(ragged, out)
         return

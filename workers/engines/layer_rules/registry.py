@@ -81,6 +81,7 @@ class LayerRule(Generic[M]):
     sums: SumsFn[M]
     applies: AppliesFn[M] = _always
     kinds: tuple[str, ...] = ("weight", "bias")
+    live_tokens: bool = False
 
 
 RULES: dict[type[nn.Module], LayerRule[Any]] = {}
@@ -95,12 +96,15 @@ def register_rule(
     *,
     applies: AppliesFn[M] | None = None,
     kinds: tuple[str, ...] = ("weight", "bias"),
+    live_tokens: bool = False,
     replace: bool = False,
 ) -> Callable[[S], S]:
     """Register the decorated ``sums(module, seen, out)`` as the rule for ``module_type``.
 
     ``applies(module)`` says why a given layer is outside the rule (None: it applies); ``kinds``
-    are the parameter names the rule computes. A type already registered needs ``replace=True``.
+    are the parameter names the rule computes; ``live_tokens``: the rule reads ``seen.live``
+    (on the CPU's routes the hook path then finds the live tokens of every such layer of a run
+    in one read). A type already registered needs ``replace=True``.
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_rule needs an nn.Module subclass, got {module_type!r}")
@@ -111,7 +115,7 @@ def register_rule(
                 f"a layer rule for {module_type.__name__} is already registered "
                 f"({RULES[module_type].sums.__qualname__}); pass replace=True to change it"
             )
-        RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds))
+        RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds), live_tokens)
         return sums
 
     return decorate

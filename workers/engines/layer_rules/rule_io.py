@@ -9,39 +9,72 @@ Holds:
   ``TokenSums``: per-class sums of a unit's ``[N, T, ...]`` tensors (outer products, totals).
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
-- ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``live_tokens``: the tokens whose
+- ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``token_liveness``: the tokens whose
   output gradient is not all zero; ``CPU_ROUTE_DEVICES``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 
+from classgrad.workers.engines import host_device
 from classgrad.workers.layout import ParamSlot
 
 # Device types that take the CPU's routes: a loop over a run's classes on unpadded samples, and
 # sums by class as one indexed add. A GPU pays a launch per class for the loop, and its indexed
 # add is atomic (its order, and so the rows' last bits, change from run to run): it pads instead.
 CPU_ROUTE_DEVICES = ("cpu",)
+_ROUTES_AS: list[str] = []  # see routes_as
+
+
+def route_kind(device: torch.device) -> str:
+    """The device type whose routes a tensor on ``device`` takes: its own, or within
+    ``routes_as`` the one named there."""
+    return _ROUTES_AS[-1] if _ROUTES_AS else device.type
+
+
+def cpu_routes(device: torch.device) -> bool:
+    """Whether work on ``device`` takes the CPU's routes (see ``CPU_ROUTE_DEVICES``)."""
+    return route_kind(device) in CPU_ROUTE_DEVICES
+
+
+@contextlib.contextmanager
+def routes_as(kind: str) -> Iterator[None]:
+    """Within the ``with``, every route is chosen as on a ``kind`` device (``"cuda"``): how the
+    tests run a GPU's routes, and count their reads from the device, on a CPU."""
+    _ROUTES_AS.append(kind)
+    try:
+        yield
+    finally:
+        _ROUTES_AS.pop()
+
 
 # A row whose entries are all bounded by this is finite, with room for the sums that form it.
 FINITE_BOUND = 1e37
 
 
+def token_liveness(grads: torch.Tensor) -> torch.Tensor:
+    """bool ``[tokens]`` on ``grads``' device, not read: the rows of ``grads`` ``[..., features]``
+    that are not all zero (by their largest and smallest entry: one pass, 10x faster than ``any``
+    on a CPU; a NaN is live). A row of zeros (a position the loss never reads: a decoder's
+    classifier head scores every position and keeps the last) adds nothing to any sum of outer
+    products, so it can be left out exactly. The hook path reads every layer's at once."""
+    flat = grads.reshape(-1, grads.shape[-1])
+    if flat.shape[1] == 0:
+        return torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+    lo, hi = torch.aminmax(flat, dim=1)
+    return (lo != 0) | (hi != 0)
+
+
 def live_tokens(grads: torch.Tensor) -> torch.Tensor | None:
-    """bool ``[tokens]``: the rows of ``grads`` ``[tokens, features]`` that are not all zero, or
-    None when every row is. A row of zeros (a position the loss never reads: a decoder's
-    classifier head scores every position and keeps the last) adds nothing to any sum of
-    outer products, so it can be left out exactly. Rows are screened by their first entry (one
-    strided read); only if some start with a zero is the whole tensor read, by its largest and
-    smallest entry per row (10x faster than ``any`` on a CPU; a NaN is live)."""
-    if grads.shape[0] == 0 or grads.shape[1] == 0 or not bool((grads[:, 0] == 0).any()):
-        return None
-    live = (grads.amax(dim=1) != 0) | (grads.amin(dim=1) != 0)
+    """``token_liveness`` read to the host, or None when every row is live (tests, benchmarks)."""
+    live = token_liveness(grads).cpu()
     return None if bool(live.all()) else live
 
 
@@ -53,39 +86,66 @@ def peak(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ClassGrid:
-    """A run of ``k`` classes laid out as ``[k, width]``; ``spots`` are the grid positions of the
-    run's samples (None: every class has ``width`` samples, so ``[total]`` already is the grid)."""
+    """A run of ``k`` classes laid out as ``[k, width]``: the plan of one micro-batch, made on the
+    host from its labels before the forward (``build``) and handed to every layer rule, so that
+    no rule reads the layout back from the device. ``sizes``: samples of each class (host);
+    ``owner``: each sample's class (``[total]``, on the device); ``spots``: the grid positions of
+    the run's samples (None: every class has ``width`` samples, so ``[total]`` already is the grid)."""
 
     k: int
     width: int
     spots: torch.Tensor | None
     dtype: torch.dtype
+    sizes: tuple[int, ...]
+    owner: torch.Tensor
+
+    @classmethod
+    def build(cls, sizes: Sequence[int], dtype: torch.dtype, device: torch.device) -> ClassGrid:
+        """The grid of a run whose classes have ``sizes`` samples each, class after class: made
+        on the host, moved to ``device`` in one copy (no ``spots`` when the sizes are equal)."""
+        sizes = tuple(int(n) for n in sizes)
+        width = max(sizes, default=0)
+        counts = torch.tensor(sizes, dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+        if all(n == width for n in sizes):
+            return cls(len(sizes), width, None, dtype, sizes, host_device.to_device(owner, device))
+        within = torch.arange(len(owner)) - (torch.cumsum(counts, 0) - counts)[owner]
+        both = host_device.to_device(torch.stack([owner, owner * width + within]), device)
+        return cls(len(sizes), width, both[1], dtype, sizes, both[0])
 
     @classmethod
     def of_counts(cls, counts: torch.Tensor, dtype: torch.dtype) -> ClassGrid:
-        """The grid of a run whose classes have ``counts`` samples each, class after class (no
-        ``spots`` when they are all equal, as the hook path lays a run out)."""
-        width = int(counts.max())
-        if bool((counts == width).all()):
-            return cls(len(counts), width, None, dtype)
-        owner = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
-        within = torch.arange(len(owner), device=counts.device) - (torch.cumsum(counts, 0) - counts)[owner]
-        return cls(len(counts), width, owner * width + within, dtype)
+        """``build`` from a tensor of counts (tests, benchmarks: reads them once)."""
+        return cls.build(counts.tolist(), dtype, counts.device)
+
+    @cached_property
+    def groups(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Classes of equal size, one entry per distinct size above 0: ``(classes, samples)``, the
+        classes' positions ``[n]`` and their samples ``[n * size]`` (class after class), on the
+        device, made on the host; ``samples`` None when every class has ``width`` samples."""
+        device = self.owner.device
+        if self.spots is None:
+            return [(host_device.to_device(torch.arange(self.k), device), None)]
+        starts = torch.cumsum(torch.tensor(self.sizes), 0) - torch.tensor(self.sizes)
+        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for size in sorted(set(self.sizes) - {0}):
+            classes = torch.tensor([i for i, n in enumerate(self.sizes) if n == size])
+            samples = (starts[classes].unsqueeze(1) + torch.arange(size)).reshape(-1)
+            out.append((host_device.to_device(classes, device), host_device.to_device(samples, device)))
+        return out
 
     @property
     def total(self) -> int:
         """How many samples the run has (class after class)."""
-        return self.k * self.width if self.spots is None else len(self.spots)
+        return len(self.owner)
 
     def sample_class(self, device: torch.device) -> torch.Tensor:
         """``[total]``: each sample's position in the run (which of the ``k`` classes)."""
-        if self.spots is None:
-            return torch.arange(self.total, device=device) // max(self.width, 1)
-        return self.spots.to(device) // self.width
+        return self.owner.to(device)
 
     def counts(self, device: torch.device) -> torch.Tensor:
-        """``[k]``: samples of each class in the run."""
-        return torch.bincount(self.sample_class(device), minlength=self.k)
+        """``[k]``: samples of each class in the run (from the host's ``sizes``)."""
+        return host_device.to_device(torch.tensor(self.sizes), device)
 
     def copies(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(take, real)``, both ``[k * width]``: the sample (index into ``[total]``) at each grid
@@ -105,7 +165,7 @@ class ClassGrid:
         t = t.to(self.dtype)
         if self.spots is None:
             return t.reshape(self.k, self.width, *t.shape[1:]).sum(dim=1)
-        if t.device.type in CPU_ROUTE_DEVICES:
+        if cpu_routes(t.device):
             return t.new_zeros(self.k, *t.shape[1:]).index_add_(0, self.sample_class(t.device), t)
         return self.padded(t).sum(dim=1)
 
@@ -130,15 +190,16 @@ class Ragged:
     per_sample: int
 
     def owner(self, device: torch.device) -> torch.Tensor:
-        """int64 ``[tokens]``: each token's class (its position in the run)."""
-        return torch.repeat_interleave(
-            torch.arange(len(self.tokens), device=device), torch.tensor(self.tokens, device=device)
-        )
+        """int64 ``[tokens]``: each token's class (its position in the run), made on the host."""
+        return host_device.to_device(self._owner(), device)
+
+    def _owner(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.tokens)), torch.tensor(self.tokens, dtype=torch.long))
 
     def keeping(self, live: torch.Tensor) -> Ragged:
-        """The tokens where ``live`` (bool ``[tokens]``) is set, each class keeping its own."""
-        tokens = torch.bincount(self.owner(live.device)[live], minlength=len(self.tokens)).tolist()
-        take = live.nonzero().squeeze(1)
+        """The tokens where ``live`` (bool ``[tokens]``, host) is set, each class keeping its own."""
+        tokens = torch.bincount(self._owner()[live], minlength=len(self.tokens)).tolist()
+        take = host_device.to_device(live.nonzero().squeeze(1), self.grads.device)
         return Ragged(self.grads.index_select(0, take), self.inputs.index_select(0, take), tokens, 0)
 
     def per_class_mm(self, first: torch.Tensor, second: torch.Tensor, out: torch.Tensor) -> None:
@@ -146,19 +207,21 @@ class Ragged:
 
         One batched product per distinct token count (classes of 1 to 4 samples: 4 products),
         not one product per class: at 64x64 layers a product per class cost twice as much in
-        calls as the gather of each group's tokens (``benchmarks.sketch_kernels --section mm``)."""
+        calls as the gather of each group's tokens (``benchmarks.sketch_kernels --section mm``).
+        Which tokens each product takes is worked out on the host from ``tokens``."""
         device = first.device
-        tokens = torch.tensor(self.tokens, device=device)
-        starts = torch.cumsum(tokens, 0) - tokens
+        starts = torch.cumsum(torch.tensor(self.tokens, dtype=torch.long), 0).tolist()
         for n in sorted(set(self.tokens)):
-            classes = (tokens == n).nonzero().squeeze(1)
+            picked = [i for i, t in enumerate(self.tokens) if t == n]
+            classes = host_device.to_device(torch.tensor(picked), device)
             if n == 0:
                 out.index_fill_(0, classes, 0.0)
                 continue
-            take = (starts[classes].unsqueeze(1) + torch.arange(n, device=device)).reshape(-1)
-            a = first.index_select(0, take).view(len(classes), n, first.shape[1])
-            b = second.index_select(0, take).view(len(classes), n, second.shape[1])
-            if len(classes) == out.shape[0]:
+            take = (torch.tensor([starts[i] - n for i in picked]).unsqueeze(1) + torch.arange(n)).reshape(-1)
+            take = host_device.to_device(take, device)
+            a = first.index_select(0, take).view(len(picked), n, first.shape[1])
+            b = second.index_select(0, take).view(len(picked), n, second.shape[1])
+            if len(picked) == out.shape[0]:
                 torch.bmm(a.transpose(1, 2), b, out=out)
             else:
                 out.index_copy_(0, classes, torch.bmm(a.transpose(1, 2), b))
@@ -172,21 +235,9 @@ class TokenSums:
 
     def __init__(self, grid: ClassGrid, device: torch.device):
         self.k = grid.k
-        if grid.spots is None:
-            self.owner = torch.arange(grid.k, device=device).repeat_interleave(grid.width)
-            self.groups: list[tuple[torch.Tensor, torch.Tensor | None]] = [(self.owner[:: grid.width], None)]
-            self.complete = True
-            return
-        self.owner = torch.div(grid.spots, grid.width, rounding_mode="floor").to(device)
-        sizes = torch.bincount(self.owner, minlength=grid.k)
-        starts = torch.cumsum(sizes, 0) - sizes  # the run's samples are class after class
-        self.groups = []
-        for size in sizes.unique().tolist():
-            if size > 0:
-                classes = (sizes == size).nonzero().squeeze(1)
-                rows = (starts[classes, None] + torch.arange(size, device=device)).reshape(-1)
-                self.groups.append((classes, rows))
-        self.complete = bool((sizes > 0).all())
+        self.owner = grid.sample_class(device)
+        self.groups = [(c.to(device), None if r is None else r.to(device)) for c, r in grid.groups]
+        self.complete = 0 not in grid.sizes
 
     def outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``sum_{samples, steps} a_t b_t^T`` per class: ``[N, T, p]``, ``[N, T, q]`` -> ``[k, p, q]``."""
@@ -211,11 +262,14 @@ class TokenSums:
 @dataclass(frozen=True)
 class LayerCapture:
     """One layer in one run: its input and the gradient at its output, ``[total, ...]`` each,
-    class after class (the gradient already divided by the fp16 loss scale)."""
+    class after class (the gradient already divided by the fp16 loss scale); ``live``: which of
+    its tokens (``[total * positions]``, host bool) have an output gradient not all zero, for a
+    rule registered with ``live_tokens`` on the CPU's routes (None: not known, keep them all)."""
 
     inputs: torch.Tensor
     grads: torch.Tensor
     grid: ClassGrid
+    live: torch.Tensor | None = None
 
     @property
     def k(self) -> int:
@@ -290,11 +344,12 @@ class ClassRows:
             if _key(slot) not in self.written:
                 self.columns(slot).zero_()
 
-    def certainly_finite(self) -> bool:
-        """Whether every row is finite for sure (False: let the exact per-row check decide)."""
+    def certainly_finite(self) -> torch.Tensor:
+        """bool scalar on the rows' device, not read here: whether every row is finite for sure
+        (False: let the exact per-row check decide). The caller reads it with the run's losses."""
         checks = [(torch.stack(self.bounds) < FINITE_BOUND).all()] if self.bounds else []
         checks += [torch.isfinite(torch.stack(self.sums)).all()] if self.sums else []
-        return bool(torch.stack(checks).all()) if checks else True
+        return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=self.rows.device)
 
 
 class LayerRows:

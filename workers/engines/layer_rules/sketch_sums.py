@@ -41,14 +41,20 @@ from classgrad.workers.engines.layer_rules.rule_io import LayerRows
 # Seconds per unit of work, by device type, measured on a 2-core CPU (torch 2.13, float32):
 # ``fft_column``: one rfft/irfft column of a 1k-4k-wide block (log factor included);
 # ``scatter``: one signed addition of a sparse sign sketch; ``mac``: one multiply-add of a
-# batched product. Only their ratios matter (they choose a route, never change a row); the GPU
-# figures are the CPU's until measured there.
-ROUTE_COST = {"cpu": {"fft_column": 4e-9, "scatter": 2.2e-9, "mac": 1.5e-11}}
+# batched product. Only their ratios matter (they choose a route, never change a row).
+# Any other device type takes ``cuda``'s, from first principles until a GPU run measures them
+# (an H200-class part: about 50 TFLOP/s of float32 products, 4.8 TB/s of memory): a product's
+# multiply-add 2e-14 s; an FFT column streams about 16 bytes per pass over some 12 passes,
+# 4e-14 s; a scattered signed add is an atomic read-modify-write of a random word, 5e-13 s.
+ROUTE_COST = {
+    "cpu": {"fft_column": 4e-9, "scatter": 2.2e-9, "mac": 1.5e-11},
+    "cuda": {"fft_column": 4e-14, "scatter": 5e-13, "mac": 2e-14},
+}
 FORCED_ROUTE: str | None = None  # tests: "fft" or "form" for every layer
 
 
 def _costs(device: torch.device) -> dict[str, float]:
-    return ROUTE_COST.get(device.type, ROUTE_COST["cpu"])
+    return ROUTE_COST.get(rule_io.route_kind(device), ROUTE_COST["cuda"])
 
 
 def route_for(unit: Any, tokens: int, classes: int, device: torch.device) -> str:
@@ -101,7 +107,7 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
     """Class ``i``'s sketch of ``[dW_i | db_i]`` (``unit.dim`` columns) into ``out``'s weight columns."""
     conv = isinstance(getattr(factors, "module", None), (nn.Conv1d, nn.Conv2d, nn.Conv3d))
     device = out.run.rows.device
-    on_cpu = device.type in rule_io.CPU_ROUTE_DEVICES and not conv
+    on_cpu = rule_io.cpu_routes(device) and not conv
     ragged = factors.ragged(live=True, one_token=True) if on_cpu else None
     k = out.k
     if ragged is not None and ragged.per_sample == 1 and route_for(unit, ragged.grads.shape[0], k, device) != "fft":

@@ -22,16 +22,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from classgrad.service.errors import ClassgradError, first_line
-from classgrad.workers.engines import choices
+from classgrad.workers.engines import choices, host_device
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
 from classgrad.workers.engines.layer_rules.module_vjp import batch_dim, check_layout
+from classgrad.workers.engines.layer_rules.rule_io import cpu_routes, token_liveness
 from classgrad.workers.engines.partitioned.capture import Captured, Copies, NotLocal, UnitCall, forward_capturing
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
@@ -42,6 +44,21 @@ from classgrad.workers.losses import PartitionedLoss
 log = logging.getLogger(__name__)
 
 __all__ = ["HookPath", "HookPlan"]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run (a micro-batch of whole classes), planned on the host: ``classes`` and their
+    ``counts`` (host), the samples to load (``indices``, class after class), the ``grid`` every
+    layer rule gets (on the device), the loss scales and their inverse (on the device; None when
+    all are 1)."""
+
+    classes: torch.Tensor
+    counts: torch.Tensor
+    indices: torch.Tensor
+    grid: ClassGrid
+    scales: torch.Tensor | None
+    inv: torch.Tensor | None
 
 
 # One class's row alone by the plain path: (class, loss scale [1], destination, where).
@@ -66,6 +83,7 @@ class HookPath:
         self.expanded: list[nn.Module] = []
         self.formats = ImageFormat(engine.model)
         self.projections: dict = {}  # weight name -> Kronecker unit: rows projected inside the backward
+        self._last_plan: RunPlan | None = None
 
     def summary(self) -> str:
         """Which parameters this path handles and how (for the engine's one log line)."""
@@ -101,27 +119,56 @@ class HookPath:
                 self.expand = False  # their modules are then found not local, and lifted
                 self.lifts.append(f"broadcast outputs kept ({first_line(exc, with_type=True, limit=80)})")
 
+    def _plan(self, classes: list[int], scales: torch.Tensor) -> RunPlan:
+        """What the run's every layer needs to know of its classes, made on the host from the
+        labels (no read from the device), kept while the next run has the same class sizes."""
+        eng = self.engine
+        cls = torch.tensor(classes)
+        counts = eng.counts[cls]
+        indices, _, _ = self.samples.consecutive(cls)
+        sizes = tuple(counts.tolist())
+        last = self._last_plan
+        if last is not None and last.grid.sizes == sizes and last.grid.dtype == eng.row_dtype:
+            grid = last.grid
+        else:
+            grid = ClassGrid.build(sizes, eng.row_dtype, eng.device)
+        scaled = inv = None
+        if bool((scales != 1).any()):
+            scaled = host_device.to_device(scales.float(), eng.device)
+            inv = host_device.to_device((1.0 / scales.double()).to(eng.row_dtype), eng.device)
+        plan = RunPlan(cls, counts, indices, grid, scaled, inv)
+        self._last_plan = plan
+        return plan
+
     def _rows(
         self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
         eng = self.engine
-        cls = torch.tensor(classes)
-        counts = eng.counts[cls]
-        k, total = len(classes), int(counts.sum())
+        plan = self._plan(classes, scales)
+        k, total = len(classes), plan.grid.total
         rows = dest[where]
         if total == 0:
             rows.zero_()
-            return torch.zeros(k, dtype=eng.row_dtype, device=eng.device), torch.ones(k, dtype=torch.bool)
-        # The run's samples, class after class, with no padding.
-        indices, local, within = self.samples.consecutive(cls)
-        x, y = eng.probe.batch(indices, eng.device, eng.compute_dtype, memory_format=self.formats.gather)
-        x = self.formats.apply(x)
+            return torch.zeros(k, dtype=eng.row_dtype), torch.ones(k, dtype=torch.bool)
+        # The run's one read from the device, once every layer's work is queued: its losses and
+        # two flags (rows certainly finite, losses finite).
+        losses, flags = host_device.read_back(*self._run(plan, rows))
+        values = losses.to(eng.row_dtype)
+        if not bool(flags[1]):
+            eng.check_finite_loss(values, plan.classes)
+        return values, torch.full((k,), bool(flags[0]), dtype=torch.bool)
 
-        plan = self.plan
+    def _run(self, plan: RunPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The run's forward, backward and layer sums into ``rows``: its losses ``[k]`` and flags
+        ``[2]`` (rows certainly finite, losses finite), on the device and not read."""
+        eng = self.engine
+        x, y = eng.probe.batch(plan.indices, eng.device, eng.compute_dtype, memory_format=self.formats.gather)
+        x = self.formats.apply(x)
+        total = plan.grid.total
         seen = forward_capturing(
             eng.model,
-            plan.holders,
-            set(plan.units),
+            self.plan.holders,
+            set(self.plan.units),
             x,
             lambda: eng.forward_context(0),
             self.copies,
@@ -130,19 +177,20 @@ class HookPath:
             self.expanded if self.expand else None,
         )
         if seen is None:  # an in-place change of a layer output refused: run again with copies
-            return self._rows(classes, scales, dest, where)
+            return self._run(plan, rows)
         out, captured = seen
         if any(c.modified() for c in captured) and self.copies.widen(captured):
-            return self._rows(classes, scales, dest, where)  # found before the backward: none wasted
+            return self._run(plan, rows)  # found before the backward: none wasted
         eng.stats.forwards += 1
         loss = eng.loss
         assert isinstance(loss, PartitionedLoss)  # the partitioned engine takes no other loss
         loss.check_outputs(out)
-        dev_local = local.to(eng.device)
-        weighted, values = loss.run_losses(out, y, dev_local, counts)
-        eng.check_finite_loss(values, cls)
-        scaled = bool((scales != 1).any())
-        objective = (weighted * scales.to(eng.device, weighted.dtype)[dev_local]).sum() if scaled else weighted.sum()
+        dev_local = plan.grid.owner
+        weighted, values = loss.run_losses(out, y, dev_local, plan.counts)
+        values = values.detach()
+        loss_finite = torch.isfinite(values).all()
+        scales = plan.scales
+        objective = weighted.sum() if scales is None else (weighted * scales.to(weighted.dtype)[dev_local]).sum()
         # A module run under no_grad has an output outside the graph: its parameters get no
         # gradient (None, like an unused one).
         targets = [t for c in captured for t in c.targets]
@@ -153,58 +201,64 @@ class HookPath:
         eng.stats.backwards += 1
         if any(c.modified() for c in captured):
             if self.copies.widen(captured):  # copy those outputs (or all) and redo the run
-                return self._rows(classes, scales, dest, where)
+                return self._run(plan, rows)
             raise RuntimeError("a hooked layer's input or output was modified in place")
 
-        dtype = rows.dtype
-        width = int(counts.max())
-        # Every class has `width` samples: [total] is already [k, width].
-        spots = None if bool((counts == width).all()) else dev_local * width + within.to(eng.device)
-        grid = ClassGrid(k, width, spots, dtype)
         sink = ClassRows(rows, self.projections)
-        inv = (1.0 / scales.double()).to(eng.device, dtype) if scaled else None
+        live = self._live_tokens(captured, found)
         for c in captured:
             if isinstance(c, Captured):
-                self._rule_sums(c, found.get(id(c.output)), grid, sink, inv, dev_local, total)
+                self._rule_sums(c, found.get(id(c.output)), plan, sink, total, live.get(id(c)))
         for c in captured:
             if isinstance(c, UnitCall):
-                self._unit_grads(c, found, grid, sink, inv, total)
+                self._unit_grads(c, found, plan, sink, total)
         sink.zero_unwritten(eng.layout.slots)  # no path to the loss in this run
-        ok = sink.certainly_finite()
-        return values.detach(), torch.full((k,), ok, dtype=torch.bool)
+        return values, torch.stack([sink.certainly_finite(), loss_finite])
+
+    def _live_tokens(self, captured: list, found: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """On the CPU's routes, for every layer call whose rule reads ``seen.live``: its live
+        tokens (host bool), all read at once (``token_liveness``); ``{}`` elsewhere (a GPU pads)."""
+        picked = []
+        for c in captured:
+            g = found.get(id(c.output)) if isinstance(c, Captured) else None
+            if g is not None and g.ndim >= 3 and cpu_routes(g.device) and self.plan.rules[c.module].live_tokens:
+                picked.append((c, g))
+        if not picked:
+            return {}
+        masks = host_device.read_back(*(token_liveness(g) for _, g in picked))
+        return {id(c): mask != 0 for (c, _), mask in zip(picked, masks)}
 
     def _rule_sums(
         self,
         c: Captured,
         g: torch.Tensor | None,
-        grid: ClassGrid,
+        plan: RunPlan,
         sink: ClassRows,
-        inv: torch.Tensor | None,
-        dev_local: torch.Tensor,
         total: int,
+        live: torch.Tensor | None,
     ) -> None:
         """One call of a layer with a rule: its per-class sums into the rows."""
         if g is None:
             return
         if c.inputs.shape[0] != total or g.shape[0] != total:
             raise NotLocal(c.module, f"{type(c.module).__name__} sees no per-sample dimension")
-        if inv is not None:
-            g = g.to(grid.dtype) * inv[dev_local].view(-1, *[1] * (g.ndim - 1))
+        grid = plan.grid
+        if plan.inv is not None:
+            g = g.to(grid.dtype) * plan.inv[grid.owner].view(-1, *[1] * (g.ndim - 1))
         self.plan.rules[c.module].sums(
-            c.module, LayerCapture(c.inputs.detach(), g, grid), sink.for_layer(self.plan.layers[c.module])
+            c.module, LayerCapture(c.inputs.detach(), g, grid, live), sink.for_layer(self.plan.layers[c.module])
         )
 
     def _unit_grads(
         self,
         c: UnitCall,
         found: dict[int, torch.Tensor],
-        grid: ClassGrid,
+        plan: RunPlan,
         sink: ClassRows,
-        inv: torch.Tensor | None,
         total: int,
     ) -> None:
         """One call of a module-VJP unit: a VJP of the module alone, per class, into the rows."""
-        eng = self.engine
+        eng, grid, inv = self.engine, plan.grid, plan.inv
         mine = {id(t): found[id(t)] for t in c.targets if id(t) in found}
         if not mine:
             return

@@ -1,0 +1,124 @@
+"""Reads from the device per micro-batch: at most two, on a GPU's routes and on a CPU's.
+
+A read (``.item()``, ``nonzero``, ``bincount``, ...) of device data makes a GPU's host wait for
+the whole queue of launched work; counted here on the CPU by ``tests/support/host_reads.py``,
+with the routes a GPU takes (``rule_io.routes_as("cuda")``: padded grids, no per-class loops)
+and the CPU's own. The engine plans each run (a micro-batch of whole classes) on the host from
+the labels and reads once when the run's work is queued (losses and finiteness flags); on the
+CPU's routes, which drop a decoder's dead tokens, once more for every layer's live tokens.
+The model's own reads (Hugging Face models read their attention masks) are counted apart: the
+floor makes them too. Classes of 1 to 4 samples, micro-batches of 256 samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from classgrad import PerClassGradScaler
+from classgrad.workers import zoo
+from classgrad.workers.engines import build_engine, host_device, per_class_gradients
+from classgrad.workers.engines.layer_rules.rule_io import routes_as
+from classgrad.workers.engines.partitioned.hook_path import HookPath
+from classgrad.workers.probe import ProbeSet
+from tests.support.engine_cases import max_relative_error
+from tests.support.hf_models import hf_probe, lstm_classifier, tiny_bert, tiny_gpt2, tiny_resnet, tiny_vit
+from tests.support.host_reads import HostReads
+
+MODELS = {
+    "mlp": lambda c: zoo.mlp(c, in_features=10),
+    "cnn": lambda c: zoo.small_cnn(c, width=4),
+    "bert": tiny_bert,
+    "gpt2": tiny_gpt2,
+    "vit": tiny_vit,
+    "resnet": tiny_resnet,
+    "lstm": lstm_classifier,
+}
+# The probe's inputs for each model (hf_probe's kinds: vectors of 10 features, 3x8x8 images, tokens).
+INPUTS = {"mlp": "ln_mlp", "cnn": "vit", **{name: name for name in ("bert", "gpt2", "vit", "resnet", "lstm")}}
+C = 150
+BATCH = 256
+MAX_READS = 2  # per run (issue 46's target)
+
+pytestmark = pytest.mark.usefixtures("fresh_choices")
+
+
+def probe(name: str, num_classes: int, seed: int = 0):
+    """Classes of 1 to 4 samples (class c has 1 + c % 4), shuffled."""
+    sizes = 1 + torch.arange(num_classes) % 4
+    labels = torch.arange(num_classes).repeat_interleave(sizes)
+    labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
+    inputs, _ = hf_probe(INPUTS[name], 1, per_class=len(labels), seed=seed)
+    return inputs, labels
+
+
+def counted(model, data, num_classes: int, projection: dict | None, routes: str | None) -> tuple[HostReads, int]:
+    """The reads and ops of a warm ``per_class_gradients`` call, and its runs (the hook path's plans)."""
+    kwargs = dict(num_classes=num_classes, batch_size=BATCH, progress=False, projection=projection)
+    with routes_as(routes) if routes else contextlib.nullcontext():
+        per_class_gradients(model, data, **kwargs)  # the once-per-process spot check and choices
+        reads = HostReads(model)
+        reads.on_device(ProbeSet, "batch").on_device(host_device, "to_device")
+        reads.read_point(host_device, "read_back").read_point(host_device, "to_host").within(model, "forward")
+        reads.calls_of(HookPath, "_plan")
+        with reads:
+            per_class_gradients(model, data, **kwargs)
+    return reads, reads.calls
+
+
+@pytest.mark.parametrize("routes", ["cuda", None], ids=["gpu_routes", "cpu_routes"])
+@pytest.mark.parametrize("projected", [False, True], ids=["full", "projected"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_at_most_two_reads_per_micro_batch(name, projected, routes):
+    model = MODELS[name](C)
+    reads, runs = counted(model, probe(name, C), C, {"dim": 256} if projected else None, routes)
+    assert runs >= 2
+    assert reads.count <= MAX_READS * runs, f"{reads.count} reads in {runs} runs: {dict(reads.where)}"
+    if routes == "cuda":  # a GPU's routes read once a run: the losses and the finiteness flags
+        assert reads.count == runs, dict(reads.where)
+
+
+@pytest.mark.parametrize("name", ["mlp", "bert"])
+def test_ops_per_micro_batch_do_not_grow_with_the_classes(name):
+    """Nothing loops over a run's classes on a GPU's routes: 4x the classes, the same ops a run
+    (within 15%: runs differ in their mix of class sizes, and the last run is short)."""
+    per_run = []
+    for classes in (C, 4 * C):
+        reads, runs = counted(MODELS[name](classes), probe(name, classes), classes, {"dim": 256}, "cuda")
+        per_run.append(reads.ops / runs)
+    assert per_run[1] <= 1.15 * per_run[0], per_run
+
+
+@pytest.mark.parametrize("name", ["cnn", "bert", "gpt2", "lstm"])
+def test_a_gpus_routes_give_the_reference_rows_on_a_cpu(name):
+    """The padded routes a GPU takes, run on the CPU, against the float64 reference (float32
+    roundoff over two-layer models, as tests/unit/test_real_models.py)."""
+    classes = 12
+    model, data = MODELS[name](classes), probe(name, classes, seed=3)
+    with routes_as("cuda"):
+        got = per_class_gradients(model, data, num_classes=classes, batch_size=16, progress=False)
+    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=classes, engine="reference")
+    assert max_relative_error(got, ref.compute(range(classes)).rows) <= 1e-5
+
+
+def test_a_training_step_reads_its_labels_once_and_its_run_once():
+    """``step_batch`` on a GPU batch, by a GPU's routes: the labels come to the host once (the run
+    is planned from them), the run reads once, and the step reads the aggregate's finiteness
+    once (whether to take the step): three, one above the engine's target (the skip decision
+    needs the rows). On a CPU's routes a fourth: the live tokens."""
+    model = tiny_bert(C)
+    inputs, labels = probe("bert", C)
+    inputs, labels = {k: v[:64] for k, v in inputs.items()}, labels[:64]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = PerClassGradScaler()
+    scaler.step_batch(model, inputs, labels, opt, num_classes=C)
+    reads = HostReads(model)
+    reads.mark(inputs, labels)
+    reads.on_device(host_device, "to_device").read_point(host_device, "read_back")
+    reads.read_point(host_device, "to_host").within(model, "forward")
+    with routes_as("cuda"), reads:
+        scaler.step_batch(model, inputs, labels, opt, num_classes=C)
+    assert reads.count <= 3, dict(reads.where)
