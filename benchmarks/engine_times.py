@@ -85,9 +85,7 @@ def main() -> None:
     keys = list(next(iter(results.values()))[0])
     print("best warm s (first call s), per round")
     for key in keys:
-        cells = [
-            " ".join(f"{r[key][1]:.3f} ({r[key][0]:.3f})" for r in runs) for runs in results.values()
-        ]
+        cells = [" ".join(f"{r[key][1]:.3f} ({r[key][0]:.3f})" for r in runs) for runs in results.values()]
         print(f"{key:22s} " + "  |  ".join(f"{Path(t).name}: {c}" for t, c in zip(results, cells)))
 
 
