@@ -13,6 +13,12 @@ Sections (``--sections``, default all):
   tolerances: fp32 (2e-6; TF32 turned off for it), fp16 and bf16 (``LOW_PRECISION_TOLERANCE``);
   then fp32 with TF32 on for matmuls and convolutions, recording what it does to rows; the seven
   real-model families (``benchmarks.real_model_cases``, tiny configs) fp32 against the reference.
+- ``syncs``: issue 46's reads from the device on the device itself: warm ``per_class_gradients``
+  calls (the MLP, tiny BERT and GPT-2 of ``tests/unit/test_host_reads.py``, full and projected)
+  under ``torch.cuda.set_sync_debug_mode("warn")``, synchronising calls counted per run (target:
+  at most 2, the model's own included), and kernel time over wall on the hook path (target
+  0.7); ``host_device.copy_to_host`` against ``.cpu()`` (the same values) and a loop of matmuls
+  with each result copied off by each (the copy on a side stream should hide behind the next).
 - ``projection``: the default projection's rows on the device against the CPU's (same seed):
   the same map, so fp32 roundoff apart.
 - ``scaler``: ``PerClassGradScaler`` with a CUDA fp16 ``GradScaler`` against a plain
@@ -265,6 +271,65 @@ def kernel_over_wall(fn: Callable[[], Any], device: torch.device) -> float:
     return kernels / wall
 
 
+def _syncs_of(name: str, projected: bool, classes: int, device: torch.device) -> dict[str, Any]:
+    """Synchronising calls of one warm ``per_class_gradients`` call, per run (see ``syncs``)."""
+    import warnings
+    from unittest import mock
+
+    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.engines.partitioned.hook_path import HookPath
+    from tests.support.read_cases import MODELS, probe
+
+    model = MODELS[name](classes).to(device)
+    data = probe(name, classes)
+    kwargs = dict(num_classes=classes, batch_size=256, progress=False, device=str(device),
+                  projection={"dim": 1024} if projected else None)  # fmt: skip
+    per_class_gradients(model, data, **kwargs)
+    cuda = device.type == "cuda"
+    with mock.patch.object(HookPath, "_plan", autospec=True, side_effect=HookPath._plan) as plan:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn") if cuda else None
+            try:
+                per_class_gradients(model, data, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0) if cuda else None
+    found = [str(w.message).splitlines()[0][:100] for w in caught if "synchroniz" in str(w.message)]
+    out = {"runs": plan.call_count, "syncs": len(found), "per_run": len(found) / max(plan.call_count, 1)}
+    out["first"] = found[:3] if cuda else "n/a (CPU: no sync debug mode)"
+    if cuda:
+        out["kernel_over_wall"] = kernel_over_wall(lambda: per_class_gradients(model, data, **kwargs), device)
+    return out
+
+
+def syncs(args: argparse.Namespace) -> dict[str, Any]:
+    from classgrad.workers.engines import host_device
+
+    device = torch.device(args.device)
+    classes = 150 if args.quick else 2000
+    out: dict[str, Any] = {}
+    for name in ("mlp", "bert", "gpt2"):
+        for projected in (False, True):
+            out[f"{name}/{'projected' if projected else 'full'}"] = _syncs_of(name, projected, classes, device)
+    side = 1024 if args.quick else 8192
+    t = torch.randn(side, side, device=device)
+    host, wait = host_device.copy_to_host(t)
+    wait()
+    out["copy_to_host_equal"] = bool(torch.equal(host, t.cpu()))
+
+    def loop(copy: Callable[[torch.Tensor], Any]) -> None:
+        pending = []
+        for _ in range(8):
+            pending.append(copy(t @ t))
+        for p in pending:
+            if callable(p):
+                p()
+
+    out["matmuls_blocking_copy_s"], _ = timed(lambda: loop(lambda r: r.cpu()), device)
+    out["matmuls_side_stream_copy_s"], _ = timed(lambda: loop(lambda r: host_device.copy_to_host(r)[1]), device)
+    return out
+
+
 def actor(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
@@ -344,8 +409,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 
 STARTED = time.perf_counter()
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "env": env, "exact": exact, "projection": projection, "scaler": scaler, "headline": headline, "actor": actor,
-    "speed": speed,
+    "env": env, "syncs": syncs, "exact": exact, "projection": projection, "scaler": scaler, "headline": headline,
+    "actor": actor, "speed": speed,
 }  # fmt: skip
 
 

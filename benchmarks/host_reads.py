@@ -32,7 +32,7 @@ from classgrad.workers.engines.partitioned.hook_path import HookPath
 from classgrad.workers.model_io import ModelIO
 from classgrad.workers.probe import ProbeSet
 from tests.support.host_reads import HostReads
-from tests.unit.test_host_reads import MODELS, probe
+from tests.support.read_cases import MODELS, probe
 
 
 def engine_counts(

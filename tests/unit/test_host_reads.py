@@ -19,40 +19,20 @@ import pytest
 import torch
 
 from classgrad import PerClassGradScaler
-from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, host_device, per_class_gradients
 from classgrad.workers.engines.layer_rules.rule_io import routes_as
 from classgrad.workers.engines.partitioned.hook_path import HookPath
 from classgrad.workers.probe import ProbeSet
 from tests.support.engine_cases import max_relative_error
-from tests.support.hf_models import hf_probe, lstm_classifier, tiny_bert, tiny_gpt2, tiny_resnet, tiny_vit
+from tests.support.hf_models import tiny_bert
 from tests.support.host_reads import HostReads
+from tests.support.read_cases import MODELS, probe
 
-MODELS = {
-    "mlp": lambda c: zoo.mlp(c, in_features=10),
-    "cnn": lambda c: zoo.small_cnn(c, width=4),
-    "bert": tiny_bert,
-    "gpt2": tiny_gpt2,
-    "vit": tiny_vit,
-    "resnet": tiny_resnet,
-    "lstm": lstm_classifier,
-}
-# The probe's inputs for each model (hf_probe's kinds: vectors of 10 features, 3x8x8 images, tokens).
-INPUTS = {"mlp": "ln_mlp", "cnn": "vit", **{name: name for name in ("bert", "gpt2", "vit", "resnet", "lstm")}}
 C = 150
 BATCH = 256
 MAX_READS = 2  # per run (issue 46's target)
 
 pytestmark = pytest.mark.usefixtures("fresh_choices")
-
-
-def probe(name: str, num_classes: int, seed: int = 0):
-    """Classes of 1 to 4 samples (class c has 1 + c % 4), shuffled."""
-    sizes = 1 + torch.arange(num_classes) % 4
-    labels = torch.arange(num_classes).repeat_interleave(sizes)
-    labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
-    inputs, _ = hf_probe(INPUTS[name], 1, per_class=len(labels), seed=seed)
-    return inputs, labels
 
 
 def counted(model, data, num_classes: int, projection: dict | None, routes: str | None) -> tuple[HostReads, int]:
@@ -122,3 +102,15 @@ def test_a_training_step_reads_its_labels_once_and_its_run_once():
     with routes_as("cuda"), reads:
         scaler.step_batch(model, inputs, labels, opt, num_classes=C)
     assert reads.count <= 3, dict(reads.where)
+
+
+def test_rows_leave_the_device_through_copy_to_host():
+    """On a CPU the rows are used in place (float32 already) or converted, and nothing to wait
+    for; the writer waits before it reads (the CUDA side stream is checked by gpu_proof's syncs)."""
+    rows = torch.randn(5, 7)
+    host, wait = host_device.copy_to_host(rows)
+    wait()
+    assert host.data_ptr() == rows.data_ptr()
+    wide, wait = host_device.copy_to_host(rows.double())
+    wait()
+    assert wide.dtype == torch.float32 and torch.equal(wide, rows)

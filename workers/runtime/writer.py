@@ -1,8 +1,10 @@
 """The row writer: an actor's rows go into the store in whole chunks, off the compute thread.
 
 Holds ``ShardWriter``. The engine yields blocks of any size; the writer gathers them into runs
-of whole row chunks (the store refuses anything else), moves them to host memory, and hands
-each run to a background thread that writes it while the engine computes the next block. At
+of whole row chunks (the store refuses anything else) and hands each run to a background thread
+that writes it while the engine computes the next block. Rows leave a GPU on a side stream into
+pinned memory (``host_device.copy_to_host``), so the copy runs beside the next block's compute
+and the writer thread, not the compute thread, waits for it; on a CPU they are used in place. At
 most ``max_pending`` runs wait, so a slow store slows the engine down instead of filling
 memory. Errors on the writer thread surface on the next ``add`` or on ``close``.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,9 +22,23 @@ import torch
 
 from classgrad.service.errors import StoreError
 from classgrad.service.store import GradStore
-from classgrad.workers.engines import RowBlock
+from classgrad.workers.engines import RowBlock, host_device
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of one block on the host (``wait()``: until their copy off the device is done),
+    with their losses and counts."""
+
+    rows: torch.Tensor
+    loss: np.ndarray
+    count: np.ndarray
+    wait: Callable[[], None]
+
+    def part(self, rows: slice) -> Piece:
+        return Piece(self.rows[rows], self.loss[rows], self.count[rows], self.wait)
 
 
 @dataclass
@@ -40,7 +57,7 @@ class ShardWriter:
         self.stop = stop
         self.align = store.write_align
         self.stats = WriteStats()
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending: list[Piece] = []
         self._pending_rows = 0
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
@@ -57,8 +74,11 @@ class ShardWriter:
             start, pieces = item
             try:
                 t0 = time.perf_counter()
+                for piece in pieces:
+                    piece.wait()  # the rows' copy off the device
                 # Blocks that already cover whole chunks arrive as one piece: no copy at all.
-                rows, loss, count = (parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in zip(*pieces))
+                parts = [(p.rows.numpy(), p.loss, p.count) for p in pieces]
+                rows, loss, count = (one[0] if len(one) == 1 else np.concatenate(one) for one in zip(*parts))
                 self.stats.bytes += self.store.write_rows(start, rows, loss=loss, count=count)
                 self.stats.seconds += time.perf_counter() - t0
                 self.stats.rows += len(rows)
@@ -72,13 +92,9 @@ class ShardWriter:
     def add(self, block: RowBlock, rows: torch.Tensor | None = None) -> None:
         """Queue a block (``rows`` replaces ``block.rows``, e.g. after projection)."""
         self._raise_if_failed()
-        values = block.rows if rows is None else rows
+        values, wait = host_device.copy_to_host(block.rows if rows is None else rows)
         self._pending.append(
-            (
-                values.detach().to("cpu", torch.float32).numpy(),
-                block.loss.numpy().astype(np.float32, copy=False),
-                block.count.numpy(),
-            )
+            Piece(values, block.loss.numpy().astype(np.float32, copy=False), block.count.numpy(), wait)
         )
         self._pending_rows += len(block)
         if self.next_row + self._pending_rows > self.stop:
@@ -92,16 +108,16 @@ class ShardWriter:
     def _flush(self, n: int) -> None:
         """Hand the first ``n`` pending rows to the writer thread, as views (any joining of
         pieces happens there, off the compute thread)."""
-        take: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        take: list[Piece] = []
         need = n
         while need:
-            rows, loss, count = self._pending[0]
-            if len(rows) <= need:
+            piece = self._pending[0]
+            if len(piece.rows) <= need:
                 take.append(self._pending.pop(0))
-                need -= len(rows)
+                need -= len(piece.rows)
             else:
-                take.append((rows[:need], loss[:need], count[:need]))
-                self._pending[0] = (rows[need:], loss[need:], count[need:])
+                take.append(piece.part(slice(0, need)))
+                self._pending[0] = piece.part(slice(need, None))
                 need = 0
         self._queue.put((self.next_row, take))
         self.next_row += n
