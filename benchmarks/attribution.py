@@ -102,7 +102,7 @@ def make_store(workdir: Path, model, args, projection: dict | None) -> str:
     """Per-class rows of ``model`` on the training set, stored by a classgrad job run here."""
     from safetensors.torch import save_file
 
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import prepare_store
     from classgrad.workers.runtime.actor import GradientWorker
 

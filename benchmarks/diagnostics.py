@@ -111,7 +111,7 @@ def dense_gap(reps: int, rows: int) -> dict[str, Any]:
 def worker_split(reps: int, classes: int) -> dict[str, Any]:
     import end_to_end
 
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import prepare_store
     from classgrad.workers.runtime.actor import GradientWorker
 

@@ -86,7 +86,7 @@ def job_config(classes: int, spc: int, hidden: int, url: str, workers: int, shar
 def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
     """Every row computed by the job's engine in this process (one thread), blocks discarded
     except a few sample rows kept for the store check."""
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.workers.runtime.factory import build_job_engine
 
     config = JobConfig.model_validate(config_dict)
@@ -118,9 +118,9 @@ def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str
     import psutil
     import ray
 
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.driver import JobDriver
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     def actor_cpu(pids: list[int]) -> float:
         total = 0.0
@@ -199,7 +199,7 @@ def rss_child(args) -> None:
 
 
 def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import prepare_store
 
     url = str(workdir / f"rss_{classes}.zarr")

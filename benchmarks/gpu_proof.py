@@ -333,7 +333,7 @@ def syncs(args: argparse.Namespace) -> dict[str, Any]:
 def actor(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import prepare_store
     from classgrad.workers.runtime.actor import GradientWorker
 

@@ -64,9 +64,9 @@ def job(classes: int, url: str, dim: int | None) -> dict[str, Any]:
 
 
 def run(config: dict) -> dict[str, Any]:
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.driver import JobDriver
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     t0 = time.perf_counter()
     summary = JobDriver(JobConfig.model_validate(config)).run()
@@ -126,7 +126,7 @@ def measure_one(
 
     import torch
 
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import prepare_store
     from classgrad.workers.runtime.actor import GradientWorker
     from classgrad.workers.runtime.factory import build_job_engine

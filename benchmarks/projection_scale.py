@@ -145,7 +145,7 @@ def job(spec: dict[str, Any]) -> dict[str, Any]:
     import tempfile
 
     from classgrad import per_class_gradients
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.driver import JobDriver
 
     torch.set_num_threads(spec["threads"])

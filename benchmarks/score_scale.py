@@ -33,7 +33,7 @@ import numpy as np
 from classgrad.service.analysis import fmt_bytes
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.score_driver import score_rows
-from classgrad.service.store import StoreSpec, create_store, open_store
+from classgrad.store import StoreSpec, create_store, open_store
 
 OUT = Path(__file__).resolve().parent / "out" / "score_scale.json"
 MIB = 1 << 20

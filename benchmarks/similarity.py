@@ -53,7 +53,7 @@ import numpy as np
 from classgrad.service.analysis import fmt_bytes
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity import compute_similarity, top_k_rows
-from classgrad.service.store import StoreSpec, create_store, open_store
+from classgrad.store import StoreSpec, create_store, open_store
 
 OUT = Path(__file__).resolve().parent / "out" / "similarity.json"
 MIB = 1 << 20
@@ -105,7 +105,7 @@ def idle_worker_rss(ray) -> int:
     @ray.remote(num_cpus=1)
     def probe() -> int:
         import classgrad.service.analysis.similarity  # noqa: F401
-        import classgrad.service.store  # noqa: F401
+        import classgrad.store  # noqa: F401
         from classgrad.service.analysis.memory import _rss
 
         return _rss()

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from classgrad.service.store import StoreSpec, create_store
+from classgrad.store import StoreSpec, create_store
 
 GOAL = 0.70
 OUT = Path(__file__).resolve().parent / "out" / "store_write.json"

@@ -29,7 +29,7 @@ _CHILD = """
 import importlib.util, json, sys, time
 import torch  # noqa: F401 - imported before any meter starts, as topk_task does
 from classgrad.service.analysis.memory import PeakMemory
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 module, url, plan = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 if module:
     spec = importlib.util.spec_from_file_location("other_topk", module)

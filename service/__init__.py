@@ -1,6 +1,7 @@
-"""classgrad's driver side, imported as ``classgrad.service``.
+"""classgrad's driver side, imported as ``classgrad.service``: the top of the stack.
 
-Holds only ``errors`` at this level (the bottom layer, with ``config`` and ``store``); the
-driver's runtime is ``runtime``, and the downstream analyses and the CLI are ``analysis`` and
-``commands`` on top. Packages import only downward; ``tests/unit/test_layers.py`` checks it.
+``runtime`` (the job's driver: plan, preparation, Ray, progress) stands on the compute side
+(``classgrad.workers``) and the foundation (``classgrad.errors``, ``classgrad.config``,
+``classgrad.store``); the downstream analyses and the CLI, ``analysis`` and ``commands``, on
+top. Packages import only downward; ``tests/unit/test_layers.py`` checks it.
 """

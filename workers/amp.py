@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from classgrad.service.errors import InputError, RowOverflowError
+from classgrad.errors import InputError, RowOverflowError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from classgrad.service.errors import InputError, first_line
+from classgrad.errors import InputError, first_line
 
 __all__ = ["DEFAULT_LABEL_KEYS", "Samples", "pad_stack", "resolve_collate", "stack"]
 

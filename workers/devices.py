@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 
 __all__ = ["check_device"]
 

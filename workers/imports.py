@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 
 # Top-level module names imported from the working directory by the fallback (see the docstring).
 _FROM_WORKING_DIR: set[str] = set()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers.imports import import_object
 
 

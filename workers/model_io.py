@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError, first_line
+from classgrad.errors import InputError, first_line
 
 log = logging.getLogger(__name__)
 

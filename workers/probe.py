@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, default_convert
 
-from classgrad.service.errors import InputError, first_line
+from classgrad.errors import InputError, first_line
 from classgrad.workers.collate import DEFAULT_LABEL_KEYS, Samples, resolve_collate, stack
 
 log = logging.getLogger(__name__)

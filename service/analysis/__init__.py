@@ -1,4 +1,4 @@
-"""Downstream jobs on a finished store: one module per role, all built on ``classgrad.service.store``.
+"""Downstream jobs on a finished store: one module per role, all built on ``classgrad.store``.
 
 - ``similarity``: the C x C class similarity (cosine or dot) and its top-k neighbour table,
   computed out of core as Ray tasks (or in-process) and written back into the store.
@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from classgrad.service.errors import ConfigError
-from classgrad.service.units import fmt_bytes
+from classgrad.errors import ConfigError
+from classgrad.units import fmt_bytes
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

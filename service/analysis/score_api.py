@@ -21,12 +21,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.config import DataConfig
+from classgrad.errors import ConfigError, InputError
 from classgrad.service.analysis import validated
 from classgrad.service.analysis.score_driver import Scores, check_stores, score_rows
 from classgrad.service.analysis.score_precondition import trak_form
 from classgrad.service.analysis.scoring import ScoreConfig
-from classgrad.service.config import DataConfig
-from classgrad.service.errors import ConfigError, InputError
 
 
 class QueryFile(BaseModel):
@@ -64,9 +64,9 @@ def load_query_file(path: str | Path) -> QueryFile:
 
 def query_data(spec: QueryFile) -> tuple[Any, list | None]:
     """The query set a file describes (its factory's result) and the group of each example."""
-    from classgrad.workers.runtime.factory import _call_factory
+    from classgrad.workers.runtime.factory import call_factory
 
-    data = _call_factory(spec.data.factory, dict(spec.data.kwargs), "data.factory")
+    data = call_factory(spec.data.factory, dict(spec.data.kwargs), "data.factory")
     if spec.group_field is None:
         return data, None
     samples = [data[i] for i in range(len(data))] if hasattr(data, "__getitem__") and hasattr(data, "__len__") else []
@@ -77,7 +77,7 @@ def query_data(spec: QueryFile) -> tuple[Any, list | None]:
 
 
 def _open(store: Any, mode: Literal["r", "r+"], storage_options: dict | None) -> Any:
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     url = store if isinstance(store, str) else store.url
     return open_store(url, storage_options=storage_options, mode=mode)

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from classgrad.errors import ConfigError, InputError
 from classgrad.service.analysis import MIB, fmt_bytes, plan_blocks
-from classgrad.service.errors import ConfigError, InputError
 from classgrad.service.runtime.run_ids import new_run_id
 
 log = logging.getLogger(__name__)

@@ -30,10 +30,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.errors import ConfigError
 from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import merge_topk
-from classgrad.service.errors import ConfigError
 
 METHODS = ("dot", "cosine", "trak")
 _SLACK_BYTES = 32 * MIB
@@ -241,8 +241,8 @@ def score_task(
     done) when given, else returned. Returns a small report (and the top-k without ``out``)."""
     import torch  # noqa: F401 - imported before the meter starts: the import is not the work's
 
-    from classgrad.service.store import open_store
-    from classgrad.service.store.score_output import ScoreOutput
+    from classgrad.store import open_store
+    from classgrad.store.score_output import ScoreOutput
 
     meter = PeakMemory()
     t0, cpu0 = time.perf_counter(), time.process_time()

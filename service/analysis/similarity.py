@@ -54,10 +54,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, fmt_bytes, plan_blocks, spans, validated
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk_task
-from classgrad.service.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.workers.projection import neighbour_caveat
@@ -304,7 +304,7 @@ def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.nda
 def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, stop: int, run_id: str) -> dict:
     """One task: compute rows [start, stop) of the matrix and their top-k from the store, write
     them into the store, and return a small report (rows, seconds, bytes read, memory)."""
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     meter = PeakMemory()
     t0 = time.perf_counter()
@@ -435,7 +435,7 @@ def compute_similarity(
     ...), checked like the command line's. Refuses incomplete stores, naming the missing rows.
     """
     from classgrad.service.runtime.progress import Progress
-    from classgrad.service.store import fmt_ranges, open_store
+    from classgrad.store import fmt_ranges, open_store
 
     if config is None:
         config = validated(SimilarityConfig, "similarity", **options)

@@ -10,7 +10,7 @@ import argparse
 
 import yaml
 
-from classgrad.service.errors import ConfigError
+from classgrad.errors import ConfigError
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:

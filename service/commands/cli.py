@@ -16,9 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from classgrad.service.config.redaction import RedactingFilter, redact_text
-from classgrad.service.errors import ClassgradError, first_line
-from classgrad.service.version import __version__
+from classgrad.config.redaction import RedactingFilter, redact_text
+from classgrad.errors import ClassgradError, first_line
+from classgrad.version import __version__
 
 # name -> module under classgrad.service.commands; each defines HELP, add_arguments(parser), main(args).
 COMMANDS: dict[str, str] = {

@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.config import load_config
-    from classgrad.service.errors import ConfigError
+    from classgrad.config import load_config
+    from classgrad.errors import ConfigError
     from classgrad.service.runtime.estimate import estimate_job
 
     if args.sample_rows is not None and args.sample_rows <= 0:

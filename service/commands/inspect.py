@@ -22,9 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from classgrad.errors import ConfigError
     from classgrad.service.analysis.inspect import format_report, inspect_store
-    from classgrad.service.errors import ConfigError
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     if args.top < 0:
         raise ConfigError(f"--top must be >= 0, got {args.top}")

@@ -63,7 +63,7 @@ def _time(ms: int | None) -> str:
 
 
 def _details(info) -> dict:
-    from classgrad.service.config.redaction import redact
+    from classgrad.config.redaction import redact
 
     # A job submitted by other means may carry a credential in its entrypoint or metadata.
     return redact(

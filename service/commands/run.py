@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.config import load_config
+    from classgrad.config import load_config
     from classgrad.service.runtime.driver import JobDriver
     from classgrad.service.runtime.stopping import install_stop_handlers, restore_handlers
 

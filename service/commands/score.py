@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _weights(text: str | None) -> list[float] | None:
-    from classgrad.service.errors import ConfigError
+    from classgrad.errors import ConfigError
 
     if text is None:
         return None

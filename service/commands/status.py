@@ -10,8 +10,8 @@ import argparse
 import json
 import time
 
+from classgrad.errors import first_line
 from classgrad.service.commands import add_store_arguments, storage_options
-from classgrad.service.errors import first_line
 
 HELP = "show a store's progress: shards done, missing rows, last runs"
 SHOWN_NOTES = 3  # engine notes in the text; --json has every one the run recorded
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def status_of(store) -> dict:
     from classgrad.service.analysis import completion
-    from classgrad.service.store import lease_state
+    from classgrad.store import lease_state
 
     runs = store.attrs.get("runs", [])
     lease = store.lease.info()
@@ -45,8 +45,8 @@ def status_of(store) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.config.redaction import redact
-    from classgrad.service.store import open_store
+    from classgrad.config.redaction import redact
+    from classgrad.store import open_store
 
     store = open_store(args.store, storage_options=storage_options(args))
     info = redact(status_of(store))  # a run's error recorded by an older classgrad may quote a credential

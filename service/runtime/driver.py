@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from classgrad.service import errors
-from classgrad.service.config import JobConfig
-from classgrad.service.config.redaction import has_secrets, redact_text
-from classgrad.service.errors import (
+from classgrad import errors
+from classgrad.config import JobConfig
+from classgrad.config.redaction import has_secrets, redact_text
+from classgrad.errors import (
     ClassgradError,
     ConfigError,
     ShardFailedError,
@@ -47,7 +47,7 @@ from classgrad.service.runtime.ray_session import ray_session, resolve_ray_addre
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.runtime.run_record import estimate_record, record_peak, summary_lines
 from classgrad.service.runtime.shipping import actor_config, working_dir_env
-from classgrad.service.store import GradStore, HeldLease, store_lease
+from classgrad.store import GradStore, HeldLease, store_lease
 from classgrad.workers.imports import from_working_dir
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class JobDriver:
         cluster = self.config.cluster
         needed = cluster.num_workers * cluster.num_cpus_per_worker
         cpus = os.cpu_count() or 1
-        starts_local = self._starts_local_ray()
+        starts_local = self.starts_local_ray()
         if starts_local and needed > cpus:
             log.warning("the job asks for %d CPUs on a %d-CPU machine; actors will share cores", needed, cpus)
         import ray
@@ -226,7 +226,7 @@ class JobDriver:
         if all(node["NodeManagerAddress"] == here for node in ray.nodes() if node.get("Alive")):
             self._check_device_here()
 
-    def _starts_local_ray(self) -> bool:
+    def starts_local_ray(self) -> bool:
         import ray
 
         return not ray.is_initialized() and resolve_ray_address(self.config.cluster.address)[0] is None
@@ -315,7 +315,7 @@ class JobDriver:
                 f"store.url {url!r}: a memory:// store lives in one process, and a job's actors run in "
                 f"others; use a path or s3://bucket/path"
             )
-        if self._starts_local_ray():  # the actors will run on this machine: check its device now
+        if self.starts_local_ray():  # the actors will run on this machine: check its device now
             self._check_device_here()
         store_cfg = self.config.store
         lease_of_store = store_lease(store_cfg.url, storage_options=store_cfg.storage_options)
@@ -553,7 +553,7 @@ def _creation_error(exc: BaseException) -> ClassgradError | None:
     if "creation task" not in text:
         return None
     match = _exception_line(text)
-    if not match or not match["type"].startswith("classgrad.service.errors."):
+    if not match or not match["type"].startswith("classgrad.errors."):
         return None
     kind = getattr(errors, match["type"].rsplit(".", 1)[-1], ClassgradError)
     if not (isinstance(kind, type) and issubclass(kind, ClassgradError)):

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from classgrad.service.config import JobConfig
+from classgrad.config import JobConfig
 from classgrad.service.runtime.footprint import BuildMeter, Part, parts_text
-from classgrad.service.units import fmt_mib
+from classgrad.units import fmt_mib
 
 # Starting a local Ray and one actor process until it answers a call (its imports included, the
 # engine build excluded: that is timed per job). Measured once, 2026-12-01, on the shared 2-core

@@ -47,8 +47,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from classgrad.service.config import JobConfig
-from classgrad.service.units import fmt_mib
+from classgrad.config import JobConfig
+from classgrad.units import fmt_mib
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,7 @@ def job_footprint(
     else:
         actor += build_parts + compute + [writer]
     driver = [
-        Part("process", PROCESS_BYTES + (RAY_NODE_BYTES if under_ray and _starts_local_ray(config) else 0), None),
+        Part("process", PROCESS_BYTES + (RAY_NODE_BYTES if under_ray and starts_local_ray(config) else 0), None),
         *build_parts,
     ]
     return Footprint(
@@ -403,7 +403,7 @@ def job_footprint(
     )
 
 
-def _starts_local_ray(config: JobConfig) -> bool:
+def starts_local_ray(config: JobConfig) -> bool:
     from classgrad.service.runtime.ray_session import resolve_ray_address
 
     return resolve_ray_address(config.cluster.address)[0] is None

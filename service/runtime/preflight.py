@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import ResourceError
+from classgrad.config import JobConfig
+from classgrad.errors import ResourceError
 from classgrad.service.runtime.footprint import Footprint, Part, mb
-from classgrad.service.store import local_path
-from classgrad.service.units import fmt_bytes
+from classgrad.store import local_path
+from classgrad.units import fmt_bytes
 from classgrad.workers.projection import check_width
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,10 @@ def node_limits(config: JobConfig) -> Limits:
     """This node's limits for ``config``'s job."""
     import psutil
 
-    from classgrad.service.runtime.footprint import _starts_local_ray
+    from classgrad.service.runtime.footprint import starts_local_ray
 
     vm = psutil.virtual_memory()
-    local_ray = _starts_local_ray(config)
+    local_ray = starts_local_ray(config)
     gpu = None
     if local_ray and config.resolved_device().startswith("cuda"):
         gpu = _gpu_memory(config.resolved_device())

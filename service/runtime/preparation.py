@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import ConfigMismatchError, StoreError, StoreMismatchError
+from classgrad.config import JobConfig
+from classgrad.errors import ConfigMismatchError, StoreError, StoreMismatchError
 from classgrad.service.runtime.plan import Shard, plan_shards
-from classgrad.service.store import GradStore, HeldLease, StoreSpec, create_store, open_store
-from classgrad.service.store.format import OVERWRITE_HINT
+from classgrad.store import GradStore, HeldLease, StoreSpec, create_store, open_store
+from classgrad.store.format import OVERWRITE_HINT
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 
-from classgrad.service.progress_bar import in_notebook, progress_bar
+from classgrad.progress_bar import in_notebook, progress_bar
 
 log = logging.getLogger(__name__)
 

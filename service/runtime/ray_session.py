@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from classgrad.service.errors import ClassgradError, first_line
+from classgrad.errors import ClassgradError, first_line
 
 log = logging.getLogger(__name__)
 

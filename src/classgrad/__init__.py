@@ -22,23 +22,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from classgrad.service.version import __version__
+from classgrad.version import __version__
 
 if TYPE_CHECKING:
+    from classgrad.config import JobConfig, load_config
     from classgrad.service.analysis.score_api import score
-    from classgrad.service.config import JobConfig, load_config
     from classgrad.service.runtime.driver import run_job
-    from classgrad.service.store import open_dataset, open_store
+    from classgrad.store import open_dataset, open_store
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.training import PerClassGradScaler
 
 # public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
 _EXPORTS = {
     "per_class_gradients": "classgrad.workers.engines",
-    "open_store": "classgrad.service.store",
-    "open_dataset": "classgrad.service.store",
-    "JobConfig": "classgrad.service.config",
-    "load_config": "classgrad.service.config",
+    "open_store": "classgrad.store",
+    "open_dataset": "classgrad.store",
+    "JobConfig": "classgrad.config",
+    "load_config": "classgrad.config",
     "run_job": "classgrad.service.runtime.driver",
     "PerClassGradScaler": "classgrad.workers.training",
     "score": "classgrad.service.analysis.score_api",

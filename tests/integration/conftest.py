@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from classgrad.service.config import JobConfig
+from classgrad.config import JobConfig
 from tests.support.harness import fresh_ray_auth_afterwards, repo_env
 from tests.support.jobs import small_job
 

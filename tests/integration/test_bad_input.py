@@ -30,10 +30,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from classgrad.config import JobConfig
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.config import JobConfig
 from classgrad.service.runtime.preparation import prepare_store
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.cluster import free_port
 from tests.support.harness import (

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.harness import (
     classgrad_cli,
     kill_session,

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import torch
 
+from classgrad.errors import StoreError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import StoreError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.cluster import LocalRayCluster, free_port
 from tests.support.engine_cases import max_relative_error
 from tests.support.harness import REPO, classgrad_cli, reference_rows, start_cli

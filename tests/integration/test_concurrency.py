@@ -23,12 +23,12 @@ import time
 
 import pytest
 
+from classgrad.config import JobConfig
+from classgrad.errors import LeaseHeldError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import LeaseHeldError
 from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.runtime.preparation import prepare_store
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.harness import (
     assert_identical,
     error_lines,
@@ -126,7 +126,7 @@ def test_a_stale_lease_is_taken_over_after_its_ttl(tmp_path, capsys, caplog):
     assert "is in use by run 'hung-run'" in line, line
 
     wait_for(lambda: time.time() - heartbeat > 2.0, 10, "the hung run's lease to pass its TTL")
-    caplog.set_level(logging.WARNING, logger="classgrad.service.store")
+    caplog.set_level(logging.WARNING, logger="classgrad.store")
     assert cli_main(["run", path]) == 0, capsys.readouterr().err[-3000:]
     assert "taking over the stale lease of run 'hung-run'" in caplog.text
     assert "last heartbeat" in caplog.text and "> 2s" in caplog.text

@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from classgrad.service.config import JobConfig
-from classgrad.service.store import open_store
+from classgrad.config import JobConfig
+from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.cluster import LocalRayCluster
 from tests.support.harness import (

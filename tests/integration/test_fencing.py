@@ -20,10 +20,10 @@ import time
 import numpy as np
 import pytest
 
+from classgrad.config import JobConfig
+from classgrad.errors import CorruptChunkError
 from classgrad.service.analysis.verify import CORRUPT, verify_store
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import CorruptChunkError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.harness import (
     classgrad_cli,
     kill_session,

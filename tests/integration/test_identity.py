@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from classgrad.service.config import JobConfig
-from classgrad.service.store import open_store
+from classgrad.config import JobConfig
+from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.harness import (
     assert_identical,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.engine_cases import max_relative_error

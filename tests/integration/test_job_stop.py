@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.cluster import LocalRayCluster
 from tests.support.harness import classgrad_cli, shards_done, start_cli, wait_for
 

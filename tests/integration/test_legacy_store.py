@@ -11,9 +11,9 @@ import pytest
 import torch
 import zarr
 
-from classgrad.service.config import load_config
+from classgrad.config import load_config
 from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.usefixtures("ray_local")

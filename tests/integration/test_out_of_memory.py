@@ -25,10 +25,10 @@ import os
 
 import pytest
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import ClassgradError
+from classgrad.config import JobConfig
+from classgrad.errors import ClassgradError
 from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.harness import (
     assert_identical,

@@ -18,7 +18,7 @@ import pytest
 import s3fs  # noqa: E402
 import torch
 
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.cluster import LocalRayCluster
 from tests.support.engine_cases import max_relative_error
 from tests.support.harness import classgrad_cli, reference_rows

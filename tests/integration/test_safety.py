@@ -39,7 +39,7 @@ import s3fs  # noqa: E402
 import torch
 
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.harness import (
     LOOPBACK,

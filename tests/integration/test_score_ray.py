@@ -12,7 +12,7 @@ import numpy as np
 import xarray as xr
 
 from classgrad.service.analysis.score_driver import score_rows
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.stores import synthetic_store
 
 

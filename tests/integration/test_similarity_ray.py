@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from classgrad.errors import CorruptChunkError, StoreError
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import CorruptChunkError, StoreError
-from classgrad.service.store import ParamSlot, StoreSpec, create_store, open_store
+from classgrad.store import ParamSlot, StoreSpec, create_store, open_store
 from tests.support.stores import dense_similarity, synthetic_store, write_all
 
 REPO = Path(__file__).resolve().parents[2]

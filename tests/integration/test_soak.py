@@ -27,9 +27,9 @@ import time
 import numpy as np
 import pytest
 
-from classgrad.service.config import JobConfig
+from classgrad.config import JobConfig
 from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.harness import (
     assert_identical,
     store_arrays,

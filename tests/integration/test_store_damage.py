@@ -13,7 +13,7 @@ import torch
 
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -62,7 +62,7 @@ def test_rerun_recomputes_exactly_the_damaged_shard(tmp_path, job_config, how, c
 
 
 def test_format_1_store_resumes_a_damaged_shard_by_verify_repair(tmp_path):
-    from classgrad.service.config import load_config
+    from classgrad.config import load_config
 
     copy = tmp_path / "v1_resume.zarr"
     shutil.copytree(FIXTURES / "v1_resume.zarr", copy)

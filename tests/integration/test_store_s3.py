@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import s3fs  # noqa: E402
 
-from classgrad.service.errors import StoreError, StoreMismatchError
-from classgrad.service.store import ParamSlot, StoreSpec, create_store, open_store
+from classgrad.errors import StoreError, StoreMismatchError
+from classgrad.store import ParamSlot, StoreSpec, create_store, open_store
 
 
 def spec(**kw) -> StoreSpec:

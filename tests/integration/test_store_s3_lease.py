@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import s3fs
 
-from classgrad.service.errors import LeaseHeldError, StoreError
-from classgrad.service.store import StoreSpec, create_store, open_store, store_lease
-from classgrad.service.store.lease_files import S3LeaseFile
+from classgrad.errors import LeaseHeldError, StoreError
+from classgrad.store import StoreSpec, create_store, open_store, store_lease
+from classgrad.store.lease_files import S3LeaseFile
 
 
 def spec(fingerprint: str = "fp-1") -> StoreSpec:

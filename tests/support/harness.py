@@ -37,9 +37,9 @@ import pytest
 import torch
 import yaml
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import StoreError
-from classgrad.service.store import open_store
+from classgrad.config import JobConfig
+from classgrad.errors import StoreError
+from classgrad.store import open_store
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "classgrad"]
@@ -196,7 +196,7 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
     """Rows of the float64 reference engine for the job's model (without its sleep, where it is a
     ``slow_models`` one with ``delay_s``) and data. ``config_path`` is relative to the repository
     root (or absolute)."""
-    from classgrad.service.config import load_config
+    from classgrad.config import load_config
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.runtime.factory import build_model, build_probe
 

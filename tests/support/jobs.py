@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from classgrad.service.config import JobConfig
+from classgrad.config import JobConfig
 
 MLP_JOB_CLASSES = 24
 
@@ -65,7 +65,7 @@ def mlp_job(tmp_path: Path, **sections: Any) -> JobConfig:
 def run_without_ray(config: JobConfig):
     """The driver's preparation, then the real worker for every shard (no Ray): the store."""
     from classgrad.service.runtime.preparation import prepare_store
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
     from classgrad.workers.runtime.actor import GradientWorker
 
     prepared = prepare_store(config)

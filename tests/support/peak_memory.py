@@ -83,7 +83,7 @@ def _in_children(fns: list, at_once: int = 2) -> list[Any]:
 
 
 def _driver(job: dict) -> dict:
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import check_job, prepare_store
 
     config = JobConfig.model_validate(job)

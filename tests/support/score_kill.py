@@ -12,7 +12,7 @@ import numpy as np
 
 import classgrad.service.analysis.score_driver as driver
 from classgrad.service.analysis import scoring
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 
 OPTIONS = {"method": "dot", "top_k": 5, "block_rows": 8, "full": True, "executor": "local"}
 

@@ -29,7 +29,7 @@ NUM_CLASSES, DIM, SHARD_ROWS = 8, 6, 4
 
 
 def _spec(name: str) -> Any:
-    from classgrad.service.store import StoreSpec
+    from classgrad.store import StoreSpec
 
     fingerprint, dtype, col_chunk, _ = CONFIGS[name]
     return StoreSpec(
@@ -52,11 +52,11 @@ def _fill(store: Any, value: float) -> None:
 
 
 def _take(url: str, name: str, run_id: str, order: str) -> None:
-    from classgrad.service.store import create_store
+    from classgrad.store import create_store
 
     value = CONFIGS[name][3]
     if order == "lease-first":
-        from classgrad.service.store import store_lease
+        from classgrad.store import store_lease
 
         with store_lease(url).hold(run_id, ttl_s=30.0) as held:
             _fill(create_store(url, _spec(name), lease=held), value)
@@ -67,7 +67,7 @@ def _take(url: str, name: str, run_id: str, order: str) -> None:
 
 
 def _worker(name: str, urls: list[str], order: str, barrier: Any, results: Any) -> None:
-    from classgrad.service.errors import LeaseHeldError, StoreMismatchError
+    from classgrad.errors import LeaseHeldError, StoreMismatchError
 
     for trial, url in enumerate(urls):
         try:
@@ -108,7 +108,7 @@ def race(urls: list[str], order: str = "lease-first", timeout_s: float = 120.0) 
 
 def check_trial(url: str, outcome: dict[str, str]) -> list[str]:
     """What is wrong with one trial: not exactly one winner, or a store that is not all the winner's."""
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     winners = [name for name, said in outcome.items() if said == "won"]
     others = [f"{name}: {said}" for name, said in outcome.items() if said != "won" and not said.startswith("refused")]

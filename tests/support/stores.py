@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from classgrad.service.store import ParamSlot, StoreSpec, create_store
+from classgrad.store import ParamSlot, StoreSpec, create_store
 
 LAYOUT = (
     ParamSlot("layer.weight", (8, 10), 0, 80),

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import LeaseHeldError
+from classgrad.config import JobConfig
+from classgrad.errors import LeaseHeldError
 from classgrad.service.runtime.preparation import prepare_store
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from classgrad.workers.engines import RowBlock, per_class_gradients
 from classgrad.workers.projection import Projector
 from classgrad.workers.runtime.actor import GradientWorker, project_rows_for, stored_blocks

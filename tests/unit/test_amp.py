@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from classgrad.service.errors import InputError, RowOverflowError
+from classgrad.errors import InputError, RowOverflowError
 from classgrad.workers import zoo
 from classgrad.workers.amp import PrecisionPolicy, rows_with_rescale
 from classgrad.workers.engines import build_engine

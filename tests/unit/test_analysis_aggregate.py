@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
+from classgrad.errors import ConfigError, InputError, StoreError, StoreIncompleteError
 from classgrad.service.analysis.aggregate import aggregate, load_into_grad, load_weights, weighted_sum
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import ConfigError, InputError, StoreError, StoreIncompleteError
 from tests.support.stores import model_store, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff

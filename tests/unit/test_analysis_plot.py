@@ -19,7 +19,7 @@ from classgrad.service.analysis.plot import (
 )
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.stores import dense_similarity, synthetic_store
 
 
@@ -86,7 +86,7 @@ def test_average_linkage_order_groups_planted_clusters():
 
 
 def test_bad_options(tmp_path):
-    from classgrad.service.errors import ConfigError
+    from classgrad.errors import ConfigError
 
     synthetic_store(tmp_path / "s", num_classes=20)
     with pytest.raises(ConfigError, match=r"top_n \(--top-n\)"):
@@ -102,7 +102,7 @@ def test_a_failed_plot_leaves_no_output_directory(tmp_path, capsys):
 
 def many_params_store(path, num_params: int, num_classes: int = 60):
     """A store with ``num_params`` parameters of very different sizes (1 .. 64 elements)."""
-    from classgrad.service.store import ParamSlot
+    from classgrad.store import ParamSlot
 
     slots, offset = [], 0
     for i in range(num_params):

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from classgrad.errors import ConfigError, StoreError, StoreIncompleteError
 from classgrad.service.analysis.similarity import (
     SimilarityConfig,
     compute_similarity,
@@ -17,8 +18,7 @@ from classgrad.service.analysis.similarity import (
     top_k_rows,
 )
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import ConfigError, StoreError, StoreIncompleteError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.stores import ZERO_ROW, dense_similarity, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff

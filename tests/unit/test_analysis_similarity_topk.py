@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from classgrad.errors import ConfigError, StoreError
 from classgrad.service.analysis import similarity as sim_module
 from classgrad.service.analysis.similarity import SimilarityConfig, compute_similarity, wants_dense
 from classgrad.service.analysis.similarity_topk import TopKPlan, merge_topk, plan_topk, streamed_topk
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import ConfigError, StoreError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.stores import ZERO_ROW, dense_similarity, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff

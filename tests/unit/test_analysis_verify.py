@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import zarr
 
+from classgrad.errors import StoreError
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, NONFINITE, verify_store
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import StoreError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.stores import synthetic_store
 
 # synthetic_store: 200 classes x 96, chunks 16 x 40, shards of 64 rows (4 shards).
@@ -60,7 +60,7 @@ def test_flipped_byte_is_a_corrupt_chunk(sound, capsys):
 
 
 def test_missing_shard_and_deleted_chunk_are_incomplete(sound, capsys):
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     open_store(str(sound), mode="r+").clear_shard_done(1)
     code, out = verify(sound, capsys)
@@ -147,7 +147,7 @@ def test_a_truncated_array_metadata_file_is_named_in_one_line(sound, capsys):
 
 
 def test_flags_combine_and_json(sound, capsys):
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     open_store(str(sound), mode="r+").clear_shard_done(3)
     chunk = sound / "loss" / "c" / "0"
@@ -161,7 +161,7 @@ def test_flags_combine_and_json(sound, capsys):
 
 
 def test_similarity_arrays_are_checked(sound, capsys):
-    from classgrad.service.store import open_store
+    from classgrad.store import open_store
 
     compute_similarity(str(sound), executor="local", top_k=3)
     assert verify(sound, capsys)[0] == 0

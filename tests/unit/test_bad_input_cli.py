@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from classgrad.config.loading import MAX_YAML_NODES
+from classgrad.config.placement import ENV_VAR_MAX_BYTES
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.config.loading import MAX_YAML_NODES
-from classgrad.service.config.placement import ENV_VAR_MAX_BYTES
 from tests.support import faulty
 from tests.support.harness import classgrad_cli, error_lines, write_job
 from tests.support.jobs import small_job
@@ -173,7 +173,7 @@ def test_in_a_real_process(build, tmp_path):
 @NO_MPS
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps"])
 def test_the_python_api_checks_the_device(device):
-    from classgrad.service.errors import InputError
+    from classgrad.errors import InputError
     from classgrad.workers import zoo
     from classgrad.workers.engines import per_class_gradients
 
@@ -183,7 +183,7 @@ def test_the_python_api_checks_the_device(device):
 
 
 def test_an_empty_section_in_a_file_still_means_its_defaults(tmp_path):
-    from classgrad.service.config import load_config
+    from classgrad.config import load_config
 
     path = Path(tmp_path / "job.yaml")
     path.write_text("model:\nloss: {num_classes: 4}\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.runtime.factory import preflight

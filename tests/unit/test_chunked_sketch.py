@@ -20,14 +20,14 @@ import pytest
 import torch
 from torch import nn
 
+from classgrad.config import load_config
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.score_driver import check_stores
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
-from classgrad.service.config import load_config
-from classgrad.service.store import open_store
+from classgrad.store import open_store
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import SketchUnit
 from classgrad.workers.projection.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.sketch import RowSketch

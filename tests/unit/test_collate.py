@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers.collate import pad_stack, stack
 from classgrad.workers.probe import ProbeSet
 from tests.support import hf_jobs

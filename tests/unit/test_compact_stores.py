@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from classgrad.service.config import JobConfig
+from classgrad.config import JobConfig
 from classgrad.service.runtime.estimate import RAY_STARTUP_ALLOWANCE_S, estimate_job
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.projection import Projector

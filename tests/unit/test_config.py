@@ -1,4 +1,4 @@
-"""Unit tests of service/config/: defaults, YAML + overrides, one-line errors naming the field,
+"""Unit tests of src/classgrad/config/: defaults, YAML + overrides, one-line errors naming the field,
 fingerprint, redaction and the generated config reference."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from classgrad.service.config import JobConfig, config_reference_markdown, load_config
-from classgrad.service.errors import ClassgradError, ConfigError
+from classgrad.config import JobConfig, config_reference_markdown, load_config
+from classgrad.errors import ClassgradError, ConfigError
 
 # loss.num_classes is the one required key: it fixes the store's shape, so it is never guessed.
 NC = "loss.num_classes=10"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typing
 
-from classgrad.service.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig, ProjectionConfig
+from classgrad.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig, ProjectionConfig
 from classgrad.workers.engines import ENGINES
 from classgrad.workers.losses import LOSSES, DenseLoss, create_loss
 from classgrad.workers.projection import PROJECTIONS

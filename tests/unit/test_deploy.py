@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from classgrad.config import load_config
+from classgrad.errors import ConfigError
 from classgrad.service.commands.cli import COMMANDS
-from classgrad.service.config import load_config
-from classgrad.service.errors import ConfigError
 from classgrad.service.runtime.submit import (
     DEFAULT_EXCLUDES,
     STOP_ENV,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from classgrad.config import load_config
 from classgrad.service.commands.cli import COMMANDS, build_parser
-from classgrad.service.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

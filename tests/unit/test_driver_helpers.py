@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import InputError, LeaseHeldError, StoreError, StoreUnavailableError
+from classgrad.config import JobConfig
+from classgrad.errors import InputError, LeaseHeldError, StoreError, StoreUnavailableError
 from classgrad.service.runtime.driver import JobDriver, _cause_line, _creation_error
 from classgrad.service.runtime.plan import Shard
 from tests.support.jobs import small_job
@@ -20,9 +20,9 @@ CREATION_FAILED = (
     "The actor died because of an error raised in its creation task, \x1b[36mray::GradientWorker.__init__()"
     "\x1b[39m (pid=28203, ip=192.0.2.2, actor_id=9e7b, repr=<classgrad.workers.runtime.actor.GradientWorker object>)\n"
     "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
-    '  File "/work/main/workers/factory.py", line 77, in _call_factory\n'
+    '  File "/work/main/workers/factory.py", line 77, in call_factory\n'
     "    raise InputError(...)\n"
-    "classgrad.service.errors.InputError: model.factory 'x:y' raised ValueError: boom\n"
+    "classgrad.errors.InputError: model.factory 'x:y' raised ValueError: boom\n"
 )
 NODE_LOST = (
     "The actor died unexpectedly before finishing this task.\n"
@@ -45,7 +45,7 @@ def test_a_constructor_user_error_is_recognised_and_named():
 def test_other_deaths_are_for_a_replacement():
     assert _creation_error(_Err(NODE_LOST)) is None
     assert _cause_line(_Err(NODE_LOST)) == "The actor died unexpectedly before finishing this task."
-    crash = CREATION_FAILED.replace("classgrad.service.errors.InputError", "RuntimeError")
+    crash = CREATION_FAILED.replace("classgrad.errors.InputError", "RuntimeError")
     assert _creation_error(_Err(crash)) is None  # a bug or a lost GPU may not happen again
     assert _cause_line(_Err(crash)).startswith("RuntimeError: model.factory")
 

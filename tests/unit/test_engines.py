@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, per_class_gradients
 from classgrad.workers.layout import ParamLayout

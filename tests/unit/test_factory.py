@@ -10,8 +10,8 @@ import pickle
 import pytest
 import torch
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import InputError
+from classgrad.config import JobConfig
+from classgrad.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.runtime.factory import build_job_engine, build_model, build_probe, load_checkpoint, preflight
 from tests.support.engine_cases import NUM_CLASSES

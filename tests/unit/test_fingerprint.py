@@ -1,4 +1,4 @@
-"""Unit tests of the fingerprint scheme (service/config/fingerprint.py) and of resuming a store
+"""Unit tests of the fingerprint scheme (src/classgrad/config/fingerprint.py) and of resuming a store
 written before it: defaults and old module spellings leave the fingerprint alone, a config recorded
 in an old store is recognised as the same job, and a different job is still refused."""
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from classgrad.service.config import FINGERPRINT_VERSION, JobConfig, load_config, recorded_fingerprint
-from classgrad.service.errors import StoreMismatchError
+from classgrad.config import FINGERPRINT_VERSION, JobConfig, load_config, recorded_fingerprint
+from classgrad.errors import StoreMismatchError
 from classgrad.service.runtime.preparation import prepare_store, resumable_fingerprint
 
 NC = "loss.num_classes=10"

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import InputError, StoreMismatchError
+from classgrad.config import JobConfig
+from classgrad.errors import InputError, StoreMismatchError
 from classgrad.service.runtime.preparation import check_identity, prepare_store
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from classgrad.workers import zoo
 from classgrad.workers.runtime.actor import GradientWorker
 from classgrad.workers.runtime.factory import build_job_engine

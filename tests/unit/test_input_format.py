@@ -107,7 +107,7 @@ def test_two_actors_whose_clocks_disagree_use_the_same_formats_and_kernels(monke
     """Each actor builds its engine from the job's config in a fresh process (``choices.clear()``)
     and computes the same shard; where a layout was chosen by timing, actors on a busy machine
     chose differently and one store mixed both."""
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.workers.engines import base
     from classgrad.workers.engines.partitioned import hook_path
     from classgrad.workers.runtime.factory import build_job_engine

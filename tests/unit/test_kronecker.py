@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch import nn
 
+from classgrad.config import JobConfig
+from classgrad.errors import ConfigError
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import ConfigError
 from classgrad.service.runtime.preparation import recorded_projection
-from classgrad.service.store import open_store
+from classgrad.store import open_store
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector
 from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.runtime.factory import build_model, build_probe
@@ -321,8 +321,8 @@ def test_a_store_made_when_the_rest_was_dense_by_default_is_refused_naming_the_k
     """``rest``'s default moved from dense to sketch without a new fingerprint version: such a
     store has the fingerprint of a config that leaves rest out, and is refused (not resumed with
     rows projected another way) by its recorded projection, with the setting that resumes it."""
-    from classgrad.service.config import ProjectionConfig
-    from classgrad.service.errors import StoreMismatchError
+    from classgrad.config import ProjectionConfig
+    from classgrad.errors import StoreMismatchError
 
     field = ProjectionConfig.model_fields["rest"]
     proj = {"structure": "kronecker", "dim": 40}

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from classgrad.store.params import ParamSlot
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, choices, projected_options, projection_options
 from classgrad.workers.engines.layer_rules import (
@@ -30,7 +31,6 @@ from classgrad.workers.engines.layer_rules import (
 from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import SketchUnit
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Scale, Tokens, assert_hook_path, rows_and_reference

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
+from classgrad.store.params import ParamSlot
 from classgrad.workers import zoo
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for, rule_io
-from classgrad.workers.layout import ParamSlot
 from tests.support.engine_cases import (
     EMPTY_CLASS,
     LOW_PRECISION_TOLERANCE,

@@ -1,164 +1,60 @@
 """The package layout: one namespace, layers that import only downward, rooms of a livable size.
 
-Every import in the source folders (top-level, inside functions and under TYPE_CHECKING alike)
-is read from the files with ``ast``, so nothing is imported to check it.
+The import graph and its layers are ``scripts/import_graph.py``'s (every import read with
+``ast``, functions' and TYPE_CHECKING's included, so nothing is imported to check it).
 """
 
 from __future__ import annotations
 
-import ast
-from collections import defaultdict
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# folder -> the package it installs as (pyproject.toml's [tool.setuptools] package-dir)
-FOLDERS = {
-    REPO / "src" / "classgrad": "classgrad",
-    REPO / "service": "classgrad.service",
-    REPO / "workers": "classgrad.workers",
-}
-# package (and everything below it unless listed itself) -> layer; a package imports only its own
-# layer or lower ones. 0 bottom: errors, config, store; 1 compute; 2 runtime; 3 analyses, CLI, API.
-LAYERS = {
-    "classgrad.service": 0,
-    "classgrad.service.config": 0,
-    "classgrad.service.store": 0,
-    "classgrad.workers": 1,
-    "classgrad.workers.engines": 1,
-    "classgrad.service.runtime": 2,
-    "classgrad.workers.runtime": 2,
-    "classgrad.service.analysis": 3,
-    "classgrad.service.commands": 3,
-    "classgrad": 3,
-}
+_spec = importlib.util.spec_from_file_location("import_graph", REPO / "scripts" / "import_graph.py")
+assert _spec is not None and _spec.loader is not None
+graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(graph)
 MAX_LINES = 600
 
 
-def source_modules() -> dict[str, Path]:
-    """Installed module name -> file, for every module of the three folders."""
-    modules = {}
-    for folder, package in FOLDERS.items():
-        for path in folder.rglob("*.py"):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            modules[".".join([package, *parts])] = path
-    return modules
-
-
-def package_of(module: str, path: Path) -> str:
-    return module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-
-def layer_of(package: str) -> int:
-    best = max((p for p in LAYERS if package == p or package.startswith(p + ".")), key=len)
-    return LAYERS[best]
-
-
-def imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
-    """Absolute names of every module ``path`` imports (relative imports resolved); ``modules``
-    are classgrad's own, to tell ``from pkg import module`` from ``from pkg import name``."""
-    names = set()
-    base = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
-                target = f"{anchor}.{node.module}" if node.module else anchor
-            else:
-                target = node.module or ""
-            # `from pkg import module` imports the module (pkg's __init__ only as its parent, as
-            # every import of a submodule does); `from pkg import name` imports pkg itself.
-            submodules = {f"{target}.{alias.name}" for alias in node.names} & modules
-            names.update(submodules)
-            if len(submodules) < len(node.names):
-                names.add(target)
-    return names
-
-
-def module_edges() -> dict[str, set[str]]:
-    """importing module -> classgrad modules it imports."""
-    modules = source_modules()
-    return {
-        module: {n for n in imported_names(module, path, set(modules)) if n in modules and n != module}
-        for module, path in modules.items()
-    }
-
-
-def package_edges() -> dict[str, set[str]]:
-    """importing package -> packages it imports from (classgrad's own only, self-edges dropped).
-
-    A package's ``__init__`` that re-exports its own subpackages (``engines`` registering the
-    partitioned engine) contains them rather than depends on them: those edges are left out.
-    """
-    modules = source_modules()
-    edges: dict[str, set[str]] = defaultdict(set)
-    for module, targets in module_edges().items():
-        source = package_of(module, modules[module])
-        for name in targets:
-            target = package_of(name, modules[name])
-            if target == source or (modules[module].name == "__init__.py" and target.startswith(source + ".")):
-                continue
-            edges[source].add(target)
-    return edges
-
-
-def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of the directed graph ``edges``, or None."""
-    state: dict[str, str] = {}
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = "open"
-        path.append(node)
-        for target in sorted(edges.get(node, ())):
-            if state.get(target) == "open":
-                return path[path.index(target) :] + [target]
-            if target not in state and (cycle := visit(target)):
-                return cycle
-        state[node] = "done"
-        path.pop()
-        return None
-
-    for node in sorted(edges):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
-
-
 def test_no_module_imports_the_folder_names():
-    modules = source_modules()
+    modules = graph.source_modules()
     offenders = [
         f"{path.relative_to(REPO)} imports {name}"
         for module, path in modules.items()
-        for name in imported_names(module, path, set(modules))
+        for name in graph.imported_names(module, path, set(modules))
         if name.split(".")[0] in ("service", "workers")
     ]
     assert not offenders, offenders
 
 
 def test_packages_import_only_their_own_layer_or_lower():
-    upward = [
-        f"{source} (layer {layer_of(source)}) imports {target} (layer {layer_of(target)})"
-        for source, targets in package_edges().items()
-        for target in targets
-        if layer_of(target) > layer_of(source)
-    ]
+    upward = graph.upward_edges()
     assert not upward, upward
 
 
+def test_the_import_graph_script_draws_every_layer_and_no_arrow_up():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "import_graph.py")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "UP:" not in done.stdout
+    first = done.stdout.splitlines()
+    assert first[0].startswith("[0] classgrad.") and any(
+        line.startswith("[3] classgrad.service.commands") for line in first
+    )
+
+
 def test_the_package_import_graph_has_no_cycle():
-    cycle = find_cycle(package_edges())
+    cycle = graph.find_cycle(graph.package_edges())
     assert cycle is None, " -> ".join(cycle or [])
 
 
 def test_no_module_import_cycle():
     """Not even one hidden by a lazy import inside a function."""
-    cycle = find_cycle(module_edges())
+    cycle = graph.find_cycle(graph.module_edges())
     assert cycle is None, " -> ".join(cycle or [])
 
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
+from classgrad.store.params import ParamSlot
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
-from classgrad.workers.layout import ParamLayout, ParamSlot
+from classgrad.workers.layout import ParamLayout
 from tests.support.engine_cases import NUM_CLASSES
 
 

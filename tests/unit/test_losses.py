@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from classgrad.service.config import BUILTIN_LOSS_KINDS
-from classgrad.service.errors import InputError
+from classgrad.config import BUILTIN_LOSS_KINDS
+from classgrad.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.losses import LOSSES, DenseLoss, PartitionedLoss, create_loss, partitioned_loss, register_loss

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.model_io import ModelIO, class_names_of, logits_of
 from tests.support import hf_jobs
@@ -208,7 +208,7 @@ def test_bad_dict_inputs_through_per_class_gradients_are_one_line():
 
 @pytest.mark.parametrize("names", [True, False])
 def test_the_job_check_records_id2label_as_the_stores_class_names(tmp_path, names):
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import check_job
 
     C = 3
@@ -271,7 +271,7 @@ def test_the_pad_id_of_input_ids_comes_from_the_tokenizer_or_the_model_and_anoth
 
 
 def test_a_jobs_probe_pads_input_ids_with_the_models_pad_id():
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
     from classgrad.workers.runtime.factory import build_job_engine
 
     C = 3

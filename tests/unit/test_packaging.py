@@ -60,7 +60,13 @@ def installed(tmp_path_factory) -> Path:
 def test_a_non_editable_install_holds_only_the_classgrad_tree(installed):
     top = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin"}
     assert top == {"classgrad"}
-    for module in ("service/errors.py", "service/commands/cli.py", "workers/engines/__init__.py", "py.typed"):
+    for module in (
+        "errors.py",
+        "store/grad_store.py",
+        "service/commands/cli.py",
+        "workers/engines/__init__.py",
+        "py.typed",
+    ):
         assert (installed / "classgrad" / module).exists(), module
 
 

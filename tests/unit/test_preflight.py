@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import zarr
 
+from classgrad.errors import ResourceError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import ResourceError
 from classgrad.service.runtime import preflight
 from classgrad.service.runtime.footprint import RAY_ACTOR_BYTES, Footprint, Part, job_footprint
 from classgrad.service.runtime.preflight import Limits, check_resources
@@ -25,7 +25,7 @@ from classgrad.service.runtime.preparation import check_job
 from tests.support.harness import error_lines, write_job
 from tests.support.jobs import mlp_job, run_without_ray, small_job
 
-GB = 2**30  # a GiB: sizes print in binary units (classgrad.service.units)
+GB = 2**30  # a GiB: sizes print in binary units (classgrad.units)
 ROOMY = Limits(memory_available=64 * GB, memory_total=64 * GB, cpus=8, local_ray=True, disk_free=10**15)
 
 
@@ -77,7 +77,7 @@ def _big_probe_job(url: str) -> dict:
 
 def _sizes(job: dict) -> tuple[int, int]:
     """(one actor's, the driver's) estimated peak, as the preflight computes them."""
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
 
     checked = check_job(JobConfig.model_validate(job), preflight=False)
     assert checked.footprint is not None
@@ -183,7 +183,7 @@ def test_the_gpu_share_of_an_actor_is_checked():
         driver=[Part("process", 10**8, None)],
     )
     gpu = Limits(**{**ROOMY.__dict__, "gpu_memory": 16 * GB})
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
 
     job = small_job("s.zarr", cluster={"num_gpus_per_worker": 0.5, "num_workers": 2})
     needs = r"GPU memory needs ~12.0 GiB .* 8.0 GiB .*raise cluster.num_gpus_per_worker"
@@ -358,7 +358,7 @@ def test_measuring_the_saved_bytes_leaves_the_model_as_built(tmp_path):
     from classgrad.workers.runtime.identity import model_digest
 
     job = small_job(str(tmp_path / "s.zarr"), model={"factory": "classgrad.workers.zoo:bn_cnn", "mode": "train"})
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
 
     engine = build_job_engine(JobConfig.model_validate({**job, "loss": {"kind": "logit", "num_classes": 48}}))
     before = model_digest(engine.model)

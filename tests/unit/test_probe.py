@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.probe import ProbeSet, tree_map_tensors
 from tests.support.engine_cases import NUM_CLASSES

@@ -1,4 +1,4 @@
-"""Progress bars where the user looks (``classgrad.service.progress_bar``): in a notebook without
+"""Progress bars where the user looks (``classgrad.progress_bar``): in a notebook without
 ipywidgets a text bar on the notebook's stderr (no terminal), with no "IProgress not found"
 warning; outside a notebook the terminal rule (a bar only on a terminal, unless asked for)."""
 
@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from classgrad.service import progress_bar as bars
+from classgrad import progress_bar as bars
 from classgrad.workers import zoo
 from classgrad.workers.engines import per_class_gradients
 

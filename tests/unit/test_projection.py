@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from classgrad.service.errors import ConfigError, InputError
+from classgrad.errors import ConfigError, InputError
 from classgrad.workers.projection import (
     HASH_NAME,
     PROJECTIONS,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from classgrad.errors import InputError, StoreError
 from classgrad.service.analysis.score_api import score
-from classgrad.service.errors import InputError, StoreError
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.runtime.query import query_rows
 from classgrad.workers.zoo import mlp, synthetic_probe

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from classgrad.service.errors import ClassgradError
+from classgrad.errors import ClassgradError
 from classgrad.service.runtime.ray_session import check_reachable, ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from classgrad.config import JobConfig, load_config
+from classgrad.config.redaction import REDACTED, RedactingFilter, is_secret_key, redact, redact_text
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.config import JobConfig, load_config
-from classgrad.service.config.redaction import REDACTED, RedactingFilter, is_secret_key, redact, redact_text
 from classgrad.service.runtime.preparation import prepare_store
 from tests.support.harness import write_job
 from tests.support.jobs import small_job

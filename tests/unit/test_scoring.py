@@ -13,11 +13,11 @@ import pytest
 import zarr
 
 import classgrad.service.analysis.score_precondition as precondition
+from classgrad.errors import ConfigError, InputError, StoreMismatchError
 from classgrad.service.analysis import scoring
 from classgrad.service.analysis.score_driver import score_rows
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import ConfigError, InputError, StoreMismatchError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.stores import synthetic_store, write_all
 
 
@@ -209,7 +209,7 @@ def test_the_readme_score_snippet_runs(tmp_path):
     """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
     from pathlib import Path
 
-    from classgrad.service.config import load_config
+    from classgrad.config import load_config
     from tests.support.jobs import run_without_ray
 
     repo = Path(__file__).resolve().parents[2]

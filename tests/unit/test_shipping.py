@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.service.runtime import shipping
 from classgrad.service.runtime.submit import DEFAULT_EXCLUDES
 from classgrad.workers import imports

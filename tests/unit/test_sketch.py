@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from classgrad.config import ProjectionConfig
+from classgrad.errors import ConfigError
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
-from classgrad.service.config import ProjectionConfig
-from classgrad.service.errors import ConfigError
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines import per_class_gradients
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import mix32_int, stream_keys
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit

@@ -1,4 +1,4 @@
-"""Tests of service/store.py on real files (tmp_path) and memory:// stores: round trips for
+"""Tests of the store (src/classgrad/store/) on real files (tmp_path) and memory:// stores: round trips for
 every dtype x codec, alignment, concurrent writers, external readers, corruption,
 fingerprints, completeness, leases, run history and spec validation."""
 
@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import zarr
 
-from classgrad.service.errors import (
+from classgrad.errors import (
     CorruptChunkError,
     LeaseHeldError,
     StoreError,
     StoreIncompleteError,
     StoreMismatchError,
 )
-from classgrad.service.store import FORMAT_VERSION, ParamSlot, StoreSpec, create_store, open_dataset, open_store
+from classgrad.store import FORMAT_VERSION, ParamSlot, StoreSpec, create_store, open_dataset, open_store
 
 DTYPES = ["float32", "float16", "bfloat16"]
 CODECS = ["none", "zstd", "blosc"]
@@ -421,7 +421,7 @@ def test_fingerprint_rules(tmp_path, caplog):
     with pytest.raises(StoreMismatchError, match="different dtype"):
         create_store(url, make_spec(dtype="float16"))
 
-    with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
+    with caplog.at_level(logging.WARNING, logger="classgrad.store"):
         new = create_store(url, make_spec(fingerprint="fp-2"), overwrite=True)
     assert "overwrite" in caplog.text
     assert new.fingerprint == "fp-2" and not new.shard_done.any()
@@ -551,7 +551,7 @@ def test_lease(tmp_path, caplog):
 
     # A lease whose heartbeat is older than its holder's TTL is stale: taken over, with a warning.
     store.lease.acquire("run-a", ttl_s=0.0)  # the holder renews with a TTL of 0: stale at once
-    with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
+    with caplog.at_level(logging.WARNING, logger="classgrad.store"):
         other.lease.acquire("run-b", ttl_s=60.0)
     assert "stale lease of run 'run-a'" in caplog.text
     with pytest.raises(LeaseHeldError, match="lost its lease .* run 'run-b'"):
@@ -584,7 +584,7 @@ def test_lease_of_a_dead_driver_on_this_host_is_taken_over_at_once(tmp_path, cap
     (tmp_path / "s.classgrad-lease.json").write_text(json.dumps(lease))
     store = open_store(url, mode="r+")
     assert store.lease.info()["run_id"] == "run-dead"
-    with caplog.at_level(logging.WARNING, logger="classgrad.service.store"):
+    with caplog.at_level(logging.WARNING, logger="classgrad.store"):
         store.lease.acquire("run-new", ttl_s=60.0)  # fresh heartbeat, but the holder is gone
     assert "its driver process is gone" in caplog.text
     assert store.lease.info()["run_id"] == "run-new"

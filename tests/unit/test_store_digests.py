@@ -1,4 +1,4 @@
-"""Digests checked on read (``classgrad.service.store.verified``, issue 45, item 2): a valid chunk
+"""Digests checked on read (``classgrad.store.verified``, issue 45, item 2): a valid chunk
 copied over another of a done shard (its crc32c is valid) is refused by every reader in one line
 naming the chunk and its shard, plain and Zarr-sharded; rows of other shards still read; a saved
 TRAK preconditioner is not reused over it (item 3); ``verify --repair`` unmarks the shard and drops
@@ -12,11 +12,11 @@ import shutil
 import numpy as np
 import pytest
 
+from classgrad.errors import CorruptChunkError, StoreIncompleteError
 from classgrad.service.analysis.score_driver import score_rows
 from classgrad.service.analysis.verify import CORRUPT, verify_store
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.errors import CorruptChunkError, StoreIncompleteError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
 from tests.support.jobs import mlp_job, run_without_ray
 from tests.support.stores import synthetic_store
 
@@ -109,8 +109,8 @@ def test_a_record_of_another_creation_of_the_store_vouches_for_nothing(tmp_path)
 
 
 def test_a_run_record_is_not_appended_to_a_store_created_again_since(tmp_path):
-    from classgrad.service.errors import StoreError
-    from classgrad.service.store import create_store
+    from classgrad.errors import StoreError
+    from classgrad.store import create_store
 
     first, _ = synthetic_store(tmp_path / "s", num_classes=64)
     again = create_store(str(tmp_path / "s"), first.spec, overwrite=True, recompute=True)

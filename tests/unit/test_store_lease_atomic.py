@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import zarr
 
+from classgrad.config import JobConfig
+from classgrad.errors import LeaseHeldError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import LeaseHeldError
 from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.store import StoreSpec, create_store, store_lease
-from classgrad.service.store.lease_files import LocalLeaseFile
+from classgrad.store import StoreSpec, create_store, store_lease
+from classgrad.store.lease_files import LocalLeaseFile
 from tests.support.jobs import small_job
 from tests.support.stores import write_all
 

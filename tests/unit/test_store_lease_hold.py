@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from classgrad.service.errors import LeaseHeldError, StoreError
-from classgrad.service.store import StoreSpec, create_store, open_store
+from classgrad.errors import LeaseHeldError, StoreError
+from classgrad.store import StoreSpec, create_store, open_store
 
 
 def make_store(tmp_path):
@@ -57,7 +57,7 @@ def test_a_failed_release_is_logged_not_raised(tmp_path, caplog, monkeypatch):
     def fail(run_id: str) -> None:
         raise StoreError("cannot release the lease of somewhere: disk gone")
 
-    with caplog.at_level(logging.ERROR, logger="classgrad.service.store"):
+    with caplog.at_level(logging.ERROR, logger="classgrad.store"):
         with store.lease.hold("run-a") as lease:
             monkeypatch.setattr(store.lease, "release", fail)
             assert lease.run_id == "run-a"

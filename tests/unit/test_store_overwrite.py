@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import zarr
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import StoreError, StoreMismatchError
-from classgrad.service.store import StoreSpec, create_store, open_store
+from classgrad.config import JobConfig
+from classgrad.errors import StoreError, StoreMismatchError
+from classgrad.store import StoreSpec, create_store, open_store
 from tests.support.jobs import small_job
 
 
@@ -66,7 +66,7 @@ def test_the_config_has_a_recompute_key_outside_the_fingerprint(tmp_path):
 _KILLED_OVERWRITE = textwrap.dedent(
     """
     import os, signal, sys
-    from classgrad.service.store import StoreSpec, create_store
+    from classgrad.store import StoreSpec, create_store
 
     url, kill_at, real_unlink = sys.argv[1], int(sys.argv[2]), os.unlink
 

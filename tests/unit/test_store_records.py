@@ -15,7 +15,7 @@ import zarr
 
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import CORRUPT, INCOMPLETE, METADATA, verify_store
-from classgrad.service.store import FORMAT_VERSION, open_store
+from classgrad.store import FORMAT_VERSION, open_store
 from tests.support.stores import synthetic_store
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stores"

@@ -1,4 +1,4 @@
-"""Retries of store I/O (``classgrad.service.store.retry``): which errors are sent again, how
+"""Retries of store I/O (``classgrad.store.retry``): which errors are sent again, how
 long the backoff waits, what is raised once the tries are spent, and the row writer's use of it."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from aiohttp import ServerDisconnectedError
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
-from classgrad.service.errors import LeaseHeldError, StoreError, StoreUnavailableError
-from classgrad.service.store import StoreSpec, create_store, writer
-from classgrad.service.store.retry import STORE_RETRY, RetryPolicy, io_error, is_transient, retry_transient
+from classgrad.errors import LeaseHeldError, StoreError, StoreUnavailableError
+from classgrad.store import StoreSpec, create_store, writer
+from classgrad.store.retry import STORE_RETRY, RetryPolicy, io_error, is_transient, retry_transient
 
 URL = "http://127.0.0.1:9/b/x.zarr/grads/c/0/0"
 

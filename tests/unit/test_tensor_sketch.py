@@ -24,15 +24,15 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from classgrad.config import load_config
+from classgrad.errors import ConfigError
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
-from classgrad.service.config import load_config
-from classgrad.service.errors import ConfigError
-from classgrad.service.store import open_store
+from classgrad.store import open_store
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
 from classgrad.workers.engines.partitioned import projected_engine
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.projection import Projector, SketchUnit, chunked_sketch
 from classgrad.workers.projection.kronecker import KroneckerMap
 from classgrad.workers.projection.sketch import RowSketch

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from classgrad import PerClassGradScaler
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 
 REPO = Path(__file__).resolve().parents[2]
 C = 6

@@ -1,5 +1,5 @@
 """One unit system for sizes (issue 29: MB, MiB and GiB were mixed across ``estimate``, the run
-summary and ``inspect``): binary units everywhere, through ``classgrad.service.units``."""
+summary and ``inspect``): binary units everywhere, through ``classgrad.units``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from classgrad.service.analysis import fmt_bytes as analysis_fmt_bytes
 from classgrad.service.runtime.footprint import mb
-from classgrad.service.units import fmt_bytes, fmt_mib
+from classgrad.units import fmt_bytes, fmt_mib
 
 REPO = Path(__file__).resolve().parents[2]
 # A decimal unit after a number or a format field in a string: "12 MB", "{x:.1f} GB", "~{mb} kB".

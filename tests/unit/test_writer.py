@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from classgrad.service.errors import StoreError
-from classgrad.service.store import StoreSpec, create_store
+from classgrad.errors import StoreError
+from classgrad.store import StoreSpec, create_store
 from classgrad.workers.engines import RowBlock
 from classgrad.workers.runtime.writer import ShardWriter
 

@@ -28,9 +28,9 @@ import torch
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
 from torch import nn
 
-from classgrad.service.config import ProjectionConfig
-from classgrad.service.errors import ConfigError, InputError
-from classgrad.service.progress_bar import progress_bar
+from classgrad.config import ProjectionConfig
+from classgrad.errors import ConfigError, InputError
+from classgrad.progress_bar import progress_bar
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import EngineStats, GradientEngine, RowBlock, samples_independent

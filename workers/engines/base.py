@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from classgrad.service.errors import InputError, first_line
+from classgrad.errors import InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind

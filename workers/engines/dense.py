@@ -42,7 +42,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from classgrad.service.errors import ClassgradError
+from classgrad.errors import ClassgradError
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32, RowBlock, choice_clock, parameters_kept

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from classgrad.service.store.params import ParamSlot
+from classgrad.store.params import ParamSlot
 from classgrad.workers.projection.dense import stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap

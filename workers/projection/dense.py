@@ -84,7 +84,7 @@ from typing import Any
 
 import torch
 
-from classgrad.service.errors import ConfigError, InputError
+from classgrad.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
 

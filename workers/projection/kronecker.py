@@ -75,8 +75,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import ConfigError
-from classgrad.service.store.params import ParamSlot
+from classgrad.errors import ConfigError
+from classgrad.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import OuterMatrix
 from classgrad.workers.projection.sketch import SparseSignSketch

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from classgrad.service.store.params import ParamSlot
+from classgrad.store.params import ParamSlot
 
 
 class OuterMatrix:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from classgrad.workers.layout import ParamSlot
+from classgrad.store.params import ParamSlot
 from classgrad.workers.projection.dense import Projector
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.projection.structures import FALLBACK_STRUCTURE, create_row_projector, get_structure

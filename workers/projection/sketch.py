@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from classgrad.service.errors import ConfigError, InputError
+from classgrad.errors import ConfigError, InputError
 from classgrad.workers.projection.dense import HASH_NAME, stream_keys, stream_words
 
 SKETCH_GROUP = 1 << 30  # stream group of the sketch: far from a dense projection's 0, 1, ... and GROUP_BASE

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from classgrad.service.errors import ConfigError
-from classgrad.workers.layout import ParamSlot
+from classgrad.errors import ConfigError
+from classgrad.store.params import ParamSlot
 from classgrad.workers.projection.chunked_sketch import HASHED
 from classgrad.workers.projection.dense import Projector
 from classgrad.workers.projection.sketch import RowSketch

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import ConfigError
-from classgrad.service.store.params import ParamSlot
+from classgrad.errors import ConfigError
+from classgrad.store.params import ParamSlot
 from classgrad.workers.projection import chunked_sketch
 from classgrad.workers.projection.chunked_sketch import HASHED, PLACEMENT, ChunkedSketchUnit
 from classgrad.workers.projection.dense import HASH_NAME

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import LeaseHeldError
-from classgrad.service.store import open_store
+from classgrad.config import JobConfig
+from classgrad.errors import LeaseHeldError
+from classgrad.store import open_store
 from classgrad.workers.engines import GradientEngine, ProjectedEngine, RowBlock, finished_projector
 from classgrad.workers.projection import Projector, get_structure, resolve_structure, row_projector
 from classgrad.workers.projection.sketch import RowSketch

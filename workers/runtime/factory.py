@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import ClassgradError, InputError, first_line
+from classgrad.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines import GradientEngine, create_engine, projected_options
@@ -31,7 +31,7 @@ from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 
 if TYPE_CHECKING:
-    from classgrad.service.config import JobConfig
+    from classgrad.config import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _check_shapes(model: nn.Module, state: dict, path: str) -> None:
         raise InputError(f"model.checkpoint {path!r} does not fit the model: {'; '.join(wrong[:3])}{more}")
 
 
-def _call_factory(path: str, kwargs: dict, what: str) -> Any:
+def call_factory(path: str, kwargs: dict, what: str) -> Any:
     factory = import_object(path, what=what)
     # A factory must not depend on its process's random state (the same in every fresh process, so
     # an unseeded factory would agree with itself until some process drew a number first): it
@@ -109,7 +109,7 @@ def _called(factory: Any, path: str, kwargs: dict, what: str) -> Any:
 def build_model(
     factory: str, kwargs: dict | None = None, checkpoint: str | None = None, mode: str = "eval"
 ) -> nn.Module:
-    model = _call_factory(factory, dict(kwargs or {}), "model.factory")
+    model = call_factory(factory, dict(kwargs or {}), "model.factory")
     if not isinstance(model, nn.Module):
         raise InputError(f"model.factory {factory!r} returned {type(model).__name__}, not an nn.Module")
     if checkpoint:
@@ -126,7 +126,7 @@ def build_probe(
     collate: str = "stack",
     pad_values: dict[str, float] | None = None,
 ) -> ProbeSet:
-    data = _call_factory(factory, dict(kwargs or {}), "data.factory")
+    data = call_factory(factory, dict(kwargs or {}), "data.factory")
     return ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers.engines import GradientEngine
 from classgrad.workers.model_io import ModelIO
 from classgrad.workers.probe import digest_into

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from classgrad.service.config import JobConfig
-from classgrad.service.errors import InputError, StoreError, first_line
+from classgrad.config import JobConfig
+from classgrad.errors import InputError, StoreError, first_line
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import PartitionedLoss, check_label_range, create_loss

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from classgrad.service.errors import StoreError
-from classgrad.service.store import GradStore
+from classgrad.errors import StoreError
+from classgrad.store import GradStore
 from classgrad.workers.engines import RowBlock, host_device
 
 _STOP = object()

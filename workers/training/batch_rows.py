@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from classgrad.service.errors import ClassgradError, InputError, RowOverflowError, first_line
+from classgrad.errors import ClassgradError, InputError, RowOverflowError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import host_device
 from classgrad.workers.engines.partitioned import PartitionedEngine

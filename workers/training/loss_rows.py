@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from classgrad.service.errors import InputError
+from classgrad.errors import InputError
 from classgrad.workers.engines.base import choice_clock
 from classgrad.workers.layout import ParamLayout
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import InputError
-from classgrad.service.store.params import ParamSlot
+from classgrad.errors import InputError
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines.base import samples_independent
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.training.batch_rows import (

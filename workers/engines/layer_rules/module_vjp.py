@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from classgrad.service.errors import first_line
+from classgrad.errors import first_line
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
 

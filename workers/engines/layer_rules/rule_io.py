@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines import host_device
-from classgrad.workers.layout import ParamSlot
 
 # Device types that take the CPU's routes: a loop over a run's classes on unpadded samples, and
 # sums by class as one indexed add. A GPU pays a launch per class for the loop, and its indexed

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from classgrad.service.errors import ClassgradError, InputError, first_line
+from classgrad.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import rows_with_rescale
 from classgrad.workers.engines.base import GradientEngine, RowBlock, couples_samples, samples_independent
 from classgrad.workers.engines.dense import ROW_BYTES_BUDGET

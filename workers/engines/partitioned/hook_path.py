@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from classgrad.service.errors import ClassgradError, first_line
+from classgrad.errors import ClassgradError, first_line
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines import choices, host_device
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture
@@ -38,7 +39,6 @@ from classgrad.workers.engines.partitioned.capture import Captured, Copies, NotL
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.input_format import ImageFormat
 from classgrad.workers.engines.partitioned.packing import ClassSamples
-from classgrad.workers.layout import ParamSlot
 from classgrad.workers.losses import PartitionedLoss
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.service.errors import ConfigError, first_line
+from classgrad.errors import ConfigError, first_line
 from classgrad.workers.engines.base import RowBlock
 from classgrad.workers.engines.partitioned.engine import PartitionedEngine
 from classgrad.workers.layout import ParamLayout

@@ -1,0 +1,62 @@
+"""Row and column selections: checked row ids, merged row ranges and their one-line form.
+
+Holds ``row_ids`` (any selection of rows -> int64 row indices, checked), ``row_ranges``
+(sorted row ids -> merged [start, stop) ranges), ``fmt_ranges`` (those ranges for a message)
+and ``col_range`` (a contiguous column range, checked). Numpy only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from classgrad.errors import StoreError
+
+
+def row_ids(ids: Any, num_rows: int) -> np.ndarray:
+    """``ids`` (None = all, a slice, or integers) as int64 row indices in [0, num_rows)."""
+    if ids is None:
+        return np.arange(num_rows, dtype=np.int64)
+    if isinstance(ids, slice):
+        return np.arange(*ids.indices(num_rows), dtype=np.int64)
+    arr = np.asarray(ids).reshape(-1)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise StoreError(f"row ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_rows):
+        raise StoreError(f"row ids must lie in [0, {num_rows}), got [{arr.min()}, {arr.max()}]")
+    return arr
+
+
+def row_ranges(sorted_ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted row ids -> merged [start, stop) ranges."""
+    if sorted_ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [sorted_ids.size]))
+    return [(int(sorted_ids[a]), int(sorted_ids[b - 1]) + 1) for a, b in zip(starts, stops)]
+
+
+def fmt_ranges(ranges: list[tuple[int, int]], limit: int = 5) -> str:
+    """``[a, b), [c, d)``: the first ``limit`` ranges, then "and N more"."""
+    text = ", ".join(f"[{a}, {b})" for a, b in ranges[:limit])
+    if len(ranges) > limit:
+        text += f" and {len(ranges) - limit} more"
+    return text
+
+
+def col_range(cols: slice | tuple[int, int] | None, dim: int) -> slice:
+    """A contiguous column range (a slice or a (start, stop) pair; None = all) within [0, dim)."""
+    if cols is None:
+        return slice(0, dim)
+    if isinstance(cols, slice):
+        if cols.step not in (None, 1):
+            raise StoreError(f"column range must be contiguous, got step {cols.step}")
+        start, stop, _ = cols.indices(dim)
+    else:
+        start, stop = (int(c) for c in cols)
+    if not 0 <= start <= stop <= dim:
+        raise StoreError(f"columns [{start}, {stop}) are outside [0, {dim})")
+    return slice(start, stop)

@@ -1,0 +1,137 @@
+"""Where a store lives: a local directory or an fsspec URL, and what is found there.
+
+Holds ``local_path`` (the path part of a local store URL), ``Location`` (the Zarr store object
+of a URL plus an fsspec view of it, for the lease and for chunk objects; ``sibling`` names the
+keys kept next to the store) and ``probe`` (what is at a location: nothing, something else, a
+half-created store or a ready one; ``create`` tells a store's leftovers from something else).
+
+Locations: a plain path or ``file://`` (Zarr ``LocalStore``), ``s3://bucket/path`` through
+fsspec/s3fs with ``storage_options`` (``endpoint_url`` or ``client_kwargs``; credentials from
+the environment or the options, never stored), ``memory://`` for tests.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import fsspec
+import zarr
+from zarr.abc.store import Store
+from zarr.storage import FsspecStore, LocalStore
+
+from classgrad.errors import StoreError, first_line
+from classgrad.store.format import ATTR_KEY
+
+
+def local_path(url: str) -> str | None:
+    """The raw path part of a local store URL (``file://PATH`` or a plain path), as given (not
+    expanded nor made absolute); None for any other scheme (``s3://``, ``memory://``...)."""
+    if "://" in url and not url.startswith("file://"):
+        return None
+    return url[len("file://") :] if url.startswith("file://") else url
+
+
+class Location:
+    """Where a store lives: the Zarr store object plus an fsspec view for the lease and chunk keys."""
+
+    def __init__(self, url: str, storage_options: dict | None) -> None:
+        if not isinstance(url, str) or not url:
+            raise StoreError(f"store url must be a non-empty string, got {url!r}")
+        self.url = url
+        self.options = dict(storage_options or {})
+        path = local_path(url)
+        self.local = path is not None
+        self.path: str
+        if path is not None:
+            self.path = os.path.abspath(os.path.expanduser(path))
+            self.fs = fsspec.filesystem("file")
+        else:
+            try:
+                self.fs, self.path = fsspec.core.url_to_fs(url, **self.options)
+            except (ImportError, ValueError, TypeError) as exc:
+                raise StoreError(f"cannot use store location {url}: {first_line(exc, with_type=True)}") from None
+            self.path = self.path.rstrip("/")
+
+    def zarr_store(self, *, read_only: bool) -> Store:
+        if self.local:
+            return LocalStore(self.path, read_only=read_only)
+        return FsspecStore.from_url(self.url, storage_options=self.options or None, read_only=read_only)
+
+    def key(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def sibling(self, suffix: str) -> str:
+        """The path of a key next to the store (its lease, its deletion marker), outside what
+        deleting the store removes; a store at a bucket's root keeps them under the root."""
+        if self.local or "/" in self.path.strip("/"):
+            return f"{self.path.rstrip('/')}{suffix}"
+        return f"{self.path}/{suffix}"
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The object ``name`` (relative to the store), or None when there is none."""
+        try:
+            return self.fs.cat_file(self.key(name))
+        except FileNotFoundError:
+            return None
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Write the object ``name`` whole: one PUT on object storage; locally, a temporary file
+        renamed over it, so that a reader never sees half a file."""
+        if self.local:
+            tmp = f"{self.key(name)}.{uuid.uuid4().hex}.partial"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, self.key(name))
+        else:
+            self.fs.pipe_file(self.key(name), data)
+
+    def delete(self, name: str) -> None:
+        """Remove the object ``name`` (relative to the store), if it is there."""
+        try:
+            self.fs.rm_file(self.key(name))
+        except FileNotFoundError:
+            pass
+
+    def is_empty(self) -> bool:
+        if self.local:
+            return not os.path.exists(self.path) or (os.path.isdir(self.path) and not os.listdir(self.path))
+        self.fs.invalidate_cache()  # s3fs caches listings; a stale one could hide data
+        try:
+            return not self.fs.ls(self.path)
+        except FileNotFoundError:
+            return True
+
+    def why_absent(self) -> str:
+        """Why nothing was found: a missing bucket is worth naming."""
+        bucket = self.path.split("/", 1)[0]
+        if not self.local and bucket:
+            try:
+                if not self.fs.exists(bucket):
+                    return f"bucket {bucket!r} does not exist"
+            except OSError:
+                pass
+        return "no Zarr group there"
+
+
+def unreadable(url: str, what: str, exc: BaseException) -> StoreError:
+    """The one line for a metadata document of a store that cannot be parsed (truncated or garbled)."""
+    return StoreError(f"store at {url}: {what} cannot be read ({first_line(exc)}); it is damaged")
+
+
+def probe(loc: Location) -> tuple[str, dict | None]:
+    """What is at a location: 'empty', 'other', 'creating' or 'ready' (+ classgrad metadata)."""
+    try:
+        group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3, use_consolidated=False)
+    except FileNotFoundError:  # also zarr's GroupNotFoundError
+        return ("empty" if loc.is_empty() else "other"), None
+    except (zarr.errors.ContainsArrayError, zarr.errors.NodeTypeValidationError):
+        return "other", None
+    except ValueError as exc:  # a truncated or garbled zarr.json
+        raise unreadable(loc.url, "zarr.json", exc) from None
+    except Exception as exc:
+        raise StoreError(f"cannot read store location {loc.url}: {first_line(exc, with_type=True)}") from None
+    meta = group.attrs.get(ATTR_KEY)
+    if not isinstance(meta, dict):
+        return "other", None
+    return ("ready" if meta.get("state") == "ready" else "creating"), meta

@@ -1,0 +1,274 @@
+"""Chunk scanning: every chunk of every array read once, each problem reported with its kind.
+
+Holds ``ChunkProblem`` (array, kind, one-line message, damaged shards), ``scan_chunks`` and
+``scan_records`` (the done shards' recorded chunks against their sizes and digests) (behind
+``GradStore.scan_chunks``, ``GradStore.verify_chunks`` and ``classgrad verify``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from classgrad.errors import CorruptChunkError, first_line
+from classgrad.store.arrays import StoreArrays, is_corruption
+from classgrad.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
+from classgrad.store.indexing import fmt_ranges, row_ranges
+from classgrad.store.records import FOREIGN, ShardRecord, chunk_digest, foreign, record_key
+from classgrad.store.similarity_arrays import SimilarityArrays
+
+# scan_chunks reads this many elements per request at most (64 MiB of float32).
+_SCAN_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class ChunkProblem:
+    """One problem found by ``scan_chunks``: the array, a kind (corrupt, unreadable, missing,
+    nonfinite, bad_value), a one-line message naming the chunk, and the work shards whose rows
+    it damages (what ``classgrad verify --repair`` unmarks; empty for results and I/O errors)."""
+
+    array: str
+    kind: str
+    message: str
+    shards: tuple[int, ...] = ()
+    key: str = ""  # the chunk object's key, when the problem is about one
+
+
+def scan_chunks(
+    arrays: StoreArrays,
+    spec: StoreSpec,
+    similarity: SimilarityArrays,
+    *,
+    records: bool = True,
+    generation: str | None = None,
+) -> list[ChunkProblem]:
+    """Read every chunk of every array once (results included) and report each problem
+    with its kind, for ``classgrad verify``:
+
+    - ``corrupt``: the chunk fails its crc32c checksum or cannot be decoded;
+    - ``unreadable``: the read failed for another reason (I/O);
+    - ``missing``: no chunk object although its rows belong to a shard marked done (or to a
+      finished similarity): those rows read as the fill value;
+    - ``nonfinite``: the chunk exists and holds NaN or Inf in ``grads`` or ``loss`` rows of a
+      done shard, or in a finished similarity (writers refuse them, so something bypassed
+      them);
+    - ``bad_value``: ``shard_done`` not 0 or 1, ``row_scale`` not positive and finite or
+      ``count`` negative in a done row, a top-k index out of range.
+
+    A NaN value and a missing chunk are told apart by asking whether the chunk object
+    exists (for sharded arrays: the shard object, so a lost inner chunk of a written shard
+    is reported as ``nonfinite``). A corrupt ``shard_done`` chunk counts as "not done".
+
+    Then every done shard's record is checked (``scan_records``): each recorded object must
+    exist with its recorded size and digest, so a valid chunk copied over another fails here.
+    ``records``: a done shard without a record is a problem (format 2; format 1 has none).
+    """
+    problems: list[ChunkProblem] = []
+    done_readable = True
+    try:
+        done = arrays.read_all("shard_done").astype(bool)
+    except CorruptChunkError:
+        done_readable = False
+        done = np.zeros(spec.num_shards, dtype=bool)
+        corrupt = dict(arrays.corrupt_chunks("shard_done", [(i,) for i in range(spec.num_shards)]))
+        for i in range(spec.num_shards):
+            if (i,) in corrupt:
+                message = arrays.describe_chunk("shard_done", (i,), corrupt[(i,)]) + " (read as not done)"
+                problems.append(ChunkProblem("shard_done", "corrupt", message, (i,)))
+            else:
+                done[i] = bool(arrays["shard_done"][i])
+    done_rows = np.repeat(done, spec.shard_rows)[: spec.num_classes]
+    names: list[tuple[str, np.ndarray | None]] = [(n, None if n == "shard_done" else done_rows) for n in ARRAYS]
+    info = similarity.info()
+    if info is not None:
+        ready = np.full(spec.num_classes, info.get("state") == "ready")
+        names += [(n, ready) for n in RESULT_ARRAYS if arrays.result(n) is not None]
+    for name, checked in names:
+        if name == "shard_done" and not done_readable:
+            continue  # its corrupt chunks are reported above
+        for sel, indices, block, error in _scan_blocks(arrays[name]):
+            if error is not None:
+                bad = arrays.corrupt_chunks(name, indices) if is_corruption(error) else []
+                problems += [
+                    ChunkProblem(
+                        name,
+                        "corrupt",
+                        arrays.describe_chunk(name, i, why),
+                        _shards(arrays, spec, name, i),
+                        _key(arrays, name, i),
+                    )
+                    for i, why in bad
+                ]
+                if not bad:
+                    problems.append(
+                        ChunkProblem(
+                            name,
+                            "unreadable",
+                            f"{name} rows [{sel[0].start}, {sel[0].stop}): cannot read: {first_line(error)}",
+                        )
+                    )
+                continue
+            problems += _scan_values(arrays, spec, name, block, sel, checked)
+    skip = {p.key for p in problems}
+    return problems + scan_records(arrays, done, require=records, skip=skip, generation=generation)
+
+
+def scan_records(
+    arrays: StoreArrays, done: np.ndarray, *, require: bool, skip: set[str], generation: str | None = None
+) -> list[ChunkProblem]:
+    """Each done shard's recorded chunk objects read whole and checked against the record's
+    size and digest (``require``: a done shard without a record is a problem too; keys in
+    ``skip`` were reported already; ``generation``: the store's, whose records alone vouch)."""
+    loc = arrays.loc
+    out = []
+    for shard in np.flatnonzero(done).tolist():
+        try:
+            data = loc.read_bytes(record_key(shard))
+        except OSError as exc:
+            out.append(ChunkProblem("shard_records", "unreadable", f"shard {shard}'s record: {first_line(exc)}"))
+            continue
+        record = None if data is None else ShardRecord.parse(data)
+        if record is None:
+            if data is not None or require:
+                why = "is unreadable" if data is not None else "is missing"
+                message = f"shard {shard} is marked done but its record ({record_key(shard)}) {why}"
+                out.append(ChunkProblem("shard_records", "missing", message, (shard,)))
+            continue
+        if foreign(record, generation):
+            out.append(ChunkProblem("shard_records", "corrupt", f"shard {shard}: {FOREIGN}", (shard,)))
+            continue
+        for key, (size, digest) in sorted(record.chunks.items()):
+            if key in skip:
+                continue
+            try:
+                found = loc.fs.cat_file(loc.key(key))
+            except FileNotFoundError:
+                found = None
+            except OSError as exc:
+                out.append(ChunkProblem(key.split("/")[0], "unreadable", f"{key} (shard {shard}): {first_line(exc)}"))
+                continue
+            if found is None:
+                why, kind = "is missing", "missing"
+            elif len(found) != size:
+                why, kind = f"has {len(found)} bytes, its shard record says {size} (truncated or replaced)", "corrupt"
+            elif chunk_digest(key, (found,), record.digest) != digest:
+                why, kind = (
+                    "does not match its shard record's digest (damaged, or another chunk copied over it)",
+                    "corrupt",
+                )
+            else:
+                continue
+            out.append(ChunkProblem(key.split("/")[0], kind, f"chunk {key} of shard {shard} {why}", (shard,), key))
+    return out
+
+
+def _key(arrays: StoreArrays, name: str, index: tuple[int, ...]) -> str:
+    return arrays.chunk_key(name, index).split(" ", 1)[0]  # sharded: the shard object
+
+
+def _shards(arrays: StoreArrays, spec: StoreSpec, name: str, index: tuple[int, ...]) -> tuple[int, ...]:
+    """The work shards whose rows chunk ``index`` of array ``name`` holds (none for results)."""
+    if name not in ARRAYS:
+        return ()
+    rows = arrays.chunk_slices(name, index)[0]
+    if name == "shard_done":
+        return tuple(range(rows.start, rows.stop))
+    return tuple(range(rows.start // spec.shard_rows, (rows.stop - 1) // spec.shard_rows + 1))
+
+
+def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any, Any]]:
+    """(selection, chunk indices, values or None, exception or None) over an array, in
+    reads of at most _SCAN_ELEMS elements made of whole chunks."""
+    rc = arr.chunks[0]
+    width = 1 if arr.ndim == 1 else arr.shape[1]
+    if arr.ndim == 1:
+        col_bands: list[slice | None] = [None]
+    else:
+        cc = arr.chunks[1]
+        band = max(1, _SCAN_ELEMS // (rc * cc)) * cc
+        col_bands = [slice(c, min(c + band, width)) for c in range(0, width, band)]
+        width = min(band, width)
+    step = max(1, _SCAN_ELEMS // (rc * max(width, 1))) * rc
+    for r0 in range(0, arr.shape[0], step):
+        rows = slice(r0, min(r0 + step, arr.shape[0]))
+        ris = range(r0 // rc, -(-rows.stop // rc))
+        for cols in col_bands:
+            sel = (rows,) if cols is None else (rows, cols)
+            indices = (
+                [(ri,) for ri in ris]
+                if cols is None
+                else [
+                    (ri, cj) for ri in ris for cj in range(cols.start // arr.chunks[1], -(-cols.stop // arr.chunks[1]))
+                ]
+            )
+            try:
+                block, error = arr[sel], None
+            except Exception as exc:  # noqa: BLE001 - classified by the caller
+                block, error = None, exc
+            yield sel, indices, block, error
+
+
+def _scan_values(
+    arrays: StoreArrays,
+    spec: StoreSpec,
+    name: str,
+    block: np.ndarray,
+    sel: tuple[slice, ...],
+    checked: np.ndarray | None,
+) -> list[ChunkProblem]:
+    """Problems in the values of one read block (rows ``sel[0]``, columns ``sel[1]``)."""
+    rows = sel[0]
+    if name == "shard_done":
+        return [
+            ChunkProblem(name, "bad_value", f"shard_done[{rows.start + s}] = {block[s]} (expected 0 or 1)")
+            for s in np.flatnonzero(block > 1)
+        ]
+    assert checked is not None  # only shard_done is scanned without a row mask
+    mask = checked[rows]
+    if not mask.any():
+        return []
+    if name == "grads" and spec.dtype == "bfloat16":
+        bad = (block & np.uint16(0x7F80)) == np.uint16(0x7F80)  # exponent all ones
+    elif name in ("count", SIM_INDEX):
+        bad = (block < 0) | (block >= spec.num_classes) if name == SIM_INDEX else block < 0
+    elif name == "row_scale":
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.isfinite(block) & (block > 0))
+    else:
+        bad = ~np.isfinite(block)
+    bad &= mask.reshape((-1,) + (1,) * (bad.ndim - 1))
+    if not bad.any():
+        return []
+    arr = arrays[name]
+    rc = arr.chunks[0]
+    out = []
+    bad_rows = bad if bad.ndim == 1 else bad.any(axis=1)
+    for ri in np.unique((rows.start + np.flatnonzero(bad_rows)) // rc):
+        local = slice(ri * rc - rows.start, min((ri + 1) * rc, rows.stop) - rows.start)
+        parts: list[tuple[tuple[int, ...], np.ndarray]]
+        if bad.ndim == 1:
+            parts = [((int(ri),), bad[local])]
+        else:
+            c0, cc = sel[1].start, arr.chunks[1]
+            parts = [
+                ((int(ri), cj), bad[local, cj * cc - c0 : (cj + 1) * cc - c0])
+                for cj in range(c0 // cc, -(-sel[1].stop // cc))
+            ]
+        for index, part in parts:
+            if not part.any():
+                continue
+            which = rows.start + local.start + np.flatnonzero(part if part.ndim == 1 else part.any(axis=1))
+            where = f"rows {fmt_ranges(row_ranges(which))}"
+            if not arrays.chunk_exists(name, index):
+                kind, why = "missing", "missing although its rows are marked done"
+            elif name in ("row_scale", "count", SIM_INDEX):
+                kind, why = "bad_value", f"{where}: invalid values ({name})"
+            else:
+                kind, why = "nonfinite", f"{where}: {int(part.sum())} NaN/Inf values"
+            message = arrays.describe_chunk(name, index, why)
+            out.append(ChunkProblem(name, kind, message, _shards(arrays, spec, name, index), _key(arrays, name, index)))
+    return out
