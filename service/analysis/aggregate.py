@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from classgrad.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
+from classgrad.store import open_store
+from classgrad.workers.projection import structure_label
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +171,6 @@ def aggregate(url: str, out: str, *, storage_options: dict | None = None, **opti
     ``options`` (``AggregateConfig`` fields) and write ``out`` (safetensors, or a torch state
     dict for ``.pt``/``.pth``: what the suffix says). Returns a
     summary (norm before and after clipping, tensors written, ...)."""
-    from classgrad.store import open_store
-    from classgrad.workers.projection import structure_label
 
     config: AggregateConfig = validated(AggregateConfig, "aggregate", **options)
     _check_out(Path(out))  # before any row is read

@@ -45,7 +45,9 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.errors import ConfigError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
+from classgrad.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -345,9 +347,7 @@ def _bars(names: list[str], values: np.ndarray, shares: np.ndarray, path: Path, 
 
 def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, **options) -> dict:
     """Write the PNGs of the store at ``url`` into ``out_dir``; return what was written."""
-    from classgrad.errors import ConfigError
     from classgrad.service.analysis.inspect import grad_norms
-    from classgrad.store import open_store
 
     config: PlotConfig = validated(PlotConfig, "plot", **options)
     try:
@@ -358,8 +358,6 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
     norms = grad_norms(store, block_rows=config.block_rows, block_mb=config.block_mb)
     finite = np.isfinite(norms.row)
     if not finite.any():
-        from classgrad.errors import StoreIncompleteError
-
         raise StoreIncompleteError(f"store {url} has no rows written yet; nothing to plot")
     out = Path(out_dir)  # made only once the store has been read: a failed plot leaves nothing behind
     try:

@@ -27,6 +27,9 @@ from classgrad.service.analysis import validated
 from classgrad.service.analysis.score_driver import Scores, check_stores, score_rows
 from classgrad.service.analysis.score_precondition import trak_form
 from classgrad.service.analysis.scoring import ScoreConfig
+from classgrad.store import open_store
+from classgrad.workers.runtime.factory import call_factory
+from classgrad.workers.runtime.query import query_rows
 
 
 class QueryFile(BaseModel):
@@ -64,7 +67,6 @@ def load_query_file(path: str | Path) -> QueryFile:
 
 def query_data(spec: QueryFile) -> tuple[Any, list | None]:
     """The query set a file describes (its factory's result) and the group of each example."""
-    from classgrad.workers.runtime.factory import call_factory
 
     data = call_factory(spec.data.factory, dict(spec.data.kwargs), "data.factory")
     if spec.group_field is None:
@@ -77,7 +79,6 @@ def query_data(spec: QueryFile) -> tuple[Any, list | None]:
 
 
 def _open(store: Any, mode: Literal["r", "r+"], storage_options: dict | None) -> Any:
-    from classgrad.store import open_store
 
     url = store if isinstance(store, str) else store.url
     return open_store(url, storage_options=storage_options, mode=mode)
@@ -114,7 +115,6 @@ def score(
     writes every query x class score). Other ``options`` are ``ScoreConfig`` fields
     (``damping_fraction``, ``task_mb``, ``executor``...). Returns ``Scores`` (``.class_ids``,
     ``.scores``: ``[Q, top_k]`` tensors, best first; ``.to_xarray()``)."""
-    from classgrad.workers.runtime.query import query_rows
 
     if data is None:
         raise InputError("score: give the query examples (data=...)")

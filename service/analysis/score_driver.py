@@ -27,6 +27,8 @@ from classgrad.errors import ClassgradError, ConfigError, InputError, StoreIncom
 from classgrad.service.analysis import MIB, validated
 from classgrad.service.analysis.score_precondition import damping_for, ensure_gram, inverse, trak_form
 from classgrad.service.analysis.scoring import ScoreConfig, ScorePlan, plan_scores, score_task
+from classgrad.store import fmt_ranges
+from classgrad.store.score_output import ScoreOutput
 from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,6 @@ def check_stores(stores: list[Any]) -> None:
     for store in stores:
         missing = store.missing_ranges()
         if missing:
-            from classgrad.store import fmt_ranges
-
             raise StoreIncompleteError(
                 f"store {store.url} is incomplete: rows {fmt_ranges(missing)} are not written yet; finish the job first"
             )
@@ -176,7 +176,6 @@ def score_rows(
     import torch
 
     from classgrad.service.runtime.ray_session import ray_session
-    from classgrad.store.score_output import ScoreOutput
 
     if config is None:
         config = validated(ScoreConfig, "score", **options)

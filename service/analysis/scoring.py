@@ -34,6 +34,8 @@ from classgrad.errors import ConfigError
 from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import merge_topk
+from classgrad.store import open_store
+from classgrad.store.score_output import ScoreOutput
 
 METHODS = ("dot", "cosine", "trak")
 _SLACK_BYTES = 32 * MIB
@@ -240,9 +242,6 @@ def score_task(
     """One task: queries [a, b) scored against every store; written into ``out`` (and marked
     done) when given, else returned. Returns a small report (and the top-k without ``out``)."""
     import torch  # noqa: F401 - imported before the meter starts: the import is not the work's
-
-    from classgrad.store import open_store
-    from classgrad.store.score_output import ScoreOutput
 
     meter = PeakMemory()
     t0, cpu0 = time.perf_counter(), time.process_time()

@@ -60,6 +60,7 @@ from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk_task
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.store import fmt_ranges, open_store
 from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,6 @@ def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.nda
 def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, stop: int, run_id: str) -> dict:
     """One task: compute rows [start, stop) of the matrix and their top-k from the store, write
     them into the store, and return a small report (rows, seconds, bytes read, memory)."""
-    from classgrad.store import open_store
 
     meter = PeakMemory()
     t0 = time.perf_counter()
@@ -435,7 +435,6 @@ def compute_similarity(
     ...), checked like the command line's. Refuses incomplete stores, naming the missing rows.
     """
     from classgrad.service.runtime.progress import Progress
-    from classgrad.store import fmt_ranges, open_store
 
     if config is None:
         config = validated(SimilarityConfig, "similarity", **options)

@@ -41,6 +41,7 @@ import numpy as np
 from classgrad.errors import ConfigError
 from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
+from classgrad.store import open_store
 
 # A neighbour-table chunk (chunk_rows x k int64) stays below this many bytes.
 _TABLE_CHUNK_BYTES = 8 * MIB
@@ -426,8 +427,6 @@ def topk_task(url: str, storage_options: dict | None, plan: dict, start: int, st
     """One task: the top-k neighbours of rows [start, stop) from the store, written into it;
     returns a small report (rows, seconds, bytes read, memory) like the dense task's."""
     import torch  # noqa: F401 - imported before the meter starts: the import is not the work's
-
-    from classgrad.store import open_store
 
     meter = PeakMemory()
     t0, cpu0 = time.perf_counter(), time.process_time()

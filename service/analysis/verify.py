@@ -32,6 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from classgrad.errors import StoreError
+from classgrad.store import check_metadata, fmt_ranges, open_store
+from classgrad.workers.projection import neighbour_caveat, structure_label
+
 INCOMPLETE = 4
 CORRUPT = 8
 NONFINITE = 16
@@ -103,9 +107,6 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
     classgrad store there at all; everything else is reported. With ``repair``, the done shards
     whose chunks are damaged are unmarked (under the store's lease) so that the next run
     recomputes them; the report still says what was found, and a note says what was unmarked."""
-    from classgrad.errors import StoreError
-    from classgrad.store import check_metadata, fmt_ranges, open_store
-    from classgrad.workers.projection import neighbour_caveat, structure_label
 
     report = VerifyReport(url)
     for line in check_metadata(url, storage_options=storage_options):
@@ -150,8 +151,6 @@ def _repair(url: str, storage_options: dict | None, shards: list[int], report: V
     or stale, under the store's lease (a running job would race with it)."""
     import os
     import socket
-
-    from classgrad.store import open_store
 
     store = open_store(url, storage_options=storage_options, mode="r+")
     stale = store.consolidation_problems()  # format 3: what xarray.open_zarr reads

@@ -48,7 +48,9 @@ from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.runtime.run_record import estimate_record, record_peak, summary_lines
 from classgrad.service.runtime.shipping import actor_config, working_dir_env
 from classgrad.store import GradStore, HeldLease, store_lease
+from classgrad.workers.devices import check_device
 from classgrad.workers.imports import from_working_dir
+from classgrad.workers.runtime.actor import GradientWorker
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +234,6 @@ class JobDriver:
         return not ray.is_initialized() and resolve_ray_address(self.config.cluster.address)[0] is None
 
     def _check_device_here(self) -> None:
-        from classgrad.workers.devices import check_device
 
         try:
             check_device(self.config.resolved_device())
@@ -405,7 +406,6 @@ class JobDriver:
 
         cfg = self.config
         self._connect()
-        from classgrad.workers.runtime.actor import GradientWorker
 
         self._actor_cls = ray.remote(GradientWorker)
         self._check_device()

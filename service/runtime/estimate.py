@@ -32,6 +32,7 @@ import numpy as np
 from classgrad.config import JobConfig
 from classgrad.service.runtime.footprint import BuildMeter, Part, parts_text
 from classgrad.units import fmt_mib
+from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
 # Starting a local Ray and one actor process until it answers a call (its imports included, the
 # engine build excluded: that is timed per job). Measured once, 2026-12-01, on the shared 2-core
@@ -146,7 +147,6 @@ def _measure(config: JobConfig, sample_rows: int | None, device: str | None, pre
     import torch
 
     from classgrad.service.runtime.preflight import preflight_job
-    from classgrad.workers.runtime.actor import checked_engine, project_rows_for, stored_blocks
 
     t_build = time.perf_counter()
     meter = BuildMeter.started()

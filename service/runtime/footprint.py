@@ -49,6 +49,9 @@ from typing import Any
 
 from classgrad.config import JobConfig
 from classgrad.units import fmt_mib
+from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
+from classgrad.workers.engines.partitioned.engine import GROUP_BYTES
+from classgrad.workers.runtime.actor import project_rows_for
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +260,6 @@ def _group_rows(engine: Any, shard_rows: int) -> int:
     """Rows the engine computes into one buffer: its own group size (``group_rows``, at most 1 GiB
     of rows; the partitioned engine's groups of a new buffer per group at most 32 MiB, at least 16
     rows), and never more than a shard."""
-    from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
-    from classgrad.workers.engines.partitioned.engine import GROUP_BYTES
 
     row_bytes = 4 * engine.layout.dim
     group = min(engine.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes))
@@ -282,7 +283,6 @@ def _projection_parts(projector: Any, dim_in: int, group: int, shard_rows: int, 
     """Finished rows gathered before a projection (the engine's blocks, beyond the group in the rows
     part, and their merged copy), the projected rows, and the projector's own buffers (a dense
     projector's block of R; a sketch's indices)."""
-    from classgrad.workers.runtime.actor import project_rows_for
 
     if projector is None:
         return []

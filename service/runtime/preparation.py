@@ -26,6 +26,9 @@ from classgrad.errors import ConfigMismatchError, StoreError, StoreMismatchError
 from classgrad.service.runtime.plan import Shard, plan_shards
 from classgrad.store import GradStore, HeldLease, StoreSpec, create_store, open_store
 from classgrad.store.format import OVERWRITE_HINT
+from classgrad.workers.model_io import class_names_of
+from classgrad.workers.runtime.actor import checked_engine, projection_record
+from classgrad.workers.runtime.identity import RunIdentity, engine_identity, identity_changes, listed
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +118,6 @@ def check_job(config: JobConfig, *, preflight: bool = True) -> CheckedJob:
     """
     from classgrad.service.runtime.footprint import BuildMeter
     from classgrad.service.runtime.preflight import preflight_job
-    from classgrad.workers.model_io import class_names_of
-    from classgrad.workers.runtime.actor import checked_engine, projection_record
-    from classgrad.workers.runtime.identity import engine_identity
 
     meter = BuildMeter.started()  # what each actor's build of the same model and data will take
     engine, projector, dim = checked_engine(config, device="cpu", record=recorded_projection(config))
@@ -204,7 +204,6 @@ def check_identity(store: GradStore, identity: dict) -> None:
     """Refuse (``StoreMismatchError``, one line saying what changed) a store whose done shards were
     computed from other inputs than ``identity`` (this run's). A store with no shard done takes
     this run's identity; one made before identities were recorded is resumed as before."""
-    from classgrad.workers.runtime.identity import RunIdentity, identity_changes, listed
 
     recorded = store.spec.identity
     current = RunIdentity.from_dict(identity)

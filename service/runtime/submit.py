@@ -55,7 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from classgrad.config import load_config
+from classgrad.config.redaction import is_secret_key, redact_text
 from classgrad.errors import ClassgradError, first_line
+from classgrad.store import local_path
 
 if TYPE_CHECKING:  # Ray is imported only when a client is made (``classgrad --help`` stays fast)
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -242,7 +245,6 @@ def _check_store_url(url: str) -> None:
             f"store.url {url!r}: a memory:// store lives in one process; a cluster "
             f"job needs s3://... or a path every node shares"
         )
-    from classgrad.store import local_path
 
     path = local_path(url)  # as written, so a relative path is caught before it is made absolute
     if path is None:
@@ -259,7 +261,6 @@ def _check_store_url(url: str) -> None:
 def _check_overrides_hold_no_secret(overrides: Sequence[str]) -> None:
     """Refuse a secret in a ``--set``: it would travel in the job's entrypoint, which the cluster
     shows to everyone who can list its jobs (``classgrad jobs status``, the dashboard)."""
-    from classgrad.config.redaction import is_secret_key, redact_text
 
     for item in overrides:
         key, _, value = item.partition("=")
@@ -286,7 +287,6 @@ def prepare_submission(
     The config must lie inside ``working_dir`` (it travels with it); its store must be usable
     from every node (object storage, or an absolute path on a shared filesystem).
     """
-    from classgrad.config import load_config
 
     job = load_config(config, list(overrides))  # every config error surfaces here, locally
     _check_store_url(job.store.url)

@@ -37,6 +37,13 @@ def test_packages_import_only_their_own_layer_or_lower():
     assert not upward, upward
 
 
+def test_no_import_inside_a_function_crosses_a_side_of_the_stack():
+    """foundation <- workers <- service: every import from another side is at the top of the
+    file, where a reader sees it (the CLI's command modules excepted, which import lazily)."""
+    hidden = graph.hidden_crossings()
+    assert not hidden, hidden
+
+
 def test_the_import_graph_script_draws_every_layer_and_no_arrow_up():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "import_graph.py")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:]

@@ -16,7 +16,7 @@ from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRow
 # Dead tokens (an output gradient of zeros) are dropped when at most this fraction of a run's
 # tokens is live: a decoder's classifier head, which scores every position and keeps one
 # (GPT-2 at C = 10,000, 16 positions: the head's sketch 24.1 -> 2.7 s, the call 48 -> 28 s;
-# benchmarks/RESULTS.md, sixth pass). Not a sequence's padding: with
+# benchmarks/history/RESULTS-until-2026-12-04.md, sixth pass). Not a sequence's padding: with
 # 10 of 16 positions live, dropping them made GPT-2's attention layers 1.5-2x slower (classes
 # of many different token counts take one product each; scratch timing).
 DROP_BELOW = 0.5
