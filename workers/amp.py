@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from classgrad.errors import InputError, RowOverflowError
+from classgrad.errors import InputError, NonFiniteError, RowOverflowError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -80,7 +80,7 @@ def rows_with_rescale(
     while bool(bad.any()):
         if not policy.uses_scaling:
             c = int(class_ids[int(bad.nonzero()[0, 0].item())])
-            raise InputError(f"non-finite gradient for class {c} in {policy.dtype}")
+            raise NonFiniteError(f"non-finite gradient for class {c} in {policy.dtype}")
         scales = torch.where(bad, scales / 2, scales)
         if bool((scales[bad] < policy.min_scale).any()):
             stuck = class_ids[bad.cpu()].tolist()

@@ -19,10 +19,10 @@ from classgrad.service.analysis import (
     completion,
     done_ranges,
     finite_summary,
-    fmt_bytes,
     iter_tiles,
     plan_blocks,
 )
+from classgrad.units import fmt_bytes
 from classgrad.workers.projection import neighbour_caveat, structure_label
 
 # What an older store lacks, beside its format version in the report.

@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 
 from classgrad.errors import ConfigError, InputError
-from classgrad.service.analysis import MIB, fmt_bytes, plan_blocks
+from classgrad.service.analysis import MIB, plan_blocks
 from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 

@@ -55,12 +55,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from classgrad.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
-from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, fmt_bytes, plan_blocks, spans, validated
+from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, spans, validated
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk_task
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.store import fmt_ranges, open_store
+from classgrad.units import fmt_bytes
 from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)

@@ -122,8 +122,8 @@ def sample_lines(result, shown_queries: int = SAMPLE_QUERIES, shown: int = SAMPL
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.analysis import fmt_bytes
     from classgrad.service.analysis.score_api import load_query_file, query_data, score
+    from classgrad.units import fmt_bytes
 
     spec = load_query_file(args.queries)
     data, groups = query_data(spec)

@@ -108,9 +108,9 @@ def sample_lines(store, summary: dict, rows: int = SAMPLE_ROWS, shown: int = SAM
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.analysis import fmt_bytes
     from classgrad.service.analysis.similarity import compute_similarity
     from classgrad.store import open_store
+    from classgrad.units import fmt_bytes
 
     summary = compute_similarity(
         args.store,

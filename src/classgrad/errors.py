@@ -30,6 +30,11 @@ class InputError(ClassgradError):
     non-finite loss, parameter patterns that select nothing, ...)."""
 
 
+class NonFiniteError(InputError):
+    """A loss or gradient that is NaN or infinite (NaN/Inf inputs or weights, or an overflow in a
+    low-precision forward): a training step skips it as ``GradScaler`` would; a job refuses it."""
+
+
 class StoreError(ClassgradError):
     """The store cannot be created, opened or written as asked."""
 

@@ -46,7 +46,7 @@ def notebook(monkeypatch):
 
 
 def test_a_notebook_without_ipywidgets_gets_a_text_bar_and_no_warning(notebook, monkeypatch):
-    import classgrad.workers.engines as engines
+    import classgrad.workers.engines.api as engines
 
     monkeypatch.setattr(engines, "PROGRESS_DELAY_S", 0.0)  # the default bar, without waiting 2 s for it
     err = stderr_of(monkeypatch)

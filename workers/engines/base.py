@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from classgrad.errors import InputError, first_line
+from classgrad.errors import InputError, NonFiniteError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
@@ -238,7 +238,7 @@ class GradientEngine(ABC):
         bad = ~torch.isfinite(values)
         if bool(bad.any()):
             where = bad.nonzero().squeeze(1).cpu()
-            raise InputError(
+            raise NonFiniteError(
                 f"non-finite loss for class(es) {class_ids[where][:10].tolist()} "
                 f"(NaN/Inf in the inputs, or overflow in the {self.precision.dtype} forward)"
             )

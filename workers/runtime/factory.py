@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from classgrad.errors import ClassgradError, InputError, first_line
+from classgrad.errors import ClassgradError, InputError, NonFiniteError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines import GradientEngine, create_engine, projected_options
@@ -206,4 +206,4 @@ def preflight(engine: GradientEngine) -> None:
         engine.loss.check_outputs(out)
         values = engine.loss.batch_losses(out, y, engine.norm)
     if not bool(torch.isfinite(values).all()):
-        raise InputError("non-finite loss on the first probe samples (NaN/Inf inputs or weights?)")
+        raise NonFiniteError("non-finite loss on the first probe samples (NaN/Inf inputs or weights?)")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from classgrad.errors import ClassgradError, InputError, RowOverflowError, first_line
+from classgrad.errors import ClassgradError, InputError, NonFiniteError, RowOverflowError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import host_device
 from classgrad.workers.engines.partitioned import PartitionedEngine
@@ -131,9 +131,7 @@ def fast_rows(
         except RowOverflowError:
             rows.fill_(float("inf"))
             return rows, class_ids, True
-        except InputError as exc:  # a non-finite loss or row (fp32, bf16): GradScaler would skip
-            if not str(exc).startswith("non-finite"):
-                raise
+        except NonFiniteError:  # a non-finite loss or row (fp32, bf16): GradScaler would skip
             rows.fill_(float("nan"))
             return rows, class_ids, True
     return rows, class_ids, False

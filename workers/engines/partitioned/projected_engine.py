@@ -42,6 +42,15 @@ def refusal(structure: str) -> str:
     return f"projection.structure={structure} projects inside the partitioned engine's hook path"
 
 
+class ProjectionRefused(ConfigError):
+    """A structure that projects inside the backward cannot take this job, ``why`` (the default
+    structure then falls back to a sketch of finished rows; a named one is refused)."""
+
+    def __init__(self, why: str):
+        self.why = why
+        super().__init__(f"{why}: use projection.structure=dense")
+
+
 class ProjectedEngine(PartitionedEngine):
     """Rows of ``dim`` columns, projected in the backward by a structure's map (``self.kmap``).
 
@@ -54,9 +63,9 @@ class ProjectedEngine(PartitionedEngine):
     def __init__(self, *args: Any, projection: dict[str, Any], **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self._hooked is None:
-            raise ConfigError(
+            raise ProjectionRefused(
                 f"{refusal(self.structure)}, which this model does not take (a selected parameter is outside "
-                "the layer rules, shared, or hooked): use projection.structure=dense"
+                "the layer rules, shared, or hooked)"
             )
         self.full_layout = self.layout
         names = {m: n for n, m in self.model.named_modules()}
@@ -89,9 +98,8 @@ class ProjectedEngine(PartitionedEngine):
         return dict(self.kmap.describe())
 
     def _fallback(self, what: str, exc: Exception) -> None:
-        raise ConfigError(
-            f"{refusal(self.structure)}, which failed here ({what}: {first_line(exc, with_type=True, limit=120)}): "
-            "use projection.structure=dense"
+        raise ProjectionRefused(
+            f"{refusal(self.structure)}, which failed here ({what}: {first_line(exc, with_type=True, limit=120)})"
         ) from exc
 
     def _single_projected(

@@ -1,0 +1,102 @@
+"""The engine registry: names to engine classes, ``auto``, and the build of one engine.
+
+Holds ``ENGINES`` with ``register_engine``/``create_engine`` (an unknown name lists the
+choices; every engine has the constructor of ``GradientEngine`` and one method,
+``iter_blocks``), ``PROJECTED_ENGINES`` (projection structure -> the engine that projects its
+rows inside the backward) and ``resolve_engine_kind`` (``auto``: partitioned when the loss is
+class-partitioned and the model treats samples independently, dense otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from classgrad.errors import ConfigError, InputError
+from classgrad.workers.engines.base import GradientEngine, samples_independent
+from classgrad.workers.engines.dense import DenseEngine
+from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.engines.partitioned.kronecker_engine import KroneckerEngine
+from classgrad.workers.engines.partitioned.projected_engine import (
+    ProjectedEngine,
+    ProjectionRefused,
+    TensorSketchEngine,
+    refusal,
+)
+from classgrad.workers.engines.reference import ReferenceEngine
+from classgrad.workers.layout import ParamLayout
+from classgrad.workers.losses import LossKind
+from classgrad.workers.memory import keep_freed_memory
+from classgrad.workers.probe import ProbeSet
+from classgrad.workers.projection import FALLBACK_STRUCTURE, check_width
+
+log = logging.getLogger(__name__)
+
+ENGINES: dict[str, type[GradientEngine]] = {}
+
+
+def register_engine(cls: type[GradientEngine]) -> type[GradientEngine]:
+    if not cls.name or cls.name in ENGINES or cls.name == "auto":
+        raise ValueError(f"engine name {cls.name!r} is empty, reserved or already registered")
+    ENGINES[cls.name] = cls
+    return cls
+
+
+for _cls in (PartitionedEngine, DenseEngine, ReferenceEngine):
+    register_engine(_cls)
+
+# Projection structure -> the engine that projects its rows inside the backward.
+PROJECTED_ENGINES: dict[str, type[ProjectedEngine]] = {"kronecker": KroneckerEngine, "tensorsketch": TensorSketchEngine}
+
+
+def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
+    """The engine ``auto`` stands for, or ``kind`` itself once checked."""
+    if kind == "auto":
+        return "partitioned" if loss.partitioned and samples_independent(model) else "dense"
+    if kind not in ENGINES:
+        raise InputError(f"engine.kind {kind!r} is unknown (choices: auto, {', '.join(sorted(ENGINES))})")
+    return kind
+
+
+def create_engine(
+    kind: str,
+    model: nn.Module,
+    probe: ProbeSet,
+    loss: LossKind,
+    layout: ParamLayout,
+    projected: dict[str, Any] | None = None,
+    **options: Any,
+) -> GradientEngine:
+    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with ``projected``
+    (``projected_options``: rows projected inside the backward) the structure's ``ProjectedEngine``,
+    or a one-line refusal when the job cannot take it. For the default structure (``projected``
+    with ``default: True``) such a job gets the plain engine instead, with a note saying so: its
+    finished rows are then sketched (``projection.rows.row_projector``)."""
+    keep_freed_memory()  # a fresh process's first call otherwise faults its memory in again and again
+    resolved = resolve_engine_kind(kind, model, loss)
+    if projected is None:
+        return ENGINES[resolved](model, probe, loss, layout, **options)
+    structure = projected["structure"]
+    check_width(int(projected["dim"]), layout.dim)  # no structure takes it: never a fallback
+    why = None
+    if resolved != "partitioned":
+        why = (
+            f"{refusal(structure)}; this job takes the {resolved} engine ({loss.name} loss"
+            f"{'' if loss.partitioned else ', dense'})"
+        )
+    else:
+        try:
+            return PROJECTED_ENGINES[structure](model, probe, loss, layout, projection=projected, **options)
+        except ConfigError as exc:
+            if not projected.get("default"):
+                raise
+            why = exc.why if isinstance(exc, ProjectionRefused) else str(exc)
+    if not projected.get("default"):
+        raise ProjectionRefused(why)
+    engine = ENGINES[resolved](model, probe, loss, layout, **options)
+    note = f"projection: {why}; finished rows sketched instead (structure: {FALLBACK_STRUCTURE})"
+    log.warning(note)
+    engine.stats.notes.append(note)
+    return engine
