@@ -8,6 +8,7 @@ Holds the public Python API, the names DESIGN.md promises:
 - ``JobConfig`` and ``load_config(path, overrides)``: a job's typed config.
 - ``run_job(config)``: run a job on Ray from Python, as ``classgrad run`` does.
 - ``PerClassGradScaler``: the ``GradScaler`` step of a training loop, with every class's row.
+- ``GradLog``: those rows over a training run, summed over windows of steps into a store.
 - ``score(store, model, data, method="trak", top_k=10)``: the classes each query example leans
   on (query rows in the store's space scored against every class's row), as ``classgrad score``.
 - ``__version__``.
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from classgrad.service.runtime.driver import run_job
     from classgrad.store import open_dataset, open_store
     from classgrad.workers.engines import per_class_gradients
-    from classgrad.workers.training import PerClassGradScaler
+    from classgrad.workers.training import GradLog, PerClassGradScaler
 
 # public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
 _EXPORTS = {
@@ -41,10 +42,12 @@ _EXPORTS = {
     "load_config": "classgrad.config",
     "run_job": "classgrad.service.runtime.driver",
     "PerClassGradScaler": "classgrad.workers.training",
+    "GradLog": "classgrad.workers.training",
     "score": "classgrad.service.analysis.score_api",
 }
 
 __all__ = [
+    "GradLog",
     "JobConfig",
     "PerClassGradScaler",
     "__version__",

@@ -10,7 +10,8 @@ a lazy xarray Dataset of true values), ``arrays``
 writer for local uncompressed stores), ``lease`` (the driver's lease, ``store_lease``),
 ``lease_files`` (its atomic files), ``store_keys`` (the keys a store holds, their deletion),
 ``retry`` (transient I/O errors sent again with backoff), ``records`` (per-shard records),
-``similarity_arrays`` (the similarity results), ``preconditioner`` (``classgrad score``'s saved
+``similarity_arrays`` (the similarity results), ``grad_log`` (a training run's per-class rows
+summed over windows of steps, ``read_log``), ``preconditioner`` (``classgrad score``'s saved
 Gram matrix), ``score_output`` (the output of ``classgrad score --out``), ``scan`` (chunk
 scanning, ``ChunkProblem``) and ``checks`` (``check_metadata``). It needs numpy, zarr and
 fsspec only (s3fs for ``s3://``; dask for ``to_dask``, xarray too for ``open_dataset``), never
@@ -20,6 +21,7 @@ torch or Ray.
 from classgrad.store.checks import check_metadata
 from classgrad.store.create import create_store, open_dataset, open_store
 from classgrad.store.format import FORMAT_VERSION, SIMILARITY_METRICS, StoreSpec
+from classgrad.store.grad_log import read_log
 from classgrad.store.grad_store import GradStore
 from classgrad.store.indexing import fmt_ranges
 from classgrad.store.lease import HeldLease, StoreLease, lease_state, store_lease
@@ -45,5 +47,6 @@ __all__ = [
     "local_path",
     "open_dataset",
     "open_store",
+    "read_log",
     "store_lease",
 ]

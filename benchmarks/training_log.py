@@ -1,0 +1,97 @@
+"""A training run that logs every step's per-class rows (``GradLog``) against the same run without.
+
+For an MLP (``--hidden``) over C classes, batches of ``--batch`` samples, round-robin in one run
+(``common.interleaved``, best of ``--reps``), the seconds of ``--steps`` training steps by:
+
+- ``plain``: forward, mean cross-entropy, backward, SGD step;
+- ``step_batch``: ``PerClassGradScaler.step_batch`` (the rows of the classes in the batch, then
+  the step);
+- ``logged``: ``step_batch`` and ``GradLog.add`` of its rows every step (sketched to ``--dim``
+  columns, windows of ``--window`` steps written to a local store).
+
+Targets (issue 48): ``logged`` at most 1.5x ``plain`` with windows of 1 step, at most 1.1x
+amortised with windows of 10 (CPU). Prints ratios; asserts nothing.
+
+    .venv/bin/python -m benchmarks.training_log                       # C = 1,000 and 10,000
+    .venv/bin/python -m benchmarks.training_log --classes 1000 --window 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.common import interleaved, print_table
+from classgrad import GradLog, PerClassGradScaler
+
+
+def _setup(classes: int, hidden: int, batch: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer, list]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+    )
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(batch, 64, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(steps)
+    ]
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3), batches
+
+
+def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
+    model, opt, batches = _setup(classes, args.hidden, args.batch, args.steps)
+    scaler = PerClassGradScaler(num_classes=classes)
+    tmp = tempfile.TemporaryDirectory()
+
+    def plain() -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    def stepped() -> None:
+        for x, y in batches:
+            opt.zero_grad()
+            scaler.step_batch(model, x, y, opt)
+
+    def logged(window: int) -> None:
+        with GradLog(f"{tmp.name}/log.zarr", model, classes, window=window, dim=args.dim, overwrite=True) as log:
+            for step, (x, y) in enumerate(batches):
+                opt.zero_grad()
+                rows, ids = scaler.step_batch(model, x, y, opt)
+                log.add(step, rows, ids, lr=1e-3, counts=torch.bincount(y, minlength=classes)[ids])
+
+    methods = {"plain": plain, "step_batch": stepped}
+    for w in (int(v) for v in args.window.split(",")):
+        methods[f"logged, window {w}"] = functools.partial(logged, w)
+    timings = interleaved(methods, reps=args.reps)
+    tmp.cleanup()
+    base = timings["plain"].best
+    return [
+        [f"{classes:,}", name, f"{t.best / args.steps * 1e3:.1f}", f"{t.best / base:.2f}"]
+        for name, t in timings.items()
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--classes", default="1000,10000")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--window", default="1,10")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rows = [row for classes in args.classes.split(",") for row in _table_rows(int(classes), args)]
+    print(f"MLP 64-{args.hidden}-{args.hidden}-C, batches of {args.batch}, {args.steps} steps, k = {args.dim}")
+    print_table(["C", "method", "ms / step", "over plain"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""A small training run that logs its per-class rows (``GradLog``), for the log's tests.
+
+Holds ``train`` (steps ``[start, stop)`` of a seeded MLP run with ``PerClassGradScaler``, each
+step's rows into a ``GradLog``, a checkpoint of model and optimizer at every window boundary;
+``kill_at``: the process kills itself with SIGKILL before that step, as a crash mid-window) and a
+command line for running it in a fresh process.
+
+    python -m tests.support.grad_log_run LOG CHECKPOINT START STOP [KILL_AT]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from classgrad import GradLog, PerClassGradScaler
+from classgrad.workers import zoo
+
+C = 6
+WINDOW = 2
+LR = 0.1
+DIM = 32
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(12, 8, generator=g), torch.randint(0, C, (12,), generator=g)
+
+
+def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = zoo.mlp(C, in_features=8, hidden=16, seed=3).eval()
+    return model, torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def train(log_url: str, checkpoint: str, start: int, stop: int, kill_at: int | None = None) -> None:
+    model, opt = fresh()
+    if start:
+        state = torch.load(checkpoint, weights_only=True)
+        assert state["step"] == start, (state["step"], start)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    scaler = PerClassGradScaler()
+    with GradLog(log_url, model, C, window=WINDOW, dim=DIM, start_step=start) as log:
+        for step in range(start, stop):
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step % WINDOW == 0:
+                torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict()}, checkpoint)
+            x, y = batch(step)
+            opt.zero_grad()  # step_batch adds the aggregate into .grad, as backward() does
+            rows, ids = scaler.step_batch(model, x, y, opt, num_classes=C)
+            log.add(step, rows, ids, lr=LR, counts=torch.bincount(y, minlength=C)[ids])
+
+
+if __name__ == "__main__":
+    url, ckpt, a, b = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    train(url, ckpt, a, b, int(sys.argv[5]) if len(sys.argv) > 5 else None)
