@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from classgrad.config.choices import LOSS_KINDS
 from classgrad.errors import InputError
 from classgrad.workers.imports import import_object
 
@@ -226,6 +227,8 @@ def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
         if name in LOSSES:
             raise ValueError(f"loss kind {name!r} is already registered")
         LOSSES[name] = factory
+        # A job file may name it; "dense" when every sample contributes to every class.
+        LOSS_KINDS.add(name, *(() if factory(1).partitioned else ("dense",)))
         return factory
 
     return wrap

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from classgrad.config.choices import set_loader
 from classgrad.version import __version__
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ __all__ = [
     "run_job",
     "score",
 ]
+
+
+# The config's registry-backed keys (engine.kind, loss.kind, projection.structure and .kind) take
+# the names the compute side registers; it is imported the first time a config checks one.
+set_loader(lambda: importlib.import_module("classgrad.workers.engines"))
 
 
 def __getattr__(name: str) -> Any:

@@ -1,18 +1,27 @@
-"""The config's choice lists equal the registries they name (the config is the bottom layer and
-cannot import them, so this test is what keeps the two from drifting apart)."""
+"""The config's registry-backed keys take exactly the registries' names: the registries publish
+each name they register into ``classgrad.config.choices`` (the config is the bottom layer and
+cannot import them), so a name registered from outside the package is valid in a job file."""
 
 from __future__ import annotations
 
 import typing
 
 from classgrad.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig, ProjectionConfig
+from classgrad.config.choices import Choices
 from classgrad.workers.engines import ENGINES
 from classgrad.workers.losses import LOSSES, DenseLoss, create_loss
 from classgrad.workers.projection import PROJECTIONS
 
 
 def _choices(section: type, key: str) -> set[str]:
-    return set(typing.get_args(section.model_fields[key].annotation))
+    """The names the key's ``Choices`` (in its annotation, maybe under ``| None``) holds."""
+    stack = [section.model_fields[key].annotation, *section.model_fields[key].metadata]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Choices):
+            return set(item)
+        stack.extend(typing.get_args(item))
+    raise AssertionError(f"{section.__name__}.{key} names no registry")
 
 
 def test_engine_kinds_are_the_engine_registry_and_auto() -> None:

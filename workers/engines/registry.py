@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from classgrad.config.choices import ENGINE_KINDS
 from classgrad.errors import ConfigError, InputError
 from classgrad.workers.engines.base import GradientEngine, samples_independent
 from classgrad.workers.engines.dense import DenseEngine
@@ -41,6 +42,8 @@ def register_engine(cls: type[GradientEngine]) -> type[GradientEngine]:
     if not cls.name or cls.name in ENGINES or cls.name == "auto":
         raise ValueError(f"engine name {cls.name!r} is empty, reserved or already registered")
     ENGINES[cls.name] = cls
+    traits = ("partitioned",) if issubclass(cls, PartitionedEngine) else ()
+    ENGINE_KINDS.add(cls.name, *traits)  # a job file may name it
     return cls
 
 

@@ -84,6 +84,7 @@ from typing import Any
 
 import torch
 
+from classgrad.config.choices import PROJECTION_KINDS
 from classgrad.errors import ConfigError, InputError
 
 logger = logging.getLogger(__name__)
@@ -367,6 +368,7 @@ def register_projection(name: str, kind: ProjectionKind, *, replace: bool = Fals
     if not replace and name in PROJECTIONS:
         raise ValueError(f"projection kind {name!r} is already registered")
     PROJECTIONS[name] = kind
+    PROJECTION_KINDS.add(name)  # a job file may name it
 
 
 register_projection("rademacher", Rademacher())

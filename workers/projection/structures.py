@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from classgrad.config.choices import STRUCTURES as STRUCTURE_NAMES
 from classgrad.errors import ConfigError
 from classgrad.store.params import ParamSlot
 from classgrad.workers.projection.chunked_sketch import HASHED
@@ -55,6 +56,7 @@ def register_structure(structure: Structure, *, replace: bool = False) -> None:
     if not structure.in_backward and structure.finished is None:
         raise ValueError(f"projection structure {structure.name!r} needs a projector of finished rows")
     STRUCTURES[structure.name] = structure
+    STRUCTURE_NAMES.add(structure.name, *(("in_backward",) if structure.in_backward else ()))  # a job file may name it
 
 
 def _dense(p: Any, slots: Sequence[ParamSlot], dim_in: int) -> Projector:

@@ -5,11 +5,12 @@ Holds ``PrecisionConfig``, ``ParamsConfig``, ``EngineConfig`` and ``ProjectionCo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from classgrad.config.choices import ENGINE_KINDS, PROJECTION_KINDS, STRUCTURES
 from classgrad.config.fields import (
     DEVICE_RE,
     PositiveFiniteFloat,
@@ -56,7 +57,7 @@ class ParamsConfig(Section):
 class EngineConfig(Section):
     """How rows are computed inside one actor."""
 
-    kind: Literal["auto", "partitioned", "dense", "reference"] = Field(
+    kind: Annotated[str, ENGINE_KINDS] = Field(
         "auto",
         description="`partitioned` (one forward+backward per class's samples), `dense` "
         "(block VJPs from one forward per micro-batch), `reference` (slow per-class loop, for "
@@ -80,6 +81,11 @@ class EngineConfig(Section):
         "when `cluster.num_gpus_per_worker` > 0, else `cpu`.",
     )
 
+    @field_validator("kind")
+    @classmethod
+    def _registered_kind(cls, value: str) -> str:
+        return ENGINE_KINDS.check(value)
+
     @field_validator("device")
     @classmethod
     def _device_syntax(cls, value: str | None) -> str | None:
@@ -98,7 +104,7 @@ class ProjectionConfig(Section):
     dim: StrictPositiveInt | None = Field(
         None, description="k, the stored row length; null = store full rows (no projection)."
     )
-    kind: Literal["rademacher", "gaussian"] = Field(
+    kind: Annotated[str, PROJECTION_KINDS] = Field(
         "rademacher",
         description="Distribution of the random matrix's entries: random signs or Gaussian.",
     )
@@ -111,7 +117,7 @@ class ProjectionConfig(Section):
         False,
         description="Use a separate projection for each selected parameter instead of one over the whole row.",
     )
-    structure: Literal["tensorsketch", "dense", "kronecker", "sketch"] | None = Field(
+    structure: Annotated[str, STRUCTURES] | None = Field(
         None,
         description="null (the default): tensorsketch for a new store where the partitioned engine's "
         "hook path takes the job (else sketch, said in the run's notes), and what the store recorded "
@@ -164,6 +170,16 @@ class ProjectionConfig(Section):
         default_factory=list,
         description="structure=kronecker: module name patterns (fnmatch) of more layers left to the rest.",
     )
+
+    @field_validator("kind")
+    @classmethod
+    def _registered_projection_kind(cls, value: str) -> str:
+        return PROJECTION_KINDS.check(value)
+
+    @field_validator("structure")
+    @classmethod
+    def _registered_structure(cls, value: str | None) -> str | None:
+        return None if value is None else STRUCTURES.check(value)
 
     @model_validator(mode="after")
     def _kronecker(self) -> ProjectionConfig:

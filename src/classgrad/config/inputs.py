@@ -12,24 +12,25 @@ from annotated_types import Gt, Le
 from pydantic import Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
+from classgrad.config import choices
+from classgrad.config.choices import LOSS_KINDS
 from classgrad.config.fields import Section, StrictPositiveInt, check_import_path, check_name_or_import_path
 
 __all__ = [
     "BUILTIN_LOSS_KINDS",
-    "CHECKPOINT_SUFFIXES",
     "DENSE_LOSS_KINDS",
+    "CHECKPOINT_SUFFIXES",
     "MAX_CLASSES",
     "DataConfig",
     "LossConfig",
     "ModelConfig",
 ]
 
-# Loss kinds the workers' registry provides by name. Kept here (not imported from workers) so the
-# config can be checked without torch; tests/unit/test_config_choices.py checks it equals the registry.
-BUILTIN_LOSS_KINDS: tuple[str, ...] = ("bce", "cross_entropy", "logit")
-# Built-in kinds where every sample contributes to every class: the partitioned engine cannot
-# compute them, so asking for it is a config error rather than a failure inside an actor.
-DENSE_LOSS_KINDS: frozenset[str] = frozenset({"bce", "logit"})
+# Loss kinds by name: those the workers' registry holds (``choices``). The dense ones (every sample
+# contributes to every class: the partitioned engine cannot compute them, so asking for it is a
+# config error rather than a failure inside an actor) are ``LOSS_KINDS.with_trait("dense")``.
+BUILTIN_LOSS_KINDS = LOSS_KINDS
+DENSE_LOSS_KINDS = choices.DENSE_LOSS_KINDS
 
 CHECKPOINT_SUFFIXES: tuple[str, ...] = (".pt", ".pth", ".safetensors")
 # The most classes a job may have: class ids and row indices stay within int32 (zarr chunk
@@ -146,4 +147,4 @@ class LossConfig(Section):
     @classmethod
     def _kind_name_or_path(cls, value: str) -> str:
         message = "unknown loss kind {value} (choices: {choices}, or an import path 'module:function')"
-        return check_name_or_import_path(value, tuple(BUILTIN_LOSS_KINDS), "loss_kind", message)
+        return check_name_or_import_path(value, tuple(sorted(LOSS_KINDS)), "loss_kind", message)

@@ -13,9 +13,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from classgrad.config.choices import DENSE_LOSS_KINDS, IN_BACKWARD_STRUCTURES, PARTITIONED_ENGINES
 from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
 from classgrad.config.fingerprint import FINGERPRINT_FIELDS, differing_keys, fingerprint, recorded_fingerprint
-from classgrad.config.inputs import DENSE_LOSS_KINDS, DataConfig, LossConfig, ModelConfig
+from classgrad.config.inputs import DataConfig, LossConfig, ModelConfig
 from classgrad.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
 from classgrad.config.redaction import redact
 
@@ -66,14 +67,15 @@ class JobConfig(BaseModel):
                 f"precision.min_scale ({self.precision.min_scale}) must be at most "
                 f"precision.init_scale ({self.precision.init_scale})"
             )
-        if self.engine.kind == "partitioned" and self.loss.kind in DENSE_LOSS_KINDS:
+        if self.engine.kind in PARTITIONED_ENGINES and self.loss.kind in DENSE_LOSS_KINDS:
             problems.append(
-                f"engine.kind 'partitioned' needs a class-partitioned loss, but loss.kind "
+                f"engine.kind {self.engine.kind!r} needs a class-partitioned loss, but loss.kind "
                 f"{self.loss.kind!r} is dense (use engine.kind 'dense' or 'auto')"
             )
-        in_backward = self.projection.structure in ("kronecker", "tensorsketch")
+        in_backward = self.projection.structure in IN_BACKWARD_STRUCTURES
         if in_backward and self.projection.dim is not None:
-            if self.loss.kind in DENSE_LOSS_KINDS or self.engine.kind in ("dense", "reference"):
+            fixed = self.engine.kind not in PARTITIONED_ENGINES and self.engine.kind != "auto"
+            if self.loss.kind in DENSE_LOSS_KINDS or fixed:
                 problems.append(
                     f"projection.structure {self.projection.structure!r} projects inside the partitioned "
                     f"engine's hook path; "

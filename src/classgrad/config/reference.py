@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import annotated_types
 from pydantic import BaseModel
 
+from classgrad.config.choices import Choices
 from classgrad.config.job import JobConfig
 
 __all__ = ["config_reference_markdown"]
@@ -25,6 +26,9 @@ def _describe_type(annotation: Any, metadata: Sequence[Any] = ()) -> str:
     if origin is Annotated:
         inner, *extra = typing.get_args(annotation)
         return _describe_type(inner, [*metadata, *extra])
+    names = next((m for m in metadata if isinstance(m, Choices)), None)
+    if names is not None:  # a registry-backed key: the names registered now
+        return " \\| ".join(f"`{v}`" for v in names)
     if origin is Literal:
         return " \\| ".join(f"`{v}`" for v in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
