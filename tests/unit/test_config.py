@@ -172,7 +172,7 @@ _SECTION_KEYS = {
     "loss": "kind, num_classes",
     "precision": "dtype, init_scale, min_scale",
     "params": "exclude, include",
-    "engine": "block_rows, device, group_rows, kind",
+    "engine": "block_rows, device, group_rows, kind, plugins",
     "sharding": "max_attempts, shard_rows",
     "store": "codec, col_chunk, dtype, overwrite, recompute, row_chunk, sharded, storage_options, url",
     "cluster": "address, inflight_per_worker, num_cpus_per_worker, num_gpus_per_worker, num_workers, runtime_env",
@@ -282,7 +282,7 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
         ([NC, "foo=3"], f"--set foo: unknown section (choices: {_SECTIONS})"),
         (
             [NC, "engine.blok_rows=3"],
-            "--set engine.blok_rows: unknown key (choices: block_rows, device, group_rows, kind)",
+            "--set engine.blok_rows: unknown key (choices: block_rows, device, group_rows, kind, plugins)",
         ),
         ([NC, "store.url.x=3"], "--set store.url.x: store.url is not a mapping"),
         ([NC, "data.batch_size=[1"], "--set data.batch_size: malformed value ("),

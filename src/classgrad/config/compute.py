@@ -64,6 +64,12 @@ class EngineConfig(Section):
         "checking), or `auto`: partitioned when the loss is class-partitioned and the model "
         "treats samples independently, dense otherwise.",
     )
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Modules imported, in order, before the job file is checked, on the driver and in "
+        "every actor: where the job's own engines, losses and projection structures are registered "
+        "(`register_engine`, `register_loss`, `register_structure`), so that their names are valid here.",
+    )
     block_rows: StrictPositiveInt | None = Field(
         None,
         description="Rows per VJP block of the dense engine (the graph is kept while one block "

@@ -7,6 +7,7 @@ than one section, ``resolved_device``, ``fingerprint``/``same_job`` (see ``finge
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,23 @@ from classgrad.config.placement import ClusterConfig, RunConfig, ShardingConfig,
 from classgrad.config.redaction import redact
 
 __all__ = ["JobConfig"]
+
+
+def _import_plugins(section: Any) -> None:
+    """Import ``engine.plugins`` (before the sections that may name what they register are
+    checked); a module that cannot be imported is one line naming it."""
+    modules = section.get("plugins", []) if isinstance(section, Mapping) else []
+    for i, name in enumerate(modules if isinstance(modules, list) else []):
+        if not isinstance(name, str):
+            continue  # the section's own check reports it
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - the user's module: any failure is theirs, said in one line
+            raise PydanticCustomError(
+                "plugin_import",
+                "engine.plugins[{i}]: cannot import {name} ({error})",
+                {"i": i, "name": repr(name), "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]},
+            ) from None
 
 
 class JobConfig(BaseModel):
@@ -52,6 +70,7 @@ class JobConfig(BaseModel):
             for name in cls.model_fields:
                 if data.get(name) is None:
                     data[name] = {}
+            _import_plugins(data["engine"])
         return data
 
     @model_validator(mode="after")
