@@ -58,3 +58,29 @@ def train(log_url: str, checkpoint: str, start: int, stop: int, kill_at: int | N
 if __name__ == "__main__":
     url, ckpt, a, b = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     train(url, ckpt, a, b, int(sys.argv[5]) if len(sys.argv) > 5 else None)
+
+
+def rows_only(log_url: str, steps: int, rank: int | None = None, world: int = 1) -> None:
+    """Steps ``[0, steps)`` of the run without updates (``update_grad=False``: every step sees the
+    same model), each rank given its share of every batch (samples ``rank::world``); ``rank``
+    None: one process, the whole batches."""
+    model, opt = fresh()
+    scaler = PerClassGradScaler()
+    with GradLog(log_url, model, C, window=WINDOW, dim=DIM, overwrite=True) as log:
+        for step in range(steps):
+            x, y = batch(step)
+            if rank is not None:
+                x, y = x[rank::world], y[rank::world]
+            rows, ids = scaler.step_batch(model, x, y, opt, num_classes=C, update_grad=False)
+            log.add(step, rows, ids, lr=LR, counts=torch.bincount(y, minlength=C)[ids])
+
+
+def ddp_rank(rank: int, world: int, port: int, log_url: str, steps: int) -> None:
+    """``rows_only`` on one rank of a gloo process group (``torch.multiprocessing.spawn``'s target)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        rows_only(log_url, steps, rank, world)
+    finally:
+        dist.destroy_process_group()

@@ -10,8 +10,14 @@ accumulator pair whatever the number of steps. A run restarted from a checkpoint
 (a window boundary) passes ``start_step=s``: the windows from ``s`` on are dropped and
 recomputed, never doubled.
 
-Not yet here (issue 48): rows from the training step's own backward without a second pass,
-``torch.distributed`` reduction, the Trainer and Lightning callbacks, ``score``/``plot`` on a log.
+Under ``torch.distributed`` (one ``GradLog`` per rank, each given its own batch's rows and
+counts) a step's rows are weighted by each rank's share of the class's samples in the step (the
+classes' counts summed over ranks once a step: ``C`` integers), and a finished window is summed
+over ranks before rank 0 alone writes it: the log equals one process's over the concatenated
+batches (each class's row of a step is the mean over all its samples in the step).
+
+Not yet here (issue 48): rows from the training step's own backward without a second pass, the
+Trainer and Lightning callbacks, ``score``/``plot`` on a log.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from classgrad.config import ProjectionConfig
@@ -75,8 +82,14 @@ class GradLog:
             projection=record,
             model=type(model).__qualname__,
         )
-        self.store: GradLogStore = open_log(url, spec, storage_options=storage_options, overwrite=overwrite)
-        self.store.resume_at(start_step)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.writer = not self.distributed or dist.get_rank() == 0  # one rank writes the log
+        self.store: GradLogStore | None = None
+        if self.writer:
+            self.store = open_log(url, spec, storage_options=storage_options, overwrite=overwrite)
+            self.store.resume_at(start_step)
+        if self.distributed:
+            dist.barrier()  # the log exists, resumed, before any rank adds to it
         self.device = next(model.parameters()).device
         self._current: int | None = None  # the window being summed
         self._steps = (0, 0)
@@ -115,10 +128,14 @@ class GradLog:
         self._steps = (self._steps[0], step + 1)
         ids = class_ids.to(self.device, torch.int64)
         projected = rows.float() if self.projector is None else self.projector.project(rows.float())
+        n = torch.ones(len(ids), dtype=torch.int64, device=self.device) if counts is None else counts.to(self.device)
+        if self.distributed:  # each rank's row weighted by its share of the class's samples
+            total = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device).index_add_(0, ids, n.long())
+            dist.all_reduce(total)
+            projected = projected * (n.double() / total[ids].double()).float().unsqueeze(1)
         # The class ids of a step are distinct: each index is added once, in any order, exactly.
         self._sums.index_add_(0, ids, projected)
         self._lr_sums.index_add_(0, ids, projected * lr)
-        n = torch.ones(len(ids), dtype=torch.int64, device=self.device) if counts is None else counts.to(self.device)
         self._count.index_add_(0, ids, n.to(torch.int64))
         if losses is not None:
             self._loss.index_add_(0, ids, losses.detach().to(self.device, torch.float64) * n.to(torch.float64))
@@ -131,6 +148,12 @@ class GradLog:
     def _write(self) -> None:
         assert self._current is not None
         w = self._current
+        if self.distributed:
+            for t in (self._sums, self._lr_sums, self._count, self._loss):
+                dist.all_reduce(t)
+        if self.store is None:  # another rank writes it
+            self._reset()
+            return
         self.store.write_window(
             w,
             self._sums.cpu().numpy(),
@@ -141,6 +164,9 @@ class GradLog:
         )
         self.store.mark_done(w)  # after its chunks are written: a crash before leaves it absent
         log.debug("grad log: window %d (steps %d-%d) written", w, self._steps[0], self._steps[1] - 1)
+        self._reset()
+
+    def _reset(self) -> None:
         for t in (self._sums, self._lr_sums, self._count, self._loss):
             t.zero_()
         self._current = None
