@@ -1,0 +1,84 @@
+"""``GradLogCallback``: a Hugging Face ``Trainer`` logs its per-class rows into a ``GradLog``.
+
+Holds ``GradLogCallback``, a ``transformers.TrainerCallback`` that attaches to an unmodified
+``Trainer``: a forward pre-hook on the model keeps the training batch of the step (its inputs
+and ``labels``); before the optimizer steps (``on_pre_optimizer_step``, at the step's
+parameters) the batch's per-class rows (mean cross-entropy of each class present) come from
+``PerClassGradScaler.step_batch(..., update_grad=False)`` and go into the log with the step's
+learning rate; the log is closed at the end of training and resumes at the trainer's
+``global_step`` when training resumes from a checkpoint (a multiple of the log's window).
+
+The rows take a pass of their own over the batch (not yet from the step's own backward: issue
+48), in the model's training mode: with active dropout the general route draws its own masks,
+which moves the RNG the training then uses (with dropout off, the training is untouched).
+Gradient accumulation is refused in one line: the log takes one batch a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from classgrad.errors import InputError
+from classgrad.workers.training.grad_log import GradLog
+from classgrad.workers.training.scaler import PerClassGradScaler
+
+
+class GradLogCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[GradLogCallback(url, num_classes, window=10, dim=4096)])``; the
+    keyword arguments are ``GradLog``'s."""
+
+    def __init__(self, url: str, num_classes: int, **log_options: Any):
+        self.url = url
+        self.num_classes = num_classes
+        self.log_options = log_options
+        self.log: GradLog | None = None
+        self._batch: dict[str, Any] | None = None
+        self._hook: Any = None
+        self._scaler = PerClassGradScaler(num_classes=num_classes)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        if args.gradient_accumulation_steps != 1:
+            raise InputError(
+                f"GradLogCallback: gradient_accumulation_steps={args.gradient_accumulation_steps}: the log "
+                "takes one batch a step (set it to 1)"
+            )
+        assert model is not None
+        self.log = GradLog(self.url, model, self.num_classes, start_step=state.global_step, **self.log_options)
+        self._hook = model.register_forward_pre_hook(self._keep_batch, with_kwargs=True)
+
+    def _keep_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        labels = kwargs.get("labels")
+        if module.training and torch.is_grad_enabled() and isinstance(labels, torch.Tensor):
+            # The batch's tensors (a sample a row), not the Trainer's extras (num_items_in_batch).
+            n = len(labels)
+            self._batch = {
+                k: v.detach() for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.ndim and len(v) == n
+            }
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._batch is None or self.log is None:
+            return
+        model, optimizer = kw["model"], kw["optimizer"]
+        inputs = dict(self._batch)
+        labels = inputs.pop("labels")
+        self._batch = None
+        keep = [p.grad for p in model.parameters()]  # the step's own gradients: not ours to touch
+        rows, class_ids = self._scaler.step_batch(
+            model, inputs, labels, optimizer, num_classes=self.num_classes, update_grad=False
+        )
+        for p, g in zip(model.parameters(), keep):
+            p.grad = g
+        counts = torch.bincount(labels.cpu(), minlength=self.num_classes)[class_ids]
+        self.log.add(state.global_step, rows, class_ids, lr=optimizer.param_groups[0]["lr"], counts=counts)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None
