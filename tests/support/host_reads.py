@@ -82,6 +82,8 @@ class HostReads(TorchDispatchMode):
         self.apart = 0
         self.ops = 0
         self.calls = 0  # calls of the ``calls_of`` function (the engine's plan of a run: a run each)
+        self.ops_in_scope = 0  # ATen ops inside the ``scope`` function (a run's own work)
+        self._scope = 0
         self.where: Counter[str] = Counter()
         self._device: dict[int, weakref.ref] = {}  # id -> the device tensor (a tensor's == is elementwise)
         self._quiet = 0  # inside a read point: nothing more counted
@@ -106,6 +108,7 @@ class HostReads(TorchDispatchMode):
         if self._quiet:
             return out
         self.ops += 1
+        self.ops_in_scope += bool(self._scope)
         if any(self._on(t) for t in _tensors((args, kwargs))):
             if _is_read(func, args, kwargs):
                 self._note(str(func))
@@ -185,6 +188,20 @@ class HostReads(TorchDispatchMode):
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return original(*args, **kwargs)
+
+        self._patch(owner, name, wrapped)
+        return self
+
+    def scope(self, owner: Any, name: str) -> HostReads:
+        """Count the ATen ops made inside ``owner.name`` apart (``ops_in_scope``)."""
+        original = getattr(owner, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self._scope += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._scope -= 1
 
         self._patch(owner, name, wrapped)
         return self

@@ -43,7 +43,7 @@ def counted(model, data, num_classes: int, projection: dict | None, routes: str 
         reads = HostReads(model)
         reads.on_device(ProbeSet, "batch").on_device(host_device, "to_device")
         reads.read_point(host_device, "read_back").read_point(host_device, "to_host").within(model, "forward")
-        reads.calls_of(HookPath, "_plan")
+        reads.calls_of(HookPath, "_plan").scope(HookPath, "_rows")
         with reads:
             per_class_gradients(model, data, **kwargs)
     return reads, reads.calls
@@ -61,15 +61,28 @@ def test_at_most_two_reads_per_micro_batch(name, projected, routes):
         assert reads.count == runs, dict(reads.where)
 
 
-@pytest.mark.parametrize("name", ["mlp", "bert"])
-def test_ops_per_micro_batch_do_not_grow_with_the_classes(name):
-    """Nothing loops over a run's classes on a GPU's routes: 4x the classes, the same ops a run
-    (within 15%: runs differ in their mix of class sizes, and the last run is short)."""
+@pytest.mark.parametrize(
+    ("name", "projected", "classes", "growth"),
+    [
+        ("mlp", False, (C, 4 * C), 1.02),
+        ("bert", False, (C, 4 * C), 1.02),
+        ("cnn", False, (C, 4 * C), 1.02),
+        # The default projection: from 4x to 16x the classes, once a call's first run (the units'
+        # one-off set-up) weighs little; the head's sketch takes an FFT per row chunk of dim (C /
+        # 256 chunks here), the one part that grows: 4.5% on the MLP (issue 46's note).
+        ("mlp", True, (4 * C, 16 * C), 1.1),
+        ("cnn", True, (4 * C, 16 * C), 1.1),
+    ],
+)
+def test_ops_per_micro_batch_do_not_grow_with_the_classes(name, projected, classes, growth):
+    """Nothing loops over a run's classes on a GPU's routes: the ATen ops inside a run (the hook
+    path's ``_rows``) per run, at two class counts. Unprojected they are the same to within the
+    runs' mix of class sizes (a run whose classes all have one size takes no grid spots)."""
     per_run = []
-    for classes in (C, 4 * C):
-        reads, runs = counted(MODELS[name](classes), probe(name, classes), classes, {"dim": 256}, "cuda")
-        per_run.append(reads.ops / runs)
-    assert per_run[1] <= 1.15 * per_run[0], per_run
+    for c in classes:
+        reads, runs = counted(MODELS[name](c), probe(name, c), c, {"dim": 256} if projected else None, "cuda")
+        per_run.append(reads.ops_in_scope / runs)
+    assert per_run[1] <= growth * per_run[0], per_run
 
 
 @pytest.mark.parametrize("name", ["cnn", "bert", "gpt2", "lstm"])
