@@ -226,9 +226,11 @@ def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
     def wrap(factory: LossFactory) -> LossFactory:
         if name in LOSSES:
             raise ValueError(f"loss kind {name!r} is already registered")
+        # A job file may name it; "dense" when every sample contributes to every class (asked of
+        # the kind it builds for 2 classes, before anything is registered).
+        dense = not factory(2).partitioned
         LOSSES[name] = factory
-        # A job file may name it; "dense" when every sample contributes to every class.
-        LOSS_KINDS.add(name, *(() if factory(1).partitioned else ("dense",)))
+        LOSS_KINDS.add(name, *(("dense",) if dense else ()))
         return factory
 
     return wrap

@@ -105,7 +105,7 @@ def test_another_run_is_refused_in_one_line(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(8, run.C))
     with pytest.raises(StoreMismatchError, match="layout"):
         GradLog(url, other, run.C, window=run.WINDOW, dim=run.DIM)
-    with pytest.raises(StoreMismatchError, match="window boundary"):
+    with pytest.raises(InputError, match="window boundary"):
         GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, start_step=3)
     log = GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, start_step=2)  # drops window 1
     assert log.store.done == [0]
@@ -133,3 +133,13 @@ def test_the_readme_training_run_snippet_runs(tmp_path, monkeypatch):
     windows = namespace["windows"]
     assert windows["window"].tolist() == [0, 1]  # 3 batches, windows of 2 steps
     assert windows["grads"].shape == (2, 100, 256) and windows["count"].sum() == 3 * 64
+
+
+def test_a_path_that_holds_another_zarr_group_is_not_made_a_log(tmp_path):
+    import zarr
+
+    url = str(tmp_path / "store.zarr")
+    zarr.open_group(url, mode="w").create_array("grads", shape=(2, 2), dtype="float32")
+    model, _ = run.fresh()
+    with pytest.raises(StoreMismatchError, match="not a grad log"):
+        GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM)

@@ -43,3 +43,36 @@ def test_without_its_plugins_a_fresh_process_refuses_the_names_in_one_line():
 def test_a_plugin_that_cannot_be_imported_is_one_line():
     with pytest.raises(ConfigError, match=r"engine.plugins\[0\]: cannot import 'no_such_plugin' \(ModuleNotFoundError"):
         load_config(overrides=["loss.num_classes=4", "engine.plugins=[no_such_plugin]"])
+
+
+def test_a_failed_load_of_the_built_in_names_fails_again_not_short(monkeypatch):
+    """The loader stays until it succeeds: a second check raises again, never "Input should be 'auto'"."""
+    from classgrad.config import choices
+
+    def broken() -> None:
+        raise ImportError("torch is broken here")
+
+    fresh = choices.Choices("engine.kind", fixed=("auto",))
+    monkeypatch.setattr(choices, "_LOADER", [broken])
+    for _ in range(2):
+        with pytest.raises(ImportError, match="broken"):
+            fresh.names()
+
+
+def test_an_in_backward_structure_without_an_engine_is_one_line():
+    import torch
+
+    from classgrad.config import choices
+    from classgrad.workers import zoo
+    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.projection.structures import STRUCTURES, Structure, register_structure
+
+    register_structure(Structure("toy_in_backward", True))
+    try:
+        model = zoo.mlp(4, in_features=6)
+        data = (torch.randn(8, 6), torch.arange(4).repeat(2))
+        with pytest.raises(ConfigError, match="no engine is registered for it"):
+            per_class_gradients(model, data, num_classes=4, projection={"dim": 8, "structure": "toy_in_backward"})
+    finally:
+        STRUCTURES.pop("toy_in_backward")
+        choices.STRUCTURES.discard("toy_in_backward")

@@ -21,7 +21,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     waiting (queued behind the work already launched, never a synchronisation)."""
     if t.device == device:
         return t
-    if device.type == "cuda":
+    if t.device.type == "cpu" and device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 

@@ -84,14 +84,20 @@ def create_engine(
     structure = projected["structure"]
     check_width(int(projected["dim"]), layout.dim)  # no structure takes it: never a fallback
     why = None
-    if resolved != "partitioned":
+    engine_cls = PROJECTED_ENGINES.get(structure)
+    if engine_cls is None:
+        raise ConfigError(
+            f"projection.structure {structure!r} projects inside the backward but no engine is registered "
+            f"for it (PROJECTED_ENGINES holds {', '.join(sorted(PROJECTED_ENGINES))})"
+        )
+    if not issubclass(ENGINES[resolved], PartitionedEngine):
         why = (
             f"{refusal(structure)}; this job takes the {resolved} engine ({loss.name} loss"
             f"{'' if loss.partitioned else ', dense'})"
         )
     else:
         try:
-            return PROJECTED_ENGINES[structure](model, probe, loss, layout, projection=projected, **options)
+            return engine_cls(model, probe, loss, layout, projection=projected, **options)
         except ConfigError as exc:
             if not projected.get("default"):
                 raise

@@ -53,6 +53,7 @@ class ShardWriter:
 
     def __init__(self, store: GradStore, start: int, stop: int, *, max_pending: int = 2):
         self.store = store
+        self.start = start
         self.next_row = start  # first row not yet handed to the writer thread
         self.stop = stop
         self.align = store.write_align
@@ -92,13 +93,16 @@ class ShardWriter:
     def add(self, block: RowBlock, rows: torch.Tensor | None = None) -> None:
         """Queue a block (``rows`` replaces ``block.rows``, e.g. after projection)."""
         self._raise_if_failed()
+        if self.next_row + self._pending_rows + len(block) > self.stop:
+            raise StoreError(
+                f"writer got more rows than its range [{self.start}, {self.stop}) holds "
+                f"({self.next_row + self._pending_rows - self.start} before a block of {len(block)})"
+            )
         values, wait = host_device.copy_to_host(block.rows if rows is None else rows)
         self._pending.append(
             Piece(values, block.loss.numpy().astype(np.float32, copy=False), block.count.numpy(), wait)
         )
         self._pending_rows += len(block)
-        if self.next_row + self._pending_rows > self.stop:
-            raise StoreError(f"writer got more rows than its range [{self.next_row}, {self.stop}) holds")
         whole = (self._pending_rows // self.align) * self.align
         if self.next_row + self._pending_rows == self.stop:
             whole = self._pending_rows

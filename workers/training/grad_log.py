@@ -61,8 +61,11 @@ class GradLog:
     ):
         if not isinstance(window, int) or window < 1:
             raise InputError(f"GradLog: window must be an integer >= 1, got {window!r}")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise InputError(f"GradLog: start_step must be an integer >= 0, got {start_step!r}")
+        if not isinstance(start_step, int) or start_step < 0 or start_step % window:
+            raise InputError(
+                f"GradLog: start_step must be a multiple of window ({window}) >= 0, got {start_step!r}: resume "
+                "from a checkpoint at a window boundary (a window's steps never come from two runs)"
+            )
         self.layout = ParamLayout.from_model(model, include=list(params or ()))
         self.num_classes = num_classes
         self.window = window

@@ -9,13 +9,18 @@ learning rate; the log is closed at the end of training and resumes at the train
 ``global_step`` when training resumes from a checkpoint (a multiple of the log's window).
 
 The rows take a pass of their own over the batch (not yet from the step's own backward: issue
-48), in the model's training mode: with active dropout the general route draws its own masks,
-which moves the RNG the training then uses (with dropout off, the training is untouched).
-Gradient accumulation is refused in one line: the log takes one batch a step.
+48), in the model's training mode; the step's gradients and the model's buffers (BatchNorm's
+running statistics, which that pass would move a second time) are put back after it. With active
+dropout the pass draws its own masks, which moves the RNG the training then uses (with dropout
+off, the training is untouched). Refused in one line at the start: gradient accumulation (the
+log takes one batch a step), label smoothing (the Trainer then keeps the labels from the
+model), several GPUs in one process (``DataParallel`` splits the batch across replicas). A step
+whose forward saw no ``labels`` is said once in the log's warning, not logged silently.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -25,6 +30,8 @@ from transformers import TrainerCallback
 from classgrad.errors import InputError
 from classgrad.workers.training.grad_log import GradLog
 from classgrad.workers.training.scaler import PerClassGradScaler
+
+log = logging.getLogger(__name__)
 
 
 class GradLogCallback(TrainerCallback):
@@ -39,6 +46,7 @@ class GradLogCallback(TrainerCallback):
         self._batch: dict[str, Any] | None = None
         self._hook: Any = None
         self._scaler = PerClassGradScaler(num_classes=num_classes)
+        self._warned = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
         if args.gradient_accumulation_steps != 1:
@@ -46,6 +54,10 @@ class GradLogCallback(TrainerCallback):
                 f"GradLogCallback: gradient_accumulation_steps={args.gradient_accumulation_steps}: the log "
                 "takes one batch a step (set it to 1)"
             )
+        if getattr(args, "label_smoothing_factor", 0.0):
+            raise InputError("GradLogCallback: label_smoothing_factor > 0 keeps the labels from the model's forward")
+        if getattr(args, "n_gpu", 1) > 1:
+            raise InputError("GradLogCallback: several GPUs in one process (DataParallel): use torch.distributed")
         assert model is not None
         self.log = GradLog(self.url, model, self.num_classes, start_step=state.global_step, **self.log_options)
         self._hook = model.register_forward_pre_hook(self._keep_batch, with_kwargs=True)
@@ -60,18 +72,27 @@ class GradLogCallback(TrainerCallback):
             }
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self._batch is None or self.log is None:
+        if self.log is None:
+            return
+        if self._batch is None:
+            if not self._warned:
+                log.warning("GradLogCallback: step %d's forward got no labels= tensor: not logged", state.global_step)
+                self._warned = True
             return
         model, optimizer = kw["model"], kw["optimizer"]
         inputs = dict(self._batch)
         labels = inputs.pop("labels")
         self._batch = None
         keep = [p.grad for p in model.parameters()]  # the step's own gradients: not ours to touch
+        buffers = {name: b.clone() for name, b in model.named_buffers()}  # BatchNorm: moved once, by the step
         rows, class_ids = self._scaler.step_batch(
             model, inputs, labels, optimizer, num_classes=self.num_classes, update_grad=False
         )
         for p, g in zip(model.parameters(), keep):
             p.grad = g
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
         counts = torch.bincount(labels.cpu(), minlength=self.num_classes)[class_ids]
         self.log.add(state.global_step, rows, class_ids, lr=optimizer.param_groups[0]["lr"], counts=counts)
 

@@ -16,11 +16,13 @@ module is valid once that module is imported (a job file's ``plugins`` list does
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from pydantic_core import PydanticCustomError
 
 _LOADER: list[Callable[[], object]] = []
+_LOADING = threading.RLock()  # a second thread waits for the first one's import
 
 
 def set_loader(load: Callable[[], object]) -> None:
@@ -29,8 +31,14 @@ def set_loader(load: Callable[[], object]) -> None:
 
 
 def _load() -> None:
-    while _LOADER:
-        _LOADER.pop()()
+    """Run the loader once; it stays installed until it has succeeded (a failed import is raised
+    again at the next check, never a short list of names)."""
+    if not _LOADER:
+        return
+    with _LOADING:
+        if _LOADER:
+            _LOADER[0]()
+            _LOADER.clear()
 
 
 class Choices:

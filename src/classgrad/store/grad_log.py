@@ -139,8 +139,17 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
     except Exception as exc:  # noqa: BLE001 - any backend's failure: one line naming the log
         raise StoreError(f"grad log {url}: cannot be opened ({type(exc).__name__}: {exc})") from None
     recorded = group.attrs.get(SPEC_ATTR)
+    if recorded is None and not overwrite and (list(group.array_keys()) or list(group.group_keys())):
+        raise StoreMismatchError(
+            f"grad log {url}: the path holds a Zarr group that is not a grad log: log to another path"
+        )
     if isinstance(recorded, dict) and not overwrite:
-        found = LogSpec(**recorded)
+        try:
+            found = LogSpec(**recorded)
+        except TypeError:
+            raise StoreMismatchError(
+                f"grad log {url}: its recorded spec is not one this classgrad reads ({_short(recorded)})"
+            ) from None
         diffs = spec.differences(found)
         if diffs:
             raise StoreMismatchError(
@@ -148,7 +157,7 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
                 "log to another path, or pass overwrite=True to replace it"
             )
         return GradLogStore(group, spec, url)
-    if recorded is not None:
+    if overwrite:
         group = zarr.open_group(url, mode="w", zarr_format=3, storage_options=storage_options)
     c, k = spec.num_classes, spec.width
     shapes = {
