@@ -3,8 +3,6 @@ write the log one process writes over the whole batches (``tests/support/grad_lo
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import torch.multiprocessing as mp
 
@@ -12,16 +10,10 @@ from classgrad.store import read_log
 from tests.support import grad_log_run as run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_write_the_log_of_one_process_over_the_concatenated_batches(tmp_path):
     one, two = str(tmp_path / "one.zarr"), str(tmp_path / "two.zarr")
     run.rows_only(one, steps=4)
-    mp.spawn(run.ddp_rank, args=(2, _free_port(), two, 4), nprocs=2, join=True)
+    mp.spawn(run.ddp_rank, args=(2, str(tmp_path / "rendezvous"), two, 4), nprocs=2, join=True)
     a, b = read_log(one), read_log(two)
     assert a["window"].tolist() == b["window"].tolist() == [0, 1]
     assert np.array_equal(a["count"], b["count"]) and np.array_equal(a["steps"], b["steps"])

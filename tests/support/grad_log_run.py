@@ -75,12 +75,19 @@ def rows_only(log_url: str, steps: int, rank: int | None = None, world: int = 1)
             log.add(step, rows, ids, lr=LR, counts=torch.bincount(y, minlength=C)[ids])
 
 
-def ddp_rank(rank: int, world: int, port: int, log_url: str, steps: int) -> None:
-    """``rows_only`` on one rank of a gloo process group (``torch.multiprocessing.spawn``'s target)."""
+def ddp_rank(rank: int, world: int, rendezvous: str, log_url: str, steps: int) -> None:
+    """``rows_only`` on one rank of a gloo process group (``torch.multiprocessing.spawn``'s target).
+    The ranks meet through a file (``rendezvous``, not yet existing): no TCP store server, whose
+    teardown by rank 0 could abort a rank still leaving the group."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         rows_only(log_url, steps, rank, world)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
+    # Out without the interpreter's teardown: torch 2.13's gloo sometimes aborts there ("terminate
+    # called without an active exception", 1 run in 8 here) after everything is done and written.
+    sys.stdout.flush()
+    os._exit(0)

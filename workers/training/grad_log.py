@@ -154,9 +154,14 @@ class GradLog:
         if self.distributed:
             for t in (self._sums, self._lr_sums, self._count, self._loss):
                 dist.all_reduce(t)
-        if self.store is None:  # another rank writes it
-            self._reset()
-            return
+        if self.store is not None:  # rank 0 (or the one process) writes it
+            self._write_window(w)
+        if self.distributed:
+            dist.barrier()  # every rank goes on once the window is written and marked done
+        self._reset()
+
+    def _write_window(self, w: int) -> None:
+        assert self.store is not None
         self.store.write_window(
             w,
             self._sums.cpu().numpy(),
@@ -167,7 +172,6 @@ class GradLog:
         )
         self.store.mark_done(w)  # after its chunks are written: a crash before leaves it absent
         log.debug("grad log: window %d (steps %d-%d) written", w, self._steps[0], self._steps[1] - 1)
-        self._reset()
 
     def _reset(self) -> None:
         for t in (self._sums, self._lr_sums, self._count, self._loss):
