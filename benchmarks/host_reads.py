@@ -20,36 +20,23 @@ model, projected or not; ops per run not growing with C (compare ``--classes 500
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import print_table
-from classgrad.workers.engines import host_device, per_class_gradients
-from classgrad.workers.engines.layer_rules.rule_io import routes_as
-from classgrad.workers.engines.partitioned.hook_path import HookPath
 from classgrad.workers.model_io import ModelIO
-from classgrad.workers.probe import ProbeSet
 from tests.support.host_reads import HostReads
-from tests.support.read_cases import MODELS, probe
+from tests.support.read_cases import MODELS, counted, probe
 
 
 def engine_counts(
     name: str, classes: int, batch: int, projected: bool, routes: str | None
 ) -> tuple[float, float, float]:
     """``(reads, model's own reads, ops)`` per run of a warm call."""
-    model = MODELS[name](classes)
-    data = probe(name, classes)
-    kwargs = dict(num_classes=classes, batch_size=batch, progress=False, projection={"dim": 256} if projected else None)
-    with routes_as(routes) if routes else contextlib.nullcontext():
-        per_class_gradients(model, data, **kwargs)
-        reads = HostReads(model)
-        reads.on_device(ProbeSet, "batch").on_device(host_device, "to_device").calls_of(HookPath, "_plan")
-        reads.read_point(host_device, "read_back").read_point(host_device, "to_host").within(model, "forward")
-        with reads:
-            per_class_gradients(model, data, **kwargs)
-    runs = max(reads.calls, 1)
+    projection = {"dim": 256} if projected else None
+    reads, runs = counted(MODELS[name](classes), probe(name, classes), classes, projection, routes, batch)
+    runs = max(runs, 1)
     return reads.count / runs, reads.apart / runs, reads.ops / runs
 
 

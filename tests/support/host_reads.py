@@ -29,7 +29,7 @@ import contextlib
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -153,69 +153,57 @@ class HostReads(TorchDispatchMode):
         self._patches.callback(setattr, owner, name, original) if own else self._patches.callback(delattr, owner, name)
         return original
 
-    def on_device(self, owner: Any, name: str) -> HostReads:
-        """``owner.name`` returns device data (call before entering)."""
+    def _wrap(self, owner: Any, name: str, around: Callable[[], Any], *, marks_output: bool = False) -> HostReads:
+        """``owner.name`` run inside ``around()`` (a context manager) until the mode exits; its
+        output marked as device data with ``marks_output``."""
         original = getattr(owner, name)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.mark(out)
+            with around():
+                out = original(*args, **kwargs)
+            if marks_output:
+                self.mark(out)
             return out
 
         self._patch(owner, name, wrapped)
         return self
 
+    @contextlib.contextmanager
+    def _deeper(self, depth: str) -> Iterator[None]:
+        """One level deeper in the counter ``depth`` (``_quiet``, ``_scope``, ``_apart``) for the block."""
+        setattr(self, depth, getattr(self, depth) + 1)
+        try:
+            yield
+        finally:
+            setattr(self, depth, getattr(self, depth) - 1)
+
+    def on_device(self, owner: Any, name: str) -> HostReads:
+        """``owner.name`` returns device data (call before entering)."""
+        return self._wrap(owner, name, contextlib.nullcontext, marks_output=True)
+
     def read_point(self, owner: Any, name: str) -> HostReads:
         """Each call of ``owner.name`` is one read (of device data), whatever it does inside."""
-        original = getattr(owner, name)
 
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
+        def one_read() -> Any:
             if not self._quiet:
                 self._note(f"{name}()")
-            self._quiet += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._quiet -= 1
+            return self._deeper("_quiet")
 
-        self._patch(owner, name, wrapped)
-        return self
+        return self._wrap(owner, name, one_read)
 
     def calls_of(self, owner: Any, name: str) -> HostReads:
         """Count the calls of ``owner.name`` (``calls``)."""
-        original = getattr(owner, name)
 
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
+        def counted() -> Any:
             self.calls += 1
-            return original(*args, **kwargs)
+            return contextlib.nullcontext()
 
-        self._patch(owner, name, wrapped)
-        return self
+        return self._wrap(owner, name, counted)
 
     def scope(self, owner: Any, name: str) -> HostReads:
         """Count the ATen ops made inside ``owner.name`` apart (``ops_in_scope``)."""
-        original = getattr(owner, name)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self._scope += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._scope -= 1
-
-        self._patch(owner, name, wrapped)
-        return self
+        return self._wrap(owner, name, lambda: self._deeper("_scope"))
 
     def within(self, owner: Any, name: str) -> HostReads:
         """Reads inside ``owner.name`` are counted apart (``apart``), not in ``count``."""
-        original = getattr(owner, name)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self._apart += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._apart -= 1
-
-        self._patch(owner, name, wrapped)
-        return self
+        return self._wrap(owner, name, lambda: self._deeper("_apart"))

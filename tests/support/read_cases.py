@@ -2,15 +2,23 @@
 ``benchmarks/host_reads.py``, ``benchmarks/gpu_proof.py``'s ``syncs``): no pytest needed.
 
 Holds ``MODELS`` (name -> builder of ``num_classes``: the zoo's MLP and small CNN, the tiny
-Hugging Face configs, the LSTM) and ``probe`` (classes of 1 to 4 samples, shuffled).
+Hugging Face configs, the LSTM), ``probe`` (classes of 1 to 4 samples, shuffled) and
+``counted`` (the reads and ops of a warm ``per_class_gradients`` call, and its runs).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from classgrad.workers import zoo
+from classgrad.workers.engines import host_device, per_class_gradients
+from classgrad.workers.engines.layer_rules.rule_io import routes_as
+from classgrad.workers.engines.partitioned.hook_path import HookPath
+from classgrad.workers.probe import ProbeSet
 from tests.support.hf_models import hf_probe, lstm_classifier, tiny_bert, tiny_gpt2, tiny_resnet, tiny_vit
+from tests.support.host_reads import HostReads
 
 MODELS = {
     "mlp": lambda c: zoo.mlp(c, in_features=10),
@@ -32,3 +40,22 @@ def probe(name: str, num_classes: int, seed: int = 0):
     labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
     inputs, _ = hf_probe(INPUTS[name], 1, per_class=len(labels), seed=seed)
     return inputs, labels
+
+
+def counted(
+    model, data, num_classes: int, projection: dict | None, routes: str | None, batch_size: int = 256
+) -> tuple[HostReads, int]:
+    """The reads and ops of a warm ``per_class_gradients`` call (the loaded batch and the engine's
+    ``to_device`` copies are device data, ``read_back`` and ``to_host`` one read each, the model's
+    own forward counted apart, the ops inside a run in ``ops_in_scope``), and its runs (the hook
+    path's plans); ``routes``: ``"cuda"`` for a GPU's routes, None for this CPU's."""
+    kwargs = dict(num_classes=num_classes, batch_size=batch_size, progress=False, projection=projection)
+    with routes_as(routes) if routes else contextlib.nullcontext():
+        per_class_gradients(model, data, **kwargs)  # the once-per-process spot check and choices
+        reads = HostReads(model)
+        reads.on_device(ProbeSet, "batch").on_device(host_device, "to_device")
+        reads.read_point(host_device, "read_back").read_point(host_device, "to_host").within(model, "forward")
+        reads.calls_of(HookPath, "_plan").scope(HookPath, "_rows")
+        with reads:
+            per_class_gradients(model, data, **kwargs)
+    return reads, reads.calls

@@ -11,6 +11,7 @@ import pytest
 
 from classgrad.config import load_config
 from classgrad.service.commands.cli import COMMANDS, build_parser
+from tests.support.docs import python_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ def test_the_hugging_face_page_runs():
     import torch
 
     text = (REPO / "docs" / "huggingface.md").read_text()
-    blocks = [part.split("```", 1)[0] for part in text.split("```python\n")[1:]]
+    blocks = python_blocks(text)
     assert blocks, "docs/huggingface.md has no Python snippet"
     namespace: dict = {}
     for block in blocks:

@@ -19,6 +19,7 @@ from classgrad import GradLog, PerClassGradScaler, per_class_gradients
 from classgrad.errors import InputError, StoreMismatchError
 from classgrad.store import read_log
 from tests.support import grad_log_run as run
+from tests.support.docs import python_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,14 +122,10 @@ def test_the_readme_training_run_snippet_runs(tmp_path, monkeypatch):
     defines the model, batches and scaler), as written, in a scratch folder."""
     text = (REPO / "README.md").read_text()
 
-    def blocks(heading: str) -> list[str]:
-        section = text.split(heading, 1)[1].split("\n## ", 1)[0]
-        return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "stores").mkdir()
     namespace: dict = {}
-    for block in blocks("## In a training loop")[:1] + blocks("## Over a training run"):
+    for block in python_blocks(text, "## In a training loop")[:1] + python_blocks(text, "## Over a training run"):
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - our own docs
     windows = namespace["windows"]
     assert windows["window"].tolist() == [0, 1]  # 3 batches, windows of 2 steps

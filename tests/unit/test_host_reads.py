@@ -12,7 +12,6 @@ floor makes them too. Classes of 1 to 4 samples, micro-batches of 256 samples.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -21,32 +20,16 @@ import torch
 from classgrad import PerClassGradScaler
 from classgrad.workers.engines import build_engine, host_device, per_class_gradients
 from classgrad.workers.engines.layer_rules.rule_io import routes_as
-from classgrad.workers.engines.partitioned.hook_path import HookPath
-from classgrad.workers.probe import ProbeSet
 from tests.support.engine_cases import max_relative_error
 from tests.support.hf_models import tiny_bert
 from tests.support.host_reads import HostReads
-from tests.support.read_cases import MODELS, probe
+from tests.support.read_cases import MODELS, counted, probe
 
 C = 150
 BATCH = 256
 MAX_READS = 2  # per run (issue 46's target)
 
 pytestmark = pytest.mark.usefixtures("fresh_choices")
-
-
-def counted(model, data, num_classes: int, projection: dict | None, routes: str | None) -> tuple[HostReads, int]:
-    """The reads and ops of a warm ``per_class_gradients`` call, and its runs (the hook path's plans)."""
-    kwargs = dict(num_classes=num_classes, batch_size=BATCH, progress=False, projection=projection)
-    with routes_as(routes) if routes else contextlib.nullcontext():
-        per_class_gradients(model, data, **kwargs)  # the once-per-process spot check and choices
-        reads = HostReads(model)
-        reads.on_device(ProbeSet, "batch").on_device(host_device, "to_device")
-        reads.read_point(host_device, "read_back").read_point(host_device, "to_host").within(model, "forward")
-        reads.calls_of(HookPath, "_plan").scope(HookPath, "_rows")
-        with reads:
-            per_class_gradients(model, data, **kwargs)
-    return reads, reads.calls
 
 
 @pytest.mark.parametrize("routes", ["cuda", None], ids=["gpu_routes", "cpu_routes"])

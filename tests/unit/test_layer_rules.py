@@ -32,6 +32,7 @@ from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
 from classgrad.workers.projection import SketchUnit
+from tests.support.docs import python_blocks
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows
 from tests.support.rule_cases import Scale, Tokens, assert_hook_path, rows_and_reference
 
@@ -467,7 +468,7 @@ def test_a_refused_convolution_says_why_and_stays_exact(conv):
 def test_the_docs_example_rule_runs_as_written_and_is_exact():
     """docs/layers.md's ``register_rule`` example, executed as written, on a model with the
     example layer at several positions per sample."""
-    blocks = [b.split("```", 1)[0] for b in LAYERS_DOC.read_text().split("```python\n")[1:]]
+    blocks = python_blocks(LAYERS_DOC.read_text())
     assert len(blocks) == 1
     namespace: dict = {}
     exec(compile(blocks[0], "docs/layers.md", "exec"), namespace)  # noqa: S102 - the doc's own example

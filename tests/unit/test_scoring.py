@@ -18,6 +18,7 @@ from classgrad.service.analysis import scoring
 from classgrad.service.analysis.score_driver import score_rows
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.store import open_store
+from tests.support.docs import python_blocks
 from tests.support.stores import synthetic_store, write_all
 
 
@@ -220,8 +221,7 @@ def test_the_readme_score_snippet_runs(tmp_path):
         load_config(repo / "configs" / "demo.yaml", [*overrides, "sharding.shard_rows=64", f"store.url={url}"])
     )
     text = (repo / "README.md").read_text()
-    section = text.split("## Which classes a prediction leans on", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    block = python_blocks(text, "## Which classes a prediction leans on")[0]
     assert '"stores/demo.zarr"' in block
     namespace: dict = {}
     exec(compile(block.replace('"stores/demo.zarr"', repr(url)), "README.md", "exec"), namespace)  # noqa: S102

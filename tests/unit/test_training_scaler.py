@@ -14,6 +14,7 @@ from torch import nn
 
 from classgrad import PerClassGradScaler
 from classgrad.errors import InputError
+from tests.support.docs import python_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 C = 6
@@ -426,8 +427,7 @@ def test_step_batch_fills_the_first_rows_of_a_buffer_of_the_batchs_size():
 def test_the_readme_training_loop_runs():
     """The README's "In a training loop" snippet, as written."""
     text = (REPO / "README.md").read_text()
-    section = text.split("## In a training loop", 1)[1].split("\n## ", 1)[0]
-    blocks = [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+    blocks = python_blocks(text, "## In a training loop")
     assert blocks
     namespace: dict = {}
     for block in blocks:

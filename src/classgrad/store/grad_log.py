@@ -135,15 +135,15 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
     """The log at ``url``: created with ``spec``, or reopened when its recorded spec equals
     ``spec`` (else one line naming each difference; ``overwrite`` replaces it)."""
     try:
-        group = zarr.open_group(url, mode="a", zarr_format=3, storage_options=storage_options)
+        group = zarr.open_group(url, mode="w" if overwrite else "a", zarr_format=3, storage_options=storage_options)
     except Exception as exc:  # noqa: BLE001 - any backend's failure: one line naming the log
         raise StoreError(f"grad log {url}: cannot be opened ({type(exc).__name__}: {exc})") from None
     recorded = group.attrs.get(SPEC_ATTR)
-    if recorded is None and not overwrite and (list(group.array_keys()) or list(group.group_keys())):
+    if recorded is None and (list(group.array_keys()) or list(group.group_keys())):
         raise StoreMismatchError(
             f"grad log {url}: the path holds a Zarr group that is not a grad log: log to another path"
         )
-    if isinstance(recorded, dict) and not overwrite:
+    if isinstance(recorded, dict):
         try:
             found = LogSpec(**recorded)
         except TypeError:
@@ -157,8 +157,6 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
                 "log to another path, or pass overwrite=True to replace it"
             )
         return GradLogStore(group, spec, url)
-    if overwrite:
-        group = zarr.open_group(url, mode="w", zarr_format=3, storage_options=storage_options)
     c, k = spec.num_classes, spec.width
     shapes = {
         "grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), "float32"),

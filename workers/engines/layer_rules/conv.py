@@ -198,16 +198,15 @@ class ConvFactors(OuterFactors):
         module, seen = self.module, self.seen
         dtype = seen.grid.dtype
         G, A = seen.grads.to(dtype), seen.inputs.to(dtype)  # [total, ...], class after class
-        sizes = seen.grid.sizes  # host: which samples each call takes is worked out there
-        first = torch.cumsum(torch.tensor(sizes), 0) - torch.tensor(sizes)
         gw = G.new_zeros(seen.k, *module.weight.shape) if want_weight else None
         gb = G.new_zeros(seen.k, module.out_channels) if want_bias else None
-        for n in sorted(set(sizes) - {0}):
-            picked = [i for i, size in enumerate(sizes) if size == n]
+        # Which samples each call takes is worked out on the host, from the grid's sizes.
+        for n, picked, firsts in rule_io.equal_size_groups(seen.grid.sizes):
+            if n == 0:
+                continue
             k = len(picked)
             groups = -(-k // GROUPS_STEP) * GROUPS_STEP
-            padded = torch.tensor(picked + picked[-1:] * (groups - k))
-            take = host_device.to_device((first[padded].unsqueeze(1) + torch.arange(n)).reshape(-1), G.device)
+            take = host_device.to_device(rule_io.consecutive(firsts + firsts[-1:] * (groups - k), n), G.device)
             classes = host_device.to_device(torch.tensor(picked), G.device)
             w, b = self._grouped(
                 "contiguous",

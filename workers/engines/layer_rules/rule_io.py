@@ -9,6 +9,8 @@ Holds:
   ``TokenSums``: per-class sums of a unit's ``[N, T, ...]`` tensors (outer products, totals).
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
+- ``equal_size_groups`` and ``consecutive``: the host's plan of a run's classes by size, and
+  the samples each group takes (for products per distinct size).
 - ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``token_liveness``: the tokens whose
   output gradient is not all zero; ``CPU_ROUTE_DEVICES``.
 """
@@ -16,6 +18,7 @@ Holds:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -53,6 +56,23 @@ def routes_as(kind: str) -> Iterator[None]:
         yield
     finally:
         _ROUTES_AS.pop()
+
+
+def equal_size_groups(sizes: Sequence[int]) -> list[tuple[int, list[int], list[int]]]:
+    """The host's plan of a run's classes by size (``sizes``: each class's samples or tokens,
+    class after class): for each distinct size ``n``, ascending, the positions of the classes of
+    that size and the first sample of each (``consecutive`` gives the rest)."""
+    starts = list(itertools.accumulate(sizes, initial=0))
+    plan = []
+    for n in sorted(set(sizes)):
+        picked = [i for i, size in enumerate(sizes) if size == n]
+        plan.append((n, picked, [starts[i] for i in picked]))
+    return plan
+
+
+def consecutive(firsts: Sequence[int], n: int) -> torch.Tensor:
+    """int64 ``[len(firsts) * n]`` on the host: ``n`` samples from each of ``firsts``, in order."""
+    return (torch.tensor(firsts, dtype=torch.long).unsqueeze(1) + torch.arange(n)).reshape(-1)
 
 
 # A row whose entries are all bounded by this is finite, with room for the sums that form it.
@@ -126,13 +146,11 @@ class ClassGrid:
         device = self.owner.device
         if self.spots is None:
             return [(host_device.to_device(torch.arange(self.k), device), None)]
-        starts = torch.cumsum(torch.tensor(self.sizes), 0) - torch.tensor(self.sizes)
-        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for size in sorted(set(self.sizes) - {0}):
-            classes = torch.tensor([i for i, n in enumerate(self.sizes) if n == size])
-            samples = (starts[classes].unsqueeze(1) + torch.arange(size)).reshape(-1)
-            out.append((host_device.to_device(classes, device), host_device.to_device(samples, device)))
-        return out
+        return [
+            (host_device.to_device(torch.tensor(picked), device), host_device.to_device(consecutive(firsts, n), device))
+            for n, picked, firsts in equal_size_groups(self.sizes)
+            if n > 0
+        ]
 
     @property
     def total(self) -> int:
@@ -210,15 +228,12 @@ class Ragged:
         calls as the gather of each group's tokens (``benchmarks.sketch_kernels --section mm``).
         Which tokens each product takes is worked out on the host from ``tokens``."""
         device = first.device
-        starts = torch.cumsum(torch.tensor(self.tokens, dtype=torch.long), 0).tolist()
-        for n in sorted(set(self.tokens)):
-            picked = [i for i, t in enumerate(self.tokens) if t == n]
+        for n, picked, firsts in equal_size_groups(self.tokens):
             classes = host_device.to_device(torch.tensor(picked), device)
             if n == 0:
                 out.index_fill_(0, classes, 0.0)
                 continue
-            take = (torch.tensor([starts[i] - n for i in picked]).unsqueeze(1) + torch.arange(n)).reshape(-1)
-            take = host_device.to_device(take, device)
+            take = host_device.to_device(consecutive(firsts, n), device)
             a = first.index_select(0, take).view(len(picked), n, first.shape[1])
             b = second.index_select(0, take).view(len(picked), n, second.shape[1])
             if len(picked) == out.shape[0]:
