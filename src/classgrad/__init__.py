@@ -9,6 +9,8 @@ Holds the public Python API, the names DESIGN.md promises:
 - ``run_job(config)``: run a job on Ray from Python, as ``classgrad run`` does.
 - ``PerClassGradScaler``: the ``GradScaler`` step of a training loop, with every class's row.
 - ``GradLog``: those rows over a training run, summed over windows of steps into a store.
+- ``GradLogCallback`` / ``GradLogLightningCallback``: a Hugging Face / Lightning ``Trainer``
+  logs into a ``GradLog`` (they need transformers / lightning: not in ``__all__``).
 - ``score(store, model, data, method="trak", top_k=10)``: the classes each query example leans
   on (query rows in the store's space scored against every class's row), as ``classgrad score``.
 - ``__version__``.
@@ -33,6 +35,8 @@ if TYPE_CHECKING:
     from classgrad.store import open_dataset, open_store
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.training import GradLog, PerClassGradScaler
+    from classgrad.workers.training.hf_callback import GradLogCallback as GradLogCallback
+    from classgrad.workers.training.lightning_callback import GradLogLightningCallback as GradLogLightningCallback
 
 # public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
 _EXPORTS = {
@@ -44,6 +48,10 @@ _EXPORTS = {
     "run_job": "classgrad.service.runtime.driver",
     "PerClassGradScaler": "classgrad.workers.training",
     "GradLog": "classgrad.workers.training",
+    # Optional dependencies (transformers, lightning): imported only when the name is used, and
+    # kept out of __all__ so that `from classgrad import *` never needs them.
+    "GradLogCallback": "classgrad.workers.training.hf_callback",
+    "GradLogLightningCallback": "classgrad.workers.training.lightning_callback",
     "score": "classgrad.service.analysis.score_api",
 }
 

@@ -5,8 +5,9 @@ Holds ``GradLogCallback``, a ``transformers.TrainerCallback`` that attaches to a
 and ``labels``); before the optimizer steps (``on_pre_optimizer_step``, at the step's
 parameters) the batch's per-class rows (mean cross-entropy of each class present) come from
 ``PerClassGradScaler.step_batch(..., update_grad=False)`` and go into the log with the step's
-learning rate; the log is closed at the end of training and resumes at the trainer's
-``global_step`` when training resumes from a checkpoint (a multiple of the log's window).
+learning rate (``callback_step``, shared with the Lightning callback); the log is closed at the
+end of training and resumes at the trainer's ``global_step`` when training resumes from a
+checkpoint (a multiple of the log's window).
 
 The rows take a pass of their own over the batch (not yet from the step's own backward: issue
 48), in the model's training mode; the step's gradients and the model's buffers (BatchNorm's
@@ -28,6 +29,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from classgrad.errors import InputError
+from classgrad.workers.training.callback_step import labelled_batch, log_step
 from classgrad.workers.training.grad_log import GradLog
 from classgrad.workers.training.scaler import PerClassGradScaler
 
@@ -43,7 +45,7 @@ class GradLogCallback(TrainerCallback):
         self.num_classes = num_classes
         self.log_options = log_options
         self.log: GradLog | None = None
-        self._batch: dict[str, Any] | None = None
+        self._batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         self._hook: Any = None
         self._scaler = PerClassGradScaler(num_classes=num_classes)
         self._warned = False
@@ -63,13 +65,10 @@ class GradLogCallback(TrainerCallback):
         self._hook = model.register_forward_pre_hook(self._keep_batch, with_kwargs=True)
 
     def _keep_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        labels = kwargs.get("labels")
-        if module.training and torch.is_grad_enabled() and isinstance(labels, torch.Tensor):
-            # The batch's tensors (a sample a row), not the Trainer's extras (num_items_in_batch).
-            n = len(labels)
-            self._batch = {
-                k: v.detach() for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.ndim and len(v) == n
-            }
+        if module.training and torch.is_grad_enabled():
+            batch = labelled_batch(kwargs)
+            if batch is not None:
+                self._batch = batch
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.log is None:
@@ -79,22 +78,9 @@ class GradLogCallback(TrainerCallback):
                 log.warning("GradLogCallback: step %d's forward got no labels= tensor: not logged", state.global_step)
                 self._warned = True
             return
-        model, optimizer = kw["model"], kw["optimizer"]
-        inputs = dict(self._batch)
-        labels = inputs.pop("labels")
+        inputs, labels = self._batch
         self._batch = None
-        keep = [p.grad for p in model.parameters()]  # the step's own gradients: not ours to touch
-        buffers = {name: b.clone() for name, b in model.named_buffers()}  # BatchNorm: moved once, by the step
-        rows, class_ids = self._scaler.step_batch(
-            model, inputs, labels, optimizer, num_classes=self.num_classes, update_grad=False
-        )
-        for p, g in zip(model.parameters(), keep):
-            p.grad = g
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        counts = torch.bincount(labels.cpu(), minlength=self.num_classes)[class_ids]
-        self.log.add(state.global_step, rows, class_ids, lr=optimizer.param_groups[0]["lr"], counts=counts)
+        log_step(self.log, self._scaler, kw["model"], inputs, labels, kw["optimizer"], state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._hook is not None:
