@@ -219,7 +219,7 @@ def scaler(args: argparse.Namespace) -> dict[str, Any]:
 
 def headline(args: argparse.Namespace) -> dict[str, Any]:
     from classgrad.workers import zoo
-    from classgrad.workers.engines import build_engine, projected_options, projection_options
+    from classgrad.workers.engines import build_engine, projection_options
 
     device = torch.device(args.device)
     classes, per_class, size = (40, 2, 32) if args.quick else (10000, 10, 224)
@@ -244,9 +244,9 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
         if time.perf_counter() - STARTED > args.budget_s * 0.6:
             out[precision] = {"skipped": "over 60% of the run's budget spent before it"}
             continue
-        proj = projected_options(projection_options({"dim": dim}))
+        proj = projection_options({"dim": dim})
         eng = build_engine(model, (x, y), num_classes=classes, batch_size=batch, device=device,
-                           precision=precision, projected=proj)  # fmt: skip
+                           precision=precision, projection=proj)  # fmt: skip
         first, _ = timed(lambda eng=eng: eng.compute(range(classes)), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             floor_s, _ = timed(floor, device)

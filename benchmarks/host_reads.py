@@ -8,7 +8,8 @@ CPU's, unprojected and with the default projection:
 - ``reads/run``: reads of device data by the engine per run (a micro-batch of whole classes);
   ``model's own``: reads inside the model's forward (the floor makes them too);
 - ``ops/run`` and ``ops/floor op``: ATen ops per run, and over those of the floor (one forward
-  and backward of the summed loss over the same micro-batch).
+  and backward of the summed loss over the same micro-batch);
+- ``step_batch``: reads per training step (``PerClassGradScaler.step_batch``, 64 samples, SGD).
 
 Counts, not times: they are the same on any machine. Target: at most 2 reads per run on every
 model, projected or not; ops per run not growing with C (compare ``--classes 500`` and ``4000``).
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from benchmarks.common import print_table
 from classgrad.workers.model_io import ModelIO
 from tests.support.host_reads import HostReads
-from tests.support.read_cases import MODELS, counted, probe
+from tests.support.read_cases import MODELS, counted, probe, step_counted
 
 
 def engine_counts(
@@ -60,7 +61,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(sorted(MODELS)))
     args = parser.parse_args()
     rows = []
-    for name in args.models.split(","):
+    names = args.models.split(",")
+    for name in names:
         floor = floor_ops(name, args.classes, args.batch_size)
         for projected in (False, True):
             gpu = engine_counts(name, args.classes, args.batch_size, projected, "cuda")
@@ -80,6 +82,9 @@ def main() -> None:
     print(f"C = {args.classes}, micro-batches of {args.batch_size}, classes of 1-4 samples")
     header = ["model", "projection", "reads/run gpu", "reads/run cpu", "model's own", "ops/run gpu"]
     print_table(header + ["ops/floor op gpu", "ops/floor op cpu"], rows)
+    steps = [[name, *(f"{step_counted(name, args.classes, r).count}" for r in ("cuda", None))] for name in names]
+    print("\nPerClassGradScaler.step_batch, 64 samples: reads per step")
+    print_table(["model", "reads/step gpu", "reads/step cpu"], steps)
 
 
 if __name__ == "__main__":

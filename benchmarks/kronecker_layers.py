@@ -52,9 +52,9 @@ def new_units_unregistered() -> Iterator[None]:
 
 def coverage(model: nn.Module, data: Any, classes: int, projection: dict[str, Any]) -> dict[str, Any]:
     """Parameters in units and in the rest, by ``describe()`` of an engine with these options."""
-    from classgrad.workers.engines import build_engine, projected_options, projection_options
+    from classgrad.workers.engines import build_engine, projection_options
 
-    eng = build_engine(model, data, num_classes=classes, projected=projected_options(projection_options(projection)))
+    eng = build_engine(model, data, num_classes=classes, projection=projection_options(projection))
     described = eng.describe()
     sizes = {n: p.numel() for n, p in model.named_parameters()}
     in_units = sum(sizes[u["param"]] + (sizes[u["bias"]] if u["bias"] else 0) for u in described["units"])

@@ -100,7 +100,7 @@ def tail_stats(cos: torch.Tensor, exact: torch.Tensor, queries: torch.Tensor) ->
 def measure(
     name: str, classes: int, dims: list[int], n_queries: int, batch_size: int, second_sketch: bool = False
 ) -> list[dict[str, Any]]:
-    from classgrad.workers.engines import build_engine, projected_options, projection_options
+    from classgrad.workers.engines import build_engine, projection_options
     from classgrad.workers.projection import SketchUnit
     from classgrad.workers.projection.sketch import RowSketch
     from classgrad.workers.projection.tensor_sketch import HASHED, TensorSketchMap
@@ -111,8 +111,8 @@ def measure(
     seeds = {"countsketch": 99, **({"countsketch 2": 98} if second_sketch else {})}
     defaults, hashed, sketches = {}, {}, {}
     for k in dims:
-        proj = projected_options(projection_options({"dim": k}))
-        eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size, projected=proj)
+        proj = projection_options({"dim": k})
+        eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size, projection=proj)
         defaults[k] = eng.compute(range(classes)).rows
         kmap = eng.kmap
         units = [SketchUnit(u.index, u.weight, u.bias, u.a, u.b, u.input_first, k, 1, u.seed) for u in kmap.units]

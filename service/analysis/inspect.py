@@ -4,8 +4,7 @@ Holds ``GradNorms`` and ``grad_norms`` (per-class gradient norms and per-class x
 squared norms in one out-of-core pass over the rows of done shards, band by band), and
 ``inspect_store`` (format version, shape, dtype, chunks, parameter layout, completion, norm summaries, the
 similarity if one is stored) as a JSON-ready dict, plus ``format_report`` (the text the
-command prints) and ``kronecker_lines`` (a Kronecker projection's record: factor shapes,
-widths, seeds, the parameters kept whole or projected densely).
+command prints; a projection's lines are its structure's, ``structures.summary_lines``).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from classgrad.service.analysis import (
     plan_blocks,
 )
 from classgrad.units import fmt_bytes
-from classgrad.workers.projection import neighbour_caveat, structure_label
+from classgrad.workers.structures import neighbour_caveat, summary_lines
 
 # What an older store lacks, beside its format version in the report.
 _FORMAT_NOTES = {
@@ -183,30 +182,7 @@ def format_report(info: dict) -> str:
         more = " ..." if len(comp["missing_ranges"]) > 5 else ""
         lines.append(f"missing     rows {shown}{more}")
     proj = info["projection"]
-    if proj and proj.get("structure") == "kronecker":
-        lines += kronecker_lines(proj, D)
-    elif proj and proj.get("structure") == "tensorsketch":
-        units = proj.get("units") or []
-        per_layer = (
-            "a layer's rows and columns placed without collisions in chunks of the width, chunks mixed by "
-            "random-phase filters"
-            if proj.get("placement")
-            else f"one hashed CountSketch of the row: {proj.get('unit_nonzeros', 1)} signed entry per coordinate "
-            "of a layer"
-        )
-        lines.append(
-            f"projection  {structure_label(proj)} ({per_layer}; {proj.get('nonzeros')} signed entries per "
-            f"coordinate of another parameter) from {proj.get('dim_in')} to {D} dims (seed {proj.get('seed')}): "
-            f"{len(units)} layers sketched in the backward, {len(proj.get('rest_params') or [])} other parameters "
-            "sketched after; no per-parameter layout"
-        )
-    elif proj and proj.get("structure") == "sketch":
-        lines.append(
-            f"projection  sketch (sparse signs, {proj.get('nonzeros')} per entry) from {proj.get('dim_in')} to {D} "
-            f"dims (seed {proj.get('seed')}); no per-parameter layout"
-        )
-    elif proj:
-        lines.append(f"projection  {proj.get('kind')} to {D} dims (seed {proj.get('seed')}); no per-parameter layout")
+    lines += summary_lines(proj, D)
     caveat = neighbour_caveat(proj)
     if caveat:
         lines.append(f"warning     {caveat}")
@@ -242,32 +218,3 @@ def format_report(info: dict) -> str:
             + (f", {sim['seconds']:.1f} s" if "seconds" in sim else "")
         )
     return "\n".join(lines)
-
-
-def kronecker_lines(proj: dict, D: int) -> list[str]:
-    """A Kronecker projection's record: every layer's factor shapes and columns, then the rest."""
-    units = proj.get("units") or []
-    lines = [
-        f"projection  kronecker ({proj.get('kind')}, seed {proj.get('seed')}, split by {proj.get('allocation')}) "
-        f"to {D} dims from {proj.get('dim_in')}: {len(units)} layers projected as P_out W P_in^T",
-    ]
-    width = max([len(str(u.get("param"))) for u in units] + [5])
-    for u in units:
-        (ko, a), (ki, b) = u["factor_shapes"]
-        bias = " + bias" if u.get("bias") else ""
-        norm = u.get("measured_sq_norm")
-        measured = "" if norm is None else f"  measured |g|^2 {norm:.4g}"
-        where = f"{u['width']:>7,} cols at {u['offset']}"
-        lines.append(f"  {u['param']:<{width}}  [{a}x{b}]{bias:<7} -> {ko} x {ki} = {where}{measured}")
-    rest = proj.get("rest_params") or []
-    if rest:
-        sketch = proj.get("rest_sketch") or {}
-        how = {
-            "keep": "kept whole",
-            "sketch": f"sparse sign sketch, {sketch.get('nonzeros')} nonzeros per parameter",
-        }.get(str(proj.get("rest")), "projected densely")
-        lines.append(
-            f"  rest ({how}): {proj.get('rest_width')} cols at {proj.get('rest_offset')}: {', '.join(rest[:8])}"
-            f"{' ...' if len(rest) > 8 else ''}"
-        )
-    return lines

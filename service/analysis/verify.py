@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from classgrad.errors import StoreError
 from classgrad.store import check_metadata, fmt_ranges, open_store
-from classgrad.workers.projection import neighbour_caveat, structure_label
+from classgrad.workers.structures import neighbour_caveat, structure_label
 
 INCOMPLETE = 4
 CORRUPT = 8
@@ -57,7 +57,7 @@ class VerifyReport:
     """Result of ``verify_store``: the OR of the failed flags and the problems per check."""
 
     store: str
-    rows: str = ""  # what the rows are (``projection.structure_label``)
+    rows: str = ""  # what the rows are (``structures.structure_label``)
     problems: dict[str, list[str]] = field(default_factory=lambda: {name: [] for name in FLAG_NAMES.values()})
     notes: list[str] = field(default_factory=list)
     repaired: list[int] = field(default_factory=list)  # shards unmarked by ``--repair``

@@ -1,7 +1,8 @@
 """A job file that names an engine, a loss and a projection structure registered outside the
 package (``tests/support/toy_plugins.py``, imported through ``engine.plugins`` by the driver and
 by every actor) runs with ``classgrad run`` and resumes, and stores the rows the built-in names
-give (the toys are the built-ins under other names)."""
+give (the toys are the built-ins under other names); so does a job naming a structure that
+projects inside the backward, registered the same way."""
 
 from __future__ import annotations
 
@@ -49,3 +50,22 @@ def test_a_job_of_registered_names_runs_resumes_and_equals_the_built_ins(tmp_pat
     a, b = open_store(builtin_url), open_store(toy_url)
     # The same engine, loss and map under other names, on the same machine: the same numbers.
     np.testing.assert_array_equal(a.rows(np.arange(48)), b.rows(np.arange(48)))
+
+
+def test_a_registered_structure_that_projects_in_the_backward_runs_and_resumes(tmp_path):
+    """``toy_tensorsketch``: one subclass and one registration, its engine and layer sums given by
+    the registration; its store records its name, so a rerun resumes it and checks the map."""
+    builtin, builtin_url = _job(tmp_path, "builtin", {"kind": "partitioned"}, "cross_entropy", "tensorsketch")
+    toy_engine = {"kind": "partitioned", "plugins": ["tests.support.toy_plugins"]}
+    toy, toy_url = _job(tmp_path, "toy", toy_engine, "cross_entropy", "toy_tensorsketch")
+    for config in (builtin, toy, toy):
+        done = classgrad_cli("run", config, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "0 computed, 12 already done" in done.stdout, done.stdout
+    a, b = open_store(builtin_url), open_store(toy_url)
+    assert b.attrs["projection"]["structure"] == "toy_tensorsketch"
+    assert {k: v for k, v in b.attrs["projection"].items() if k != "structure"} == {
+        k: v for k, v in a.attrs["projection"].items() if k != "structure"
+    }
+    np.testing.assert_array_equal(a.rows(np.arange(48)), b.rows(np.arange(48)))
+

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from classgrad import PerClassGradScaler
 from classgrad.workers import zoo
 from classgrad.workers.engines import host_device, per_class_gradients
 from classgrad.workers.engines.layer_rules.rule_io import routes_as
@@ -59,3 +60,25 @@ def counted(
         with reads:
             per_class_gradients(model, data, **kwargs)
     return reads, reads.calls
+
+
+def step_counted(name: str, num_classes: int, routes: str | None, batch_size: int = 64) -> HostReads:
+    """The reads of a warm ``PerClassGradScaler.step_batch`` on ``batch_size`` samples of model
+    ``name`` (SGD, fp32): the batch is device data, ``to_host`` and ``read_back`` one read each,
+    the model's own forward counted apart."""
+    model = MODELS[name](num_classes)
+    inputs, labels = probe(name, num_classes)
+    take = slice(0, batch_size)
+    inputs = {k: v[take] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[take]
+    labels = labels[take]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = PerClassGradScaler()
+    with routes_as(routes) if routes else contextlib.nullcontext():
+        scaler.step_batch(model, inputs, labels, opt, num_classes=num_classes)  # the forward check, once
+        reads = HostReads(model)
+        reads.mark(inputs, labels)
+        reads.on_device(host_device, "to_device").read_point(host_device, "read_back")
+        reads.read_point(host_device, "to_host").within(model, "forward")
+        with reads:
+            scaler.step_batch(model, inputs, labels, opt, num_classes=num_classes)
+    return reads

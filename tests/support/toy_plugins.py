@@ -2,8 +2,9 @@
 
 Holds one registration each, as a user's module would (``engine.plugins`` names this module in
 a job file): ``toy_partitioned`` (the partitioned engine under another name), ``toy_ce`` (the
-cross-entropy written by hand, class-partitioned) and ``toy_sketch`` (finished rows sketched by
-the sparse sign sketch, under another name).
+cross-entropy written by hand, class-partitioned), and two projection structures, each one
+subclass and one registration: ``toy_sketch`` (finished rows sketched by the sparse sign sketch)
+and ``toy_tensorsketch`` (rows sketched inside the backward, by the default's map and sums).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from classgrad.workers.engines import register_engine
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.losses import PartitionedLoss, register_loss
-from classgrad.workers.projection.structures import Structure, get_structure, register_structure
+from classgrad.workers.structures import SketchStructure, TensorSketchStructure, register_structure
 
 
 def _ce(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,22 +28,34 @@ class ToyEngine(PartitionedEngine):
 
 register_engine(ToyEngine)
 register_loss("toy_ce")(lambda c: PartitionedLoss(c, _ce, "toy_ce"))
-register_structure(Structure("toy_sketch", False, get_structure("sketch").finished))
+
+
+class ToySketch(SketchStructure):
+    name = "toy_sketch"
+
+
+class ToyTensorSketch(TensorSketchStructure):
+    name = "toy_tensorsketch"
+
+
+register_structure(ToySketch())
+register_structure(ToyTensorSketch())
 
 
 def unregister() -> None:
-    """Take the three names back (tests: a process's other tests see the built-in names only)."""
+    """Take the names back (tests: a process's other tests see the built-in names only)."""
     import sys
 
     from classgrad.config import choices
     from classgrad.workers.engines import ENGINES
     from classgrad.workers.losses import LOSSES
-    from classgrad.workers.projection.structures import STRUCTURES
+    from classgrad.workers.structures import STRUCTURES
 
     for registry, names, name in (
         (ENGINES, choices.ENGINE_KINDS, "toy_partitioned"),
         (LOSSES, choices.LOSS_KINDS, "toy_ce"),
         (STRUCTURES, choices.STRUCTURES, "toy_sketch"),
+        (STRUCTURES, choices.STRUCTURES, "toy_tensorsketch"),
     ):
         registry.pop(name, None)
         names.discard(name)

@@ -27,7 +27,7 @@ from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
 from classgrad.store.params import ParamSlot
-from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
+from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import SketchUnit
 from classgrad.workers.projection.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.sketch import RowSketch
@@ -118,7 +118,7 @@ def wide_head():
     y = torch.arange(classes).repeat_interleave(2)
     x = torch.randn(len(y), 16) + 1.0  # positive-mean inputs: correlated features, as a network's
     full = per_class_gradients(model, (x, y), num_classes=classes)
-    eng = build_engine(model, (x, y), num_classes=classes, projected=projected_options(projection_options({"dim": k})))
+    eng = build_engine(model, (x, y), num_classes=classes, projection=projection_options({"dim": k}))
     exact = full.double() / full.double().norm(dim=1, keepdim=True)
     return eng, full, exact @ exact.t()
 

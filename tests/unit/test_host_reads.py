@@ -17,13 +17,10 @@ import copy
 import pytest
 import torch
 
-from classgrad import PerClassGradScaler
 from classgrad.workers.engines import build_engine, host_device, per_class_gradients
 from classgrad.workers.engines.layer_rules.rule_io import routes_as
 from tests.support.engine_cases import max_relative_error
-from tests.support.hf_models import tiny_bert
-from tests.support.host_reads import HostReads
-from tests.support.read_cases import MODELS, counted, probe
+from tests.support.read_cases import MODELS, counted, probe, step_counted
 
 C = 150
 BATCH = 256
@@ -80,24 +77,14 @@ def test_a_gpus_routes_give_the_reference_rows_on_a_cpu(name):
     assert max_relative_error(got, ref.compute(range(classes)).rows) <= 1e-5
 
 
-def test_a_training_step_reads_its_labels_once_and_its_run_once():
+@pytest.mark.parametrize("name", ["mlp", "bert", "gpt2"])
+def test_a_training_step_reads_its_labels_once_and_its_run_once(name):
     """``step_batch`` on a GPU batch, by a GPU's routes: the labels come to the host once (the run
-    is planned from them), the run reads once, and the step reads the aggregate's finiteness
-    once (whether to take the step): three, one above the engine's target (the skip decision
-    needs the rows). On a CPU's routes a fourth: the live tokens."""
-    model = tiny_bert(C)
-    inputs, labels = probe("bert", C)
-    inputs, labels = {k: v[:64] for k, v in inputs.items()}, labels[:64]
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = PerClassGradScaler()
-    scaler.step_batch(model, inputs, labels, opt, num_classes=C)
-    reads = HostReads(model)
-    reads.mark(inputs, labels)
-    reads.on_device(host_device, "to_device").read_point(host_device, "read_back")
-    reads.read_point(host_device, "to_host").within(model, "forward")
-    with routes_as("cuda"), reads:
-        scaler.step_batch(model, inputs, labels, opt, num_classes=C)
-    assert reads.count <= 3, dict(reads.where)
+    is planned from them) and the run reads once; the step's skip decision reads nothing more,
+    since the run bounded every entry of its rows (``rule_io.sum_is_finite``). On a CPU's routes
+    one more for live tokens, as for any run."""
+    reads = step_counted(name, C, "cuda")
+    assert reads.count <= MAX_READS, dict(reads.where)
 
 
 def test_rows_leave_the_device_through_copy_to_host():

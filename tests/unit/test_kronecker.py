@@ -23,7 +23,7 @@ from classgrad.service.analysis.verify import verify_store
 from classgrad.service.runtime.preparation import recorded_projection
 from classgrad.store import open_store
 from classgrad.store.params import ParamSlot
-from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
+from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import Projector
 from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.runtime.factory import build_model, build_probe
@@ -158,9 +158,7 @@ def test_rows_equal_factors_applied_to_the_float64_reference(case, rest, kind):
         "kind": kind,
         "rest": rest,
     }
-    eng = build_engine(
-        model, (x, y), num_classes=C, batch_size=12, projected=projected_options(projection_options(proj))
-    )
+    eng = build_engine(model, (x, y), num_classes=C, batch_size=12, projection=projection_options(proj))
     assert eng._hooked is not None and eng.kmap.units, "the hook path projects the rows"
     got = eng.compute(range(C)).rows
     ref = build_engine(copy.deepcopy(model).double(), (x.double(), y), num_classes=C, engine="reference")
@@ -203,9 +201,7 @@ def test_the_gpu_route_of_the_projected_sums_equals_the_reference(case, monkeypa
     make, shape = CASES[case]
     model, (x, y) = make(), data(shape)
     proj = {"structure": "kronecker", "dim": 40, "seed": 5}
-    eng = build_engine(
-        model, (x, y), num_classes=C, batch_size=12, projected=projected_options(projection_options(proj))
-    )
+    eng = build_engine(model, (x, y), num_classes=C, batch_size=12, projection=projection_options(proj))
     got = eng.compute(range(C)).rows
     ref = build_engine(copy.deepcopy(model).double(), (x.double(), y), num_classes=C, engine="reference")
     # fp32 sums of products in another order than the float64 reference: 1e-5 relative.

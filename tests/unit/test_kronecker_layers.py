@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.workers.engines import build_engine, projected_options, projection_options
+from classgrad.workers.engines import build_engine, projection_options
 from classgrad.workers.engines.layer_rules import rule_io
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import hf_probe, tiny_gpt2
@@ -67,7 +67,7 @@ def projected(case: str, route: str, monkeypatch, **options):
         monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
     model, data = CASES[case]()
     proj = {"structure": "kronecker", "dim": 60, "seed": 5} | options
-    eng = build_engine(model, data, num_classes=C, batch_size=12, projected=projected_options(projection_options(proj)))
+    eng = build_engine(model, data, num_classes=C, batch_size=12, projection=projection_options(proj))
     got = eng.compute(range(C)).rows
     ref = build_engine(copy.deepcopy(model).double(), data, num_classes=C, engine="reference")
     return eng, got, eng.kmap.project_full(ref.compute(range(C)).rows)
@@ -130,7 +130,7 @@ def test_a_table_read_at_one_token_per_sample_joins_the_rest_unless_low_rank_is_
     ids = ids[:, 1]
     for low_rank, units in (("dense", []), ("kronecker", ["0.weight", "2.weight"])):
         proj = {"structure": "kronecker", "dim": 30, "seed": 1, "low_rank": low_rank}
-        eng = build_engine(model, (ids, y), num_classes=C, projected=projected_options(projection_options(proj)))
+        eng = build_engine(model, (ids, y), num_classes=C, projection=projection_options(proj))
         got = eng.compute(range(C)).rows
         described = eng.describe()
         assert [u["param"] for u in described["units"]] == units
@@ -148,7 +148,7 @@ def test_conv1d_units_without_their_bias_selected(route, monkeypatch):
     model, data = gpt2_case()
     params = ["*.weight", "transformer.h.0.attn.c_attn.bias"]  # one bias kept: a mixed layout
     proj = {"structure": "kronecker", "dim": 60, "seed": 2}
-    eng = build_engine(model, data, num_classes=C, params=params, projected=projected_options(projection_options(proj)))
+    eng = build_engine(model, data, num_classes=C, params=params, projection=projection_options(proj))
     got = eng.compute(range(C)).rows
     units = {u["param"]: u for u in eng.describe()["units"]}
     assert units["transformer.h.0.mlp.c_fc.weight"]["bias"] is None

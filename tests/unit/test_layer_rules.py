@@ -15,7 +15,7 @@ from torch import nn
 
 from classgrad.store.params import ParamSlot
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, choices, projected_options, projection_options
+from classgrad.workers.engines import build_engine, choices, projection_options
 from classgrad.workers.engines.layer_rules import (
     RULES,
     ClassGrid,
@@ -372,8 +372,8 @@ def test_tokens_with_a_zero_gradient_are_left_out_of_the_sums_exactly(projected,
     )
     model, data_kwargs = _build("linear_last_position")
     data = zoo.synthetic_probe(NUM_CLASSES, 3, imbalance=imbalance, empty_classes=[EMPTY_CLASS], seed=3, **data_kwargs)
-    proj = projected_options(projection_options({"dim": 16, "seed": 2})) if projected else None
-    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=12, projected=proj)
+    proj = projection_options({"dim": 16, "seed": 2}) if projected else None
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine="partitioned", batch_size=12, projection=proj)
     got = eng.compute(range(NUM_CLASSES)).rows
     ref = build_engine(copy.deepcopy(model).double(), data, num_classes=NUM_CLASSES, engine="reference")
     want = ref.compute(range(NUM_CLASSES)).rows
@@ -412,7 +412,7 @@ def scale_rule():
             G = seen.grads_by_class()
             gw = factor * (G * seen.inputs_by_class()).sum(dim=1) if out.wants("weight") else None
             gb = G.sum(dim=1) if out.wants("bias") else None
-            out.check_sums(gw, gb)
+            out.bound_by_values(gw, gb)
             for kind, value in (("weight", gw), ("bias", gb)):
                 if value is not None:
                     out.put(kind, value)

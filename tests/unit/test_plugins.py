@@ -59,20 +59,38 @@ def test_a_failed_load_of_the_built_in_names_fails_again_not_short(monkeypatch):
             fresh.names()
 
 
-def test_an_in_backward_structure_without_an_engine_is_one_line():
+def test_an_in_backward_structure_without_its_plan_and_sums_is_refused_at_registration():
+    from classgrad.workers.structures import ProjectionStructure, register_structure
+
+    class Half(ProjectionStructure):
+        name = "toy_in_backward"
+        in_backward = True
+
+    with pytest.raises(ValueError, match="projects in the backward: it needs plan and layer_sums"):
+        register_structure(Half())
+
+    class Neither(ProjectionStructure):
+        name = "toy_finished"
+
+    with pytest.raises(ValueError, match="needs a projector of finished rows"):
+        register_structure(Neither())
+
+
+def test_toy_structures_give_the_rows_of_the_structures_they_subclass(taken_back):
+    """One subclass and one registration each: a finished-row structure and one projecting inside
+    the backward (its engine and layer sums from the registration) give the built-ins' rows."""
     import torch
 
-    from classgrad.config import choices
+    import tests.support.toy_plugins  # noqa: F401 - registers the toys
     from classgrad.workers import zoo
     from classgrad.workers.engines import per_class_gradients
-    from classgrad.workers.projection.structures import STRUCTURES, Structure, register_structure
 
-    register_structure(Structure("toy_in_backward", True))
-    try:
-        model = zoo.mlp(4, in_features=6)
-        data = (torch.randn(8, 6), torch.arange(4).repeat(2))
-        with pytest.raises(ConfigError, match="no engine is registered for it"):
-            per_class_gradients(model, data, num_classes=4, projection={"dim": 8, "structure": "toy_in_backward"})
-    finally:
-        STRUCTURES.pop("toy_in_backward")
-        choices.STRUCTURES.discard("toy_in_backward")
+    model = zoo.mlp(6, in_features=5, hidden=8)
+    data = (torch.randn(18, 5, generator=torch.Generator().manual_seed(0)), torch.arange(6).repeat(3))
+    for toy, builtin in (("toy_sketch", "sketch"), ("toy_tensorsketch", "tensorsketch")):
+        got, want = (
+            per_class_gradients(model, data, num_classes=6, projection={"dim": 16, "structure": name, "seed": 3})
+            for name in (toy, builtin)
+        )
+        # The same map and the same sums, run the same way in one process: the same numbers.
+        assert torch.equal(got, want), toy

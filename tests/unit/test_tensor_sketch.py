@@ -30,7 +30,7 @@ from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
 from classgrad.store.params import ParamSlot
-from classgrad.workers.engines import build_engine, per_class_gradients, projected_options, projection_options
+from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
 from classgrad.workers.engines.partitioned import projected_engine
 from classgrad.workers.projection import Projector, SketchUnit, chunked_sketch
@@ -169,7 +169,7 @@ def sketched(case: str, monkeypatch, route: str | None = None, grid: bool = Fals
         monkeypatch.setattr(rule_io, "CPU_ROUTE_DEVICES", ())
     model, data = CASES[case]()
     proj = {"dim": 64, "seed": 5} | options
-    eng = build_engine(model, data, num_classes=C, batch_size=12, projected=projected_options(projection_options(proj)))
+    eng = build_engine(model, data, num_classes=C, batch_size=12, projection=projection_options(proj))
     got = eng.compute(range(C)).rows
     ref = build_engine(copy.deepcopy(model).double(), data, num_classes=C, engine="reference")
     return eng, got, eng.kmap.project_full(ref.compute(range(C)).rows)
@@ -249,8 +249,8 @@ def test_rows_written_into_out_are_the_blocks_rows(case, structure, monkeypatch)
     view of ``out``, over groups of 2 classes and the rest gathered 3 rows at a time."""
     monkeypatch.setattr(projected_engine, "REST_ROWS", 3)
     model, data = CASES[case]()
-    proj = projected_options(projection_options({"dim": 64, "seed": 5, "structure": structure}))
-    eng = build_engine(model, data, num_classes=C, batch_size=12, group_rows=2, projected=proj)
+    proj = projection_options({"dim": 64, "seed": 5, "structure": structure})
+    eng = build_engine(model, data, num_classes=C, batch_size=12, group_rows=2, projection=proj)
     want = eng.compute(range(C)).rows
     out = torch.full((C, 64), float("nan"))
     blocks = list(eng.iter_blocks(range(C), out=out))
@@ -269,7 +269,7 @@ def test_frozen_and_tied_parameters(monkeypatch):
     model, data = mixed_case()
     model.mix.weight.requires_grad_(False)  # frozen: not in the row
     model.head.weight = nn.Parameter(model.head.weight.detach().clone())
-    eng = build_engine(model, data, num_classes=C, projected=projected_options(projection_options({"dim": 32})))
+    eng = build_engine(model, data, num_classes=C, projection=projection_options({"dim": 32}))
     assert "mix.weight" not in {s.name for s in eng.full_layout.slots}
     ref = build_engine(copy.deepcopy(model).double(), data, num_classes=C, engine="reference")
     # As above: float32 against float64.
@@ -286,7 +286,7 @@ def test_frozen_and_tied_parameters(monkeypatch):
     torch.manual_seed(0)
     ids, y = torch.randint(0, C, (14, 3)), torch.randint(0, C, (14,))
     tied = Tied().eval()
-    eng = build_engine(tied, (ids, y), num_classes=C, projected=projected_options(projection_options({"dim": 16})))
+    eng = build_engine(tied, (ids, y), num_classes=C, projection=projection_options({"dim": 16}))
     rows = eng.compute(range(C)).rows
     full = per_class_gradients(tied, (ids, y), num_classes=C)
     # The shared table's whole gradient (a module VJP of the model) goes through the same map;
@@ -332,10 +332,10 @@ def test_a_record_with_unit_offsets_is_described_as_recorded():
     """Stores made while each unit had its own work columns recorded their offsets, and a
     resumed job's record must equal the store's: a map planned from such a record keeps them."""
     model, data = mixed_case()
-    eng = build_engine(model, data, num_classes=C, projected=projected_options(projection_options({"dim": 64})))
+    eng = build_engine(model, data, num_classes=C, projection=projection_options({"dim": 64}))
     record = eng.describe()
     old = {**record, "units": [{**u, "offset": i * 64} for i, u in enumerate(record["units"])]}
-    again = build_engine(model, data, num_classes=C, projected=projected_options(projection_options({"dim": 64}), old))
+    again = build_engine(model, data, num_classes=C, projection=projection_options({"dim": 64}, old))
     assert again.describe() == old
 
 
@@ -372,9 +372,7 @@ def test_no_per_class_matrix_of_the_head_is_formed():
     model = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, classes)).eval()
     y = torch.arange(classes).repeat_interleave(2)
     x = torch.randn(len(y), 8)
-    eng = build_engine(
-        model, (x, y), num_classes=classes, projected=projected_options(projection_options({"dim": 256}))
-    )
+    eng = build_engine(model, (x, y), num_classes=classes, projection=projection_options({"dim": 256}))
     eng.compute(range(64))  # the one-off spot check (two full rows by the plain path) is done
     with Recorder() as seen:
         rows = eng.compute(range(64, 192)).rows
@@ -405,7 +403,7 @@ def test_job_store_matches_python_api_and_resumes_with_the_recorded_map(tmp_path
 def test_the_default_falls_back_to_a_sketch_of_finished_rows_and_says_so():
     x, y = torch.randn(18, 5), torch.arange(C).repeat(3)
     ln = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Linear(8, C))  # train mode: the dense engine
-    eng = build_engine(ln, (x, y), num_classes=C, projected=projected_options(projection_options({"dim": 8})))
+    eng = build_engine(ln, (x, y), num_classes=C, projection=projection_options({"dim": 8}))
     assert any("finished rows sketched instead" in n for n in eng.stats.notes)
     rows = per_class_gradients(ln, (x, y), num_classes=C, mode="train", projection={"dim": 8, "seed": 1})
     full = per_class_gradients(ln, (x, y), num_classes=C, mode="train")

@@ -274,6 +274,29 @@ def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how):
         assert close(a, b, 5e-2)
 
 
+@pytest.mark.parametrize("size", [1.0, 1e37])
+def test_finite_rows_whose_sum_overflows_skip_the_fp32_step(size):
+    """The fast route reads no sum of rows that its run bounded (every entry below
+    ``rule_io.FINITE_BOUND``), and reads it when the run could not: here each row is finite
+    (about ``size``) but their sum over 64 classes is not (a head sure of class 0 makes the rows
+    of every other class push the same entry the same way), so the step is skipped."""
+    torch.manual_seed(0)
+    model = nn.Linear(1, 64)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()
+        model.bias[0] = 50.0  # p(class 0) = 1: every other class's row holds +x at W[0]
+    x, y = torch.full((128, 1), size), torch.arange(64).repeat(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = PerClassGradScaler(num_classes=64)
+    rows, _ = scaler.step_batch(model, x, y, torch.optim.SGD(model.parameters(), lr=1e-40), route="fast")
+    assert bool(torch.isfinite(rows).all())
+    overflows = not bool(torch.isfinite(rows.sum(0)).all())
+    assert scaler.found_inf == overflows == (size > 1)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert unchanged == overflows
+
+
 def test_state_dict_mid_run_resumes_the_same_trajectory():
     def run(steps, model, opt, scaler):
         for step in steps:

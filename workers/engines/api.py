@@ -2,10 +2,10 @@
 
 Holds ``per_class_gradients`` (with an optional progress bar, terminal or notebook, counting rows
 as blocks finish), ``build_engine`` (everything it needs, as an engine that can be asked again)
-and the job's ``projection`` options: ``projection_options`` (a mapping to a
-``ProjectionConfig``), ``projected_options`` (the options of a ``ProjectedEngine``, rows
-projected inside the backward, by structure) and ``finished_projector`` (a dense map or a sketch
-of finished rows).
+and the job's ``projection``: ``projection_options`` (a mapping or a ``ProjectionConfig``, with a
+store's record, to ``structures.ProjectionOptions``), ``finished_projector`` (the projector of an
+engine's finished rows, when its structure does not project inside the backward) and
+``stored_width`` (the columns of a stored row).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.memory import keep_freed_memory
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.projection import get_structure, resolve_structure, row_projector
+from classgrad.workers.structures.base import ProjectionOptions, RowProjector
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,13 @@ def build_engine(
     label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
-    projected: dict[str, Any] | None = None,
+    projection: ProjectionOptions | None = None,
     tokenizer: Any = None,
 ) -> GradientEngine:
     """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again.
 
-    ``projected``: the options of a ``ProjectedEngine`` (rows projected inside the backward,
-    ``projected_options``), or None for full rows."""
+    ``projection``: ``projection_options``; a structure that projects inside the backward gives a
+    ``ProjectedEngine``, any other the plain engine (its rows then go to ``finished_projector``)."""
     keep_freed_memory()  # before the probe set's allocations too
     check_device(device)  # before the probe set is read: a missing GPU is named in one line
     loss_kind = create_loss(loss, num_classes)
@@ -91,7 +91,7 @@ def build_engine(
         probe,
         loss_kind,
         layout,
-        projected,
+        projection,
         precision=policy,
         device=device,
         block_rows=block_rows,
@@ -100,41 +100,32 @@ def build_engine(
     )
 
 
-def projection_options(projection: Any) -> Any:
-    """A ``ProjectionConfig`` from ``per_class_gradients``' ``projection`` (a mapping, a config or None)."""
-    if projection is None or isinstance(projection, ProjectionConfig):
-        return projection
-    if not isinstance(projection, dict):
-        raise InputError(f"projection must be a mapping like {{'dim': 1024}}, got {type(projection).__name__}")
-    try:
-        return ProjectionConfig.model_validate(projection)
-    except ValueError as exc:
-        raise ConfigError(f"projection: {exc}".splitlines()[0] + f" ({projection!r})") from None
+def projection_options(projection: Any, record: Mapping[str, Any] | None = None) -> ProjectionOptions | None:
+    """The options of ``per_class_gradients``' or a job's ``projection`` (a mapping, a
+    ``ProjectionConfig`` or None), resolved against ``record`` (a store's ``projection``
+    attribute: an unset structure resumes with the store's); None: full rows."""
+    if projection is not None and not isinstance(projection, ProjectionConfig):
+        if not isinstance(projection, dict):
+            raise InputError(f"projection must be a mapping like {{'dim': 1024}}, got {type(projection).__name__}")
+        try:
+            projection = ProjectionConfig.model_validate(projection)
+        except ValueError as exc:
+            raise ConfigError(f"projection: {exc}".splitlines()[0] + f" ({projection!r})") from None
+    return ProjectionOptions.resolve(projection, record)
 
 
-def projected_options(p: Any, record: dict | None = None) -> dict[str, Any] | None:
-    """The ``ProjectedEngine`` options of a ``ProjectionConfig`` (None unless its structure, resolved
-    against ``record`` — a store's ``projection`` attribute — projects inside the backward)."""
-    if p is None or p.dim is None:
-        return None
-    structure = resolve_structure(p.structure, record, per_param=p.per_param)
-    if not get_structure(structure).in_backward:
-        return None
-    out: dict[str, Any] = {"structure": structure, "dim": p.dim, "kind": p.kind, "seed": p.seed}
-    out |= {"rest": p.rest, "allocation": p.allocation, "dense_layers": list(p.dense_layers)}
-    out |= {"low_rank": p.low_rank, "sketch_nonzeros": p.sketch_nonzeros}
-    out["default"] = p.structure is None and record is None  # a new store's default: may fall back
-    if isinstance(record, dict) and record.get("structure") == structure:
-        out["record"] = record
-    return out
-
-
-def finished_projector(p: Any, engine: GradientEngine, record: dict | None = None) -> Any:
+def finished_projector(options: ProjectionOptions | None, engine: GradientEngine) -> RowProjector | None:
     """The projector of ``engine``'s finished rows (None: stored whole, or projected by the engine)."""
-    if p is None or p.dim is None or isinstance(engine, ProjectedEngine):
+    if options is None or isinstance(engine, ProjectedEngine):
         return None
-    structure = resolve_structure(p.structure, record, per_param=p.per_param)
-    return row_projector(p, engine.layout.slots, engine.layout.dim, structure=structure)
+    return options.finished_projector(engine.layout.slots, engine.layout.dim)
+
+
+def stored_width(engine: GradientEngine, projector: RowProjector | None) -> int:
+    """Columns of a stored row."""
+    if projector is not None:
+        return projector.out_dim
+    return engine.stored_dim if isinstance(engine, ProjectedEngine) else engine.layout.dim
 
 
 def per_class_gradients(
@@ -181,7 +172,7 @@ def per_class_gradients(
     ``projection`` section (``{"dim": 4096, "structure": "kronecker", "seed": 0}``): rows come
     back ``[len(classes), dim]``, the same numbers a job with that section stores.
     """
-    proj = projection_options(projection)
+    options = projection_options(projection)
     with _in_mode(model, mode):
         eng = build_engine(
             model,
@@ -197,14 +188,11 @@ def per_class_gradients(
             label_field=label_field,
             collate=collate,
             pad_values=pad_values,
-            projected=projected_options(proj),
+            projection=options,
             tokenizer=tokenizer,
         )
-        finished = finished_projector(proj, eng)  # of finished rows: dense or a sketch
-        if finished is not None:
-            width = finished.out_dim
-        else:
-            width = eng.stored_dim if isinstance(eng, ProjectedEngine) else eng.layout.dim
+        finished = finished_projector(options, eng)  # of finished rows: dense or a sketch
+        width = stored_width(eng, finished)
         wanted = list(range(num_classes)) if classes is None else list(classes)
         if not wanted:
             return torch.zeros(0, width)

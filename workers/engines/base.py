@@ -121,6 +121,9 @@ class EngineStats:
     backwards: int = 0  # calls into autograd (one batched VJP counts once)
     rows: int = 0
     recomputed_rows: int = 0
+    # rows whose run bounded every entry below ``rule_io.FINITE_BOUND`` (the hook path's evidence):
+    # a sum of them is finite without a read (``PerClassGradScaler.step_batch``)
+    bounded_rows: int = 0
     notes: list[str] = field(default_factory=list)
 
 

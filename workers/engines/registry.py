@@ -2,9 +2,10 @@
 
 Holds ``ENGINES`` with ``register_engine``/``create_engine`` (an unknown name lists the
 choices; every engine has the constructor of ``GradientEngine`` and one method,
-``iter_blocks``), ``PROJECTED_ENGINES`` (projection structure -> the engine that projects its
-rows inside the backward) and ``resolve_engine_kind`` (``auto``: partitioned when the loss is
-class-partitioned and the model treats samples independently, dense otherwise).
+``iter_blocks``; with a projection structure that projects inside the backward, a
+``ProjectedEngine`` planned by that structure) and ``resolve_engine_kind`` (``auto``:
+partitioned when the loss is class-partitioned and the model treats samples independently,
+dense otherwise).
 """
 
 from __future__ import annotations
@@ -19,19 +20,14 @@ from classgrad.errors import ConfigError, InputError
 from classgrad.workers.engines.base import GradientEngine, samples_independent
 from classgrad.workers.engines.dense import DenseEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
-from classgrad.workers.engines.partitioned.kronecker_engine import KroneckerEngine
-from classgrad.workers.engines.partitioned.projected_engine import (
-    ProjectedEngine,
-    ProjectionRefused,
-    TensorSketchEngine,
-    refusal,
-)
+from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine, ProjectionRefused, refusal
 from classgrad.workers.engines.reference import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
 from classgrad.workers.memory import keep_freed_memory
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.projection import FALLBACK_STRUCTURE, check_width
+from classgrad.workers.projection import check_width
+from classgrad.workers.structures.base import FALLBACK_STRUCTURE, ProjectionOptions
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +46,6 @@ def register_engine(cls: type[GradientEngine]) -> type[GradientEngine]:
 for _cls in (PartitionedEngine, DenseEngine, ReferenceEngine):
     register_engine(_cls)
 
-# Projection structure -> the engine that projects its rows inside the backward.
-PROJECTED_ENGINES: dict[str, type[ProjectedEngine]] = {"kronecker": KroneckerEngine, "tensorsketch": TensorSketchEngine}
-
 
 def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
     """The engine ``auto`` stands for, or ``kind`` itself once checked."""
@@ -69,40 +62,40 @@ def create_engine(
     probe: ProbeSet,
     loss: LossKind,
     layout: ParamLayout,
-    projected: dict[str, Any] | None = None,
+    projection: ProjectionOptions | None = None,
     **options: Any,
 ) -> GradientEngine:
-    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with ``projected``
-    (``projected_options``: rows projected inside the backward) the structure's ``ProjectedEngine``,
-    or a one-line refusal when the job cannot take it. For the default structure (``projected``
-    with ``default: True``) such a job gets the plain engine instead, with a note saying so: its
-    finished rows are then sketched (``projection.rows.row_projector``)."""
+    """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with a
+    ``projection`` whose structure projects inside the backward, a ``ProjectedEngine`` planned by
+    that structure, or a one-line refusal when the job cannot take it. For the default structure
+    (``projection.fallback``) such a job gets the plain engine instead, with a note saying so: its
+    finished rows are then sketched (``ProjectionOptions.finished_projector``). Any other
+    structure projects finished rows: the plain engine."""
     keep_freed_memory()  # a fresh process's first call otherwise faults its memory in again and again
     resolved = resolve_engine_kind(kind, model, loss)
-    if projected is None:
+    if projection is None or not projection.spec.in_backward:
         return ENGINES[resolved](model, probe, loss, layout, **options)
-    structure = projected["structure"]
-    check_width(int(projected["dim"]), layout.dim)  # no structure takes it: never a fallback
+    structure = projection.structure
+    check_width(projection.dim, layout.dim)  # no structure takes it: never a fallback
     why = None
-    engine_cls = PROJECTED_ENGINES.get(structure)
-    if engine_cls is None:
-        raise ConfigError(
-            f"projection.structure {structure!r} projects inside the backward but no engine is registered "
-            f"for it (PROJECTED_ENGINES holds {', '.join(sorted(PROJECTED_ENGINES))})"
-        )
     if not issubclass(ENGINES[resolved], PartitionedEngine):
         why = (
             f"{refusal(structure)}; this job takes the {resolved} engine ({loss.name} loss"
             f"{'' if loss.partitioned else ', dense'})"
         )
     else:
+        spec = projection.spec
+
+        def plan(engine: ProjectedEngine, modules: dict[str, nn.Module], covered: set[str]) -> Any:
+            return spec.plan(engine, projection, modules, covered)
+
         try:
-            return engine_cls(model, probe, loss, layout, projection=projected, **options)
+            return ProjectedEngine(model, probe, loss, layout, plan=plan, structure=structure, **options)
         except ConfigError as exc:
-            if not projected.get("default"):
+            if not projection.fallback:
                 raise
             why = exc.why if isinstance(exc, ProjectionRefused) else str(exc)
-    if not projected.get("default"):
+    if not projection.fallback:
         raise ProjectionRefused(why)
     engine = ENGINES[resolved](model, probe, loss, layout, **options)
     note = f"projection: {why}; finished rows sketched instead (structure: {FALLBACK_STRUCTURE})"

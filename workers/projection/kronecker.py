@@ -80,7 +80,7 @@ from classgrad.store.params import ParamSlot
 from classgrad.workers.projection.dense import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import OuterMatrix
 from classgrad.workers.projection.sketch import SparseSignSketch
-from classgrad.workers.projection.structures import check_width
+from classgrad.workers.projection.width import check_width
 
 GROUP_BASE = 1 << 31  # stream groups of the factors: far above the dense projection's 0, 1, ...
 MEASURE_CLASSES = 32  # classes of the first block whose rows measure the gradient norms

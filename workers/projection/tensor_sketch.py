@@ -58,7 +58,7 @@ from classgrad.workers.projection.dense import HASH_NAME
 from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
-from classgrad.workers.projection.structures import check_width
+from classgrad.workers.projection.width import check_width
 
 STRUCTURE = "tensorsketch"
 # Buckets per coordinate of a layer's matrix: one (the plain TensorSketch). Its inner-product

@@ -10,7 +10,7 @@ row is stored, and returns a small report (with its process's peak memory so far
 to the driver.
 
 Also holds what the driver and ``classgrad estimate`` share with it: ``build_projector``,
-``checked_engine`` (engine + preflight + projector + stored row width), ``stored_width``,
+``checked_engine`` (engine + preflight + projector + stored row width; ``stored_width`` from the engines),
 ``projection_record`` (the store's ``projection`` attribute) and ``stored_blocks``
 (the blocks a worker stores, projected in batches of ``project_rows_for(dim)`` rows).
 """
@@ -29,12 +29,18 @@ import torch
 from classgrad.config import JobConfig
 from classgrad.errors import LeaseHeldError
 from classgrad.store import open_store
-from classgrad.workers.engines import GradientEngine, ProjectedEngine, RowBlock, finished_projector
-from classgrad.workers.projection import Projector, get_structure, resolve_structure, row_projector
-from classgrad.workers.projection.sketch import RowSketch
+from classgrad.workers.engines import (
+    GradientEngine,
+    ProjectedEngine,
+    RowBlock,
+    finished_projector,
+    projection_options,
+    stored_width,
+)
 from classgrad.workers.runtime.factory import build_job_engine, preflight
 from classgrad.workers.runtime.identity import check_same_build, engine_identity
 from classgrad.workers.runtime.writer import ShardWriter
+from classgrad.workers.structures import RowProjector
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +54,25 @@ def build_projector(
     *,
     engine: GradientEngine | None = None,
     record: dict | None = None,
-) -> Projector | RowSketch | None:
+) -> RowProjector | None:
     """The job's projector of ``engine``'s finished rows (dense, or a sketch), or None when rows
     are stored whole or projected inside the backward (a ``ProjectedEngine``). ``record``: the
     store's ``projection`` attribute (an unset ``projection.structure`` resumes with it). Without
     ``engine``, the finished rows of ``slots`` (``dim_in`` wide) for a structure that projects
     finished rows; None for one that projects in the backward."""
+    options = projection_options(config.projection, record)
     if engine is not None:
-        return finished_projector(config.projection, engine, record)
-    p = config.projection
-    if p.dim is None or slots is None or dim_in is None:
+        return finished_projector(options, engine)
+    if options is None or slots is None or dim_in is None or options.spec.in_backward:
         return None
-    structure = resolve_structure(p.structure, record, per_param=p.per_param)
-    return None if get_structure(structure).in_backward else row_projector(p, slots, dim_in, structure=structure)
+    return options.finished_projector(slots, dim_in)
 
 
 def checked_engine(
     config: JobConfig,
     device: str | None = None,
     record: dict | None = None,
-) -> tuple[GradientEngine, Projector | RowSketch | None, int]:
+) -> tuple[GradientEngine, RowProjector | None, int]:
     """The job's engine, checked against its real model and data (``preflight``), its
     projector (None when rows are stored whole or projected by the engine) and the width of a
     stored row. ``record``: a store's ``projection`` attribute to resume with (see ``build_job_engine``)."""
@@ -77,14 +82,7 @@ def checked_engine(
     return engine, projector, stored_width(engine, projector)
 
 
-def stored_width(engine: GradientEngine, projector: Projector | RowSketch | None) -> int:
-    """Columns of a stored row."""
-    if projector is not None:
-        return projector.out_dim
-    return engine.stored_dim if isinstance(engine, ProjectedEngine) else engine.layout.dim
-
-
-def projection_record(engine: GradientEngine, projector: Projector | RowSketch | None) -> dict | None:
+def projection_record(engine: GradientEngine, projector: RowProjector | None) -> dict | None:
     """What the store records about the projection (None: full rows)."""
     if isinstance(engine, ProjectedEngine):
         return engine.describe()
@@ -98,7 +96,7 @@ def project_rows_for(dim: int) -> int:
 
 
 def stored_blocks(
-    engine: GradientEngine, projector: Projector | RowSketch | None, classes: list[int], project_rows: int
+    engine: GradientEngine, projector: RowProjector | None, classes: list[int], project_rows: int
 ) -> Iterator[tuple[RowBlock, torch.Tensor | None]]:
     """Engine blocks of ``classes`` with the rows to store: projected when the job projects.
 
@@ -123,7 +121,7 @@ def stored_blocks(
         yield _projected(projector, pending)
 
 
-def _projected(projector: Projector | RowSketch, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
+def _projected(projector: RowProjector, blocks: list[RowBlock]) -> tuple[RowBlock, torch.Tensor]:
     merged = RowBlock.concat(blocks)
     return merged, projector.project(merged.rows)  # project() takes any float dtype
 

@@ -23,7 +23,7 @@ from torch import nn
 from classgrad.errors import ClassgradError, InputError, NonFiniteError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
-from classgrad.workers.engines import GradientEngine, create_engine, projected_options
+from classgrad.workers.engines import GradientEngine, create_engine, projection_options
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
@@ -135,7 +135,7 @@ def build_job_engine(config: JobConfig, device: str | None = None, record: dict 
 
     ``record``: the store's ``projection`` attribute: the structure an unset
     ``projection.structure`` resumes with, and the map a worker reuses (a Kronecker split, measured
-    by the driver, see ``KroneckerEngine``; a TensorSketch map, checked)."""
+    by the driver, see ``structures.kronecker``; a TensorSketch map, checked)."""
     device = device or config.resolved_device()
     check_device(device)
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
@@ -174,7 +174,7 @@ def engine_from_parts(
         probe,
         loss,
         layout,
-        projected_options(config.projection, record),
+        projection_options(config.projection, record),
         precision=policy,
         device=device,
         block_rows=config.engine.block_rows,

@@ -27,6 +27,7 @@ from torch import nn
 from classgrad.errors import ClassgradError, InputError, NonFiniteError, RowOverflowError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import host_device
+from classgrad.workers.engines.layer_rules.rule_io import sum_is_finite
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import check_label_range, create_loss
@@ -104,9 +105,11 @@ def fast_rows(
     scale: float,
     output: str | int | None,
     out: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, bool]:
+) -> tuple[torch.Tensor, torch.Tensor, bool | None]:
     """``(rows, class_ids, found_inf)`` of the classes present in the batch, by the partitioned
-    engine; fp16 rows at loss scale ``scale`` (never a smaller one: an overflow is ``found_inf``)."""
+    engine; fp16 rows at loss scale ``scale`` (never a smaller one: an overflow is ``found_inf``).
+    ``found_inf`` None: every row is finite but their sum is unknown (the caller checks it);
+    False: the sum too is finite for sure (the hook path bounded every entry: no read)."""
     device = next(model.parameters()).device
     class_ids = torch.unique(labels)  # host labels (check_labels)
     # One run over the whole batch: the probe's batch size is the batch, and the group holds
@@ -134,7 +137,8 @@ def fast_rows(
         except NonFiniteError:  # a non-finite loss or row (fp32, bf16): GradScaler would skip
             rows.fill_(float("nan"))
             return rows, class_ids, True
-    return rows, class_ids, False
+    bounded = engine.stats.bounded_rows == len(class_ids) and sum_is_finite(len(class_ids))
+    return rows, class_ids, False if bounded else None
 
 
 def input_signature(inputs: Any) -> tuple:

@@ -16,8 +16,9 @@ classes' counts summed over ranks once a step: ``C`` integers), and a finished w
 over ranks before rank 0 alone writes it: the log equals one process's over the concatenated
 batches (each class's row of a step is the mean over all its samples in the step).
 
-Not yet here (issue 48): rows from the training step's own backward without a second pass, the
-Trainer and Lightning callbacks, ``score``/``plot`` on a log.
+A Hugging Face or Lightning ``Trainer`` fills one through its callback (``hf_callback``,
+``lightning_callback``). Not yet here (issue 48): rows from the training step's own backward
+without a second pass, ``score``/``plot`` on a log.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
 from classgrad.store.grad_log import GradLogStore, LogSpec, open_log
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.projection import FALLBACK_STRUCTURE, row_projector
+from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class GradLog:
         record = None
         if dim is not None:
             config = ProjectionConfig.model_validate({"dim": dim, "seed": seed, "structure": FALLBACK_STRUCTURE})
-            self.projector = row_projector(config, self.layout.slots, self.layout.dim, structure=FALLBACK_STRUCTURE)
-            assert self.projector is not None  # a finished-row structure with a dim always has one
+            options = ProjectionOptions.resolve(config)
+            assert options is not None  # a dim is given
+            self.projector = options.finished_projector(self.layout.slots, self.layout.dim)
             record = self.projector.describe()
         width = self.layout.dim if self.projector is None else self.projector.out_dim
         spec = LogSpec(

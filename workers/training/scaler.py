@@ -203,7 +203,7 @@ class PerClassGradScaler:
                 raise InputError("loss: its graph was already freed (a backward ran on it before this call)") from None
             raise
         ids = torch.arange(n) if class_ids is None else class_ids
-        self._finish(rows, ids, optimizer, tensors, aggregate, clip_grad, update_grad, False, scaler)
+        self._finish(rows, ids, optimizer, tensors, aggregate, clip_grad, update_grad, None, scaler)
         return rows
 
     # --- the batch route --------------------------------------------------------------------------
@@ -307,25 +307,31 @@ class PerClassGradScaler:
         aggregate: Aggregate,
         clip_grad: float | None,
         update_grad: bool,
-        found: bool,
+        found: bool | None,
         scaler: torch.amp.GradScaler,
     ) -> None:
-        self.found_inf = found
+        """The step on the rows' ``aggregate``. ``found``: True (the rows overflowed: skip), None
+        (finite rows whose sum is unknown: read it) or False (their sum is finite for sure)."""
+        self.found_inf = bool(found)
         if not update_grad:
             return
-        # One read of the rows: their sum is non-finite wherever a row is (inf + x = inf,
+        # ``found`` None: one read of the rows' sum, non-finite wherever a row is (inf + x = inf,
         # inf - inf = NaN), so it is both the check and, for "mean" and "sum", the aggregate; and
         # with it in .grad the scaler finds what is in the rows even when a weighting or a surgery
-        # function would have hidden it.
-        total = rows.sum(0)
-        found = self.found_inf = found or not bool(torch.isfinite(total).all())
+        # function would have hidden it. False (the fast route bounded every entry): no read.
         named = aggregate if isinstance(aggregate, str) else None
-        if found or named == "sum":
-            agg = total
-        elif named == "mean":
-            agg = total.div_(rows.shape[0])
-        else:
+        if found is False and named is None:
             agg = _aggregate(rows, class_ids, aggregate)
+        else:
+            total = rows.sum(0)
+            if found is None:
+                found = self.found_inf = not bool(torch.isfinite(total).all())
+            if found or named == "sum":
+                agg = total
+            elif named == "mean":
+                agg = total.div_(rows.shape[0])
+            else:
+                agg = _aggregate(rows, class_ids, aggregate)
         layout = ParamLayout(_slots(params))
         enabled = scaler.is_enabled()
         scale = float(scaler.get_scale()) if enabled else 1.0

@@ -38,7 +38,7 @@ def batchnorm_sums(module: nn.modules.batchnorm._BatchNorm, seen: LayerCapture, 
         invstd = torch.rsqrt(module.running_var.to(G.dtype) + module.eps).view(shape)
         prod = (A - mean).mul_(invstd).mul_(G)  # G * x_hat, one temporary instead of three
         gw = seen.grid.class_sums(prod.sum(dim=reduce) if reduce else prod)
-    out.check_sums(gw, gb)  # one read each: finite only if every entry is
+    out.bound_by_values(gw, gb)  # their peaks, read with the run's: finite only if every entry is
     if gw is not None:
         out.put("weight", gw)
     if gb is not None:

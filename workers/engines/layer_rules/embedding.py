@@ -1,18 +1,17 @@
 """The layer rules for ``nn.Embedding`` and ``nn.EmbeddingBag``: per-class scatter-adds of the
 output gradient into the rows of the table that each sample looked up.
 
-Holds ``embedding_sums`` and ``embedding_bag_sums`` (the registered rules), their ``applies``
-checks (``embedding_refusal``, ``bag_refusal``) and ``sample_classes`` (each sample's class in a
-run).
+Holds ``embedding_sums`` and ``embedding_bag_sums`` (the registered rules) and their ``applies``
+checks (``embedding_refusal``, ``bag_refusal``).
 
 An embedding's weight gradient for class i is ``dW_i[v] = sum of g_t`` over the tokens t of
 class i's samples that looked up row v (a bag: its bag gradient, divided by the bag's size in
 mode ``mean``; in mode ``max``, per feature, the row that won the max). The rule adds them
 straight into the class's rows, viewed as ``[k, V, H]`` (one indexed accumulate, no per-class
-loop); the ``padding_idx`` row stays zero, as torch leaves it. With Kronecker-projected rows
-(``LayerRows.projection``) an Embedding's table is projected as it is formed
-(``kronecker_sums.projected_embedding_sums``); with TensorSketch-projected rows every lookup is
-added to its buckets instead (``sketch_sums``), and no table is formed either.
+loop); the ``padding_idx`` row stays zero, as torch leaves it. With projected rows
+(``LayerRows.projection``) an Embedding's sums are its structure's (``registry.projected_sums``):
+Kronecker projects the table as it is formed (``kronecker_sums.projected_embedding_sums``),
+TensorSketch adds every lookup to its buckets (``sketch_sums``); no table is formed either way.
 
 Refused (``applies`` says why; the engine then takes another exact path): ``max_norm`` (the
 forward renormalises the looked-up rows of the weight in place), ``scale_grad_by_freq`` (the
@@ -29,9 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from classgrad.workers.engines.layer_rules.kronecker_sums import projected_embedding_sums
-from classgrad.workers.engines.layer_rules.registry import register_rule
-from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, peak
+from classgrad.workers.engines.layer_rules.registry import projected_sums, register_rule
+from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, peak, sample_classes
 from classgrad.workers.engines.layer_rules.sketch_sums import sketch_entries, sketched_embedding_sums
 
 BAG_MODES = {"sum": 0, "mean": 1, "max": 2}  # torch.embedding_bag's mode numbers
@@ -57,21 +55,6 @@ def bag_refusal(module: nn.EmbeddingBag) -> str | None:
     return _common_refusal(module)
 
 
-def sample_classes(seen: LayerCapture) -> torch.Tensor:
-    """``[total]``: the position in the run (0..k-1) of each sample's class. Raises when the
-    layer's batch dimension is not the run's samples (ids broadcast across the batch, such as
-    Hugging Face's position ids ``[1, L]``: their gradient is already summed over the samples)."""
-    grid = seen.grid
-    samples = grid.k * grid.width if grid.spots is None else grid.spots.numel()
-    if seen.inputs.shape[0] != samples or seen.total != samples:
-        raise RuntimeError(
-            f"an embedding's batch dimension ({seen.inputs.shape[0]}) is not the run's {samples} samples "
-            "(ids broadcast across the batch)"
-        )
-    spots = grid.spots if grid.spots is not None else torch.arange(seen.total, device=seen.grads.device)
-    return torch.div(spots, grid.width, rounding_mode="floor")
-
-
 def _write_table(
     module: nn.Embedding | nn.EmbeddingBag, seen: LayerCapture, out: LayerRows, fill: Callable[[torch.Tensor], object]
 ) -> None:
@@ -95,20 +78,14 @@ def _write_table(
 def embedding_sums(module: nn.Embedding, seen: LayerCapture, out: LayerRows) -> None:
     if not out.wants("weight"):
         return
-    if out.projection is not None and out.projection.structure == "kronecker":
-        sample_classes(seen)  # ids broadcast across the batch: raises
-        projected_embedding_sums(module, seen, out, out.projection)
+    if out.projection is not None:  # projected rows: the table's sums by the unit's structure
+        projected_sums("embedding", out.projection)(module, seen, out, out.projection)
         return
     idx = seen.inputs
     H = module.weight.shape[1]
     positions = idx[0].numel() if idx.dim() > 1 else 1
     grads = seen.grads.to(seen.grid.dtype).reshape(-1, H)
     classes = sample_classes(seen).view(-1, *[1] * (idx.dim() - 1)).expand_as(idx).reshape(-1)
-    if out.projection is not None:  # TensorSketch-projected rows: each lookup into its buckets
-        ids = idx.reshape(-1)
-        keep = None if module.padding_idx is None else (ids != module.padding_idx).to(grads.dtype)
-        sketched_embedding_sums(out, out.projection, classes, ids, grads, keep)
-        return
     # Each entry is a sum of at most width * positions token gradients.
     out.bound(peak(grads) * (seen.grid.width * positions))
     _write_table(module, seen, out, lambda table: table.index_put_((classes, idx.reshape(-1)), grads, accumulate=True))
@@ -152,7 +129,7 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
             rows = sketch_entries(
                 out.projection, out.k, classes, winners.clamp(min=0), features, (grads * found).to(grads.dtype)
             )
-            out.check_sums(rows)
+            out.bound_by_values(rows)
             out.put("weight", rows)
             return
 

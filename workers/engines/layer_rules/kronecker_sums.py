@@ -117,6 +117,7 @@ def projected_embedding_sums(module: nn.Embedding, seen: Any, out: LayerRows, un
     """Class ``i``'s projected table gradient ``F_V^T dW_i F_H = sum_t F_V[id_t]^T (F_H^T g_t)``:
     the one-hot input projected is a row of ``F_V`` (a lookup), the gradient a ``[H, k_in]``
     product. Tokens of ``padding_idx`` add nothing (the exact rows leave that row zero)."""
+    rule_io.sample_classes(seen)  # ids broadcast across the batch (not the run's samples): raises
     idx = seen.inputs.reshape(seen.total, -1)  # [samples, positions]
     grads = seen.grads.to(seen.grid.dtype).reshape(seen.total, idx.shape[1], -1)
     fa, fb = unit.factors(grads.device, grads.dtype)

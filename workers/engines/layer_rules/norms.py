@@ -43,7 +43,7 @@ def per_class_sum(seen: LayerCapture, t: torch.Tensor, channels: tuple[int, ...]
 
 
 def _write(out: LayerRows, gw: torch.Tensor | None, gb: torch.Tensor | None) -> None:
-    out.check_sums(gw, gb)  # one read each: finite only if every entry is
+    out.bound_by_values(gw, gb)  # their peaks, read with the run's: finite only if every entry is
     if gw is not None:
         out.put("weight", gw)
     if gb is not None:

@@ -15,19 +15,18 @@ one product per class and group (``blocks``). A projection inside the backward g
 ``class_outer_sums`` for every such layer at once: ``P_out dW_i P_in^T = sum_t (P_out g_t)(P_in
 x_t)^T``, i.e. project both token factors first, then the same batched product
 (``kronecker_sums.projected_outer_sums``, when ``out.projection`` is a Kronecker unit); a
-TensorSketch unit's rows come from ``sketch_sums.sketched_outer_sums`` (``PROJECTED_SUMS``, by
-the unit's ``structure``).
+TensorSketch unit's rows come from ``sketch_sums.sketched_outer_sums``: each structure registers
+its sums (``registry.projected_sums``, by the unit's ``structure``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from classgrad.workers.engines.layer_rules import rule_io
+from classgrad.workers.engines.layer_rules.registry import projected_sums
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows, Ragged, peak
 
 
@@ -64,36 +63,18 @@ class OuterFactors(ABC):
         return None
 
 
-def _kronecker_sums(factors: OuterFactors, out: LayerRows, unit: Any) -> None:
-    from classgrad.workers.engines.layer_rules.kronecker_sums import projected_outer_sums
-
-    projected_outer_sums(factors, out, unit)
-
-
-def _tensor_sketch_sums(factors: OuterFactors, out: LayerRows, unit: Any) -> None:
-    from classgrad.workers.engines.layer_rules.sketch_sums import sketched_outer_sums
-
-    sketched_outer_sums(factors, out, unit)
-
-
-# Projection structure (``unit.structure``) -> the per-class sums of its projected rows.
-PROJECTED_SUMS: dict[str, Callable[[OuterFactors, LayerRows, Any], None]] = {
-    "kronecker": _kronecker_sums,
-    "tensorsketch": _tensor_sketch_sums,
-}
-
-
 def class_outer_sums(factors: OuterFactors, out: LayerRows) -> None:
     """Per-class weight (and bias) gradients of an outer-product layer into ``out``."""
     if out.projection is not None:  # projected rows: weight and bias at once, by the unit's structure
-        PROJECTED_SUMS[out.projection.structure](factors, out, out.projection)
+        projected_sums("outer", out.projection)(factors, out, out.projection)
         return
     direct = factors.direct_sums(out.wants("weight"), out.wants("bias"))
     if direct is not None:
         gw, gb = (t if out.wants(kind) else None for kind, t in zip(("weight", "bias"), direct))
-        # Checked by their sum (one read): these are k copies of a layer's parameters (45M floats
-        # for a ResNet-18 run of 4 classes, where an exact isfinite takes four passes).
-        out.check_sums(gw, gb)
+        # Bounded by their peak (one pass, read with the run): these are k copies of a layer's
+        # parameters (45M floats for a ResNet-18 run of 4 classes, where an exact isfinite takes
+        # four passes).
+        out.bound_by_values(gw, gb)
         if gw is not None:
             out.put("weight", gw)
         if gb is not None:

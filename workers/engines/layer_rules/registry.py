@@ -12,7 +12,7 @@ per-class weight and bias gradients. Adding a layer type is adding one function:
     def my_layer_sums(module: MyLayer, seen: LayerCapture, out: LayerRows) -> None:
         G = seen.grads_by_class()           # [k, width, ...]: class i's samples, zero padding
         if out.wants("bias"):
-            out.check_sums(bias := G.sum(dim=1))
+            out.bound_by_values(bias := G.sum(dim=1))
             out.put("bias", bias)
 
 The interface (types in ``rule_io`` and ``outer``):
@@ -27,8 +27,9 @@ The interface (types in ``rule_io`` and ``outer``):
   ``[k, *parameter shape]`` with ``put(kind, value)`` for each ``kind`` it ``wants``; it may be
   handed a view of the rows to write into (``fresh``), so no temporary is made.
 - Finite rows: every rule gives ``out`` cheap evidence that its sums are finite, either a bound
-  (``out.bound(t)``: a tensor that is finite and below 1e37 only if no entry can overflow) or
-  the sums themselves (``out.check_sums(*tensors)``: summed, one read). Rows without that
+  (``out.bound(t)``: a tensor that is finite and below ``rule_io.FINITE_BOUND`` only if no entry
+  can overflow) or the values themselves (``out.bound_by_values(*tensors)``: their largest
+  magnitude, one pass, read with the run). Rows without that
   evidence go to the exact per-row check and are recomputed at a smaller fp16 loss scale.
 - Layers whose weight gradient is a sum of outer products over tokens (Linear: one token per
   sample and position; Conv: one per output pixel, with the input patch as the input factor)
@@ -134,3 +135,23 @@ def rule_for(module: nn.Module) -> LayerRule[Any] | None:
         if register is not None:
             register()
     return RULES.get(kind)
+
+
+# (layer family, the units' structure) -> the per-class sums of projected rows inside the backward
+# (``"outer"``: ``outer.OuterFactors`` of Linear-like layers, ``(factors, out, unit)``;
+# ``"embedding"``: an ``nn.Embedding``'s lookups, ``(module, seen, out, unit)``). Filled by each
+# structure's registration (``classgrad.workers.structures``), never here.
+PROJECTED_SUMS: dict[tuple[str, str], Callable[..., None]] = {}
+
+
+def register_projected_sums(family: str, structure: str, sums: Callable[..., None]) -> None:
+    PROJECTED_SUMS[(family, structure)] = sums
+
+
+def projected_sums(family: str, unit: Any) -> Callable[..., None]:
+    """The sums of ``unit``'s structure for a layer of ``family``; a structure without them raises
+    (the engine then takes another path, or refuses the projection, in one line)."""
+    try:
+        return PROJECTED_SUMS[(family, unit.structure)]
+    except KeyError:
+        raise RuntimeError(f"projection structure {unit.structure!r} has no sums for {family} layers") from None

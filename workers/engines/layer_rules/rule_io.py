@@ -75,8 +75,16 @@ def consecutive(firsts: Sequence[int], n: int) -> torch.Tensor:
     return (torch.tensor(firsts, dtype=torch.long).unsqueeze(1) + torch.arange(n)).reshape(-1)
 
 
-# A row whose entries are all bounded by this is finite, with room for the sums that form it.
-FINITE_BOUND = 1e37
+# A row whose entries are all bounded by this is finite, with room for the sums that form it and
+# for a sum of up to 3e8 such rows (a training step's aggregate over its classes, ``sum_is_finite``):
+# a real gradient entry is never near it, so a lower bound costs no exact check in practice.
+FINITE_BOUND = 1e30
+
+
+def sum_is_finite(rows: int) -> bool:
+    """Whether a sum of ``rows`` float32 rows whose entries are all below ``FINITE_BOUND`` (a run
+    that ``certainly_finite``) is finite for sure, with no read of it."""
+    return rows * FINITE_BOUND < torch.finfo(torch.float32).max
 
 
 def token_liveness(grads: torch.Tensor) -> torch.Tensor:
@@ -315,7 +323,8 @@ class ClassRows:
     The first value for a parameter's columns is copied in, later ones added: a layer called
     twice, or another layer whose slot has the same columns (a TensorSketch work row, where every
     unit adds into one sketch). What was written is tracked by columns, not names.
-    Rules leave evidence that their values are finite (``bounds``, ``sums``); ``certainly_finite``
+    Rules leave evidence that their values are finite: ``bounds``, each one above every entry it
+    covers (a bound from the factors, or the values' own largest magnitude); ``certainly_finite``
     reads it all in one synchronisation instead of a pass over the rows.
     """
 
@@ -326,7 +335,6 @@ class ClassRows:
         self.k = rows.shape[0]
         self.written: set[tuple[int, int]] = set()  # (offset, size) of the columns written
         self.bounds: list[torch.Tensor] = []
-        self.sums: list[torch.Tensor] = []
 
     def for_layer(self, slots: dict[str, ParamSlot], full: bool = False) -> LayerRows:
         """``full``: the values put are whole per-class gradients (a module VJP's), mapped here
@@ -362,9 +370,10 @@ class ClassRows:
     def certainly_finite(self) -> torch.Tensor:
         """bool scalar on the rows' device, not read here: whether every row is finite for sure
         (False: let the exact per-row check decide). The caller reads it with the run's losses."""
-        checks = [(torch.stack(self.bounds) < FINITE_BOUND).all()] if self.bounds else []
-        checks += [torch.isfinite(torch.stack(self.sums)).all()] if self.sums else []
-        return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=self.rows.device)
+        if not self.bounds:
+            return torch.ones((), dtype=torch.bool, device=self.rows.device)
+        # A NaN bound compares False: not certain.
+        return (torch.stack([b.float() for b in self.bounds]) < FINITE_BOUND).all()
 
 
 class LayerRows:
@@ -426,9 +435,25 @@ class LayerRows:
         return self.run.columns(slot)
 
     def bound(self, t: torch.Tensor) -> None:
-        """A scalar tensor bounding every entry this layer writes (finite rows if below 1e37)."""
+        """A scalar tensor bounding every entry this layer writes (certainly finite below ``FINITE_BOUND``)."""
         self.run.bounds.append(t)
 
-    def check_sums(self, *values: torch.Tensor | None) -> None:
-        """Values this layer writes, checked by their sum (one read): finite only if every entry is."""
-        self.run.sums.extend(t.sum() for t in values if t is not None)
+    def bound_by_values(self, *values: torch.Tensor | None) -> None:
+        """Values this layer writes, bounded by their largest magnitude (``peak``: one pass, read
+        with the run's other bounds; NaN or inf when any entry is)."""
+        self.run.bounds.extend(peak(t) for t in values if t is not None)
+
+
+def sample_classes(seen: LayerCapture) -> torch.Tensor:
+    """``[total]``: the position in the run (0..k-1) of each sample's class. Raises when the
+    layer's batch dimension is not the run's samples (ids broadcast across the batch, such as
+    Hugging Face's position ids ``[1, L]``: their gradient is already summed over the samples)."""
+    grid = seen.grid
+    samples = grid.k * grid.width if grid.spots is None else grid.spots.numel()
+    if seen.inputs.shape[0] != samples or seen.total != samples:
+        raise RuntimeError(
+            f"an embedding's batch dimension ({seen.inputs.shape[0]}) is not the run's {samples} samples "
+            "(ids broadcast across the batch)"
+        )
+    spots = grid.spots if grid.spots is not None else torch.arange(seen.total, device=seen.grads.device)
+    return torch.div(spots, grid.width, rounding_mode="floor")

@@ -132,7 +132,7 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
         else:
             matrices, channels = _formed(factors, G, unit)
             rows = unit.sketch(matrices, target, channels_inner=channels)
-    out.check_sums(rows)
+    out.bound_by_values(rows)
     if target is None:
         out.put("weight", rows)
 
@@ -195,6 +195,17 @@ def sketched_embedding_sums(
         grads = grads * weight.unsqueeze(1)
     target = out.fresh("weight")
     rows = sketch_entries(unit, out.k, cls, ids, None, grads.to(out.run.rows.dtype), target)
-    out.check_sums(rows)
+    out.bound_by_values(rows)
     if target is None:
         out.put("weight", rows)
+
+
+def sketched_table_sums(module: nn.Embedding, seen: rule_io.LayerCapture, out: LayerRows, unit: Any) -> None:
+    """An ``nn.Embedding``'s per-class sketch: each lookup into its buckets, no table formed
+    (tokens of ``padding_idx`` add nothing, as the exact rows leave that row zero)."""
+    idx = seen.inputs
+    grads = seen.grads.to(seen.grid.dtype).reshape(-1, module.weight.shape[1])
+    classes = rule_io.sample_classes(seen).view(-1, *[1] * (idx.dim() - 1)).expand_as(idx).reshape(-1)
+    ids = idx.reshape(-1)
+    keep = None if module.padding_idx is None else (ids != module.padding_idx).to(grads.dtype)
+    sketched_embedding_sums(out, unit, classes, ids, grads, keep)

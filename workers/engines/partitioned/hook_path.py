@@ -156,7 +156,9 @@ class HookPath:
         values = losses.to(eng.row_dtype)
         if not bool(flags[1]):
             eng.check_finite_loss(values, plan.classes)
-        return values, torch.full((k,), bool(flags[0]), dtype=torch.bool)
+        bounded = bool(flags[0])
+        eng.stats.bounded_rows += k if bounded else 0
+        return values, torch.full((k,), bounded, dtype=torch.bool)
 
     def _run(self, plan: RunPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The run's forward, backward and layer sums into ``rows``: its losses ``[k]`` and flags
@@ -279,7 +281,7 @@ class HookPath:
             value = value.to(grid.dtype)
             if inv is not None:
                 value = value * inv.view(-1, *[1] * (value.ndim - 1))
-            out.check_sums(value)
+            out.bound_by_values(value)
             values[name] = value
         out.put_all(values)
 

@@ -1,14 +1,13 @@
 """The partitioned engine with rows projected inside the backward, whatever the structure.
 
 Holds ``ProjectedEngine``, a ``PartitionedEngine`` whose rows are ``projection.dim`` wide: the hook
-path writes each projected layer's part (``layer_rules.kronecker_sums`` or ``sketch_sums``, by the
-unit's structure) and every other selected parameter whole into a "work" row (units, then the
-rest), and each finished block's rest is projected into the stored row by the structure's map
+path writes each projected layer's part (the structure's layer sums, by the unit's structure) and
+every other selected parameter whole into a "work" row (units, then the rest), and each finished
+block's rest is projected into the stored row by the structure's map
 (``classgrad.workers.projection``: ``KroneckerMap``, ``TensorSketchMap``). No full row is formed,
 except the two rows of the hook path's one-off spot check (computed whole by the plain
-single-class path and mapped the same way). Subclasses plan the map (``_plan``); and
-``TensorSketchEngine``, the default structure's engine (nothing to measure: the map is fixed by
-the layout and the seed).
+single-class path and mapped the same way). The structure plans the map (``plan``, given by
+``classgrad.workers.structures``: this package never imports a structure).
 
 Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
 dense loss, a model that couples samples, a hook path that fails) is refused with one line
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ from classgrad.errors import ConfigError, first_line
 from classgrad.workers.engines.base import RowBlock
 from classgrad.workers.engines.partitioned.engine import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.projection import TensorSketchMap
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +49,20 @@ class ProjectionRefused(ConfigError):
         super().__init__(f"{why}: use projection.structure=dense")
 
 
+# (engine, modules by name, names of the modules the hook path covers) -> the structure's map.
+MapPlan = Callable[["ProjectedEngine", dict[str, nn.Module], set[str]], Any]
+
+
 class ProjectedEngine(PartitionedEngine):
     """Rows of ``dim`` columns, projected in the backward by a structure's map (``self.kmap``).
 
-    ``projection``: the structure's options (``dim``, ``seed``, ...) and optionally ``record`` (a
-    store's ``projection`` attribute: reused or checked, so every worker projects the same way).
+    ``plan``: the structure's plan of its map (``ProjectionStructure.plan`` with the job's
+    options); ``structure``: its name (the store's record says it).
     """
 
-    structure = ""
-
-    def __init__(self, *args: Any, projection: dict[str, Any], **kwargs: Any):
+    def __init__(self, *args: Any, plan: MapPlan, structure: str, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.structure = structure
         if self._hooked is None:
             raise ProjectionRefused(
                 f"{refusal(self.structure)}, which this model does not take (a selected parameter is outside "
@@ -71,10 +72,15 @@ class ProjectedEngine(PartitionedEngine):
         names = {m: n for n, m in self.model.named_modules()}
         modules = dict(self.model.named_modules())
         covered = {names[m] for m in self._hooked.plan.layers}
-        self._install(self._plan(projection, modules, covered))
+        self._install(plan(self, modules, covered))
 
-    def _plan(self, projection: dict[str, Any], modules: dict[str, nn.Module], covered: set[str]) -> Any:
-        raise NotImplementedError
+    def work_rows(self, kmap: Any, classes: Sequence[int]) -> torch.Tensor:
+        """Work rows of ``classes`` through ``kmap`` (a plan measuring its first block: the
+        Kronecker split); not counted as rows asked for."""
+        self._install(kmap)
+        rows = RowBlock.concat(list(PartitionedEngine.iter_blocks(self, classes))).rows
+        self.stats.rows = 0
+        return rows
 
     def _install(self, kmap: Any) -> None:
         """Point the hook path at ``kmap``'s work row."""
@@ -95,7 +101,7 @@ class ProjectedEngine(PartitionedEngine):
         return int(self.kmap.dim)
 
     def describe(self) -> dict[str, Any]:
-        return dict(self.kmap.describe())
+        return {**self.kmap.describe(), "structure": self.structure}
 
     def _fallback(self, what: str, exc: Exception) -> None:
         raise ProjectionRefused(
@@ -158,28 +164,3 @@ class ProjectedEngine(PartitionedEngine):
                 yield with_rest()
         if pending:
             yield with_rest()
-
-
-class TensorSketchEngine(ProjectedEngine):
-    """``projection.structure: tensorsketch``: every outer-product layer sketched in the backward
-    into one shared ``dim``-wide CountSketch of the row (``TensorSketchMap``), the rest sketched."""
-
-    structure = "tensorsketch"
-
-    def _plan(self, projection: dict[str, Any], modules: dict[str, nn.Module], covered: set[str]) -> TensorSketchMap:
-        kmap = TensorSketchMap.plan(
-            self.full_layout.slots,
-            modules,
-            covered,
-            dim=int(projection["dim"]),
-            seed=int(projection.get("seed", 0)),
-            nonzeros=int(projection.get("sketch_nonzeros", 4)),
-            record=projection.get("record"),
-        )
-        log.info(
-            "tensorsketch projection: %d layers sketched in the backward, rest of %d parameters, into %d columns",
-            len(kmap.units),
-            kmap.rest_size,
-            kmap.dim,
-        )
-        return kmap

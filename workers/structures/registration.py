@@ -1,0 +1,31 @@
+"""The one registration of a projection structure.
+
+Holds ``register_structure``: checks that the structure implements its side of the interface
+(``plan`` and ``layer_sums`` inside the backward, ``finished`` otherwise), hands its layer sums
+to the layer rules (``layer_rules.registry.register_projected_sums``), and makes its name valid
+in a job file (``config.choices.STRUCTURES``).
+"""
+
+from __future__ import annotations
+
+from classgrad.config.choices import STRUCTURES as STRUCTURE_NAMES
+from classgrad.workers.engines.layer_rules.registry import register_projected_sums
+from classgrad.workers.structures.base import STRUCTURES, ProjectionStructure
+
+
+def register_structure(structure: ProjectionStructure, *, replace: bool = False) -> ProjectionStructure:
+    """Register ``structure`` under its name: a job file may name it; in the backward its layer
+    sums go to the layer rules."""
+    name = structure.name
+    if not name or (not replace and name in STRUCTURES):
+        raise ValueError(f"projection structure {name!r} is empty or already registered")
+    cls = type(structure)
+    if structure.in_backward and (cls.plan is ProjectionStructure.plan or not structure.layer_sums()):
+        raise ValueError(f"projection structure {name!r} projects in the backward: it needs plan and layer_sums")
+    if not structure.in_backward and cls.finished is ProjectionStructure.finished:
+        raise ValueError(f"projection structure {name!r} needs a projector of finished rows (finished)")
+    for family, sums in structure.layer_sums().items():
+        register_projected_sums(family, structure.unit_family or name, sums)
+    STRUCTURES[name] = structure
+    STRUCTURE_NAMES.add(name, *(("in_backward",) if structure.in_backward else ()))
+    return structure

@@ -1,0 +1,88 @@
+"""``projection.structure: tensorsketch`` (the default): every outer-product layer sketched inside
+the backward into one shared ``dim``-wide sketch of the row, the rest sketched after.
+
+Holds ``TensorSketchStructure``: the plan of its map (``projection.TensorSketchMap``: fixed by
+the layout and the seed, nothing measured; a store's record checked to match), its layer sums
+(``layer_rules.sketch_sums``: Linear-like layers' factors, an embedding table's lookups), and
+what a store's record says: the placement, the caveat of the old hashed placement (issue 44),
+``classgrad inspect``'s line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from classgrad.workers.engines.layer_rules import sketch_sums
+from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
+from classgrad.workers.projection.chunked_sketch import HASHED
+from classgrad.workers.projection.tensor_sketch import TensorSketchMap
+from classgrad.workers.structures.base import LayerSums, ProjectionOptions, ProjectionStructure
+from classgrad.workers.structures.registration import register_structure
+
+log = logging.getLogger(__name__)
+
+
+class TensorSketchStructure(ProjectionStructure):
+    name = "tensorsketch"
+    in_backward = True
+    unit_family = "tensorsketch"
+
+    def plan(
+        self, engine: ProjectedEngine, options: ProjectionOptions, modules: dict[str, nn.Module], covered: set[str]
+    ) -> TensorSketchMap:
+        kmap = TensorSketchMap.plan(
+            engine.full_layout.slots,
+            modules,
+            covered,
+            dim=options.dim,
+            seed=options.seed,
+            nonzeros=options.sketch_nonzeros,
+            record=options.record,
+        )
+        log.info(
+            "tensorsketch projection: %d layers sketched in the backward, rest of %d parameters, into %d columns",
+            len(kmap.units),
+            kmap.rest_size,
+            kmap.dim,
+        )
+        return kmap
+
+    def layer_sums(self) -> Mapping[str, LayerSums]:
+        return {"outer": sketch_sums.sketched_outer_sums, "embedding": sketch_sums.sketched_table_sums}
+
+    def label(self, record: Mapping[str, Any]) -> str:
+        return f"{self.name}, {record.get('placement', HASHED)} placement"
+
+    def caveat(self, record: Mapping[str, Any]) -> str | None:
+        if record.get("placement", HASHED) != HASHED:
+            return None
+        return (
+            "its rows are a hashed tensorsketch (stores made before 2026-12-04), where two classes whose "
+            "head rows share a hash bucket look alike: its nearest neighbours may hold hash collisions "
+            "(at 10,000 classes and dim 4,096, most classes have one). Rebuild it with the current default "
+            "(chunked placement): rerun its job with --set store.overwrite=true"
+        )
+
+    def summary(self, record: Mapping[str, Any], width: int) -> list[str]:
+        units = record.get("units") or []
+        per_layer = (
+            "a layer's rows and columns placed without collisions in chunks of the width, chunks mixed by "
+            "random-phase filters"
+            if record.get("placement")
+            else f"one hashed CountSketch of the row: {record.get('unit_nonzeros', 1)} signed entry per coordinate "
+            "of a layer"
+        )
+        return [
+            f"projection  {self.label(record)} ({per_layer}; {record.get('nonzeros')} signed entries per "
+            f"coordinate of another parameter) from {record.get('dim_in')} to {width} dims "
+            f"(seed {record.get('seed')}): "
+            f"{len(units)} layers sketched in the backward, {len(record.get('rest_params') or [])} other parameters "
+            "sketched after; no per-parameter layout"
+        ]
+
+
+register_structure(TensorSketchStructure())
