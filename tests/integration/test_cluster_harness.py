@@ -3,9 +3,10 @@
 Ray 2.60's `ray start` gives up when the node's raylet has not registered with the GCS within
 30 s, a constant no setting widens, and a loaded 2-core CI machine has missed it (CI's fault
 tests then failed in setup). ``LocalRayCluster`` starts such a worker again, up to
-``NODE_START_TRIES`` tries, after killing what the failed try left running; any other exit is
-still an error at once. The failed tries here are injected: a stand-in for `ray start` that
-leaves a child running (as a failed try leaves its raylet), prints Ray's message and exits 1.
+``NODE_START_TRIES`` tries, after killing what the failed try left running, and a head whose
+GCS missed its own startup deadline on fresh ports; any other exit is still an error at once.
+The failed tries here are injected: a stand-in for `ray start` that leaves a child running (as a
+failed try leaves its raylet), prints Ray's message and exits 1.
 """
 
 from __future__ import annotations
@@ -41,16 +42,20 @@ def _failing_start(message: str, leftover_pid_file: Path) -> list[str]:
 
 
 class FlakyStartCluster(LocalRayCluster):
-    """Workers' first ``fail_tries`` `ray start` tries print ``message`` and exit 1."""
+    """Workers' (or, with ``fail_head``, the head's) first ``fail_tries`` `ray start` tries
+    print ``message`` and exit 1."""
 
-    def __init__(self, *, fail_tries: int, message: str = RAY_TIMEOUT_MESSAGE, **kwargs) -> None:
+    def __init__(
+        self, *, fail_tries: int, message: str = RAY_TIMEOUT_MESSAGE, fail_head: bool = False, **kwargs
+    ) -> None:
         super().__init__(**kwargs)
         self.fail_tries = fail_tries
         self.message = message
+        self.fail_head = fail_head
         self.leftovers = self.root / "leftover_pids"
 
     def _ray_command(self, node: RayNode) -> list[str]:
-        if not node.head and node.tries <= self.fail_tries:
+        if node.head == self.fail_head and node.tries <= self.fail_tries:
             return _failing_start(self.message, self.leftovers)
         return super()._ray_command(node)
 
@@ -81,6 +86,19 @@ def test_a_worker_that_timed_out_during_startup_is_started_again():
         assert worker.ray_name == "cg-worker-1-try2" and "try2" in worker.log_path.name
         cluster.stop_node(1)
         assert not cluster.session_pids(1)
+
+
+@pytest.mark.slow  # a real head
+def test_a_head_whose_gcs_missed_its_startup_deadline_is_started_again_on_fresh_ports():
+    message = "ray.exceptions.RpcError: GCS ... failed: Deadline Exceeded"  # as the head's client says it
+    cluster = FlakyStartCluster(fail_tries=1, fail_head=True, message=message, workers=0, head_cpus=1)
+    first_port = cluster.gcs_port
+    with cluster:
+        head = cluster.nodes[0]
+        assert head.tries == 2 and head.alive and cluster.gcs_port != first_port
+        assert set(cluster.node_ids()) == {0}
+        (leftover,) = cluster.leftover_pids()
+        assert not _running(leftover)
 
 
 def test_a_worker_that_keeps_timing_out_fails_after_the_last_try():

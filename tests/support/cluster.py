@@ -36,8 +36,9 @@ worker its own process group, so a process group would miss the actors). ``shutd
 
 A worker whose ``ray start`` gives up because its raylet did not register in time ("timed out
 during startup": a fixed 30 s in Ray 2.60, missed on a loaded CI machine) is started again, up to
-``NODE_START_TRIES`` tries, each under a new Ray node name (``RayNode.ray_name``); any other exit
-of a node is an error at once (``tests/integration/test_cluster_harness.py``).
+``NODE_START_TRIES`` tries, each under a new Ray node name (``RayNode.ray_name``); so is a head
+whose GCS missed its own startup deadline, before any worker joined, on fresh ports. Any other
+exit of a node is an error at once (``tests/integration/test_cluster_harness.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ SHUTDOWN_GRACE_S = 2.0  # tearing the whole cluster down needs no drain
 # has missed; such a worker is started again, up to this many tries in all.
 NODE_START_TRIES = 3
 STARTUP_TIMEOUT_MARK = "timed out during startup"
+# The head's `ray start` gives up the same way when its GCS does not answer its own client in
+# time on a loaded machine ("... Deadline Exceeded"), which a suite run has missed once.
+HEAD_START_MARKS = (STARTUP_TIMEOUT_MARK, "Deadline Exceeded")
 
 
 _HANDED_OUT: set[int] = set()
@@ -357,10 +361,17 @@ class LocalRayCluster:
         return cmd
 
     def _retry_start(self, node: RayNode) -> bool:
-        """Start a worker again whose `ray start` gave up waiting for its raylet to register;
-        False (the caller raises) for any other exit, for the head, or once the tries are spent."""
-        if node.head or node.tries >= NODE_START_TRIES or STARTUP_TIMEOUT_MARK not in node.log_tail():
+        """Start a node again whose `ray start` gave up on a startup deadline (a worker's raylet
+        not registered in time; the head's own GCS client past its deadline, before any worker
+        joined: then on fresh GCS and dashboard ports, the old ones may linger); False (the
+        caller raises) for any other exit, or once the tries are spent."""
+        marks = HEAD_START_MARKS if node.head else (STARTUP_TIMEOUT_MARK,)
+        if node.tries >= NODE_START_TRIES or not any(m in node.log_tail() for m in marks):
             return False
+        if node.head and len(self.nodes) > 1:
+            return False  # workers joined its address
+        if node.head:
+            self.gcs_port, self.dashboard_port = free_port(), free_port()
         log.warning(
             "Ray node %d (%s) timed out during startup (try %d of %d); starting it again:\n%s",
             node.index,
