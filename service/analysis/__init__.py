@@ -7,6 +7,10 @@
 - ``inspect``: shape, layout, completion, per-class and per-parameter gradient norms.
 - ``verify``: completeness, checksums, NaN/Inf, metadata; the exit-code bit flags.
 - ``plot``: PNGs (similarity heatmap in clustered order, norm histogram, per-parameter bars).
+- ``score_api``, ``score_driver``, ``scoring``, ``score_precondition``: ``classgrad score``.
+- ``log_rows``, ``log_score``, ``log_similarity``, ``log_plot``: the same commands on a training
+  log (``GradLog``): its windows read as a store's rows, TracIn scores, one window's similarity,
+  its PNGs.
 - ``blocks``: what they share (reads in blocks within a memory budget, completion, helpers),
   re-exported here.
 """

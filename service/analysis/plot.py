@@ -4,7 +4,9 @@ Holds ``PlotConfig`` (options, defaults), ``average_linkage`` (the clustered ord
 heatmap and its merge tree; ``average_linkage_order`` the order alone, ``dendrogram_segments`` the
 tree's lines), ``param_rms`` (per-element gradient size of each parameter), ``class_similarity``
 (the similarity of a few classes: read from the stored matrix when there is a finished one,
-else computed from their rows, band by band), and ``plot_store``
+else computed from their rows, band by band), ``clustered_heatmap`` (those classes drawn in
+clustered order), ``require_matplotlib``, the drawing helpers ``new_figure``, ``save_png`` and
+``similarity_heatmap`` (``log_plot`` draws a training log's figures with them), and ``plot_store``
 which writes three PNGs (matplotlib figures drawn by the Agg canvas directly, never through
 pyplot, so no display is needed and the caller's backend is left alone; fixed pixel sizes
 ``figsize * dpi``):
@@ -172,13 +174,13 @@ def _labels(store, rows: np.ndarray) -> list[str]:
     return [_short(names[r], LABEL_CHARS) if names is not None else str(int(ids[r])) for r in rows]
 
 
-def _figure(size: tuple[float, float], dpi: int):
+def new_figure(size: tuple[float, float], dpi: int):
     from matplotlib.figure import Figure
 
     return Figure(figsize=size, dpi=dpi)
 
 
-def _save(fig, path: Path, dpi: int) -> None:
+def save_png(fig, path: Path, dpi: int) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
@@ -191,7 +193,7 @@ def _inches(fig, left: float, bottom: float, width: float, height: float):
     return fig.add_axes((left / w, bottom / h, width / w, height / h))
 
 
-def _heatmap(
+def similarity_heatmap(
     store,
     sim: np.ndarray,
     rows: np.ndarray,
@@ -204,7 +206,7 @@ def _heatmap(
     """Draw the heatmap (and above it the dendrogram of ``tree`` = (leaf order, merges) when it is
     clustered; ``sim`` and ``rows`` are already in leaf order); return what was
     drawn: tick labels per axis, whether the dendrogram is there, the number of axes."""
-    fig = _figure(HEATMAP_SIZE, dpi)
+    fig = new_figure(HEATMAP_SIZE, dpi)
     n = len(rows)
     labels = _labels(store, rows) if n <= MAX_LABELS else []
     # Margins in inches from what they hold: the longest tick label (about 0.07 in a character at
@@ -269,12 +271,12 @@ def _heatmap(
         fontsize=FONT,
     )
     drawn["axes"] = len(fig.axes)
-    _save(fig, path, dpi)
+    save_png(fig, path, dpi)
     return drawn
 
 
 def _histogram(norms: np.ndarray, path: Path, dpi: int) -> None:
-    fig = _figure(HIST_SIZE, dpi)
+    fig = new_figure(HIST_SIZE, dpi)
     ax = fig.add_subplot()
     finite = norms[np.isfinite(norms)]
     positive = finite[finite > 0]
@@ -293,7 +295,7 @@ def _histogram(norms: np.ndarray, path: Path, dpi: int) -> None:
     ax.tick_params(labelsize=FONT)
     ax.set_title(f"per-class gradient norms ({finite.size} classes{note})", fontsize=FONT + 1)
     fig.subplots_adjust(left=0.1, right=0.97, top=0.9, bottom=0.13)
-    _save(fig, path, dpi)
+    save_png(fig, path, dpi)
 
 
 def param_rms(norms, sizes: np.ndarray) -> np.ndarray:
@@ -306,7 +308,7 @@ def param_rms(norms, sizes: np.ndarray) -> np.ndarray:
 def _bars(names: list[str], values: np.ndarray, shares: np.ndarray, path: Path, dpi: int) -> dict:
     """Horizontal bars of the largest ``MAX_BARS`` values, largest on top, each with its share of
     the squared norm (what ``classgrad inspect`` ranks by) at its end; return what was drawn."""
-    fig = _figure(BARS_SIZE, dpi)
+    fig = new_figure(BARS_SIZE, dpi)
     ax = fig.add_axes((2.7 / BARS_SIZE[0], 0.75 / BARS_SIZE[1], 5.9 / BARS_SIZE[0], 4.65 / BARS_SIZE[1]))
     order = np.argsort(-values, kind="stable")[:MAX_BARS]
     more = len(names) - len(order)
@@ -335,7 +337,7 @@ def _bars(names: list[str], values: np.ndarray, shares: np.ndarray, path: Path, 
         fontsize=FONT,
     )
     ax.margins(x=0.12)  # room for the share at the end of the longest bar
-    _save(fig, path, dpi)
+    save_png(fig, path, dpi)
     return {
         "names": shown,
         "rms": values[order].tolist(),
@@ -345,15 +347,33 @@ def _bars(names: list[str], values: np.ndarray, shares: np.ndarray, path: Path, 
     }
 
 
+def require_matplotlib() -> None:
+    """One line, before any work, when matplotlib (the ``plot`` extra) is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("classgrad plot needs matplotlib: pip install 'classgrad[plot]'") from None
+
+
+def clustered_heatmap(store, top: np.ndarray, config: PlotConfig, path: Path, note: str = "") -> dict:
+    """The similarity of rows ``top`` of ``store`` (``class_similarity``) drawn in average-linkage
+    order into ``path``; ``note``: added to the title's source. Returns the rows in drawn order,
+    the metric, the similarity's source and what was drawn."""
+    sim, metric, source = class_similarity(store, top, config.metric, block_mb=config.block_mb)
+    cos = sim if metric == "cosine" else cosine_from_gram(sim.astype(np.float64))
+    order, merges = average_linkage(np.clip(1.0 - cos.astype(np.float64), 0.0, None))
+    rows = top[order]
+    title = f"{source}; {note}" if note else source
+    drawn = similarity_heatmap(store, sim[np.ix_(order, order)], rows, (order, merges), metric, title, path, config.dpi)
+    return {"heatmap_rows": rows.tolist(), "metric": metric, "similarity_source": source, "heatmap": drawn}
+
+
 def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, **options) -> dict:
     """Write the PNGs of the store at ``url`` into ``out_dir``; return what was written."""
     from classgrad.service.analysis.inspect import grad_norms
 
     config: PlotConfig = validated(PlotConfig, "plot", **options)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise ConfigError("classgrad plot needs matplotlib: pip install 'classgrad[plot]'") from None
+    require_matplotlib()
     store = open_store(url, storage_options=storage_options)
     norms = grad_norms(store, block_rows=config.block_rows, block_mb=config.block_mb)
     finite = np.isfinite(norms.row)
@@ -368,14 +388,9 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
     top = np.sort(norms.top(config.top_n))
     result: dict = {"files": written, "top_rows": top.tolist()}
     if len(top) >= 2:
-        sim, metric, source = class_similarity(store, top, config.metric, block_mb=config.block_mb)
-        cos = sim if metric == "cosine" else cosine_from_gram(sim.astype(np.float64))
-        order, merges = average_linkage(np.clip(1.0 - cos.astype(np.float64), 0.0, None))
-        rows = top[order]
         path = out / "similarity_heatmap.png"
-        drawn = _heatmap(store, sim[np.ix_(order, order)], rows, (order, merges), metric, source, path, config.dpi)
+        result.update(clustered_heatmap(store, top, config, path))
         written["similarity_heatmap"] = str(path)
-        result.update(heatmap_rows=rows.tolist(), metric=metric, similarity_source=source, heatmap=drawn)
     path = out / "class_norms.png"
     _histogram(norms.row, path, config.dpi)
     written["class_norms"] = str(path)

@@ -13,9 +13,11 @@ import yaml
 from classgrad.errors import ConfigError
 
 
-def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """The STORE positional and ``--storage-option`` for commands that read a store."""
-    parser.add_argument("store", metavar="STORE", help="store location: a path, file://, s3://bucket/path")
+def add_store_arguments(parser: argparse.ArgumentParser, *, log: bool = False) -> None:
+    """The STORE positional and ``--storage-option`` for commands that read a store (``log``: or
+    a training log, which the command tells apart)."""
+    what = "store location: a path, file://, s3://bucket/path"
+    parser.add_argument("store", metavar="STORE", help=what + ("; or a training log (GradLog)" if log else ""))
     parser.add_argument(
         "--storage-option",
         action="append",
@@ -41,3 +43,9 @@ def given_options(args: argparse.Namespace, *names: str) -> dict:
     """The options among ``names`` that were given on the command line (not None), as keyword
     arguments: the library function's own defaults apply to the rest."""
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def first_given(args: argparse.Namespace, options: tuple[tuple[str, str], ...]) -> str | None:
+    """The flag of the first ``(dest, flag)`` of ``options`` given on the command line (not None):
+    what a command names when an option does not apply to what it was given."""
+    return next((flag for dest, flag in options if getattr(args, dest) is not None), None)

@@ -1,4 +1,6 @@
-"""``classgrad plot STORE --out DIR``: PNGs of the class similarity and the gradient norms."""
+"""``classgrad plot STORE --out DIR``: PNGs of the class similarity and the gradient norms; of a
+training log (``log_plot``): its class x window norms, the largest classes' norms over training
+and the class similarity at chosen windows."""
 
 from __future__ import annotations
 
@@ -9,18 +11,20 @@ from classgrad.service.commands import add_store_arguments, given_options, stora
 
 HELP = (
     "write PNGs: similarity heatmap of the top-N classes (clustered), histogram of class "
-    "gradient norms, per-parameter norms"
+    "gradient norms, per-parameter norms; of a training log: class x window norms, norms over training, "
+    "similarity at --windows"
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_store_arguments(parser)
+    add_store_arguments(parser, log=True)
     parser.add_argument("--out", required=True, metavar="DIR", help="directory for the PNGs")
     parser.add_argument(
         "--top-n",
         type=int,
         metavar="N",
-        help="classes in the heatmap, those with the largest gradient norms (default 40)",
+        help="classes in the heatmap, those with the largest gradient norms (default 40); a training log: "
+        "also the rows of its class x window heatmap",
     )
     parser.add_argument(
         "--metric",
@@ -29,20 +33,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dpi", type=int, help="pixels per inch (default 100)")
     parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+    parser.add_argument(
+        "--windows",
+        metavar="W",
+        help="a training log: the windows whose class similarity is drawn, as indices and ranges such as 0-3,7, "
+        "all or last (default: last); the norms are drawn for every done window",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    from classgrad.errors import ConfigError
     from classgrad.service.analysis.plot import plot_store
+    from classgrad.store.grad_log import is_log
 
-    result = plot_store(
-        args.store, args.out, storage_options=storage_options(args), **given_options(args, "top_n", "metric", "dpi")
-    )
+    options = given_options(args, "top_n", "metric", "dpi")
+    log = is_log(args.store, storage_options=storage_options(args))
+    if log:
+        from classgrad.service.analysis.log_plot import plot_log
+
+        result = plot_log(args.store, args.out, windows=args.windows, storage_options=storage_options(args), **options)
+    elif args.windows is not None:
+        raise ConfigError(f"--windows is for a training log; {args.store} is not one")
+    else:
+        result = plot_store(args.store, args.out, storage_options=storage_options(args), **options)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     for name, path in result["files"].items():
         w, h = result["sizes"][name]
         print(f"wrote {path} ({w} x {h})")
+    if log:
+        for w, drawn in result["similarity"].items():
+            print(f"window {w}: {len(drawn['heatmap_rows'])} classes, {drawn['metric']} similarity (computed)")
+        return 0
     if "similarity_source" in result:
         print(
             f"heatmap: {len(result['heatmap_rows'])} classes, {result['metric']} similarity "

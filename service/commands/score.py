@@ -1,6 +1,9 @@
 """``classgrad score STORE [STORE ...] --queries QUERY.yaml``: the classes each query example
 leans on: its row in the stores' space scored against every class's row (dot, cosine or TRAK),
-top-k per query, optionally every score into a Zarr output; prints a sample with class names."""
+top-k per query, optionally every score into a Zarr output; prints a sample with class names.
+``classgrad score LOG --queries QUERY.yaml --model module:function``: the same from a training
+log (``log_score``: TracIn, the log's learning-rate-weighted window sums against the query rows
+at the model's one checkpoint)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,33 @@ import argparse
 import json
 from typing import Any
 
-from classgrad.service.commands import given_options, storage_options
+import yaml
+
+from classgrad.service.commands import first_given, given_options, storage_options
 
 HELP = (
     "score query examples against every class's gradient row (dot, cosine or trak): the top-k classes "
-    "per query, optionally all Q x C scores into a resumable Zarr output (--out)"
+    "per query, optionally all Q x C scores into a resumable Zarr output (--out); or against a training "
+    "log's windows (TracIn: --model, --windows)"
+)
+# Options of a job's store that a training log does not take, and those only a log takes (dest, flag).
+STORE_ONLY = (
+    ("out", "--out"),
+    ("full", "--all-scores"),
+    ("weights", "--weights"),
+    ("damping", "--damping"),
+    ("damping_fraction", "--damping-fraction"),
+    ("precond_mb", "--precond-mb"),
+    ("recompute_preconditioner", "--recompute-preconditioner"),
+    ("overwrite", "--overwrite"),
+    ("address", "--address"),
+    ("num_cpus", "--num-cpus"),
+)
+LOG_ONLY = (
+    ("windows", "--windows"),
+    ("model", "--model"),
+    ("model_kwargs", "--model-kwargs"),
+    ("checkpoint", "--checkpoint"),
 )
 SAMPLE_QUERIES = 5
 SAMPLE_CLASSES = 5
@@ -23,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stores",
         metavar="STORE",
         nargs="+",
-        help="store location(s); several stores of one job (checkpoints) have their scores summed (--weights)",
+        help="store location(s); several stores of one job (checkpoints) have their scores summed (--weights); "
+        "or one training log (GradLog), scored by TracIn: the sum over --windows of the query rows' dot "
+        "products with the windows' learning-rate-weighted class sums (lr_grads), the query rows at --model",
     )
     parser.add_argument(
         "--queries",
@@ -93,6 +120,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fsspec storage option for the stores and --out (repeatable)",
     )
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    log = parser.add_argument_group("a training log (GradLog) instead of a store")
+    log.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="the factory of the logged model (required: a log records the model's class and parameters, not how "
+        "to build it); the query rows are taken at its weights (--checkpoint), in eval mode, fp32",
+    )
+    log.add_argument("--model-kwargs", metavar="YAML", help="keyword arguments of --model, a YAML mapping")
+    log.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="weights loaded into --model (.pt/.pth: a state dict, or one under 'model' or 'state_dict'; "
+        ".safetensors): the one checkpoint of the query side",
+    )
+    log.add_argument(
+        "--windows",
+        metavar="W",
+        help="the log's windows summed: all (default), last, or indices and ranges such as 0-3,7 (each done)",
+    )
 
 
 def _weights(text: str | None) -> list[float] | None:
@@ -121,10 +167,89 @@ def sample_lines(result, shown_queries: int = SAMPLE_QUERIES, shown: int = SAMPL
     return lines
 
 
+def _model_kwargs(text: str | None) -> dict | None:
+    from classgrad.errors import ConfigError
+
+    if text is None:
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--model-kwargs {text!r}: expected a YAML mapping such as '{{num_classes: 10}}'")
+    return value
+
+
+def main_log(args: argparse.Namespace) -> int:
+    """``classgrad score LOG``: TracIn over the log's windows (``log_score.score_log``)."""
+    from classgrad.errors import ConfigError
+    from classgrad.service.analysis.log_score import score_log
+    from classgrad.service.analysis.score_api import load_query_file, query_data
+
+    if len(args.stores) != 1:
+        raise ConfigError(
+            f"classgrad score: one training log at a time, got {len(args.stores)} locations "
+            "(a log already sums its windows; several checkpoints' stores add up with --weights)"
+        )
+    flag = first_given(args, STORE_ONLY) or ("--ray" if args.ray else None)
+    if flag is None and args.method not in (None, "dot"):
+        flag = f"--method {args.method}"
+    if flag:
+        raise ConfigError(
+            f"{flag} is for a job's store; {args.stores[0]} is a training log, scored by TracIn (dot products "
+            "summed over windows) in this process"
+        )
+    if args.model is None:
+        raise ConfigError(
+            f"{args.stores[0]} is a training log: give --model module:function (a log records the model's class "
+            "and parameters, not how to build it) and its --checkpoint"
+        )
+    spec = load_query_file(args.queries)
+    data, groups = query_data(spec)
+    result = score_log(
+        args.stores[0],
+        args.model,
+        data,
+        windows=args.windows,
+        model_kwargs=_model_kwargs(args.model_kwargs),
+        checkpoint=args.checkpoint,
+        fn=args.fn or spec.fn,
+        groups=groups,
+        storage_options=storage_options(args),
+        device=args.device,
+        batch_size=spec.data.batch_size,
+        label_field=spec.data.label_field,
+        collate=spec.data.collate,
+        pad_values=spec.data.pad_values,
+        **given_options(args, "top_k", "block_rows", "task_mb"),
+    )
+    info = result.info
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    at = f"at {args.checkpoint}" if args.checkpoint else "at the factory's weights"
+    print(
+        f"score       tracin of {info['num_queries']} queries x {info['num_classes']} classes x {info['dim']}: "
+        f"lr-weighted class sums of windows {info['windows_text']} (steps {info['steps'][0]}-"
+        f"{info['steps'][1] - 1}), query rows ({info['fn']}) {at}"
+    )
+    for line in sample_lines(result):
+        print(line)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    from classgrad.errors import ConfigError
     from classgrad.service.analysis.score_api import load_query_file, query_data, score
+    from classgrad.store.grad_log import is_log
     from classgrad.units import fmt_bytes
 
+    if any(is_log(s, storage_options=storage_options(args)) for s in args.stores):
+        return main_log(args)
+    flag = first_given(args, LOG_ONLY)
+    if flag:
+        raise ConfigError(f"{flag} is for a training log; {args.stores[0]} is not one (a store's model is its job's)")
     spec = load_query_file(args.queries)
     data, groups = query_data(spec)
     options: dict[str, Any] = given_options(

@@ -1,24 +1,29 @@
 """``classgrad similarity STORE``: the class similarity matrix and top-k neighbours, or the
-top-k neighbours alone (never C x C) for large C, on Ray; prints a sample of the neighbours."""
+top-k neighbours alone (never C x C) for large C, on Ray; prints a sample of the neighbours.
+``classgrad similarity LOG --window W``: the same of one window of a training log, in this
+process (``log_similarity``), the matrix into ``--out FILE.npy``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from classgrad.service.commands import add_store_arguments, given_options, storage_options
+from classgrad.service.commands import add_store_arguments, first_given, given_options, storage_options
 
 HELP = (
     "compute each class's top-k most similar classes (cosine or dot) into the store, with the "
-    "C x C matrix when it takes at most 1 GiB (or --dense)"
+    "C x C matrix when it takes at most 1 GiB (or --dense); or those of one window of a training log (--window)"
 )
+# Options of a job's store that a training log does not take, and those only a log takes (dest, flag).
+STORE_ONLY = (("task_mb", "--task-mb"), ("address", "--address"), ("num_cpus", "--num-cpus"))
+LOG_ONLY = (("window", "--window"), ("out", "--out"))
 # Classes and neighbours per class shown in the printed sample.
 SAMPLE_ROWS = 5
 SAMPLE_NEIGHBOURS = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_store_arguments(parser)
+    add_store_arguments(parser, log=True)
     # Defaults live in SimilarityConfig; None here means "not given" (the help repeats them).
     parser.add_argument(
         "--top-k",
@@ -84,6 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--local", action="store_true", help="run the tasks one after another in this process instead of on Ray"
     )
     parser.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    log = parser.add_argument_group("a training log (GradLog) instead of a store: STORE is the log")
+    log.add_argument(
+        "--window",
+        metavar="W",
+        help="the window whose rows (each class's row summed over the window's steps) are compared "
+        "(default: the last done one); computed in this process, the log is not written",
+    )
+    log.add_argument(
+        "--out",
+        metavar="FILE.npy",
+        help="write the window's C x C matrix there (a local .npy file, written strip by strip; needs the "
+        "matrix: at most 1 GiB, or --dense); default: only the neighbours are printed",
+    )
 
 
 def sample_lines(store, summary: dict, rows: int = SAMPLE_ROWS, shown: int = SAMPLE_NEIGHBOURS) -> list[str]:
@@ -94,7 +112,14 @@ def sample_lines(store, summary: dict, rows: int = SAMPLE_ROWS, shown: int = SAM
         return []
     n = min(rows, store.num_classes)
     index, value = store.similarity_neighbours(range(n))
-    ids, names = store.class_ids, store.class_names
+    return neighbour_lines(index, value, store.class_ids, store.class_names, summary, shown)
+
+
+def neighbour_lines(index, value, ids, names, summary: dict, shown: int = SAMPLE_NEIGHBOURS) -> list[str]:
+    """``sample_lines`` of the neighbour table's first rows ``index``/``value``."""
+    k, n = summary["top_k"], len(index)
+    if not k:
+        return []
 
     def label(row: int) -> str:
         return f"{ids[row]}" + (f" ({names[row]})" if names else "")
@@ -107,11 +132,59 @@ def sample_lines(store, summary: dict, rows: int = SAMPLE_ROWS, shown: int = SAM
     return lines
 
 
-def main(args: argparse.Namespace) -> int:
-    from classgrad.service.analysis.similarity import compute_similarity
-    from classgrad.store import open_store
+def main_log(args: argparse.Namespace) -> int:
+    """``classgrad similarity LOG``: one window's similarity (``log_similarity.window_similarity``)."""
+    from classgrad.errors import ConfigError
+    from classgrad.service.analysis.log_similarity import window_similarity
     from classgrad.units import fmt_bytes
 
+    flag = first_given(args, STORE_ONLY)
+    if flag:
+        raise ConfigError(f"{flag} is for a job's store; {args.store} is a training log, compared in this process")
+    result = window_similarity(
+        args.store,
+        args.window,
+        out=args.out,
+        storage_options=storage_options(args),
+        **given_options(args, "metric", "top_k", "dense", "block_rows", "band_cols", "block_mb", "precision"),
+    )
+    summary = result.summary
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    C, (a, b) = summary["num_classes"], summary["steps"]
+    what = (
+        f"the {C:,} x {C:,} matrix and the top-{summary['top_k']} neighbours per class"
+        if summary["dense"]
+        else f"the top-{summary['top_k']} neighbours per class (no {C:,} x {C:,} matrix)"
+    )
+    where = f", matrix written to {summary['out']}" if summary["out"] else ""
+    print(
+        f"similarity  {summary['metric']} of {C} classes x {summary['dim']}, window {summary['window']} (steps "
+        f"{a}-{b - 1}) of {args.store}: {what}{where}"
+    )
+    print(
+        f"strips      {summary['tasks']} of <= {summary['block_rows']} rows, bands of {summary['band_cols']} columns, "
+        f"in this process, {summary['seconds']:.1f} s, {fmt_bytes(summary['read_bytes'])} read"
+    )
+    n = min(SAMPLE_ROWS, C)
+    for line in neighbour_lines(result.index[:n], result.value[:n], range(C), None, summary):
+        print(line)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    from classgrad.errors import ConfigError
+    from classgrad.service.analysis.similarity import compute_similarity
+    from classgrad.store import open_store
+    from classgrad.store.grad_log import is_log
+    from classgrad.units import fmt_bytes
+
+    if is_log(args.store, storage_options=storage_options(args)):
+        return main_log(args)
+    flag = first_given(args, LOG_ONLY)
+    if flag:
+        raise ConfigError(f"{flag} is for a training log; {args.store} is not one")
     summary = compute_similarity(
         args.store,
         storage_options=storage_options(args),

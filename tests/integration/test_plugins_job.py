@@ -68,4 +68,3 @@ def test_a_registered_structure_that_projects_in_the_backward_runs_and_resumes(t
         k: v for k, v in a.attrs["projection"].items() if k != "structure"
     }
     np.testing.assert_array_equal(a.rows(np.arange(48)), b.rows(np.arange(48)))
-

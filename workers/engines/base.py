@@ -114,6 +114,18 @@ class RowBlock:
 
 
 @dataclass
+class StepGrads:
+    """A training step served by the backward of its rows (the partitioned engine's hook path):
+    its objective ``sum_c weights[c] * L_c`` over the run's classes (host ``weights``, by class
+    id: a batch's mean loss is ``n_c / N``; the rows stay each class's own), and its gradient
+    ``[D]`` over the engine's whole layout, which the run's rules form from the same captures
+    (``grads``: None until a run of the hook path gave it)."""
+
+    weights: dict[int, float]
+    grads: torch.Tensor | None = None
+
+
+@dataclass
 class EngineStats:
     """Work counters, for tests and reports."""
 
@@ -131,6 +143,9 @@ class GradientEngine(ABC):
     """Computes rows of the per-class gradient matrix for any list of class ids."""
 
     name: ClassVar[str] = ""
+    # A training step whose gradient a run's backward also computes (only the partitioned
+    # engine's hook path serves one; ``classgrad.workers.training``'s logged step sets it).
+    step: StepGrads | None = None
 
     def __init__(
         self,

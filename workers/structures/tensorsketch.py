@@ -1,8 +1,8 @@
 """``projection.structure: tensorsketch`` (the default): every outer-product layer sketched inside
 the backward into one shared ``dim``-wide sketch of the row, the rest sketched after.
 
-Holds ``TensorSketchStructure``: the plan of its map (``projection.TensorSketchMap``: fixed by
-the layout and the seed, nothing measured; a store's record checked to match), its layer sums
+Holds ``TensorSketchStructure``: the plan of its map (``plan_map``, a ``projection.TensorSketchMap``:
+fixed by the layout and the seed, nothing measured; a store's record checked to match), its layer sums
 (``layer_rules.sketch_sums``: Linear-like layers' factors, an embedding table's lookups), and
 what a store's record says: the placement, the caveat of the old hashed placement (issue 44),
 ``classgrad inspect``'s line.
@@ -11,11 +11,12 @@ what a store's record says: the placement, the caveat of the old hashed placemen
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
+from classgrad.store.params import ParamSlot
 from classgrad.workers.engines.layer_rules import sketch_sums
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 from classgrad.workers.projection.chunked_sketch import HASHED
@@ -26,6 +27,23 @@ from classgrad.workers.structures.registration import register_structure
 log = logging.getLogger(__name__)
 
 
+def plan_map(
+    slots: Sequence[ParamSlot], modules: dict[str, nn.Module], covered: set[str], options: ProjectionOptions
+) -> TensorSketchMap:
+    """The map of rows of ``slots``, ``covered``: the modules the hook path handles (units for
+    those of a sketchable type). Fixed by the layout and the seed: a training log plans it once
+    from the model (``GradLog``), an engine per job."""
+    return TensorSketchMap.plan(
+        slots,
+        modules,
+        covered,
+        dim=options.dim,
+        seed=options.seed,
+        nonzeros=options.sketch_nonzeros,
+        record=options.record,
+    )
+
+
 class TensorSketchStructure(ProjectionStructure):
     name = "tensorsketch"
     in_backward = True
@@ -34,15 +52,7 @@ class TensorSketchStructure(ProjectionStructure):
     def plan(
         self, engine: ProjectedEngine, options: ProjectionOptions, modules: dict[str, nn.Module], covered: set[str]
     ) -> TensorSketchMap:
-        kmap = TensorSketchMap.plan(
-            engine.full_layout.slots,
-            modules,
-            covered,
-            dim=options.dim,
-            seed=options.seed,
-            nonzeros=options.sketch_nonzeros,
-            record=options.record,
-        )
+        kmap = plan_map(engine.full_layout.slots, modules, covered, options)
         log.info(
             "tensorsketch projection: %d layers sketched in the backward, rest of %d parameters, into %d columns",
             len(kmap.units),

@@ -5,10 +5,11 @@ Holds:
   as a Hugging Face model's forward or a Lightning dict batch holds it) split into the model's
   inputs (the tensors of a sample a row) and its labels; None without a ``labels`` tensor.
 - ``log_step``: one step's rows of such a batch at the model's current parameters (before the
-  optimizer steps), by ``PerClassGradScaler.step_batch(..., update_grad=False)``, added into a
-  ``GradLog`` with the optimizer's learning rate; the step's own gradients and the model's
-  buffers (BatchNorm's running statistics, which the rows' pass would move a second time) are
-  put back after the pass, so that the training is the one without the log.
+  optimizer steps), by ``GradLog.add_batch`` (sketched inside a backward of their own where the
+  model allows, else ``PerClassGradScaler.step_batch(..., update_grad=False)``), with the
+  optimizer's learning rate; the step's own gradients (``add_batch`` leaves them) and the
+  model's buffers (BatchNorm's running statistics, which the rows' pass would move a second
+  time) are put back after the pass, so that the training is the one without the log.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from torch import nn
 
 from classgrad.workers.training.grad_log import GradLog
-from classgrad.workers.training.scaler import PerClassGradScaler
 
 
 def labelled_batch(batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
@@ -40,25 +40,18 @@ def labelled_batch(batch: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], t
 
 def log_step(
     log: GradLog,
-    scaler: PerClassGradScaler,
     model: nn.Module,
     inputs: Any,
     labels: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     step: int,
 ) -> None:
-    """Step ``step``'s rows of the batch ``(inputs, labels)`` at ``model``'s parameters into ``log``,
-    at the learning rate of ``optimizer``'s first group; ``.grad`` and buffers left as they were."""
-    keep = [p.grad for p in model.parameters()]  # the step's own gradients: not ours to touch
+    """Step ``step``'s rows of the batch ``(inputs, labels)`` at ``model``'s parameters into ``log``
+    (``GradLog.add_batch``: sketched inside a backward of their own where it can), at the learning
+    rate of ``optimizer``'s first group; ``.grad`` and buffers left as they were."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}  # BatchNorm: moved once, by the step
     with torch.enable_grad():  # a framework may call its hook under no_grad (an optimizer's step)
-        rows, class_ids = scaler.step_batch(
-            model, inputs, labels, optimizer, num_classes=log.num_classes, update_grad=False
-        )
-    for p, g in zip(model.parameters(), keep):
-        p.grad = g
+        log.add_batch(step, model, inputs, labels, optimizer)
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
-    counts = torch.bincount(labels.cpu(), minlength=log.num_classes)[class_ids]
-    log.add(step, rows, class_ids, lr=optimizer.param_groups[0]["lr"], counts=counts)

@@ -1,14 +1,18 @@
 """``GradLog``: a training run's per-class gradient rows, summed over windows of steps into a store.
 
-Holds ``GradLog``. Each step's rows (``PerClassGradScaler.step_batch`` returns them with their
-class ids) are projected (``dim`` columns, a sparse sign sketch of the whole row: the same map
-for every step, so a window's sum is the projection of the summed rows) and added into one
-``C x dim`` accumulator on the rows' device, with their learning-rate-weighted copy, the classes'
-sample counts and loss sums. When a step falls in the next window the finished window is copied
-to the host, written (``classgrad.store.grad_log``) and only then marked done. Memory stays one
-accumulator pair whatever the number of steps. A run restarted from a checkpoint at step ``s``
-(a window boundary) passes ``start_step=s``: the windows from ``s`` on are dropped and
-recomputed, never doubled.
+Holds ``GradLog``. A step's rows reach it three ways: ``step`` (the training step and its rows
+from one forward and one backward, the rows sketched inside it: ``sketched_rows``), ``add_batch``
+(a batch's rows at the current parameters, sketched inside a backward of their own: what a
+framework's callback logs) and ``add`` (whole rows, e.g. ``PerClassGradScaler.step_batch``'s,
+sketched after). The map is one ``tensorsketch`` map of the model's layout (``dim`` columns,
+planned once: the same for every step and every way in, so a window's sum is the map of the
+summed rows; logs made before 2026-12-05 resume with ``structure="sketch"``, a sparse sign
+sketch of whole rows). Rows go into one ``C x dim`` accumulator on the model's device, with
+their learning-rate-weighted copy, the classes' sample counts and loss sums. When a step falls in
+the next window the finished window is copied to the host, written (``classgrad.store.grad_log``)
+and only then marked done. Memory stays one accumulator pair whatever the number of steps. A run
+restarted from a checkpoint at step ``s`` (a window boundary) passes ``start_step=s``: the windows
+from ``s`` on are dropped and recomputed, never doubled.
 
 Under ``torch.distributed`` (one ``GradLog`` per rank, each given its own batch's rows and
 counts) a step's rows are weighted by each rank's share of the class's samples in the step (the
@@ -17,14 +21,14 @@ over ranks before rank 0 alone writes it: the log equals one process's over the 
 batches (each class's row of a step is the mean over all its samples in the step).
 
 A Hugging Face or Lightning ``Trainer`` fills one through its callback (``hf_callback``,
-``lightning_callback``). Not yet here (issue 48): rows from the training step's own backward
-without a second pass, ``score``/``plot`` on a log.
+``lightning_callback``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +38,11 @@ from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
 from classgrad.store.grad_log import GradLogStore, LogSpec, open_log
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions
+from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector
+from classgrad.workers.training.batch_rows import batch_loss_vector
+from classgrad.workers.training.scaler import PerClassGradScaler
+from classgrad.workers.training.sketched_rows import STRUCTURE as LOG_STRUCTURE
+from classgrad.workers.training.sketched_rows import LogMap
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +50,10 @@ log = logging.getLogger(__name__)
 class GradLog:
     """Per-class rows of every step, summed over windows of ``window`` steps into ``url``.
 
-    ``dim``: the stored width (a sketch of each row; None: whole rows); ``params``: the name
-    patterns of the parameters in a row (as ``per_class_gradients``); ``start_step``: the step
-    a resumed run starts at (a multiple of ``window``; windows from there on are recomputed)."""
+    ``dim``: the stored width (a sketch of each row; None: whole rows); ``structure``: the map
+    (``tensorsketch``, or ``sketch`` for a log made before it); ``params``: the name patterns of
+    the parameters in a row (as ``per_class_gradients``); ``start_step``: the step a resumed run
+    starts at (a multiple of ``window``; windows from there on are recomputed)."""
 
     def __init__(
         self,
@@ -55,6 +64,7 @@ class GradLog:
         window: int = 10,
         dim: int | None = 4096,
         seed: int = 0,
+        structure: str = "tensorsketch",
         params: Sequence[str] | None = None,
         start_step: int = 0,
         storage_options: dict | None = None,
@@ -68,15 +78,23 @@ class GradLog:
                 "from a checkpoint at a window boundary (a window's steps never come from two runs)"
             )
         self.layout = ParamLayout.from_model(model, include=list(params or ()))
+        self.params = list(params or ())
+        self._row_scaler = PerClassGradScaler(num_classes=num_classes)  # the routes without the map
         self.num_classes = num_classes
         self.window = window
-        self.projector = None
+        self.projector: RowProjector | None = None
+        self.map: LogMap | None = None  # rows sketched inside a backward (``step``, ``add_batch``)
         record = None
-        if dim is not None:
-            config = ProjectionConfig.model_validate({"dim": dim, "seed": seed, "structure": FALLBACK_STRUCTURE})
+        if dim is not None and structure == LOG_STRUCTURE:
+            self.projector = self.map = LogMap(model, self.layout, dim=dim, seed=seed)
+        elif dim is not None and structure == FALLBACK_STRUCTURE:  # logs made before 2026-12-05
+            config = ProjectionConfig.model_validate({"dim": dim, "seed": seed, "structure": structure})
             options = ProjectionOptions.resolve(config)
             assert options is not None  # a dim is given
             self.projector = options.finished_projector(self.layout.slots, self.layout.dim)
+        elif dim is not None:
+            raise InputError(f"GradLog: structure must be {LOG_STRUCTURE} or {FALLBACK_STRUCTURE}, got {structure!r}")
+        if self.projector is not None:
             record = self.projector.describe()
         width = self.layout.dim if self.projector is None else self.projector.out_dim
         spec = LogSpec(
@@ -117,13 +135,134 @@ class GradLog:
         """Step ``step``'s rows ``[k, D]`` of ``class_ids`` (distinct), at learning rate ``lr``;
         ``counts``: each class's samples in the step (default 1); ``losses``: each class's mean
         loss in the step (its sum over the class's samples is logged)."""
-        if step <= self._last_step:
-            raise InputError(f"GradLog: step {step} after step {self._last_step}: steps must increase")
         if rows.ndim != 2 or rows.shape[1] != self.layout.dim or len(rows) != len(class_ids):
             raise InputError(
                 f"GradLog: rows must be [len(class_ids), {self.layout.dim}], got {list(rows.shape)} "
                 f"for {len(class_ids)} class ids"
             )
+        projected = rows.float() if self.projector is None else self.projector.project(rows.float())
+        self._accumulate(step, projected, class_ids, lr, counts, losses)
+
+    def step(
+        self,
+        step: int,
+        model: nn.Module,
+        inputs: Any,
+        labels: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        *,
+        clip_grad: float | None = None,
+        output: str | int | None = None,
+    ) -> float:
+        """Training step ``step`` on the batch ``(inputs, labels)``, logged: the gradient of the
+        batch's mean cross-entropy into ``.grad`` (added, as ``backward`` does: zero it first),
+        clipped to ``clip_grad`` (total norm), the optimizer's step (skipped, with a warning,
+        when a loss or row is not finite), and each class's row (the mean cross-entropy of its
+        samples, at the step's parameters) into the log at the optimizer's learning rate. The
+        batch's mean loss is returned (NaN for a skipped step).
+
+        With a sketched log (``dim``, structure ``tensorsketch``) and a model that treats samples
+        independently (no dropout or train-mode BatchNorm) outside fp16, one forward and one
+        backward serve both: the rows are sketched inside it (``sketched_rows``). Otherwise the
+        batch takes ``PerClassGradScaler``'s general route (one forward, VJPs of the class
+        losses), whose rows are then sketched whole by the same map."""
+        lr = float(optimizer.param_groups[0]["lr"])
+        params = self.layout.parameters(model)
+        if len(params) != sum(1 for p in model.parameters() if p.requires_grad):
+            raise InputError(
+                "GradLog.step trains every trainable parameter, and this log's rows hold some (params=...): "
+                "take the step yourself and log its rows with add_batch"
+            )
+        batch = None
+        if self.map is not None:
+            batch = self.map.rows(model, inputs, labels, num_classes=self.num_classes, output=output, step=True)
+        if batch is None:
+            return self._general_step(step, model, inputs, labels, optimizer, lr, clip_grad, output)
+        total = int(batch.counts.sum())
+        if not batch.finite:
+            log.warning("training log: step %d has a non-finite loss or row: optimizer step skipped, not logged", step)
+            return float("nan")
+        if clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad)
+        optimizer.step()
+        self._accumulate(step, batch.rows, batch.class_ids, lr, batch.counts, batch.losses)
+        return float((batch.losses.double() * batch.counts).sum() / total)
+
+    def add_batch(
+        self,
+        step: int,
+        model: nn.Module,
+        inputs: Any,
+        labels: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        *,
+        output: str | int | None = None,
+    ) -> None:
+        """Step ``step``'s rows of the batch ``(inputs, labels)`` at ``model``'s parameters, at the
+        learning rate of ``optimizer``'s first group, without stepping: what a framework's
+        callback logs before its optimizer steps. Sketched inside a backward of their own (no
+        whole row formed) where ``step`` would be; else by ``PerClassGradScaler.step_batch``.
+        ``.grad`` is left as it was."""
+        lr = float(optimizer.param_groups[0]["lr"])
+        if self.map is not None:
+            batch = self.map.rows(model, inputs, labels, num_classes=self.num_classes, output=output)
+            if batch is not None:
+                if batch.finite:
+                    self._accumulate(step, batch.rows, batch.class_ids, lr, batch.counts, batch.losses)
+                return
+        keep = [p.grad for p in model.parameters()]
+        rows, ids = self._row_scaler.step_batch(
+            model, inputs, labels, optimizer, num_classes=self.num_classes, update_grad=False, output=output
+        )
+        for p, g in zip(model.parameters(), keep):
+            p.grad = g
+        counts = torch.bincount(labels.detach().cpu(), minlength=self.num_classes)[ids]
+        self.add(step, rows, ids, lr=lr, counts=counts)
+
+    def _general_step(
+        self,
+        step: int,
+        model: nn.Module,
+        inputs: Any,
+        labels: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        lr: float,
+        clip_grad: float | None,
+        output: str | int | None,
+    ) -> float:
+        """``step`` by ``PerClassGradScaler``'s general route: one forward of the batch as given,
+        the class losses' rows by VJPs, the step on their count-weighted sum (the batch's mean)."""
+        loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=self.num_classes, output=output)
+        counts = torch.bincount(labels.detach().cpu(), minlength=self.num_classes)[class_ids]
+        weights = counts.double() / counts.sum()
+        rows = self._row_scaler(
+            loss,
+            optimizer,
+            model=model,
+            clip_grad=clip_grad,
+            aggregate=weights.to(loss.device, loss.dtype),
+            params=self.params or None,
+            class_ids=class_ids,
+        )
+        if self._row_scaler.found_inf:
+            log.warning("training log: step %d has a non-finite loss or row: optimizer step skipped, not logged", step)
+            return float("nan")
+        losses = loss.detach().cpu()
+        self.add(step, rows, class_ids, lr=lr, counts=counts, losses=losses)
+        return float((losses.double() * counts).sum() / counts.sum())
+
+    def _accumulate(
+        self,
+        step: int,
+        projected: torch.Tensor,
+        class_ids: torch.Tensor,
+        lr: float,
+        counts: torch.Tensor | None,
+        losses: torch.Tensor | None,
+    ) -> None:
+        """Step ``step``'s stored-width rows of ``class_ids`` into the window's sums."""
+        if step <= self._last_step:
+            raise InputError(f"GradLog: step {step} after step {self._last_step}: steps must increase")
         w = step // self.window
         if self._current is not None and w != self._current:
             self._write()
@@ -132,7 +271,6 @@ class GradLog:
         self._last_step = step
         self._steps = (self._steps[0], step + 1)
         ids = class_ids.to(self.device, torch.int64)
-        projected = rows.float() if self.projector is None else self.projector.project(rows.float())
         n = torch.ones(len(ids), dtype=torch.int64, device=self.device) if counts is None else counts.to(self.device)
         if self.distributed:  # each rank's row weighted by its share of the class's samples
             total = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device).index_add_(0, ids, n.long())

@@ -3,15 +3,16 @@
 Holds ``GradLogCallback``, a ``transformers.TrainerCallback`` that attaches to an unmodified
 ``Trainer``: a forward pre-hook on the model keeps the training batch of the step (its inputs
 and ``labels``); before the optimizer steps (``on_pre_optimizer_step``, at the step's
-parameters) the batch's per-class rows (mean cross-entropy of each class present) come from
-``PerClassGradScaler.step_batch(..., update_grad=False)`` and go into the log with the step's
-learning rate (``callback_step``, shared with the Lightning callback); the log is closed at the
-end of training and resumes at the trainer's ``global_step`` when training resumes from a
-checkpoint (a multiple of the log's window).
+parameters) the batch's per-class rows (mean cross-entropy of each class present) go into the
+log with the step's learning rate (``callback_step.log_step``, shared with the Lightning
+callback: ``GradLog.add_batch``, sketched inside a backward of their own where the model
+allows); the log is closed at the end of training and resumes at the trainer's ``global_step``
+when training resumes from a checkpoint (a multiple of the log's window).
 
-The rows take a pass of their own over the batch (not yet from the step's own backward: issue
-48), in the model's training mode; the step's gradients and the model's buffers (BatchNorm's
-running statistics, which that pass would move a second time) are put back after it. With active
+The rows take a pass of their own over the batch (the Trainer's backward is its own; a plain
+loop gets both from one with ``GradLog.step``), in the model's training mode; the step's
+gradients and the model's buffers (BatchNorm's running statistics, which that pass would move a
+second time) are put back after it. With active
 dropout the pass draws its own masks, which moves the RNG the training then uses (with dropout
 off, the training is untouched). Refused in one line at the start: gradient accumulation (the
 log takes one batch a step), label smoothing (the Trainer then keeps the labels from the
@@ -31,7 +32,6 @@ from transformers import TrainerCallback
 from classgrad.errors import InputError
 from classgrad.workers.training.callback_step import labelled_batch, log_step
 from classgrad.workers.training.grad_log import GradLog
-from classgrad.workers.training.scaler import PerClassGradScaler
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ class GradLogCallback(TrainerCallback):
         self.log: GradLog | None = None
         self._batch: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
         self._hook: Any = None
-        self._scaler = PerClassGradScaler(num_classes=num_classes)
         self._warned = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
@@ -80,7 +79,7 @@ class GradLogCallback(TrainerCallback):
             return
         inputs, labels = self._batch
         self._batch = None
-        log_step(self.log, self._scaler, kw["model"], inputs, labels, kw["optimizer"], state.global_step)
+        log_step(self.log, kw["model"], inputs, labels, kw["optimizer"], state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self._hook is not None:

@@ -33,7 +33,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from classgrad.errors import InputError
 from classgrad.workers.training.callback_step import labelled_batch, log_step
 from classgrad.workers.training.grad_log import GradLog
-from classgrad.workers.training.scaler import PerClassGradScaler
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,6 @@ class GradLogLightningCallback(Callback):
         self.log_options = log_options
         self.log: GradLog | None = None
         self._batch: tuple[Any, torch.Tensor] | None = None
-        self._scaler = PerClassGradScaler(num_classes=num_classes)
         self._warned = False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -96,7 +94,7 @@ class GradLogLightningCallback(Callback):
             return
         inputs, labels = self._batch
         self._batch = None
-        log_step(self.log, self._scaler, pl_module, inputs, labels, optimizer, trainer.global_step)
+        log_step(self.log, pl_module, inputs, labels, optimizer, trainer.global_step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.log is not None:

@@ -3,8 +3,11 @@
 Holds ``LogSpec`` (what a log records, checked on every reopen so a resumed run never mixes
 rows of another model, projection or window), ``open_log`` (a new log at ``url``, or the one
 there reopened after its spec is compared), ``GradLogStore`` (a window's arrays written, then
-marked done; the windows done; a resume that drops the windows at and after a step) and
-``read_log`` (the done windows' arrays, for a reader).
+marked done; the windows done; a resume that drops the windows at and after a step), and for
+readers ``is_log`` (whether a path holds a log: what tells the commands a log from a job's
+store), ``LogReader`` with ``open_log_reader`` (the spec, the done windows, one done window's
+arrays read in blocks; a window not done, or past the arrays, refused in one line) and
+``read_log`` (the done windows' arrays at once).
 
 Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, dims in each array's
 ``dimension_names``). Window ``w`` covers steps ``[w * window, (w + 1) * window)``:
@@ -29,7 +32,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from classgrad.errors import StoreError, StoreMismatchError
+from classgrad.errors import StoreError, StoreIncompleteError, StoreMismatchError
 
 SPEC_ATTR = "grad_log"
 DONE_ATTR = "done_windows"
@@ -172,17 +175,72 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
     return GradLogStore(group, spec, url)
 
 
+def is_log(url: str, *, storage_options: dict | None = None) -> bool:
+    """Whether ``url`` holds a training log: a Zarr group with the spec attribute ``open_log``
+    writes (False for a job's store, another group, or nothing readable there)."""
+    try:
+        group = zarr.open_group(url, mode="r", storage_options=storage_options or None, use_consolidated=False)
+    except Exception:  # noqa: BLE001 - whatever is there (or is not), it is not a log
+        return False
+    return isinstance(group.attrs.get(SPEC_ATTR), dict)
+
+
+class LogReader:
+    """A log opened for reading: ``spec``, ``done`` (the windows to read), ``held`` (the windows
+    the arrays hold, done or not) and ``read`` (one done window of one array, or a block of it)."""
+
+    def __init__(self, group: zarr.Group, spec: LogSpec, url: str):
+        self.group = group
+        self.spec = spec
+        self.url = url
+        self.done = _done(group)  # once: the attribute a writer may be changing is read one time
+        self.held = int(_array(group, "steps").shape[0])
+        self.row_chunk = int(_array(group, "grads").chunks[1])
+
+    def check_window(self, w: int) -> None:
+        """One line unless window ``w`` is done: past the arrays, or not (yet) marked done."""
+        done = ", ".join(str(d) for d in self.done) or "none"
+        if w < 0 or w >= self.held:
+            raise StoreError(
+                f"grad log {self.url}: window {w} is out of range (the log holds windows 0-{self.held - 1}; "
+                f"done: {done})"
+            )
+        if w not in self.done:
+            raise StoreIncompleteError(
+                f"grad log {self.url}: window {w} is not done (its steps were not all logged, or a resume "
+                f"dropped it; done windows: {done})"
+            )
+
+    def read(self, name: str, w: int, *index: slice | np.ndarray) -> np.ndarray:
+        """``name``'s values of done window ``w``; ``index``: a slice or integer array per other
+        dimension (each taken on its own, as ``numpy.ix_`` would)."""
+        self.check_window(w)
+        return np.asarray(_array(self.group, name).oindex[(w, *index)])
+
+
+def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogReader:
+    """The log at ``url`` opened for reading (one line if it cannot be read or is not a log)."""
+    try:
+        group = zarr.open_group(url, mode="r", storage_options=storage_options or None, use_consolidated=False)
+    except Exception as exc:  # noqa: BLE001 - any backend's failure: one line naming the log
+        raise StoreError(f"grad log {url}: cannot be read ({type(exc).__name__}: {exc})") from None
+    recorded = group.attrs.get(SPEC_ATTR)
+    if not isinstance(recorded, dict):
+        raise StoreError(f"grad log {url}: not a classgrad grad log (no {SPEC_ATTR!r} attribute)")
+    try:
+        spec = LogSpec(**recorded)
+    except TypeError:
+        raise StoreError(
+            f"grad log {url}: its recorded spec is not one this classgrad reads ({_short(recorded)})"
+        ) from None
+    return LogReader(group, spec, url)
+
+
 def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.ndarray]:
     """The done windows of the log at ``url``: ``window`` (their indices) and each array of the
     layout, restricted to them (a window written but not marked done is left out)."""
-    try:
-        group = zarr.open_group(url, mode="r", storage_options=storage_options)
-    except Exception as exc:  # noqa: BLE001 - any backend's failure: one line naming the log
-        raise StoreError(f"grad log {url}: cannot be read ({type(exc).__name__}: {exc})") from None
-    if SPEC_ATTR not in group.attrs:
-        raise StoreError(f"grad log {url}: not a classgrad grad log (no {SPEC_ATTR!r} attribute)")
-    done = _done(group)
-    out = {"window": np.asarray(done, dtype=np.int64)}
+    reader = open_log_reader(url, storage_options=storage_options)
+    out = {"window": np.asarray(reader.done, dtype=np.int64)}
     for name in DIMS:
-        out[name] = np.asarray(_array(group, name)[:])[done]
+        out[name] = np.asarray(_array(reader.group, name)[:])[reader.done]
     return out

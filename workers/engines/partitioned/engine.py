@@ -251,6 +251,8 @@ class PartitionedEngine(GradientEngine):
         """Rows into ``dest[where]``, overflowed (fp16) rows recomputed: (losses, scales, recomputed)."""
         k = len(classes)
         first = torch.full((k,), self.precision.first_scale, dtype=torch.float32)
+        if self.step is not None:  # the step's class weights scale the losses; rows are unscaled
+            first *= torch.tensor([self.step.weights[c] for c in classes], dtype=torch.float32)
         values, finite = self._rows_into(classes, first, dest, where)
         if bool(finite.all()):  # the common case: no row needs a second look
             return values, first, torch.zeros(k, dtype=torch.bool)

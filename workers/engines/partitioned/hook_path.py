@@ -84,6 +84,8 @@ class HookPath:
         self.formats = ImageFormat(engine.model)
         self.projections: dict = {}  # weight name -> Kronecker unit: rows projected inside the backward
         self._last_plan: RunPlan | None = None
+        # The plan's layers at the full layout's columns (``_step_gradient``), made once.
+        self._full_layers: dict[nn.Module, dict[str, ParamSlot]] | None = None
 
     def summary(self) -> str:
         """Which parameters this path handles and how (for the engine's one log line)."""
@@ -215,7 +217,39 @@ class HookPath:
             if isinstance(c, UnitCall):
                 self._unit_grads(c, found, plan, sink, total)
         sink.zero_unwritten(eng.layout.slots)  # no path to the loss in this run
+        if eng.step is not None and eng.step.grads is None:
+            # The first run's (the step's whole batch; a later one is the spot check's subset).
+            eng.step.grads = self._step_gradient(captured, found, plan, live)
         return values, torch.stack([sink.certainly_finite(), loss_finite])
+
+    def _step_gradient(
+        self, captured: list, found: dict[int, torch.Tensor], plan: RunPlan, live: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """``[D]`` (the full layout's columns): the gradient of the run's objective itself, the
+        step's (``engine.step``): the same rules over the same captures with the run's samples as
+        one class, their output gradients as the weighted objective left them (no ``inv``), into
+        whole columns (the rows may be projected). What the backward that stops at the layers'
+        outputs does not form; for a Linear layer one ``G^T X``, as autograd's own would be."""
+        eng = self.engine
+        full = getattr(eng, "full_layout", eng.layout)  # a projected engine's rows are its work row
+        if self._full_layers is None:
+            by_name = {s.name: s for s in full.slots}
+            self._full_layers = {
+                m: {kind: by_name[s.name] for kind, s in slots.items()} for m, slots in self.plan.layers.items()
+            }
+        total = plan.grid.total
+        grid = ClassGrid.build((total,), plan.grid.dtype, plan.grid.owner.device)
+        whole = RunPlan(plan.classes[:1], plan.counts.new_tensor([total]), plan.indices, grid, None, None)
+        row = torch.empty(1, full.dim, dtype=eng.row_dtype, device=eng.device)
+        sink = ClassRows(row)
+        for c in captured:
+            if isinstance(c, Captured):
+                self._rule_sums(c, found.get(id(c.output)), whole, sink, total, live.get(id(c)), self._full_layers)
+        for c in captured:
+            if isinstance(c, UnitCall):
+                self._unit_grads(c, found, whole, sink, total, self._full_layers)
+        sink.zero_unwritten(full.slots)
+        return row[0]
 
     def _live_tokens(self, captured: list, found: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """On the CPU's routes, for every layer call whose rule reads ``seen.live``: its live
@@ -238,8 +272,10 @@ class HookPath:
         sink: ClassRows,
         total: int,
         live: torch.Tensor | None,
+        layers: dict[nn.Module, dict[str, ParamSlot]] | None = None,
     ) -> None:
-        """One call of a layer with a rule: its per-class sums into the rows."""
+        """One call of a layer with a rule: its per-class sums into the rows (at ``layers``'
+        columns: default the plan's)."""
         if g is None:
             return
         if c.inputs.shape[0] != total or g.shape[0] != total:
@@ -248,7 +284,9 @@ class HookPath:
         if plan.inv is not None:
             g = g.to(grid.dtype) * plan.inv[grid.owner].view(-1, *[1] * (g.ndim - 1))
         self.plan.rules[c.module].sums(
-            c.module, LayerCapture(c.inputs.detach(), g, grid, live), sink.for_layer(self.plan.layers[c.module])
+            c.module,
+            LayerCapture(c.inputs.detach(), g, grid, live),
+            sink.for_layer((layers or self.plan.layers)[c.module]),
         )
 
     def _unit_grads(
@@ -258,15 +296,17 @@ class HookPath:
         plan: RunPlan,
         sink: ClassRows,
         total: int,
+        layers: dict[nn.Module, dict[str, ParamSlot]] | None = None,
     ) -> None:
-        """One call of a module-VJP unit: a VJP of the module alone, per class, into the rows."""
+        """One call of a module-VJP unit: a VJP of the module alone, per class, into the rows (at
+        ``layers``' columns: default the plan's)."""
         eng, grid, inv = self.engine, plan.grid, plan.inv
         mine = {id(t): found[id(t)] for t in c.targets if id(t) in found}
         if not mine:
             return
         if any(batch_dim(g, total, c.module) is None for g in mine.values()):
             raise NotLocal(c.module, f"an output of {type(c.module).__name__} has no per-sample dimension")
-        slots = self.plan.layers[c.module]
+        slots = (layers or self.plan.layers)[c.module]
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), (c.args, c.kwargs))
         low = eng.precision.dtype != "fp32"
         with eng.precision.autocast(eng.device), NormInFloat32() if low else contextlib.nullcontext():
