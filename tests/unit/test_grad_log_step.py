@@ -18,6 +18,7 @@ from torch import nn
 from classgrad import GradLog, per_class_gradients
 from classgrad.errors import InputError
 from classgrad.store import read_log
+from classgrad.store.grad_log import GradLogStore
 from tests.support import grad_log_run as run
 
 
@@ -110,3 +111,31 @@ def test_a_step_of_a_log_of_some_parameters_is_refused(tmp_path):
     log = GradLog(str(tmp_path / "log.zarr"), model, run.C, dim=run.DIM, params=["2.*"])
     with pytest.raises(InputError, match="trains every trainable parameter"):
         log.step(0, model, *run.batch(0), opt)
+
+
+def test_windows_written_in_the_background_are_the_same_windows(tmp_path, monkeypatch):
+    """The writer thread (the default on a GPU) writes what the steps' own writes would, marks a
+    window done only after its arrays, and a failed write surfaces at ``close``."""
+    stored = {}
+    for background in (False, True):
+        model, opt = run.fresh()
+        url = str(tmp_path / f"log{background}.zarr")
+        with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, background=background) as log:
+            for step in range(5):
+                opt.zero_grad()
+                log.step(step, model, *run.batch(step), opt)
+        stored[background] = read_log(url)
+    for name, value in stored[False].items():
+        # The same steps in the same process, shapes and order: the same bits.
+        np.testing.assert_array_equal(stored[True][name], value)
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(GradLogStore, "write_window", broken)
+    model, opt = run.fresh()
+    log = GradLog(str(tmp_path / "broken.zarr"), model, run.C, window=1, dim=run.DIM, background=True)
+    log.step(0, model, *run.batch(0), opt)
+    log.step(1, model, *run.batch(1), opt)  # window 0's write fails on the writer thread
+    with pytest.raises(OSError, match="disk full"):
+        log.close()

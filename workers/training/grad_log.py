@@ -7,12 +7,14 @@ framework's callback logs) and ``add`` (whole rows, e.g. ``PerClassGradScaler.st
 sketched after). The map is one ``tensorsketch`` map of the model's layout (``dim`` columns,
 planned once: the same for every step and every way in, so a window's sum is the map of the
 summed rows; logs made before 2026-12-05 resume with ``structure="sketch"``, a sparse sign
-sketch of whole rows). Rows go into one ``C x dim`` accumulator on the model's device, with
-their learning-rate-weighted copy, the classes' sample counts and loss sums. When a step falls in
-the next window the finished window is copied to the host, written (``classgrad.store.grad_log``)
-and only then marked done. Memory stays one accumulator pair whatever the number of steps. A run
-restarted from a checkpoint at step ``s`` (a window boundary) passes ``start_step=s``: the windows
-from ``s`` on are dropped and recomputed, never doubled.
+sketch of whole rows). Rows go into one ``C x dim`` accumulator on the model's device, with their
+learning-rate-weighted copy, the classes' sample counts and loss sums. When a step falls in the
+next window the finished window is copied to the host, written (``classgrad.store.grad_log``) and
+only then marked done (``window_sums``: on a GPU behind the next window's steps, on a writer
+thread).
+Memory stays one accumulator pair (two with the writer thread) whatever the number of steps. A
+run restarted from a checkpoint at step ``s`` (a window boundary) passes ``start_step=s``: the
+windows from ``s`` on are dropped and recomputed, never doubled.
 
 Under ``torch.distributed`` (one ``GradLog`` per rank, each given its own batch's rows and
 counts) a step's rows are weighted by each rank's share of the class's samples in the step (the
@@ -43,6 +45,7 @@ from classgrad.workers.training.batch_rows import batch_loss_vector
 from classgrad.workers.training.scaler import PerClassGradScaler
 from classgrad.workers.training.sketched_rows import STRUCTURE as LOG_STRUCTURE
 from classgrad.workers.training.sketched_rows import LogMap
+from classgrad.workers.training.window_sums import WindowSums
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,10 @@ class GradLog:
     ``dim``: the stored width (a sketch of each row; None: whole rows); ``structure``: the map
     (``tensorsketch``, or ``sketch`` for a log made before it); ``params``: the name patterns of
     the parameters in a row (as ``per_class_gradients``); ``start_step``: the step a resumed run
-    starts at (a multiple of ``window``; windows from there on are recomputed)."""
+    starts at (a multiple of ``window``; windows from there on are recomputed); ``background``:
+    a finished window is written while the next one's steps run (``window_sums``; two sets of
+    sums in memory), else the step that ends a window waits for its write (default: in the
+    background when the model is on a GPU)."""
 
     def __init__(
         self,
@@ -69,6 +75,7 @@ class GradLog:
         start_step: int = 0,
         storage_options: dict | None = None,
         overwrite: bool = False,
+        background: bool | None = None,
     ):
         if not isinstance(window, int) or window < 1:
             raise InputError(f"GradLog: window must be an integer >= 1, got {window!r}")
@@ -114,13 +121,13 @@ class GradLog:
         if self.distributed:
             dist.barrier()  # the log exists, resumed, before any rank adds to it
         self.device = next(model.parameters()).device
-        self._current: int | None = None  # the window being summed
-        self._steps = (0, 0)
         self._last_step = start_step - 1
-        self._sums = torch.zeros(num_classes, width, device=self.device)
-        self._lr_sums = torch.zeros_like(self._sums)
-        self._count = torch.zeros(num_classes, dtype=torch.int64, device=self.device)
-        self._loss = torch.zeros(num_classes, dtype=torch.float64, device=self.device)
+        # On a GPU the host's cores are free to write while the device computes; on a CPU the
+        # writer competes with the step's own threads (2 cores: each step slower, window 1 and 10).
+        background = self.device.type != "cpu" if background is None else background
+        self.windows = WindowSums(
+            self.store, num_classes, width, self.device, distributed=self.distributed, background=background
+        )
 
     def add(
         self,
@@ -263,60 +270,20 @@ class GradLog:
         """Step ``step``'s stored-width rows of ``class_ids`` into the window's sums."""
         if step <= self._last_step:
             raise InputError(f"GradLog: step {step} after step {self._last_step}: steps must increase")
-        w = step // self.window
-        if self._current is not None and w != self._current:
-            self._write()
-        if self._current is None:
-            self._current, self._steps = w, (step, step)
+        self.windows.start(step // self.window, step)
         self._last_step = step
-        self._steps = (self._steps[0], step + 1)
         ids = class_ids.to(self.device, torch.int64)
         n = torch.ones(len(ids), dtype=torch.int64, device=self.device) if counts is None else counts.to(self.device)
         if self.distributed:  # each rank's row weighted by its share of the class's samples
             total = torch.zeros(self.num_classes, dtype=torch.int64, device=self.device).index_add_(0, ids, n.long())
             dist.all_reduce(total)
             projected = projected * (n.double() / total[ids].double()).float().unsqueeze(1)
-        # The class ids of a step are distinct: each index is added once, in any order, exactly.
-        self._sums.index_add_(0, ids, projected)
-        self._lr_sums.index_add_(0, ids, projected * lr)
-        self._count.index_add_(0, ids, n.to(torch.int64))
-        if losses is not None:
-            self._loss.index_add_(0, ids, losses.detach().to(self.device, torch.float64) * n.to(torch.float64))
+        self.windows.add(ids, projected, lr, n, losses)
 
     def close(self) -> None:
-        """Write the window in progress (a last, shorter window at the end of training)."""
-        if self._current is not None:
-            self._write()
-
-    def _write(self) -> None:
-        assert self._current is not None
-        w = self._current
-        if self.distributed:
-            for t in (self._sums, self._lr_sums, self._count, self._loss):
-                dist.all_reduce(t)
-        if self.store is not None:  # rank 0 (or the one process) writes it
-            self._write_window(w)
-        if self.distributed:
-            dist.barrier()  # every rank goes on once the window is written and marked done
-        self._reset()
-
-    def _write_window(self, w: int) -> None:
-        assert self.store is not None
-        self.store.write_window(
-            w,
-            self._sums.cpu().numpy(),
-            self._lr_sums.cpu().numpy(),
-            self._count.cpu().numpy(),
-            self._loss.cpu().numpy(),
-            self._steps,
-        )
-        self.store.mark_done(w)  # after its chunks are written: a crash before leaves it absent
-        log.debug("grad log: window %d (steps %d-%d) written", w, self._steps[0], self._steps[1] - 1)
-
-    def _reset(self) -> None:
-        for t in (self._sums, self._lr_sums, self._count, self._loss):
-            t.zero_()
-        self._current = None
+        """Write the window in progress (a last, shorter window at the end of training) and wait
+        for every write."""
+        self.windows.close()
 
     def __enter__(self) -> GradLog:
         return self
