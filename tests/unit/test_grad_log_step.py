@@ -139,3 +139,18 @@ def test_windows_written_in_the_background_are_the_same_windows(tmp_path, monkey
     log.step(1, model, *run.batch(1), opt)  # window 0's write fails on the writer thread
     with pytest.raises(OSError, match="disk full"):
         log.close()
+
+
+def test_a_step_under_torch_distributed_is_refused(tmp_path, monkeypatch):
+    """DistributedDataParallel averages gradients in its own backward, which ``step`` does not
+    run: a rank's step would follow its own batch alone."""
+    from types import SimpleNamespace
+
+    from classgrad.workers.training import grad_log
+
+    one_rank = SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 0)
+    monkeypatch.setattr(grad_log, "dist", SimpleNamespace(**vars(one_rank), barrier=lambda: None))
+    model, opt = run.fresh()
+    log = GradLog(str(tmp_path / "log.zarr"), model, run.C, dim=run.DIM)
+    with pytest.raises(InputError, match="DistributedDataParallel averages the gradient"):
+        log.step(0, model, *run.batch(0), opt)

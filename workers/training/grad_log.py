@@ -173,6 +173,11 @@ class GradLog:
         backward serve both: the rows are sketched inside it (``sketched_rows``). Otherwise the
         batch takes ``PerClassGradScaler``'s general route (one forward, VJPs of the class
         losses), whose rows are then sketched whole by the same map."""
+        if self.distributed:
+            raise InputError(
+                "GradLog.step under torch.distributed: DistributedDataParallel averages the gradient in its own "
+                "backward, which this step does not run: take the step yourself and log with add_batch"
+            )
         lr = float(optimizer.param_groups[0]["lr"])
         params = self.layout.parameters(model)
         if len(params) != sum(1 for p in model.parameters() if p.requires_grad):
