@@ -49,8 +49,8 @@ def test_a_logged_step_trains_as_a_plain_step_and_logs_its_rows(tmp_path, monkey
     """One backward (an MLP in eval mode: the sketched route) or the general route (train-mode
     dropout couples nothing but draws masks: the route that runs the batch as given)."""
     general = []
-    route = GradLog._general_step
-    monkeypatch.setattr(GradLog, "_general_step", lambda self, *a: general.append(a[0]) or route(self, *a))
+    route = GradLog._general
+    monkeypatch.setattr(GradLog, "_general", lambda self, *a, **k: general.append(a[0]) or route(self, *a, **k))
     model, plain = run.fresh()[0], run.fresh()[0]
     if dropout:  # p = 0: the same numbers as without, by the general route
         model = nn.Sequential(*model, nn.Dropout(0.0)).train()
@@ -154,3 +154,68 @@ def test_a_step_under_torch_distributed_is_refused(tmp_path, monkeypatch):
     log = GradLog(str(tmp_path / "log.zarr"), model, run.C, dim=run.DIM)
     with pytest.raises(InputError, match="DistributedDataParallel averages the gradient"):
         log.step(0, model, *run.batch(0), opt)
+
+
+def test_a_skewed_batch_of_several_runs_steps_on_its_whole_gradient(tmp_path, monkeypatch):
+    """A class with most of the batch runs alone, and small groups split the rest (``GROUP_BYTES``
+    lowered: groups of 16 classes, as 1,000s of classes make them at dim 4,096): the step's
+    gradient adds every run's part, the losses every block's."""
+    from classgrad.workers.engines.partitioned import engine
+
+    monkeypatch.setattr(engine, "GROUP_BYTES", 1)
+    classes = 40
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, classes)).eval()
+    plain = copy.deepcopy(model)
+    opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=run.LR) for m in (model, plain))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(60, 8, generator=g)
+    y = torch.cat([torch.zeros(31, dtype=torch.long), torch.arange(1, 30)])  # class 0: over half
+    means = []
+    with GradLog(str(tmp_path / "log.zarr"), model, classes, window=4, dim=run.DIM) as log:
+        for step in range(3):
+            opt.zero_grad()
+            loss = log.step(step, model, x, y, opt)
+            means.append(loss)
+            plain_opt.zero_grad()
+            want = F.cross_entropy(plain(x), y)
+            want.backward()
+            plain_opt.step()
+            # The batch's mean as the classes' means weighted by their counts: fp32 roundings.
+            assert loss == pytest.approx(float(want), rel=1e-6)
+    for a, b in zip(model.parameters(), plain.parameters()):
+        # As in the balanced test: the rules' gradient against autograd's, fp32 roundings.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    stored = read_log(str(tmp_path / "log.zarr"))
+    assert stored["count"][0].sum() == 3 * len(y)
+    # Every block's class losses, times their counts: the steps' mean losses times the batch
+    # (float64 sums of float32 losses).
+    assert stored["loss_sum"][0].sum() == pytest.approx(sum(means) * len(y), rel=1e-9)
+
+
+def test_non_finite_batches_are_not_logged_and_leave_gradients(tmp_path, caplog):
+    model, opt = run.fresh()
+    x, y = run.batch(0)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with GradLog(str(tmp_path / "log.zarr"), model, run.C, window=run.WINDOW, dim=run.DIM) as log:
+        log.add_batch(0, model, bad, y, opt)
+        log.add_batch(1, model, x, y, opt)
+    assert "step 0 has a non-finite loss or row: not logged" in caplog.text
+    stored = read_log(str(tmp_path / "log.zarr"))
+    np.testing.assert_array_equal(stored["count"][0], np.bincount(y.numpy(), minlength=run.C))
+    assert np.isfinite(stored["grads"]).all()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_resumed_log_keeps_the_map_it_was_written_with(tmp_path):
+    model, opt = run.fresh()
+    url = str(tmp_path / "log.zarr")
+    with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, structure="sketch") as log:
+        log.step(0, model, *run.batch(0), opt)
+        log.step(1, model, *run.batch(1), opt)
+    again = GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, start_step=2)  # structure unset
+    assert again.map is None and again.projector.describe()["structure"] == "sketch"
+    again.close()
+    fresh = GradLog(str(tmp_path / "new.zarr"), model, run.C, dim=run.DIM)
+    assert fresh.projector.describe()["structure"] == "tensorsketch"

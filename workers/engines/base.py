@@ -118,8 +118,8 @@ class StepGrads:
     """A training step served by the backward of its rows (the partitioned engine's hook path):
     its objective ``sum_c weights[c] * L_c`` over the run's classes (host ``weights``, by class
     id: a batch's mean loss is ``n_c / N``; the rows stay each class's own), and its gradient
-    ``[D]`` over the engine's whole layout, which the run's rules form from the same captures
-    (``grads``: None until a run of the hook path gave it)."""
+    ``[D]`` over the engine's whole layout, which each run's rules form from the same captures
+    and add up over the runs (``grads``: None until a run of the hook path gave its part)."""
 
     weights: dict[int, float]
     grads: torch.Tensor | None = None

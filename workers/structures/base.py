@@ -25,7 +25,7 @@ under an earlier default resumes with the map it was written with.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -62,7 +62,7 @@ class ProjectionOptions:
     dense_layers: tuple[str, ...]
     per_param: bool
     fallback: bool = False
-    record: dict[str, Any] | None = None
+    record: dict[str, Any] | None = field(default=None, hash=False)  # a dict: not part of the hash
 
     @classmethod
     def resolve(cls, config: ProjectionConfig | None, record: Any = None) -> ProjectionOptions | None:

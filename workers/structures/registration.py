@@ -25,7 +25,7 @@ def register_structure(structure: ProjectionStructure, *, replace: bool = False)
     if not structure.in_backward and cls.finished is ProjectionStructure.finished:
         raise ValueError(f"projection structure {name!r} needs a projector of finished rows (finished)")
     for family, sums in structure.layer_sums().items():
-        register_projected_sums(family, structure.unit_family or name, sums)
+        register_projected_sums(family, structure.unit_family or name, sums, replace=replace)
     STRUCTURES[name] = structure
     STRUCTURE_NAMES.add(name, *(("in_backward",) if structure.in_backward else ()))
     return structure

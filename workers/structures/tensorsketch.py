@@ -62,7 +62,11 @@ class TensorSketchStructure(ProjectionStructure):
         return kmap
 
     def layer_sums(self) -> Mapping[str, LayerSums]:
-        return {"outer": sketch_sums.sketched_outer_sums, "embedding": sketch_sums.sketched_table_sums}
+        return {
+            "outer": sketch_sums.sketched_outer_sums,
+            "embedding": sketch_sums.sketched_table_sums,
+            "entries": sketch_sums.sketched_entry_sums,
+        }
 
     def label(self, record: Mapping[str, Any]) -> str:
         return f"{self.name}, {record.get('placement', HASHED)} placement"

@@ -38,13 +38,13 @@ from torch import nn
 
 from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
-from classgrad.store.grad_log import GradLogStore, LogSpec, open_log
+from classgrad.store.grad_log import GradLogStore, LogSpec, is_log, open_log, open_log_reader
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector
+from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector, recorded_structure
 from classgrad.workers.training.batch_rows import batch_loss_vector
 from classgrad.workers.training.scaler import PerClassGradScaler
 from classgrad.workers.training.sketched_rows import STRUCTURE as LOG_STRUCTURE
-from classgrad.workers.training.sketched_rows import LogMap
+from classgrad.workers.training.sketched_rows import BatchRows, LogMap
 from classgrad.workers.training.window_sums import WindowSums
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class GradLog:
     """Per-class rows of every step, summed over windows of ``window`` steps into ``url``.
 
     ``dim``: the stored width (a sketch of each row; None: whole rows); ``structure``: the map
-    (``tensorsketch``, or ``sketch`` for a log made before it); ``params``: the name patterns of
+    (``tensorsketch``, or ``sketch``, a log made before it; None: a resumed log's own, else
+    ``tensorsketch``); ``params``: the name patterns of
     the parameters in a row (as ``per_class_gradients``); ``start_step``: the step a resumed run
     starts at (a multiple of ``window``; windows from there on are recomputed); ``background``:
     a finished window is written while the next one's steps run (``window_sums``; two sets of
@@ -70,7 +71,7 @@ class GradLog:
         window: int = 10,
         dim: int | None = 4096,
         seed: int = 0,
-        structure: str = "tensorsketch",
+        structure: str | None = None,
         params: Sequence[str] | None = None,
         start_step: int = 0,
         storage_options: dict | None = None,
@@ -92,6 +93,8 @@ class GradLog:
         self.projector: RowProjector | None = None
         self.map: LogMap | None = None  # rows sketched inside a backward (``step``, ``add_batch``)
         record = None
+        if dim is not None and structure is None:  # a log being resumed keeps its map
+            structure = (None if overwrite else _recorded_structure(url, storage_options)) or LOG_STRUCTURE
         if dim is not None and structure == LOG_STRUCTURE:
             self.projector = self.map = LogMap(model, self.layout, dim=dim, seed=seed)
         elif dim is not None and structure == FALLBACK_STRUCTURE:  # logs made before 2026-12-05
@@ -189,16 +192,13 @@ class GradLog:
         if self.map is not None:
             batch = self.map.rows(model, inputs, labels, num_classes=self.num_classes, output=output, step=True)
         if batch is None:
-            return self._general_step(step, model, inputs, labels, optimizer, lr, clip_grad, output)
-        total = int(batch.counts.sum())
-        if not batch.finite:
-            log.warning("training log: step %d has a non-finite loss or row: optimizer step skipped, not logged", step)
-            return float("nan")
+            return self._general(step, model, inputs, labels, optimizer, lr, output, train=True, clip_grad=clip_grad)
+        if not self._log_batch(step, batch, lr):
+            return float("nan")  # the optimizer's step skipped too, as GradScaler skips it
         if clip_grad is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_grad)
         optimizer.step()
-        self._accumulate(step, batch.rows, batch.class_ids, lr, batch.counts, batch.losses)
-        return float((batch.losses.double() * batch.counts).sum() / total)
+        return float((batch.losses.double() * batch.counts).sum() / batch.counts.sum())
 
     def add_batch(
         self,
@@ -213,25 +213,29 @@ class GradLog:
         """Step ``step``'s rows of the batch ``(inputs, labels)`` at ``model``'s parameters, at the
         learning rate of ``optimizer``'s first group, without stepping: what a framework's
         callback logs before its optimizer steps. Sketched inside a backward of their own (no
-        whole row formed) where ``step`` would be; else by ``PerClassGradScaler.step_batch``.
-        ``.grad`` is left as it was."""
+        whole row formed) where ``step`` would be; else by ``PerClassGradScaler``'s general
+        route. ``.grad`` is left as it was; a batch with a non-finite loss or row is not logged
+        (a warning says so)."""
         lr = float(optimizer.param_groups[0]["lr"])
-        if self.map is not None:
-            batch = self.map.rows(model, inputs, labels, num_classes=self.num_classes, output=output)
-            if batch is not None:
-                if batch.finite:
-                    self._accumulate(step, batch.rows, batch.class_ids, lr, batch.counts, batch.losses)
-                return
-        keep = [p.grad for p in model.parameters()]
-        rows, ids = self._row_scaler.step_batch(
-            model, inputs, labels, optimizer, num_classes=self.num_classes, update_grad=False, output=output
+        batch = (
+            None
+            if self.map is None
+            else self.map.rows(model, inputs, labels, num_classes=self.num_classes, output=output)
         )
-        for p, g in zip(model.parameters(), keep):
-            p.grad = g
-        counts = torch.bincount(labels.detach().cpu(), minlength=self.num_classes)[ids]
-        self.add(step, rows, ids, lr=lr, counts=counts)
+        if batch is None:
+            self._general(step, model, inputs, labels, optimizer, lr, output, train=False)
+        else:
+            self._log_batch(step, batch, lr)
 
-    def _general_step(
+    def _log_batch(self, step: int, batch: BatchRows, lr: float) -> bool:
+        """A batch's sketched rows into the log; False (logged as an empty step) when not finite."""
+        if not batch.finite:
+            self._skip(step, lr)
+            return False
+        self._accumulate(step, batch.rows, batch.class_ids, lr, batch.counts, batch.losses)
+        return True
+
+    def _general(
         self,
         step: int,
         model: nn.Module,
@@ -239,29 +243,44 @@ class GradLog:
         labels: torch.Tensor,
         optimizer: torch.optim.Optimizer,
         lr: float,
-        clip_grad: float | None,
         output: str | int | None,
+        *,
+        train: bool,
+        clip_grad: float | None = None,
     ) -> float:
-        """``step`` by ``PerClassGradScaler``'s general route: one forward of the batch as given,
-        the class losses' rows by VJPs, the step on their count-weighted sum (the batch's mean)."""
+        """``PerClassGradScaler``'s general route: one forward of the batch as given, the class
+        losses' rows by VJPs, logged; with ``train`` the step on their count-weighted sum (the
+        batch's mean loss). The batch's mean loss (NaN when not finite: nothing stepped or logged)."""
         loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=self.num_classes, output=output)
         counts = torch.bincount(labels.detach().cpu(), minlength=self.num_classes)[class_ids]
-        weights = counts.double() / counts.sum()
-        rows = self._row_scaler(
+        weights = (counts.double() / counts.sum()).to(loss.device, loss.dtype)
+        scaler = self._row_scaler
+        rows = scaler(
             loss,
             optimizer,
             model=model,
             clip_grad=clip_grad,
-            aggregate=weights.to(loss.device, loss.dtype),
+            update_grad=train,
+            aggregate=weights,
             params=self.params or None,
             class_ids=class_ids,
         )
-        if self._row_scaler.found_inf:
-            log.warning("training log: step %d has a non-finite loss or row: optimizer step skipped, not logged", step)
+        # Without the step the scaler reads no sum of the rows: one read of their finiteness here.
+        if scaler.found_inf if train else not bool(torch.isfinite(rows).all()):
+            self._skip(step, lr)
             return float("nan")
         losses = loss.detach().cpu()
         self.add(step, rows, class_ids, lr=lr, counts=counts, losses=losses)
         return float((losses.double() * counts).sum() / counts.sum())
+
+    def _skip(self, step: int, lr: float) -> None:
+        """Step ``step`` had a non-finite loss or row: logged with no rows (under
+        ``torch.distributed`` every rank still takes part in the step's count reduction)."""
+        log.warning("training log: step %d has a non-finite loss or row: not logged", step)
+        none = torch.zeros(0, dtype=torch.int64)
+        self._accumulate(
+            step, torch.zeros(0, self.windows.sums.rows.shape[1], device=self.device), none, lr, none, None
+        )
 
     def _accumulate(
         self,
@@ -296,3 +315,13 @@ class GradLog:
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
             self.close()
+        else:  # the window in progress is not written (its steps are recomputed on resume)
+            self.windows.abort()
+
+
+def _recorded_structure(url: str, storage_options: dict | None) -> str | None:
+    """The structure of the log already at ``url`` (None: no log there, or whole rows)."""
+    if not is_log(url, storage_options=storage_options):
+        return None
+    record = open_log_reader(url, storage_options=storage_options).spec.projection
+    return recorded_structure(record)

@@ -125,20 +125,23 @@ class LogMap:
             log.debug("training log: the hook path does not take this batch (%s)", exc)
             return None
         total = len(labels)
-        engine.step = StepGrads({int(c): int(n) / total for c, n in zip(class_ids, counts)})
+        if step:
+            engine.step = StepGrads({int(c): int(n) / total for c, n in zip(class_ids, counts)})
         rows = torch.empty(len(class_ids), self.dim, device=device)
         losses = torch.empty(len(class_ids))
         finite = True
         with torch.autocast(device.type, enabled=False):  # the engine's own autocast, forward only
             try:
+                done = 0
                 for block in engine.iter_blocks(class_ids.tolist(), out=rows):
-                    losses[: len(block)] = block.loss  # one block: the group holds every class
+                    losses[done : done + len(block)] = block.loss
+                    done += len(block)
             except NonFiniteError:  # a non-finite loss or row: the step is skipped, as GradScaler would
                 finite = False
             except ClassgradError as exc:  # the hook path failed on this batch (ProjectionRefused)
                 log.debug("training log: the hook path does not take this batch (%s)", exc)
                 return None
-        gradient = engine.step.grads
+        gradient = engine.step.grads if engine.step is not None else None
         if step and finite:
             if gradient is None:  # another path took the run: no step gradient from it
                 return None

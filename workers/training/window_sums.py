@@ -67,9 +67,12 @@ class WindowSums:
         self._spare = _Sums(num_classes, width, device) if background else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grad-log-writer") if background else None
         self._pending: Future | None = None
+        self._failed: BaseException | None = None  # a write that failed: every later use raises it
 
     def start(self, window: int, step: int) -> None:
         """Step ``step`` belongs to ``window``: the window in progress, written first if another."""
+        if self._failed is not None:
+            raise self._failed
         if self.window is not None and window != self.window:
             self.finish()
         if self.window is None:
@@ -113,20 +116,33 @@ class WindowSums:
         """Until the write in flight is done (its error, if any, raised here)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._spare = pending.result()
+            try:
+                self._spare = pending.result()
+            except BaseException as exc:
+                self._failed = exc
+                raise
 
     def close(self) -> None:
         """Write the window in progress and wait for it."""
         try:
+            if self._failed is not None:
+                raise self._failed
             self.finish()
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the writer (training ended in an error): a write in flight finishes, so a done
+        window stays done; the window in progress is dropped, never marked done."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def _write_then_zero(self, w: int, steps: tuple[int, int], sums: _Sums) -> _Sums:
         self._write(w, steps, sums)
         sums.zero()
+        if sums.rows.is_cuda:  # zeroed before the steps add into it again, whatever stream they use
+            torch.cuda.current_stream(sums.rows.device).synchronize()
         return sums
 
     def _write(self, w: int, steps: tuple[int, int], sums: _Sums) -> None:

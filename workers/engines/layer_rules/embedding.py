@@ -30,7 +30,6 @@ from torch import nn
 
 from classgrad.workers.engines.layer_rules.registry import projected_sums, register_rule
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows, peak, sample_classes
-from classgrad.workers.engines.layer_rules.sketch_sums import sketch_entries, sketched_embedding_sums
 
 BAG_MODES = {"sum": 0, "mean": 1, "max": 2}  # torch.embedding_bag's mode numbers
 
@@ -122,15 +121,14 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
         found = winners >= 0
         features = torch.arange(H, device=idx.device).expand(total, H)
 
-        if out.projection is not None:  # TensorSketch: each winning entry into its buckets
+        if out.projection is not None:  # projected rows: each winning entry, by the unit's structure
             if module.padding_idx is not None:  # the padding row stays zero, as in the table
                 found = found & (winners != module.padding_idx)
             # Bag t's feature h won at row winners[t, h]: entry (winners[t, h], h) of its class.
-            rows = sketch_entries(
-                out.projection, out.k, classes, winners.clamp(min=0), features, (grads * found).to(grads.dtype)
+            values = (grads * found).to(grads.dtype)
+            projected_sums("entries", out.projection)(
+                out, out.projection, classes, winners.clamp(min=0), features, values
             )
-            out.bound_by_values(rows)
-            out.put("weight", rows)
             return
 
         def fill(table: torch.Tensor) -> None:
@@ -140,11 +138,10 @@ def embedding_bag_sums(module: nn.EmbeddingBag, seen: LayerCapture, out: LayerRo
     else:  # mean: each entry's share of its bag's gradient (padding entries count for nothing)
         keep = (idx != module.padding_idx) if module.padding_idx is not None else torch.ones_like(idx, dtype=torch.bool)
         share = keep.to(grads.dtype) / keep.sum(dim=1, keepdim=True).clamp(min=1).to(grads.dtype)
-        if out.projection is not None:  # TensorSketch: each entry's share into its buckets
+        if out.projection is not None:  # projected rows: each entry's share, by the unit's structure
             values = (grads.unsqueeze(1) * share.unsqueeze(2)).reshape(-1, H)  # one pass, no repeated copy
-            sketched_embedding_sums(
-                out, out.projection, classes.repeat_interleave(length), idx.reshape(-1), values, None
-            )
+            sums = projected_sums("entries", out.projection)
+            sums(out, out.projection, classes.repeat_interleave(length), idx.reshape(-1), None, values)
             return
 
         def fill(table: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ class TransposedLinearFactors(LinearFactors):
 
 
 def hf_conv1d_sums(module: nn.Module, seen: LayerCapture, out: LayerRows) -> None:
-    if out.projection is not None:  # Kronecker-projected: weight and bias at once (rows of [W; b^T])
+    if out.projection is not None:  # projected (any structure): weight and bias at once (rows of [W; b^T])
         class_outer_sums(TransposedLinearFactors(seen), out)
         return
     if out.wants("weight"):

@@ -139,12 +139,19 @@ def rule_for(module: nn.Module) -> LayerRule[Any] | None:
 
 # (layer family, the units' structure) -> the per-class sums of projected rows inside the backward
 # (``"outer"``: ``outer.OuterFactors`` of Linear-like layers, ``(factors, out, unit)``;
-# ``"embedding"``: an ``nn.Embedding``'s lookups, ``(module, seen, out, unit)``). Filled by each
-# structure's registration (``classgrad.workers.structures``), never here.
+# ``"embedding"``: an ``nn.Embedding``'s lookups, ``(module, seen, out, unit)``; ``"entries"``:
+# single entries of a class's weight matrix, an ``nn.EmbeddingBag``'s, ``(out, unit, classes,
+# rows, columns or None, values)``). Filled by each structure's registration
+# (``classgrad.workers.structures``), never here.
 PROJECTED_SUMS: dict[tuple[str, str], Callable[..., None]] = {}
 
 
-def register_projected_sums(family: str, structure: str, sums: Callable[..., None]) -> None:
+def register_projected_sums(family: str, structure: str, sums: Callable[..., None], *, replace: bool = False) -> None:
+    """``sums`` for ``family`` layers of units of ``structure``; another function already there is
+    refused (a plugin reusing a built-in's units shares its sums, it does not replace them)."""
+    held = PROJECTED_SUMS.get((family, structure))
+    if held is not None and held is not sums and not replace:
+        raise ValueError(f"projected sums of {family} layers for {structure!r} units are already registered")
     PROJECTED_SUMS[(family, structure)] = sums
 
 

@@ -441,7 +441,7 @@ class LayerRows:
     def bound_by_values(self, *values: torch.Tensor | None) -> None:
         """Values this layer writes, bounded by their largest magnitude (``peak``: one pass, read
         with the run's other bounds; NaN or inf when any entry is)."""
-        self.run.bounds.extend(peak(t) for t in values if t is not None)
+        self.run.bounds.extend(peak(t) for t in values if t is not None and t.numel())  # empty: nothing to bound
 
 
 def sample_classes(seen: LayerCapture) -> torch.Tensor:

@@ -185,6 +185,18 @@ def sketch_entries(
     return unit.combine(torch.sub(both[:, 0], both[:, 1]), into)
 
 
+def sketched_entry_sums(
+    out: LayerRows, unit: Any, cls: torch.Tensor, i: torch.Tensor, j: torch.Tensor | None, values: torch.Tensor
+) -> None:
+    """A weight given as entries (``sketch_entries``: ``values[t]`` at ``(i, j)`` of class
+    ``cls[t]``'s matrix; an ``nn.EmbeddingBag``'s), sketched into the layer's rows."""
+    target = out.fresh("weight")
+    rows = sketch_entries(unit, out.k, cls, i, j, values.to(out.run.rows.dtype), target)
+    out.bound_by_values(rows)
+    if target is None:
+        out.put("weight", rows)
+
+
 def sketched_embedding_sums(
     out: LayerRows, unit: Any, cls: torch.Tensor, ids: torch.Tensor, grads: torch.Tensor, weight: torch.Tensor | None
 ) -> None:

@@ -218,6 +218,8 @@ class PartitionedEngine(GradientEngine):
                 if not self._hooked.checked:
                     self._hooked.check(classes, scales, dest, where)
                 self._describe("hooks")
+                if bool(result[1].all()):  # bounded by the run's rules (and, once, checked)
+                    self.stats.bounded_rows += len(classes)
                 return result
             except ClassgradError:
                 raise

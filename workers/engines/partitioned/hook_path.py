@@ -158,9 +158,7 @@ class HookPath:
         values = losses.to(eng.row_dtype)
         if not bool(flags[1]):
             eng.check_finite_loss(values, plan.classes)
-        bounded = bool(flags[0])
-        eng.stats.bounded_rows += k if bounded else 0
-        return values, torch.full((k,), bounded, dtype=torch.bool)
+        return values, torch.full((k,), bool(flags[0]), dtype=torch.bool)
 
     def _run(self, plan: RunPlan, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The run's forward, backward and layer sums into ``rows``: its losses ``[k]`` and flags
@@ -217,9 +215,9 @@ class HookPath:
             if isinstance(c, UnitCall):
                 self._unit_grads(c, found, plan, sink, total)
         sink.zero_unwritten(eng.layout.slots)  # no path to the loss in this run
-        if eng.step is not None and eng.step.grads is None:
-            # The first run's (the step's whole batch; a later one is the spot check's subset).
-            eng.step.grads = self._step_gradient(captured, found, plan, live)
+        if eng.step is not None:  # each run's part of the step's objective: their sum is the step's
+            part = self._step_gradient(captured, found, plan, live)
+            eng.step.grads = part if eng.step.grads is None else eng.step.grads.add_(part)
         return values, torch.stack([sink.certainly_finite(), loss_finite])
 
     def _step_gradient(

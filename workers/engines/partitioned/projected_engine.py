@@ -61,8 +61,8 @@ class ProjectedEngine(PartitionedEngine):
     """
 
     def __init__(self, *args: Any, plan: MapPlan, structure: str, **kwargs: Any):
+        self.structure = structure  # before the engine's checks, whose refusals may name it
         super().__init__(*args, **kwargs)
-        self.structure = structure
         if self._hooked is None:
             raise ProjectionRefused(
                 f"{refusal(self.structure)}, which this model does not take (a selected parameter is outside "
