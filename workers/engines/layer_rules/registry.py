@@ -61,6 +61,7 @@ from typing import Any, Generic, TypeVar
 from torch import nn
 
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
+from classgrad.workers.projection.kronecker import KRONECKER_SHAPES, UnitShape
 
 # A rule's functions take modules of its own type (``LayerRule.module_type``).
 M = TypeVar("M", bound=nn.Module)
@@ -83,6 +84,11 @@ class LayerRule(Generic[M]):
     applies: AppliesFn[M] = _always
     kinds: tuple[str, ...] = ("weight", "bias")
     live_tokens: bool = False
+    # How the projection structures treat its weight: ``unit_shape(module) -> (a, b, input_first)``,
+    # the weight as ``[a, b]`` sums of outer products (a Kronecker or TensorSketch unit: its
+    # rule's sums go through ``outer.class_outer_sums``), or None for a layer that is not one
+    # (for the built-in types the table is ``projection.kronecker.KRONECKER_SHAPES``).
+    unit_shape: Callable[[Any], UnitShape | None] | None = None
 
 
 RULES: dict[type[nn.Module], LayerRule[Any]] = {}
@@ -98,6 +104,7 @@ def register_rule(
     applies: AppliesFn[M] | None = None,
     kinds: tuple[str, ...] = ("weight", "bias"),
     live_tokens: bool = False,
+    unit_shape: Callable[[Any], UnitShape | None] | None = None,
     replace: bool = False,
 ) -> Callable[[S], S]:
     """Register the decorated ``sums(module, seen, out)`` as the rule for ``module_type``.
@@ -105,7 +112,9 @@ def register_rule(
     ``applies(module)`` says why a given layer is outside the rule (None: it applies); ``kinds``
     are the parameter names the rule computes; ``live_tokens``: the rule reads ``seen.live``
     (on the CPU's routes the hook path then finds the live tokens of every such layer of a run
-    in one read). A type already registered needs ``replace=True``.
+    in one read); ``unit_shape``: how the projection structures treat the weight (``LayerRule``),
+    so that one registration says everything of the type. A type already registered needs
+    ``replace=True``.
     """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_rule needs an nn.Module subclass, got {module_type!r}")
@@ -116,7 +125,9 @@ def register_rule(
                 f"a layer rule for {module_type.__name__} is already registered "
                 f"({RULES[module_type].sums.__qualname__}); pass replace=True to change it"
             )
-        RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds), live_tokens)
+        RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds), live_tokens, unit_shape)
+        if unit_shape is not None:  # the maps' table of weight shapes (projection sits below the rules)
+            KRONECKER_SHAPES[module_type] = unit_shape
         return sums
 
     return decorate

@@ -1,0 +1,54 @@
+"""A layer type registered from outside with one ``register_rule`` call, its rule and how the
+projection structures treat its weight (``unit_shape``): under the default projection its weight
+is a TensorSketch unit sketched inside the backward, and the rows are the map of the exact rows."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from classgrad.workers.engines import ProjectedEngine, build_engine, projection_options
+from classgrad.workers.engines.layer_rules import RULES, register_rule
+from classgrad.workers.engines.layer_rules.linear import linear_sums
+from classgrad.workers.projection.kronecker import KRONECKER_SHAPES
+from tests.support.engine_cases import max_relative_error
+
+C = 5
+
+
+class Dense(nn.Module):
+    """A Linear layer the engines do not know (rules match exact types)."""
+
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(fan_out, fan_in) * 0.3)
+        self.bias = nn.Parameter(torch.randn(fan_out) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@pytest.fixture
+def dense_rule():
+    register_rule(Dense, live_tokens=True, unit_shape=lambda m: (*m.weight.shape, False))(linear_sums)
+    yield
+    RULES.pop(Dense)
+    KRONECKER_SHAPES.pop(Dense)
+
+
+def test_a_layer_registered_with_its_unit_shape_is_sketched_inside_the_backward(dense_rule):
+    torch.manual_seed(0)
+    model = nn.Sequential(Dense(6, 12), nn.Tanh(), Dense(12, C))
+    data = (torch.randn(15, 6), torch.arange(C).repeat(3))
+    eng = build_engine(model, data, num_classes=C, projection=projection_options({"dim": 32, "seed": 1}))
+    assert isinstance(eng, ProjectedEngine)
+    assert [u.weight.name for u in eng.kmap.units] == ["0.weight", "2.weight"] and not eng.kmap.rest
+    got = torch.cat([b.rows for b in eng.iter_blocks(range(C))])
+    ref = build_engine(copy.deepcopy(model).double(), data, num_classes=C, engine="reference")
+    want = eng.kmap.project_full(ref.compute(range(C)).rows.double())
+    # float32 rows sketched inside the backward against float64 rows sketched after.
+    assert max_relative_error(got, want) < 1e-5
