@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 from classgrad.errors import first_line
 from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
+from classgrad.workers.projection.tensor_sketch import UNIT_MATRICES
 
 UnitComputer = Callable[[nn.Module, tuple, dict, Any, ClassGrid, tuple[str, ...]], dict[str, torch.Tensor]]
 
@@ -62,9 +63,15 @@ WHOLE_UNIT_TYPES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.RNNBa
 
 
 def register_unit_computer(
-    module_type: type[nn.Module], *, replace: bool = False
+    module_type: type[nn.Module],
+    *,
+    unit_matrices: Callable[[Any], list[tuple[str, str | None]]] | None = None,
+    replace: bool = False,
 ) -> Callable[[UnitComputer], UnitComputer]:
-    """Register the decorated function as the unit computer for ``module_type`` (and subclasses)."""
+    """Register the decorated function as the unit computer for ``module_type`` (and subclasses);
+    ``unit_matrices(module)``: how the TensorSketch structure treats its parameters, the names
+    under the module of each weight matrix and its bias (None: none) that it sketches as one
+    ``[W | b]`` unit (the built-in types' table is ``projection.tensor_sketch.UNIT_MATRICES``)."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_unit_computer needs an nn.Module subclass, got {module_type!r}")
 
@@ -72,6 +79,8 @@ def register_unit_computer(
         if module_type in UNIT_COMPUTERS and not replace:
             raise ValueError(f"a unit computer for {module_type.__name__} is already registered; pass replace=True")
         UNIT_COMPUTERS[module_type] = fn
+        if unit_matrices is not None:  # the map's table (projection sits below the rules)
+            UNIT_MATRICES[module_type] = unit_matrices
         return fn
 
     return decorate
