@@ -44,6 +44,10 @@ from classgrad.workers.training.batch_rows import ambient_precision, check_label
 log = logging.getLogger(__name__)
 
 STRUCTURE = "tensorsketch"
+# A batch's run may pad its classes to this many batches (the engines' own micro-batches: 2), so
+# that a batch of many small classes (256 samples, 223 classes of up to 3) is one run: one
+# forward and one backward, not two half-batches.
+PADDED_BATCHES = 4
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,7 @@ class LogMap:
         except (ClassgradError, RuntimeError) as exc:
             log.debug("training log: the hook path does not take this batch (%s)", exc)
             return None
+        engine.padded_batches = PADDED_BATCHES
         total = len(labels)
         if step:
             engine.step = StepGrads({int(c): int(n) / total for c, n in zip(class_ids, counts)})

@@ -65,6 +65,9 @@ class PartitionedEngine(GradientEngine):
     """Forward+backward over each class's own samples; small classes split by hooks or vmap."""
 
     name = "partitioned"
+    # A run's padded footprint (classes x the largest one) in batches: more runs of fewer classes
+    # beyond it. A training step's rows (``workers.training``) take more, to keep one backward.
+    padded_batches = 2
     # The constructor refuses any loss that is not ``partitioned``: the ``PartitionedLoss`` family.
     loss: PartitionedLoss
 
@@ -312,7 +315,7 @@ class PartitionedEngine(GradientEngine):
             rows[empty.to(self.device)] = 0  # a class without samples has a zero gradient
         max_rows = self.block_rows or len(ids)
         if self._hooked is not None:  # runs of consecutive classes: rows land in place
-            runs, singles = plan_runs(sizes, self.probe.batch_size, max_rows)
+            runs, singles = plan_runs(sizes, self.probe.batch_size, max_rows, self.padded_batches)
             jobs = [list(range(a, b)) for a, b in runs]
         else:
             jobs, singles = plan_packs(sizes, self.probe.batch_size, max_rows)

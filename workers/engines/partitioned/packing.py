@@ -39,12 +39,14 @@ def plan_packs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[lis
     return packs, singles
 
 
-def plan_runs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[list[tuple[int, int]], list[int]]:
+def plan_runs(
+    sizes: torch.Tensor, batch_size: int, max_rows: int, padded_batches: int = 2
+) -> tuple[list[tuple[int, int]], list[int]]:
     """Split positions ``0..len(sizes)`` into runs of consecutive positions and single classes.
 
     A run holds at most ``batch_size`` samples and ``max_rows`` classes, and its padded
-    footprint ``K * max(size)`` (which only the per-class reduction pays) stays within two
-    batches. Classes bigger than half a batch go alone. Empty classes ride along in runs (their
+    footprint ``K * max(size)`` (which only the per-class reduction pays) stays within
+    ``padded_batches`` batches. Classes bigger than half a batch go alone. Empty classes ride along in runs (their
     rows come out zero). Returns ``(runs as (start, stop), singles)``.
     """
     runs: list[tuple[int, int]] = []
@@ -59,7 +61,7 @@ def plan_runs(sizes: torch.Tensor, batch_size: int, max_rows: int) -> tuple[list
             continue
         if start is not None:
             k = pos - start + 1
-            if total + n > batch_size or k > max_rows or k * max(width, n) > 2 * batch_size:
+            if total + n > batch_size or k > max_rows or k * max(width, n) > padded_batches * batch_size:
                 runs.append((start, pos))
                 start = None
         if start is None:
