@@ -167,6 +167,22 @@ def sample_lines(result, shown_queries: int = SAMPLE_QUERIES, shown: int = SAMPL
     return lines
 
 
+def _query_options(args: argparse.Namespace, spec: Any, groups: Any) -> dict[str, Any]:
+    """What both scores take of the query file and the command line: the query function, the
+    groups, how the query data is read, where and on which device."""
+    data = spec.data
+    return {
+        "fn": args.fn or spec.fn,
+        "groups": groups,
+        "storage_options": storage_options(args),
+        "device": args.device,
+        "batch_size": data.batch_size,
+        "label_field": data.label_field,
+        "collate": data.collate,
+        "pad_values": data.pad_values,
+    }
+
+
 def _model_kwargs(text: str | None) -> dict | None:
     from classgrad.errors import ConfigError
 
@@ -214,14 +230,7 @@ def main_log(args: argparse.Namespace) -> int:
         windows=args.windows,
         model_kwargs=_model_kwargs(args.model_kwargs),
         checkpoint=args.checkpoint,
-        fn=args.fn or spec.fn,
-        groups=groups,
-        storage_options=storage_options(args),
-        device=args.device,
-        batch_size=spec.data.batch_size,
-        label_field=spec.data.label_field,
-        collate=spec.data.collate,
-        pad_values=spec.data.pad_values,
+        **_query_options(args, spec, groups),
         **given_options(args, "top_k", "block_rows", "task_mb"),
     )
     info = result.info
@@ -273,16 +282,9 @@ def main(args: argparse.Namespace) -> int:
         args.stores,
         None,
         data,
-        fn=args.fn or spec.fn,
-        groups=groups,
         weights=_weights(args.weights),
         out=args.out,
-        storage_options=storage_options(args),
-        device=args.device,
-        batch_size=spec.data.batch_size,
-        label_field=spec.data.label_field,
-        collate=spec.data.collate,
-        pad_values=spec.data.pad_values,
+        **_query_options(args, spec, groups),
         **options,
     )
     info = result.info

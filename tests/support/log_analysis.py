@@ -1,10 +1,9 @@
 """Builders for the tests of the commands on a training log (``tests/unit/test_log_analysis.py``).
 
 Holds ``MODEL_KWARGS`` (``zoo.mlp``'s arguments of ``grad_log_run``'s model, for ``--model``),
-``whole_row_log`` (a log of whole rows, no sketch, over a few steps of ``grad_log_run``'s run),
-``query_rows64`` (float64 query rows by the reference engine, one example at a time, sketched by
-the map ``GradLog`` makes for the log's width and seed, checked equal to the log's record) and
-``check_png`` (a PNG of the expected pixel size that decodes and is not blank).
+``whole_row_log`` (a log of whole rows, no sketch, over a few steps of ``grad_log_run``'s run)
+and ``query_rows64`` (float64 query rows by the reference engine, one example at a time, sketched
+by the map ``GradLog`` makes for the log's width and seed, checked equal to the log's record).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import copy
 
 import numpy as np
 import torch
-from PIL import Image
 
 from classgrad import GradLog, PerClassGradScaler, per_class_gradients
 from tests.support import grad_log_run as run
@@ -54,12 +52,3 @@ def query_rows64(
     scratch = GradLog(scratch_url, model, run.C, window=run.WINDOW, dim=record["dim"], seed=record["seed"])
     assert scratch.projector is not None and scratch.projector.describe() == record  # the very map logged
     return scratch.projector.project(rows).double().numpy()
-
-
-def check_png(path: str, size: tuple[int, int]) -> None:
-    with Image.open(path) as image:
-        assert image.format == "PNG" and image.size == size
-        image.verify()  # the whole file decodes (CRCs of every chunk)
-    with Image.open(path) as image:
-        pixels = np.asarray(image.convert("L"))
-    assert pixels.std() > 10  # something was drawn, not a blank canvas

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from classgrad.service.analysis.inspect import inspect_store
 from classgrad.service.analysis.plot import (
@@ -20,16 +19,8 @@ from classgrad.service.analysis.plot import (
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.store import open_store
+from tests.support.png import check_png
 from tests.support.stores import dense_similarity, synthetic_store
-
-
-def check_png(path: str, size: tuple[int, int]) -> None:
-    with Image.open(path) as image:
-        assert image.format == "PNG" and image.size == size
-        image.verify()  # the whole file decodes (CRCs of every chunk)
-    with Image.open(path) as image:
-        pixels = np.asarray(image.convert("L"))
-    assert pixels.std() > 10  # something was drawn, not a blank canvas
 
 
 def test_pngs_with_computed_similarity(tmp_path):

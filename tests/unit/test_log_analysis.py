@@ -24,7 +24,8 @@ from classgrad.service.commands.cli import main as cli_main
 from classgrad.store.grad_log import SPEC_ATTR, is_log, read_log
 from tests.support import grad_log_run as run
 from tests.support.harness import error_lines
-from tests.support.log_analysis import MODEL_KWARGS, check_png, query_rows64, whole_row_log
+from tests.support.log_analysis import MODEL_KWARGS, query_rows64, whole_row_log
+from tests.support.png import check_png
 from tests.support.stores import dense_similarity, synthetic_store
 
 U = 2.0**-24  # float32 unit roundoff
