@@ -117,9 +117,10 @@ def test_another_run_is_refused_in_one_line(tmp_path):
         GradLog(str(tmp_path / "other.zarr"), model, run.C, window=0)
 
 
-def test_the_readme_training_run_snippet_runs(tmp_path, monkeypatch):
-    """The README's "Over a training run" snippet, after its "In a training loop" one (which
-    defines the model, batches and scaler), as written, in a scratch folder."""
+def test_the_readme_training_run_snippets_run(tmp_path, monkeypatch):
+    """The README's "Over a training run" snippets (the plain loop's log and the Lightning
+    callback's), after its "In a training loop" one (which defines the model, batches and
+    scaler), as written, in a scratch folder."""
     text = (REPO / "README.md").read_text()
 
     monkeypatch.chdir(tmp_path)
@@ -127,9 +128,10 @@ def test_the_readme_training_run_snippet_runs(tmp_path, monkeypatch):
     namespace: dict = {}
     for block in python_blocks(text, "## In a training loop")[:1] + python_blocks(text, "## Over a training run"):
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - our own docs
-    windows = namespace["windows"]
-    assert windows["window"].tolist() == [0, 1]  # 3 batches, windows of 2 steps
-    assert windows["grads"].shape == (2, 100, 256) and windows["count"].sum() == 3 * 64
+    for name in ("windows", "lightning_windows"):
+        windows = namespace[name]
+        assert windows["window"].tolist() == [0, 1]  # 3 batches, windows of 2 steps
+        assert windows["grads"].shape == (2, 100, 256) and windows["count"].sum() == 3 * 64
 
 
 def test_a_path_that_holds_another_zarr_group_is_not_made_a_log(tmp_path):

@@ -5,7 +5,6 @@ parameters, a fit resumed from a checkpoint resumes the log, and what it cannot 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,9 +18,7 @@ from classgrad.errors import InputError  # noqa: E402
 from classgrad.store import read_log  # noqa: E402
 from classgrad.workers import zoo  # noqa: E402
 from classgrad.workers.training.lightning_callback import GradLogLightningCallback  # noqa: E402
-from tests.support.docs import python_blocks  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 C = 4
 STEPS = 4
 WINDOW = 2
@@ -148,17 +145,3 @@ def test_what_it_cannot_log_is_refused_in_one_line(tmp_path):
     manual.automatic_optimization = False
     with pytest.raises(InputError, match="manual optimization"):
         _fit(manual, [callback])
-
-
-def test_the_readme_lightning_snippet_runs(tmp_path, monkeypatch):
-    """The README's "Over a training run" snippets, after its "In a training loop" one (which
-    defines the model and batches), as written, in a scratch folder."""
-    text = (REPO / "README.md").read_text()
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "stores").mkdir()
-    namespace: dict = {}
-    for block in python_blocks(text, "## In a training loop")[:1] + python_blocks(text, "## Over a training run"):
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - our own docs
-    windows = namespace["lightning_windows"]
-    assert windows["window"].tolist() == [0, 1]  # 3 batches, windows of 2 steps
-    assert windows["grads"].shape == (2, 100, 256) and windows["count"].sum() == 3 * 64

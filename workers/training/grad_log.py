@@ -92,20 +92,21 @@ class GradLog:
         self.window = window
         self.projector: RowProjector | None = None
         self.map: LogMap | None = None  # rows sketched inside a backward (``step``, ``add_batch``)
-        record = None
-        if dim is not None and structure is None:  # a log being resumed keeps its map
-            structure = (None if overwrite else _recorded_structure(url, storage_options)) or LOG_STRUCTURE
-        if dim is not None and structure == LOG_STRUCTURE:
-            self.projector = self.map = LogMap(model, self.layout, dim=dim, seed=seed)
-        elif dim is not None and structure == FALLBACK_STRUCTURE:  # logs made before 2026-12-05
+        if dim is not None:
+            # A log being resumed keeps its map; ``sketch``: logs made before 2026-12-05.
+            structure = structure or (None if overwrite else _recorded_structure(url, storage_options)) or LOG_STRUCTURE
+            if structure not in (LOG_STRUCTURE, FALLBACK_STRUCTURE):
+                raise InputError(
+                    f"GradLog: structure must be {LOG_STRUCTURE} or {FALLBACK_STRUCTURE}, got {structure!r}"
+                )
             config = ProjectionConfig.model_validate({"dim": dim, "seed": seed, "structure": structure})
             options = ProjectionOptions.resolve(config)
             assert options is not None  # a dim is given
-            self.projector = options.finished_projector(self.layout.slots, self.layout.dim)
-        elif dim is not None:
-            raise InputError(f"GradLog: structure must be {LOG_STRUCTURE} or {FALLBACK_STRUCTURE}, got {structure!r}")
-        if self.projector is not None:
-            record = self.projector.describe()
+            if structure == LOG_STRUCTURE:
+                self.projector = self.map = LogMap(model, self.layout, options)
+            else:
+                self.projector = options.finished_projector(self.layout.slots, self.layout.dim)
+        record = None if self.projector is None else self.projector.describe()
         width = self.layout.dim if self.projector is None else self.projector.out_dim
         spec = LogSpec(
             num_classes=num_classes,

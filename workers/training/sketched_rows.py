@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from classgrad.config import ProjectionConfig
 from classgrad.errors import ClassgradError, NonFiniteError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.base import StepGrads, samples_independent
@@ -63,12 +62,10 @@ class BatchRows:
 
 
 class LogMap:
-    """A log's TensorSketch map of ``model``'s rows (``layout``), ``dim`` columns from ``seed``."""
+    """A log's TensorSketch map of ``model``'s rows (``layout``): ``options``' ``dim`` columns
+    from its ``seed``."""
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, *, dim: int, seed: int, record: dict | None = None):
-        config = ProjectionConfig.model_validate({"dim": dim, "seed": seed, "structure": STRUCTURE})
-        options = ProjectionOptions.resolve(config, record)
-        assert options is not None  # a dim is given
+    def __init__(self, model: nn.Module, layout: ParamLayout, options: ProjectionOptions):
         plan = HookPlan.plan(model, layout)
         names = {m: n for n, m in model.named_modules()}
         # The modules the hook path handles get units; every other parameter is in the rest.
