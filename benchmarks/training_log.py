@@ -11,12 +11,19 @@ For an MLP (``--hidden``) over C classes, batches of ``--batch`` samples, round-
 - ``GradLog.step``: the step and its rows from one forward and one backward (the rows sketched
   inside it), into the same log.
 
+With ``--background`` also ``GradLog.step`` with its windows written on a writer thread (the
+default on a GPU). ``--parts`` prints instead where a logged step's time goes, per step: a plain
+forward and backward, the sketched rows with the step's gradient (``LogMap.rows(step=True)``:
+one forward and one backward), and one window's write (its two ``C x dim`` arrays, a quarter of
+the classes non-zero, as 10 steps of 256 samples leave them at C = 10,000), best of ``--reps``.
+
 Targets (issue 48): a logged step at most 1.5x ``plain`` with windows of 1 step, at most 1.1x
 amortised with windows of 10 (CPU). Prints ratios; asserts nothing. Each logged method opens its
 log (and plans its map) inside the timed run, as a training run does once.
 
     .venv/bin/python -m benchmarks.training_log                       # C = 1,000 and 10,000
     .venv/bin/python -m benchmarks.training_log --classes 1000 --window 1
+    .venv/bin/python -m benchmarks.training_log --parts --reps 5          # where a logged step's time goes
 """
 
 from __future__ import annotations
@@ -68,8 +75,9 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
                 rows, ids = scaler.step_batch(model, x, y, opt)
                 log.add(step, rows, ids, lr=1e-3, counts=torch.bincount(y, minlength=classes)[ids])
 
-    def one_backward(window: int) -> None:
-        with GradLog(f"{tmp.name}/log.zarr", model, classes, window=window, dim=args.dim, overwrite=True) as log:
+    def one_backward(window: int, background: bool | None = None) -> None:
+        path = f"{tmp.name}/log.zarr"
+        with GradLog(path, model, classes, window=window, dim=args.dim, overwrite=True, background=background) as log:
             for step, (x, y) in enumerate(batches):
                 opt.zero_grad()
                 log.step(step, model, x, y, opt)
@@ -78,6 +86,8 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
     for w in (int(v) for v in args.window.split(",")):
         methods[f"step_batch + add, window {w}"] = functools.partial(logged, w)
         methods[f"GradLog.step, window {w}"] = functools.partial(one_backward, w)
+        if args.background:
+            methods[f"GradLog.step, window {w}, writer thread"] = functools.partial(one_backward, w, True)
     timings = interleaved(methods, reps=args.reps)
     tmp.cleanup()
     base = timings["plain"].best
@@ -85,6 +95,37 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
         [f"{classes:,}", name, f"{t.best / args.steps * 1e3:.1f}", f"{t.best / base:.2f}"]
         for name, t in timings.items()
     ]
+
+
+def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
+    """Per step: a plain forward and backward, the sketched rows with the step's gradient, and
+    one window's write (not a step's: a tenth of it a step with windows of 10)."""
+    model, _, batches = _setup(classes, args.hidden, args.batch, 1)
+    x, y = batches[0]
+    tmp = tempfile.TemporaryDirectory()
+    log = GradLog(f"{tmp.name}/log.zarr", model, classes, window=1, dim=args.dim, overwrite=True)
+    assert log.map is not None and log.store is not None
+    g = torch.Generator().manual_seed(2)
+    present = torch.rand(classes, generator=g) < 0.25
+    sums = torch.randn(classes, args.dim, generator=g) * present.unsqueeze(1)
+    arrays = (sums.numpy(), sums.numpy(), present.long().numpy(), present.double().numpy())
+
+    def plain() -> None:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+
+    def rows() -> None:
+        model.zero_grad()
+        log.map.rows(model, x, y, num_classes=classes, step=True)
+
+    def write() -> None:
+        log.store.write_window(0, *arrays, (0, 1))
+
+    timings = interleaved(
+        {"plain forward + backward": plain, "LogMap.rows(step=True)": rows, "window write": write}, args.reps
+    )
+    tmp.cleanup()
+    return [[f"{classes:,}", name, f"{t.best * 1e3:.1f}"] for name, t in timings.items()]
 
 
 def main() -> None:
@@ -96,8 +137,15 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--window", default="1,10")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--background", action="store_true", help="also GradLog.step with a writer thread")
+    parser.add_argument("--parts", action="store_true", help="where a logged step's time goes, not the table")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.parts:
+        parts = [row for classes in args.classes.split(",") for row in _part_rows(int(classes), args)]
+        print(f"MLP 64-{args.hidden}-{args.hidden}-C, a batch of {args.batch}, k = {args.dim}: best of {args.reps}")
+        print_table(["C", "part", "ms"], parts)
+        return
     rows = [row for classes in args.classes.split(",") for row in _table_rows(int(classes), args)]
     print(f"MLP 64-{args.hidden}-{args.hidden}-C, batches of {args.batch}, {args.steps} steps, k = {args.dim}")
     print_table(["C", "method", "ms / step", "over plain"], rows)
