@@ -36,7 +36,9 @@ Sections (``--sections``, default all):
     scripts/gpu_proof.sh OUT_DIR                       # on the GPU machine (see the script)
     .venv/bin/python -m benchmarks.gpu_proof --device cpu --quick --out /tmp/gp   # CPU smoke run
 
-Asserts nothing; a check's figure and whether it is within its tolerance are recorded.
+Asserts nothing; a check's figure and whether it is within its tolerance are recorded. The last
+lines of the log list what needs a look (a section or model that raised, a check beyond its
+tolerance, a subprocess that failed), and the exit status is 1 when there is any.
 """
 
 from __future__ import annotations
@@ -393,7 +395,8 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
         ("gpu_resnet18", ["benchmarks.gpu_resnet18", "--device", args.device, "--precisions", "fp32,bf16", *quick,
                           "--out", str(Path(args.out) / "gpu_resnet18.json")]),
         ("training_step", ["benchmarks.training_step", "--device", args.device, "--sections", "time",
-                           "--precisions", "fp16,bf16" if device.type == "cuda" else "fp32", *quick]),
+                           "--precisions", "fp16,bf16" if device.type == "cuda" else "fp32", *quick,
+                           "--out", str(Path(args.out) / "training_step.json")]),
     ):  # fmt: skip
         left = args.budget_s - (time.perf_counter() - STARTED)
         if left < 30:
@@ -405,6 +408,26 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             out[label] = {"error": f"stopped after {left:.0f} s (the budget)"}
     return out
+
+
+def needs_a_look(report: Any, path: str = "") -> list[str]:
+    """Where ``report`` holds a failure: an ``error`` message (a float ``error`` is a figure), an
+    ``ok`` that is False, or a subprocess's nonzero ``returncode``."""
+    found = []
+    if isinstance(report, dict):
+        if isinstance(report.get("error"), str):
+            found.append(f"{path}: {report['error'].splitlines()[0][:160]}")
+        if report.get("ok") is False or report.get("returncode") not in (None, 0):
+            brief = {k: v for k, v in report.items() if k not in ("tail", "traceback")}
+            found.append(f"{path}: {brief}"[:240])
+        for key, value in report.items():
+            if key == "beyond_tolerance":  # the harness's own rows again
+                continue
+            found += needs_a_look(value, f"{path}/{key}" if path else str(key))
+    elif isinstance(report, list):
+        for i, value in enumerate(report):
+            found += needs_a_look(value, f"{path}[{i}]")
+    return found
 
 
 STARTED = time.perf_counter()
@@ -426,6 +449,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stream = io.StringIO()
+    log.handlers.clear()  # a second run in one process (the smoke test) logs once, into its own log.txt
     for handler in (logging.StreamHandler(sys.stdout), logging.StreamHandler(stream)):
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         log.addHandler(handler)
@@ -444,7 +468,12 @@ def main() -> int:
             json.dumps(report, indent=2, default=str)
         )  # after each: a cut run keeps its part
         (out / "log.txt").write_text(stream.getvalue())
-    return 0
+    found = needs_a_look({k: v for k, v in report.items() if k != "args"})
+    for line in found:
+        log.info("needs a look: %s", line)
+    log.info("%d findings need a look", len(found))
+    (out / "log.txt").write_text(stream.getvalue())
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

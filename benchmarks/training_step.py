@@ -48,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -295,6 +296,7 @@ def main() -> None:
     parser.add_argument("--sections", default="time,memory", help="time, memory")
     parser.add_argument("--memory-precisions", default="fp32", help="precisions whose peak memory is measured")
     parser.add_argument("--quick", action="store_true", help="C = 50 and 200, batch 16, 1 rep (a smoke run)")
+    parser.add_argument("--out", type=Path, default=OUT, help="the JSON report's path")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -328,7 +330,7 @@ def main() -> None:
                     print(f"{name} C={C} {precision}: fast {s['fast']:.4f}s, plain {s['plain']:.4f}s", flush=True)
                 results.append(r)
     if "time" not in sections:
-        common.write_report(OUT, {"machine": common.machine_info(), "args": vars(args), "results": results})
+        common.write_report(args.out, {"machine": common.machine_info(), "args": vars(args), "results": results})
         return
     print(
         f"\n== training step, batch {args.batch_size}, {args.device}, {args.threads} threads, {clock} clock "
@@ -381,7 +383,7 @@ def main() -> None:
     if targets:
         common.print_targets(targets)
     common.write_report(
-        OUT, {"machine": common.machine_info(), "args": vars(args), "results": results, "targets": targets}
+        args.out, {"machine": common.machine_info(), "args": vars(args), "results": results, "targets": targets}
     )
 
 
