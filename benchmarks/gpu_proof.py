@@ -27,7 +27,9 @@ Sections (``--sections``, default all):
   C = 10,000, ``projection.dim`` 4,096: the whole projected matrix, its time and its floor (one
   forward and backward of the summed loss over the same samples), and GPU kernel time over wall
   (torch.profiler) on one micro-batch's worth.
-- ``actor``: the actor's compute-and-write loop without Ray (``GradientWorker`` on a local store)
+- ``actor``: the actor's compute-and-write loop without Ray (``GradientWorker`` on a local store):
+  its first shard, then a warm shard with the rows' copy to the host on its side stream (beside
+  the next block's compute) against the same loop with the copy on the compute stream, and
   against the engine alone over the same shard.
 - ``speed``: the default projection at C = 10,000 (k = 4,096) on the scale models and the seven
   real models, first call over its floor; then ``gpu_resnet18.py`` (fp32, bf16) and
@@ -333,10 +335,13 @@ def syncs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def actor(args: argparse.Namespace) -> dict[str, Any]:
+    from unittest import mock
+
     import yaml
 
     from classgrad.config import JobConfig
     from classgrad.service.runtime.preparation import prepare_store
+    from classgrad.workers.engines import host_device
     from classgrad.workers.runtime.actor import GradientWorker
 
     classes = 64 if args.quick else 2048
@@ -357,10 +362,24 @@ def actor(args: argparse.Namespace) -> dict[str, Any]:
         store = prepare_store(config).store
         worker = GradientWorker(config.model_dump(mode="json"))
         device = torch.device(args.device)
-        loop_s, _ = timed(lambda: worker.compute_shard(0), device)
+        first_s, _ = timed(lambda: worker.compute_shard(0), device)  # the first call: plans, allocations
+
+        def blocking(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, Callable[[], None]]:
+            return t.detach().to("cpu", dtype), lambda: None  # on the compute stream: it waits for the copy
+
+        # The same warm shard, alternately, best of 2 each: the writer's copy on its side stream
+        # (beside the next block's compute) and on the compute stream.
+        side: list[float] = []
+        inline: list[float] = []
+        for _ in range(2):
+            side.append(timed(lambda: worker.compute_shard(1), device)[0])
+            with mock.patch.object(host_device, "copy_to_host", blocking):
+                inline.append(timed(lambda: worker.compute_shard(1), device)[0])
         engine_s, _ = timed(lambda: worker.engine.compute(range(classes // 2, classes)), device)
-        return {"classes_per_shard": classes // 2, "row_floats": store.dim, "loop_s": loop_s, "engine_s": engine_s,
-                "loop_over_engine": loop_s / engine_s}  # fmt: skip
+        return {"classes_per_shard": classes // 2, "row_floats": store.dim, "first_shard_s": first_s,
+                "side_stream_copy_s": min(side), "compute_stream_copy_s": min(inline), "engine_s": engine_s,
+                "side_over_compute_stream": min(side) / min(inline),
+                "loop_over_engine": min(side) / engine_s}  # fmt: skip
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
