@@ -13,6 +13,7 @@ Sections (``--sections``, default all):
   tolerances: fp32 (2e-6; TF32 turned off for it), fp16 and bf16 (``LOW_PRECISION_TOLERANCE``);
   then fp32 with TF32 on for matmuls and convolutions, recording what it does to rows; the seven
   real-model families (``benchmarks.real_model_cases``, tiny configs) fp32 against the reference.
+- ``cuda_tests``: the unit tests CI skips for want of CUDA (marked ``cuda``), by pytest.
 - ``syncs``: issue 46's reads from the device on the device itself: warm ``per_class_gradients``
   calls (the MLP, tiny BERT and GPT-2 of ``tests/unit/test_host_reads.py``, full and projected)
   under ``torch.cuda.set_sync_debug_mode("warn")``, synchronising calls counted per run (target:
@@ -148,6 +149,27 @@ def exact(args: argparse.Namespace) -> dict[str, Any]:
     log.info("exact: %d harness cases, %d real models, %d beyond tolerance; TF32 on: worst fp32 error %.2e",
              len(results), len(real), len(bad), tf32_worst)  # fmt: skip
     return {"harness": results, "real_models": real, "beyond_tolerance": bad, "tf32_worst_error": tf32_worst}
+
+
+def cuda_tests(args: argparse.Namespace) -> dict[str, Any]:
+    """The unit tests CI skips for want of CUDA (marked ``cuda``), run by pytest on this device."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(str(f.relative_to(root)) for f in (root / "tests" / "unit").glob("test_*.py")
+                   if "@pytest.mark.cuda" in f.read_text())  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda", *files]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    summary = (done.stdout.strip().splitlines() or [""])[-1]
+    log.info("cuda_tests (%d files): %s", len(files), summary)
+    ran = args.device == "cpu" or "skipped" not in summary  # on a GPU none may be skipped
+    return {
+        "files": files,
+        "returncode": done.returncode,
+        "summary": summary,
+        "ok": ran,
+        "tail": done.stdout[-3000:] + done.stderr[-1000:],
+    }
 
 
 def real_models(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -451,8 +473,8 @@ def needs_a_look(report: Any, path: str = "") -> list[str]:
 
 STARTED = time.perf_counter()
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "env": env, "syncs": syncs, "exact": exact, "projection": projection, "scaler": scaler, "headline": headline,
-    "actor": actor, "speed": speed,
+    "env": env, "syncs": syncs, "exact": exact, "cuda_tests": cuda_tests, "projection": projection, "scaler": scaler,
+    "headline": headline, "actor": actor, "speed": speed,
 }  # fmt: skip
 
 

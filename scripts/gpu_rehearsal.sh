@@ -11,13 +11,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=/tmp/classgrad-gpu-rehearsal
 venv=$root/venv
-if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-    # The GPU machine's versions (/work/.library/device/KINDS.md), and of the packages that image
-    # holds only those classgrad's proof imports; torch 2.11 wants setuptools below 82.
-    "$venv/bin/python" -m pip install -q torch==2.11.0 transformers==5.17.0 "setuptools>=68,<82" wheel \
-        numpy pyyaml tqdm safetensors psutil fsspec packaging typing-extensions xarray
-fi
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+# The GPU machine's versions (/work/.library/device/KINDS.md), and of the packages that image holds
+# only those the proof imports; torch 2.11 wants setuptools below 82. Quick once they are there.
+"$venv/bin/python" -m pip install -q torch==2.11.0 transformers==5.17.0 "setuptools>=68,<82" wheel \
+    numpy pyyaml tqdm safetensors psutil fsspec packaging typing-extensions xarray pytest pytest-timeout \
+    2> >(grep -v "^WARNING: Location" >&2)
 bash scripts/gpu_wheels.sh "$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')" \
     "$root/wheels" > /dev/null
 OUT=${1:-$root/out} PYTHON=$venv/bin/python WHEELS=$root/wheels SITE=$root/site \

@@ -220,6 +220,7 @@ def test_factors_are_reproducible_and_scaled():
     assert abs(float(g.var()) * 8 - 1) < 0.03
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 def test_factors_same_on_cuda(kind):

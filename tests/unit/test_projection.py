@@ -387,6 +387,7 @@ def test_groups_concatenate_per_group_projections(kind: str) -> None:
 # Devices.
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_cpu(kind: str) -> None:

@@ -64,6 +64,7 @@ def test_buckets_and_signs_follow_the_documented_formula(k, s):
     assert rec["blocks"] == [list(b) for b in sketch_blocks(k, sk.nonzeros)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_buckets_and_signs_same_on_cuda():
     sk = SparseSignSketch(5000, 1459, nonzeros=4, seed=11)
