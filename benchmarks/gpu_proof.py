@@ -152,12 +152,13 @@ def exact(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cuda_tests(args: argparse.Namespace) -> dict[str, Any]:
-    """The unit tests CI skips for want of CUDA (marked ``cuda``), run by pytest on this device."""
+    """The unit tests CI skips for want of CUDA (marked ``cuda`` through ``tests/support/devices.py``),
+    run by pytest on this device."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     files = sorted(str(f.relative_to(root)) for f in (root / "tests" / "unit").glob("test_*.py")
-                   if "@pytest.mark.cuda" in f.read_text())  # fmt: skip
+                   if "tests.support.devices import" in f.read_text())  # fmt: skip
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda", *files]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     summary = (done.stdout.strip().splitlines() or [""])[-1]

@@ -27,6 +27,7 @@ from classgrad.workers.engines import build_engine, per_class_gradients, project
 from classgrad.workers.projection import Projector
 from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from classgrad.workers.runtime.factory import build_model, build_probe
+from tests.support.devices import needs_cuda
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
@@ -220,8 +221,7 @@ def test_factors_are_reproducible_and_scaled():
     assert abs(float(g.var()) * 8 - 1) < 0.03
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("kind", ["rademacher", "gaussian"])
 def test_factors_same_on_cuda(kind):
     cpu = kronecker_factor(kind, 3, GROUP_BASE + 1, 777, 24)

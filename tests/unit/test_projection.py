@@ -28,6 +28,7 @@ from classgrad.workers.projection import (
     stream_keys,
     stream_words,
 )
+from tests.support.devices import needs_cuda
 
 KINDS = ["rademacher", "gaussian"]
 U32 = 2.0**-24  # float32 unit roundoff
@@ -387,8 +388,7 @@ def test_groups_concatenate_per_group_projections(kind: str) -> None:
 # Devices.
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_cpu(kind: str) -> None:
     # Entries are computed with exact integer ops and single IEEE float32 operations, so the

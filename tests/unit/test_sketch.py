@@ -23,6 +23,7 @@ from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
 from classgrad.workers.projection.sketch import SKETCH_GROUP, RowSketch, SparseSignSketch, sketch_blocks
 from classgrad.workers.runtime.factory import build_model, build_probe
+from tests.support.devices import needs_cuda
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
@@ -64,8 +65,7 @@ def test_buckets_and_signs_follow_the_documented_formula(k, s):
     assert rec["blocks"] == [list(b) for b in sketch_blocks(k, sk.nonzeros)]
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_cuda
 def test_buckets_and_signs_same_on_cuda():
     sk = SparseSignSketch(5000, 1459, nonzeros=4, seed=11)
     cols, neg = sk.columns(0, 5000, "cuda")

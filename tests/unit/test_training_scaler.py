@@ -14,6 +14,7 @@ from torch import nn
 
 from classgrad import PerClassGradScaler
 from classgrad.errors import InputError
+from tests.support.devices import DEVICES
 from tests.support.docs import python_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,20 +236,21 @@ def poisoned(step: int, x: torch.Tensor) -> torch.Tensor:
     return x * float("inf") if step in (3, 4, 11) else x
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how", ["call", "batch"])
-def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how):
-    ours, plain = mlp(), mlp()
+def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how, device):
+    ours, plain = mlp().to(device), mlp().to(device)
     opt_ours, opt_plain = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, plain))
     scaler = PerClassGradScaler(precision="fp16", num_classes=C, init_scale=2.0**10, growth_interval=3)
-    gs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    gs = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3)
     skipped_ours, skipped_plain = [], []
     for step in range(16):
-        x, y = batch(seed=step)
+        x, y = (t.to(device) for t in batch(seed=step))
         x = poisoned(step, x)
         ids = torch.unique(y)
         before = [p.detach().clone() for p in plain.parameters()]
         opt_plain.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss = class_losses(plain(x), y, ids)
         gs.scale(loss.mean()).backward()
         gs.unscale_(opt_plain)  # timm's order: unscale, clip the total norm, step, update
@@ -257,7 +259,7 @@ def test_fp16_forced_overflow_skips_the_same_steps_as_plain_gradscaler(how):
         gs.update()
         skipped_plain.append(all(torch.equal(a, b) for a, b in zip(before, plain.parameters())))
         opt_ours.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             if how == "call":
                 loss = class_losses(ours(x), y, ids)
             else:
