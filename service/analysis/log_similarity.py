@@ -6,7 +6,9 @@ Holds ``LOG_OPTIONS`` (the ``SimilarityConfig`` fields a log's similarity takes)
 What is computed: the C x C cosine (or dot) similarity of the window's rows ``grads[w]`` (each
 class's rows summed over the window's steps, as logged: sketched when the log is; cosine is the
 same for the sums as for the class's mean row, a positive scale per row), with each class's
-top-k neighbours (self excluded, ties to the lower class). It is the store's similarity code on
+top-k neighbours (self excluded, ties to the lower class). A class with no samples in the window
+has no row there (zeros): it has no neighbours (index -1, value NaN) and is no class's neighbour;
+its row and column of the matrix are 0. It is the store's similarity code on
 the log's rows: ``similarity.plan_similarity`` sizes the row blocks and column bands within
 ``block_mb``, ``compute_strip`` computes each block's strip of the matrix (float32 products,
 float64 norms, symmetric bit for bit) and ``top_k_rows`` its neighbours; ``wants_dense`` chooses
@@ -115,13 +117,14 @@ def window_similarity(
             if target is None
             else np.lib.format.open_memmap(target[1], mode="w+", dtype=np.float32, shape=(C, C))
         )
+    empty = reader.read("count", w) == 0  # classes with no samples in the window: no row to compare
     index = np.empty((C, plan.top_k), dtype=np.int64)
     value = np.empty((C, plan.top_k), dtype=np.float32)
     read = 0
     try:
         for a, b in plan.blocks():
             strip, got = compute_strip(rows, plan, a, b)
-            index[a:b], value[a:b] = top_k_rows(strip, a, plan.top_k)
+            index[a:b], value[a:b] = top_k_rows(strip, a, plan.top_k, excluded=empty)
             if matrix is not None:
                 matrix[a:b] = strip
             read += got
@@ -137,6 +140,7 @@ def window_similarity(
         del matrix
         os.replace(target[1], target[0])  # the matrix appears whole, or not at all
         matrix = np.load(target[0], mmap_mode="r")
+    index[empty], value[empty] = -1, np.nan
     steps = reader.read("steps", w)
     summary = {
         "log": url,
@@ -146,6 +150,7 @@ def window_similarity(
         "dense": dense,
         "top_k": plan.top_k,
         "num_classes": C,
+        "empty_classes": int(empty.sum()),
         "dim": plan.dim,
         "block_rows": plan.block_rows,
         "band_cols": plan.band_cols,

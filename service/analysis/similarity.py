@@ -273,9 +273,12 @@ def compute_strip(store, plan: SimilarityPlan, start: int, stop: int) -> tuple[n
     return strip, read
 
 
-def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's k largest entries, excluding its own column (row0 + r): (indices int64
-    [n, k], values float32 [n, k]), largest first, equal values by lower index."""
+def top_k_rows(
+    strip: np.ndarray, row0: int, k: int, excluded: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's k largest entries, excluding its own column (row0 + r) and the columns where
+    ``excluded`` (bool ``[C]``) is set: (indices int64 [n, k], values float32 [n, k]), largest
+    first, equal values by lower index. Places left without a column: index -1, value NaN."""
     n, C = strip.shape
     index = np.empty((n, k), dtype=np.int64)
     value = np.empty((n, k), dtype=np.float32)
@@ -286,6 +289,8 @@ def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.nda
         m = s.shape[0]
         local = np.arange(m)
         s[local, row0 + r + local] = -np.inf
+        if excluded is not None:
+            s[:, excluded] = -np.inf
         if k < C:
             part = np.argpartition(s, C - k, axis=1)[:, C - k :]
         else:
@@ -300,6 +305,9 @@ def top_k_rows(strip: np.ndarray, row0: int, k: int) -> tuple[np.ndarray, np.nda
         order = np.lexsort((part, -vals), axis=-1)
         index[r : r + m] = np.take_along_axis(part, order, axis=1)
         value[r : r + m] = np.take_along_axis(vals, order, axis=1)
+    if excluded is not None:  # without them, a row may have fewer than k columns to name
+        none = np.isneginf(value)
+        index[none], value[none] = -1, np.nan
     return index, value
 
 

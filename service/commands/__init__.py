@@ -7,6 +7,7 @@ the work happens inside ``main``. Shared argument helpers live here.
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 import yaml
 
@@ -34,7 +35,8 @@ def storage_options(args: argparse.Namespace) -> dict:
     for item in args.storage_option:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"--storage-option {item!r}: expected KEY=VALUE")
+            # Not "KEY=VALUE": the CLI's redaction reads that as a secret-looking pair and masks it.
+            raise ConfigError(f"--storage-option {item!r}: expected NAME=VALUE")
         options[key] = yaml.safe_load(value) if value else ""
     return options
 
@@ -49,3 +51,13 @@ def first_given(args: argparse.Namespace, options: tuple[tuple[str, str], ...]) 
     """The flag of the first ``(dest, flag)`` of ``options`` given on the command line (not None):
     what a command names when an option does not apply to what it was given."""
     return next((flag for dest, flag in options if getattr(args, dest) is not None), None)
+
+
+def refuse_log_only(flag: str, urls: list[str], options: dict, why: str = "") -> NoReturn:
+    """Refuse ``flag``, an option for a training log, given stores that are not logs. Each store
+    is opened first: a mistyped path gets the reader's own error (no store there), not this one."""
+    from classgrad.store import open_store
+
+    for url in urls:
+        open_store(url, storage_options=options or None)
+    raise ConfigError(f"{flag} is for a training log; {urls[0]} is not one{why}")

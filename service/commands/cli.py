@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(cmd)
-        cmd.set_defaults(_main=module.main)
+        cmd.set_defaults(_main=module.main, _parser=cmd)
     return parser
 
 
@@ -76,8 +76,17 @@ def _configure_logging(args: argparse.Namespace) -> None:
         handler.addFilter(RedactingFilter())
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line parsed; an option its command does not know is refused by that command's
+    parser (argparse's own would show the top-level usage for it), ending in one error line."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     _configure_logging(args)
     try:
         code = int(args._main(args) or 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from classgrad.service.commands import add_store_arguments, given_options, storage_options
+from classgrad.service.commands import add_store_arguments, given_options, refuse_log_only, storage_options
 
 HELP = (
     "write PNGs: similarity heatmap of the top-N classes (clustered), histogram of class "
@@ -42,7 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.errors import ConfigError
     from classgrad.service.analysis.plot import plot_store
     from classgrad.store.grad_log import is_log
 
@@ -53,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
 
         result = plot_log(args.store, args.out, windows=args.windows, storage_options=storage_options(args), **options)
     elif args.windows is not None:
-        raise ConfigError(f"--windows is for a training log; {args.store} is not one")
+        refuse_log_only("--windows", [args.store], storage_options(args))
     else:
         result = plot_store(args.store, args.out, storage_options=storage_options(args), **options)
     if args.json:

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from classgrad.service.commands import first_given, given_options, storage_options
+from classgrad.service.commands import first_given, given_options, refuse_log_only, storage_options
 
 HELP = (
     "score query examples against every class's gradient row (dot, cosine or trak): the top-k classes "
@@ -249,7 +249,6 @@ def main_log(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.errors import ConfigError
     from classgrad.service.analysis.score_api import load_query_file, query_data, score
     from classgrad.store.grad_log import is_log
     from classgrad.units import fmt_bytes
@@ -258,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
         return main_log(args)
     flag = first_given(args, LOG_ONLY)
     if flag:
-        raise ConfigError(f"{flag} is for a training log; {args.stores[0]} is not one (a store's model is its job's)")
+        refuse_log_only(flag, args.stores, storage_options(args), " (a store's model is its job's)")
     spec = load_query_file(args.queries)
     data, groups = query_data(spec)
     options: dict[str, Any] = given_options(

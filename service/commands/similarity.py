@@ -8,7 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from classgrad.service.commands import add_store_arguments, first_given, given_options, storage_options
+from classgrad.service.commands import (
+    add_store_arguments,
+    first_given,
+    given_options,
+    refuse_log_only,
+    storage_options,
+)
 
 HELP = (
     "compute each class's top-k most similar classes (cosine or dot) into the store, with the "
@@ -126,8 +132,9 @@ def neighbour_lines(index, value, ids, names, summary: dict, shown: int = SAMPLE
 
     lines = [f"nearest     top-{k} of each class ({summary['metric']}), first {n} classes:"]
     for r in range(n):
-        near = ", ".join(f"{label(int(j))} {v:.3g}" for j, v in zip(index[r, :shown], value[r, :shown], strict=True))
-        more = f", +{k - shown} more" if k > shown else ""
+        named = [(int(j), v) for j, v in zip(index[r, :shown], value[r, :shown], strict=True) if j >= 0]
+        near = ", ".join(f"{label(j)} {v:.3g}" for j, v in named) or "none (no samples in this window)"
+        more = f", +{k - shown} more" if k > shown and named else ""
         lines.append(f"  {label(r)}: {near}{more}")
     return lines
 
@@ -167,6 +174,11 @@ def main_log(args: argparse.Namespace) -> int:
         f"strips      {summary['tasks']} of <= {summary['block_rows']} rows, bands of {summary['band_cols']} columns, "
         f"in this process, {summary['seconds']:.1f} s, {fmt_bytes(summary['read_bytes'])} read"
     )
+    if summary["empty_classes"]:
+        print(
+            f"empty       {summary['empty_classes']:,} classes had no samples in this window: no neighbours, "
+            "and no class's neighbour (their rows in the matrix are 0)"
+        )
     n = min(SAMPLE_ROWS, C)
     for line in neighbour_lines(result.index[:n], result.value[:n], range(C), None, summary):
         print(line)
@@ -174,7 +186,6 @@ def main_log(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.errors import ConfigError
     from classgrad.service.analysis.similarity import compute_similarity
     from classgrad.store import open_store
     from classgrad.store.grad_log import is_log
@@ -184,7 +195,7 @@ def main(args: argparse.Namespace) -> int:
         return main_log(args)
     flag = first_given(args, LOG_ONLY)
     if flag:
-        raise ConfigError(f"{flag} is for a training log; {args.store} is not one")
+        refuse_log_only(flag, [args.store], storage_options(args))
     summary = compute_similarity(
         args.store,
         storage_options=storage_options(args),

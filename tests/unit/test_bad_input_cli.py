@@ -120,6 +120,11 @@ def section_set_to_null(t: Ctx):
     return [t.job(), "--set", "model=null"]
 
 
+@case("--set cluster.num_workers: expected section.field=value")  # the hint, not masked as a secret
+def set_without_a_value(t: Ctx):
+    return [t.job(), "--set", "cluster.num_workers"]
+
+
 @case("a memory:// store lives in one process, and a job's actors run in others")
 def memory_store(t: Ctx):
     return [t.job(), "--set", "store.url=memory://grads.zarr"]

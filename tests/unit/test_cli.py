@@ -5,6 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from classgrad.service.commands.cli import main
 from tests.support.stores import synthetic_store
 
 
@@ -23,3 +26,13 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
     code = proc.wait(timeout=120)
     assert first, err
     assert code == 141 and "Traceback" not in err and "BrokenPipe" not in err, (code, err)
+
+
+def test_an_option_its_command_does_not_know_is_refused_by_that_command(tmp_path, capsys):
+    """argparse's own refusal showed the top-level usage for a subcommand's mistyped option."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(tmp_path / "s"), "--topp", "3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: classgrad inspect ")
+    assert err.strip().splitlines()[-1] == "classgrad inspect: error: unrecognized arguments: --topp 3"

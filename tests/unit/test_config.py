@@ -276,9 +276,9 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
         ),
         ([NC, "engine.device=cuda"], "engine.device 'cuda' needs cluster.num_gpus_per_worker > 0"),
         # bad --set syntax and paths
-        (["foo"], "--set foo: expected key=value"),
-        (["=3"], "--set =3: expected key=value"),
-        (["a..b=3"], "--set a..b=3: expected key=value"),
+        (["foo"], "--set foo: expected section.field=value"),
+        (["=3"], "--set =3: expected section.field=value"),
+        (["a..b=3"], "--set a..b=3: expected section.field=value"),
         ([NC, "foo=3"], f"--set foo: unknown section (choices: {_SECTIONS})"),
         (
             [NC, "engine.blok_rows=3"],

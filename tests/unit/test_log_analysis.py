@@ -21,6 +21,7 @@ from classgrad.service.analysis.log_plot import plot_log
 from classgrad.service.analysis.log_score import score_log
 from classgrad.service.analysis.log_similarity import window_similarity
 from classgrad.service.commands.cli import main as cli_main
+from classgrad.store import open_store
 from classgrad.store.grad_log import SPEC_ATTR, is_log, read_log
 from tests.support import grad_log_run as run
 from tests.support.harness import error_lines
@@ -123,6 +124,28 @@ def test_a_window_s_similarity_is_numpy_s_of_its_rows(logged, metric, tmp_path):
     assert last.window == 2 and last.matrix is None and last.index.shape == (run.C, 2)
 
 
+def test_classes_without_samples_in_the_window_have_no_neighbours_and_are_none(tmp_path, capsys):
+    # Classes 4 and 5 have no samples in window 0: their rows are zeros, with no similarity to
+    # speak of. Each class present has 3 others, so with top-4 its last place is empty too.
+    url = str(tmp_path / "log.zarr")
+    model, opt = run.fresh()
+    with GradLog(url, model, run.C, window=2, dim=run.DIM) as log:
+        for step in range(2):
+            x, y = run.batch(step)
+            y = y % 4
+            opt.zero_grad()
+            log.step(step, model, x, y, opt)
+    result = window_similarity(url, 0, top_k=4)
+    assert result.summary["empty_classes"] == 2
+    assert (result.index[4:] == -1).all() and np.isnan(result.value[4:]).all()
+    assert (result.index[:4, :3] < 4).all() and (result.index[:4, :3] >= 0).all()
+    assert (result.index[:4, 3] == -1).all() and np.isnan(result.value[:4, 3]).all()
+    assert result.matrix is not None and not result.matrix[4:].any() and not result.matrix[:, 4:].any()
+    assert cli_main(["similarity", url, "--window", "0", "--top-k", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4: none (no samples in this window)" in out and "2 classes had no samples in this window" in out
+
+
 def test_the_plot_writes_its_pngs(logged, tmp_path):
     result = plot_log(logged["url"], str(tmp_path / "png"), windows="0-2", top_n=4, dpi=50)
     names = ["log_norms", "log_norm_lines", "log_similarity_w0", "log_similarity_w1", "log_similarity_w2"]
@@ -160,6 +183,8 @@ def test_is_log_tells_a_log_from_a_store_and_from_nothing(logged, tmp_path):
     assert not is_log(str(tmp_path / "store")) and not is_log(str(tmp_path / "nothing"))
     with pytest.raises(StoreError, match="not a classgrad grad log"):
         window_similarity(str(tmp_path / "store"), 0)
+    with pytest.raises(StoreError, match=r"is a training log \(GradLog\), not a job's store: read it with .*read_log"):
+        open_store(logged["url"])
 
 
 def test_windows_out_of_range_or_not_done_and_another_model_are_refused(logged, tmp_path):
@@ -211,6 +236,10 @@ def test_the_commands_refuse_what_does_not_apply_in_one_line(logged, tmp_path, c
         (["score", store, "--queries", queries, "--windows", "0"], "--windows is for a training log"),
         (["similarity", store, "--window", "0"], "--window is for a training log"),
         (["plot", store, "--out", str(tmp_path / "png"), "--windows", "0"], "--windows is for a training log"),
+        # A mistyped path with a log's option: named as a missing store, not as a store that is no log.
+        (["similarity", f"{url}x", "--window", "0"], "no classgrad store at"),
+        (["plot", f"{url}x", "--out", str(tmp_path / "png"), "--windows", "0"], "no classgrad store at"),
+        (["score", store, f"{url}x", "--queries", queries, "--model", MODEL], "no classgrad store at"),
     ]:
         assert cli_main(argv) == 2, argv
         line = _error(capsys)

@@ -187,7 +187,8 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     key = key.strip()
     parts = key.split(".")
     if not sep or not key or any(not p for p in parts):
-        raise ConfigError(f"config error: --set {override}: expected key=value")
+        # Not "key=value": the CLI's redaction reads that as a secret-looking pair and masks it.
+        raise ConfigError(f"config error: --set {override}: expected section.field=value")
     _check_override_path(parts, key)
     try:
         # A YAML scalar or flow value, so "3" is an int, "true" a bool, "[a, b]" a list and

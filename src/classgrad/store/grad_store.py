@@ -30,6 +30,7 @@ from classgrad.errors import ClassgradError, StoreError, first_line
 from classgrad.store.arrays import StoreArrays
 from classgrad.store.coords import consolidated_problems
 from classgrad.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
+from classgrad.store.grad_log import SPEC_ATTR as LOG_SPEC_ATTR
 from classgrad.store.indexing import col_range, row_ids
 from classgrad.store.lease import StoreLease
 from classgrad.store.location import Location, unreadable
@@ -68,6 +69,11 @@ class GradStore:
             raise StoreError(f"cannot open store at {url}: {first_line(exc, with_type=True)}") from None
         meta = group.attrs.get(ATTR_KEY)
         if not isinstance(meta, dict):
+            if isinstance(group.attrs.get(LOG_SPEC_ATTR), dict):
+                raise StoreError(
+                    f"{url} is a training log (GradLog), not a job's store: read it with classgrad.store.read_log; "
+                    "classgrad score, similarity and plot take it as it is"
+                )
             raise StoreError(f"{url} is a Zarr group but not a classgrad store (no '{ATTR_KEY}' attributes)")
         version = meta.get("format_version")
         if version not in READABLE_VERSIONS:
