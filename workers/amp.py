@@ -1,7 +1,8 @@
 """Mixed precision: autocast, fp16 loss scaling, and recomputing only the rows that overflow.
 
 Holds:
-- ``PrecisionPolicy``: fp32 / fp16 / bf16, the autocast context for a device, and the fp16
+- ``PrecisionPolicy``: fp32 / fp16 / bf16, the autocast context for a device, the float32
+  arithmetic of a computation (``float32_arithmetic``: TF32 off on CUDA under fp32), and the fp16
   loss-scale schedule (start at ``init_scale``, halve per retry, give up below ``min_scale``).
 - ``rows_with_rescale``: runs a row computation at the current per-row scales, checks every
   row with ``isfinite``, and recomputes only the rows that overflowed at half their scale.
@@ -13,7 +14,7 @@ others; recomputing only that row keeps the cost of a rare overflow to one row.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -53,6 +54,28 @@ class PrecisionPolicy:
         if self.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[self.dtype])
+
+    @contextlib.contextmanager
+    def float32_arithmetic(self, device: torch.device) -> Iterator[None]:
+        """fp32 means float32 on CUDA too: TF32 off for cuDNN's convolutions and for matmuls while
+        the engine computes, whatever torch's flags (cuDNN's default is on: convolutions rounded to
+        10 bits, rows about 1e-3 off, and the hook path's rows no longer equal the plain path's to
+        its check's 1e-4). Put back afterwards. bf16 and fp16 leave the flags alone (their
+        products are already rounded further); the CPU has no TF32."""
+        if self.dtype != "fp32" or device.type != "cuda":
+            yield
+            return
+        cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+        before = matmul.allow_tf32
+        flags = cudnn.flags(
+            enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False
+        )
+        matmul.allow_tf32 = False
+        try:
+            with flags:
+                yield
+        finally:
+            matmul.allow_tf32 = before
 
 
 RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -140,3 +140,41 @@ def test_fp16_row_that_never_becomes_finite_names_its_class(engine, device):
     # The first block holding a stuck row stops the job, naming that row's class.
     with pytest.raises(RowOverflowError, match=r"class\(es\) \[1\] stay non-finite down to loss scale 4096"):
         _hot_engine(engine, device, precision=policy).compute(range(NUM_CLASSES))
+
+
+# --- fp32 is float32 on CUDA: TF32 off while the engine computes ----------------------------
+
+
+@pytest.mark.parametrize("dtype,device,off", [("fp32", "cuda", True), ("bf16", "cuda", False), ("fp32", "cpu", False)])
+def test_fp32_turns_tf32_off_on_cuda_only_and_puts_the_flags_back(dtype, device, off):
+    # The flags are plain settings: they can be read and set on a machine without CUDA.
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = True
+    try:
+        with PrecisionPolicy(dtype).float32_arithmetic(torch.device(device)):
+            assert (cudnn.allow_tf32, matmul.allow_tf32) == ((False, False) if off else (True, True))
+        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("engine", ["partitioned", "dense"])
+def test_fp32_rows_of_a_cnn_are_float32_with_torchs_tf32_flags_on(engine, device):
+    model = zoo.small_cnn(NUM_CLASSES, width=4, seed=0).eval()
+    data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8), seed=1)
+    truth = build_engine(
+        model.double(), (data[0].double(), data[1]), num_classes=NUM_CLASSES, engine="reference"
+    ).compute(range(NUM_CLASSES))
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = cudnn.allow_tf32, matmul.allow_tf32
+    cudnn.allow_tf32 = matmul.allow_tf32 = True  # torch's default for cuDNN; on for matmuls too
+    try:
+        rows = build_engine(model.float(), data, num_classes=NUM_CLASSES, engine=engine, device=device).compute(
+            range(NUM_CLASSES)
+        )
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = saved
+    # float32 against float64 on a small CNN: the engine tests' fp32 tolerance (TF32 would be ~1e-3).
+    assert max_relative_error(rows.rows.cpu(), truth.rows) <= 2e-6

@@ -139,6 +139,34 @@ class EngineStats:
     notes: list[str] = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def rnns_ready_for_backward(model: nn.Module) -> Iterator[None]:
+    """The model's recurrent modules in eval mode, run so that a backward through them works on
+    a GPU, with the values of eval mode. cuDNN's RNN kernels keep what their backward needs only
+    in train mode ("cudnn RNN backward can only be called in training mode"): an RNN whose
+    dropout does nothing (0, or one layer) runs in train mode, which then computes the same; one
+    with a dropout that eval mode turns off runs with cuDNN off (the native kernels). On a CPU
+    the same, where it changes nothing."""
+    idle = [m for m in model.modules() if isinstance(m, nn.RNNBase) and not m.training]
+    flipped = [m for m in idle if m.dropout == 0 or m.num_layers == 1]
+    cudnn = torch.backends.cudnn
+    native = (
+        cudnn.flags(
+            enabled=False, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32
+        )
+        if len(flipped) < len(idle)
+        else contextlib.nullcontext()
+    )
+    for m in flipped:
+        m.training = True
+    try:
+        with native:
+            yield
+    finally:
+        for m in flipped:
+            m.training = False
+
+
 class GradientEngine(ABC):
     """Computes rows of the per-class gradient matrix for any list of class ids."""
 
@@ -203,6 +231,13 @@ class GradientEngine(ABC):
         return ids
 
     @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """Around a computation of rows (``iter_blocks``): only the selected parameters require
+        grad (``selected_grads``), and float32 is float32 (``PrecisionPolicy.float32_arithmetic``)."""
+        with self.selected_grads(), self.precision.float32_arithmetic(self.device):
+            yield
+
+    @contextlib.contextmanager
     def selected_grads(self) -> Iterator[None]:
         """Only the selected parameters require grad while rows are computed.
 
@@ -221,9 +256,10 @@ class GradientEngine(ABC):
 
     @contextlib.contextmanager
     def forward_context(self, micro_batch: int) -> Iterator[None]:
-        """Autocast; in train mode, buffers restored afterwards and a seeded RNG per micro-batch."""
+        """Autocast and RNNs ready for a backward (``rnns_ready_for_backward``); in train mode,
+        buffers restored afterwards and a seeded RNG per micro-batch."""
         if not self.model.training:
-            with self.precision.autocast(self.device):
+            with self.precision.autocast(self.device), rnns_ready_for_backward(self.model):
                 yield
             return
         # Computing gradients must not move BatchNorm running statistics: the forward updates
@@ -236,7 +272,7 @@ class GradientEngine(ABC):
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(FORWARD_SEED + micro_batch)
-                with self.precision.autocast(self.device):
+                with self.precision.autocast(self.device), rnns_ready_for_backward(self.model):
                     yield
         finally:
             for m, name, b in originals:

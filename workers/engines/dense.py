@@ -405,7 +405,7 @@ class DenseEngine(GradientEngine):
         ids = self._check_classes(classes)
         if len(ids) == 0:
             return
-        with self.selected_grads():
+        with self.computing():
             head = self._head_basis()
             if head is not None:
                 yield from self._through_head(head, ids)

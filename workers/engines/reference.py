@@ -35,7 +35,7 @@ class ReferenceEngine(GradientEngine):
 
     def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
         ids = self._check_classes(classes)
-        with self.selected_grads():
+        with self.computing():
             for c in ids.tolist():
                 losses: list[torch.Tensor] = []
 

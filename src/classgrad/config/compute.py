@@ -27,7 +27,8 @@ class PrecisionConfig(Section):
 
     dtype: Literal["fp32", "fp16", "bf16"] = Field(
         "fp32",
-        description="`fp32`, or `fp16`/`bf16` under `torch.autocast`; fp16 uses loss scaling.",
+        description="`fp32` (float32 on a GPU too: TF32 off while rows are computed), or `fp16`/`bf16` "
+        "under `torch.autocast`; fp16 uses loss scaling.",
     )
     init_scale: PositiveFiniteFloat = Field(
         65536.0,

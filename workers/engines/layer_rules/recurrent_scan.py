@@ -129,10 +129,12 @@ def native_layer(
     ):
         # cuDNN copies weights that are not one flat buffer (these are made here), and says so
         warnings.filterwarnings("ignore", message=".*contiguous chunk of memory.*")
+        # train=True: with no dropout the same values, and cuDNN keeps what a backward needs only
+        # in train mode (an eval-mode RNN's backward raises on a GPU).
         if shape.lengths is None:
             if c0 is not None:
                 hx = (h0, c0)
-            res = run(fed, hx, flat, shape.bias, 1, 0.0, False, D > 1, True)
+            res = run(fed, hx, flat, shape.bias, 1, 0.0, True, D > 1, True)
             out, h_n = res[0], res[1]
             c_n = res[2] if c0 is not None else None
         else:
@@ -142,7 +144,7 @@ def native_layer(
             hx = h0.index_select(1, order)
             if c0 is not None:
                 hx = (hx, c0.index_select(1, order))
-            res = run(packed.data, packed.batch_sizes, hx, flat, shape.bias, 1, 0.0, False, D > 1)
+            res = run(packed.data, packed.batch_sizes, hx, flat, shape.bias, 1, 0.0, True, D > 1)
             seq = PackedSequence(res[0], packed.batch_sizes, order, back)
             out = pad_packed_sequence(seq, batch_first=True, total_length=x.shape[1])[0]
             h_n = res[1].index_select(1, back)
