@@ -130,12 +130,9 @@ def kernel_time(fn, device: torch.device) -> float | None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total = 0.0
-    for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
-        if us is None:
-            us = getattr(evt, "self_cuda_time_total", 0.0)
-        total += us
+    # The kernels' own events only: a CPU op's entry carries its kernels' time too, so summing
+    # every entry would count each kernel twice.
+    total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
     return total / 1e6
 
 

@@ -5,15 +5,27 @@ at most 8 minutes on one H200; each section runs on its own, a failure is record
 section runs. Writes ``log.txt`` (what it printed) and ``gpu_proof.json`` (every figure) into
 ``--out``.
 
-Sections (``--sections``, default all):
+Sections (``--sections``, default all), in the order they run (the headline early, so that the
+time limit cuts the long tail of ``speed`` rather than it):
 
-- ``env``: the device, torch's version and its TF32 defaults (what the engines get unless set).
+- ``env``: the device, torch's version and its TF32 defaults.
 - ``exact``: the engine harness of the CPU tests (``tests/support/engine_cases``: every model x
   loss x engine the tests run) on the device against the float64 CPU reference, with the tests'
-  tolerances: fp32 (2e-6; TF32 turned off for it), fp16 and bf16 (``LOW_PRECISION_TOLERANCE``);
-  then fp32 with TF32 on for matmuls and convolutions, recording what it does to rows; the seven
+  tolerances: fp32 (2e-6), fp16 and bf16 (``LOW_PRECISION_TOLERANCE``); fp32 once with torch's
+  TF32 flags off and once on for matmuls and convolutions: the engines turn TF32 off under fp32
+  (``PrecisionPolicy.float32_arithmetic``), so the flags must not change the rows; the seven
   real-model families (``benchmarks.real_model_cases``, tiny configs) fp32 against the reference.
 - ``cuda_tests``: the unit tests CI skips for want of CUDA (marked ``cuda``), by pytest.
+- ``scaler``: ``PerClassGradScaler`` with a CUDA fp16 ``GradScaler`` against a plain
+  ``GradScaler`` loop on the same forced overflow: the same skipped steps, scale and state.
+- ``headline``: ResNet-18 (``zoo.resnet18``, 224 px unless ``--quick``), 10 samples per class,
+  C = 10,000, ``projection.dim`` 4,096, fp32 then bf16: the whole projected matrix, its time and
+  its floor (one forward and backward of the summed loss over the same samples, in the engine's
+  arithmetic), and GPU kernel time over wall (torch.profiler) on 64 classes' worth.
+- ``actor``: the actor's compute-and-write loop without Ray (``GradientWorker`` on a local store):
+  its first shard, then a warm shard with the rows' copy to the host on its side stream (beside
+  the next block's compute) against the same loop with the copy on the compute stream, and
+  against the engine alone over the same shard.
 - ``syncs``: issue 46's reads from the device on the device itself: warm ``per_class_gradients``
   calls (the MLP, tiny BERT and GPT-2 of ``tests/unit/test_host_reads.py``, full and projected)
   under ``torch.cuda.set_sync_debug_mode("warn")``, synchronising calls counted per run (target:
@@ -22,19 +34,13 @@ Sections (``--sections``, default all):
   with each result copied off by each (the copy on a side stream should hide behind the next).
 - ``projection``: the default projection's rows on the device against the CPU's (same seed):
   the same map, so fp32 roundoff apart.
-- ``scaler``: ``PerClassGradScaler`` with a CUDA fp16 ``GradScaler`` against a plain
-  ``GradScaler`` loop on the same forced overflow: the same skipped steps, scale and state.
-- ``headline``: ResNet-18 (``zoo.resnet18``, 224 px unless ``--quick``), 10 samples per class,
-  C = 10,000, ``projection.dim`` 4,096: the whole projected matrix, its time and its floor (one
-  forward and backward of the summed loss over the same samples), and GPU kernel time over wall
-  (torch.profiler) on one micro-batch's worth.
-- ``actor``: the actor's compute-and-write loop without Ray (``GradientWorker`` on a local store):
-  its first shard, then a warm shard with the rows' copy to the host on its side stream (beside
-  the next block's compute) against the same loop with the copy on the compute stream, and
-  against the engine alone over the same shard.
 - ``speed``: the default projection at C = 10,000 (k = 4,096) on the scale models and the seven
-  real models, first call over its floor; then ``gpu_resnet18.py`` (fp32, bf16) and
-  ``training_step.py`` (fp16, bf16) as subprocesses, within what is left of ``--budget-s``.
+  real models, first call over its floor (until ``SUBPROCESS_RESERVE_S`` of the budget is left);
+  then ``gpu_resnet18.py`` (fp32, bf16) and ``training_step.py`` (fp16, bf16) as subprocesses,
+  within what is left of ``--budget-s``.
+
+The shell script's ``timeout`` ends the run with SIGTERM: the section it was in is recorded with
+what it had so far (``live``), and the report is written.
 
     scripts/gpu_proof.sh OUT_DIR                       # on the GPU machine (see the script)
     .venv/bin/python -m benchmarks.gpu_proof --device cpu --quick --out /tmp/gp   # CPU smoke run
@@ -52,6 +58,7 @@ import copy
 import io
 import json
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -135,20 +142,25 @@ def exact(args: argparse.Namespace) -> dict[str, Any]:
         spc = 3 if precision == "fp32" else 8  # as the tests: more samples per class in low precision
         ref, _ = reference_rows(m, loss, samples_per_class=spc)
         row: dict[str, Any] = {"model": m, "loss": loss, "engine": engine, "precision": precision}
-        for mode in (False, True) if precision == "fp32" and args.device != "cpu" else (False,):
-            with tf32(mode):
-                eng = engine_for(m, loss, engine, precision=precision, samples_per_class=spc, device=args.device)
-                rows = eng.compute(range(NUM_CLASSES)).rows.cpu()
-            key = "error_tf32" if mode else "error"
-            row[key] = max_relative_error(rows, ref)
-        row["ok"] = row["error"] <= tolerance[precision]
+        try:
+            for mode in (False, True) if precision == "fp32" and args.device != "cpu" else (False,):
+                with tf32(mode):
+                    eng = engine_for(m, loss, engine, precision=precision, samples_per_class=spc, device=args.device)
+                    rows = eng.compute(range(NUM_CLASSES)).rows.cpu()
+                row["error_tf32" if mode else "error"] = max_relative_error(rows, ref)
+            row["ok"] = row["error"] <= tolerance[precision]
+        except Exception as exc:  # noqa: BLE001 - one case's failure is a finding; the others still run
+            row |= {"error": f"{type(exc).__name__}: {exc}", "ok": False}
         results.append(row)
     real = real_models(args)
-    bad = [r for r in results if not r["ok"]] + [r for r in real if not r["ok"]]
+    bad = [r for r in results if not r["ok"]] + [r for r in real if not r.get("ok")]
     tf32_worst = max((r.get("error_tf32", 0.0) for r in results), default=0.0)
+    # The engines' fp32 is float32 whatever torch's TF32 flags: rows as close with them on as off.
+    changed = [r for r in results if r.get("ok") and "error_tf32" in r and r["error_tf32"] > max(2 * r["error"], 2e-6)]
     log.info("exact: %d harness cases, %d real models, %d beyond tolerance; TF32 on: worst fp32 error %.2e",
              len(results), len(real), len(bad), tf32_worst)  # fmt: skip
-    return {"harness": results, "real_models": real, "beyond_tolerance": bad, "tf32_worst_error": tf32_worst}
+    return {"harness": results, "real_models": real, "beyond_tolerance": bad, "tf32_worst_error": tf32_worst,
+            "tf32_flags": {"changed_rows": changed, "ok": not changed}}  # fmt: skip
 
 
 def cuda_tests(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,7 +172,7 @@ def cuda_tests(args: argparse.Namespace) -> dict[str, Any]:
     files = sorted(str(f.relative_to(root)) for f in (root / "tests" / "unit").glob("test_*.py")
                    if "tests.support.devices import" in f.read_text())  # fmt: skip
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda", *files]
-    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     summary = (done.stdout.strip().splitlines() or [""])[-1]
     log.info("cuda_tests (%d files): %s", len(files), summary)
     ran = args.device == "cpu" or "skipped" not in summary  # on a GPU none may be skipped
@@ -178,12 +190,17 @@ def real_models(args: argparse.Namespace) -> list[dict[str, Any]]:
     from classgrad.workers.engines import per_class_gradients
     from tests.support.engine_cases import max_relative_error
 
-    out = []
+    out: list[dict[str, Any]] = []
     for name in CASES if not args.quick else CASES[:2]:
-        case = build_case(name, 12)
-        ref = per_class_gradients(copy.deepcopy(case.model).double(), case.samples, num_classes=12, engine="reference")
-        with tf32(False):
+        try:
+            case = build_case(name, 12)
+            ref = per_class_gradients(
+                copy.deepcopy(case.model).double(), case.samples, num_classes=12, engine="reference"
+            )
             rows = per_class_gradients(case.model, case.samples, num_classes=12, device=args.device).cpu()
+        except Exception as exc:  # noqa: BLE001 - one model's failure is a finding, not the end of the section
+            out.append({"model": name, "error": f"{type(exc).__name__}: {exc}"})
+            continue
         # fp32 against float64 on models of a few layers: the harness's bound, with room for
         # the longer sums of attention and recurrent layers.
         error = max_relative_error(rows, ref)
@@ -222,22 +239,25 @@ def scaler(args: argparse.Namespace) -> dict[str, Any]:
     for how in ("plain", "classgrad"):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scale = torch.amp.GradScaler("cuda", init_scale=2.0**16) if how == "plain" else None
-        per_class = PerClassGradScaler(precision="fp16", init_scale=2.0**16) if how == "classgrad" else None
+        scale = torch.amp.GradScaler("cuda", init_scale=2.0**10) if how == "plain" else None
+        per_class = PerClassGradScaler(precision="fp16", init_scale=2.0**10) if how == "classgrad" else None
         trace = []
         for step in range(6):
             opt.zero_grad()
-            xs = x * (1e4 if step in (1, 2) else 1.0)  # two steps that overflow in fp16
-            with torch.autocast("cuda", dtype=torch.float16):
-                logits = model(xs)
+            xs = x * (float("inf") if step in (1, 2) else 1.0)  # two steps that overflow in fp16
+            with torch.autocast("cuda", dtype=torch.float16):  # step_batch takes its precision from it
+                if scale is not None:
+                    loss = nn.functional.cross_entropy(model(xs).float(), y)
+                else:
+                    assert per_class is not None
+                    per_class.step_batch(model, xs, y, opt, num_classes=6)
             if scale is not None:
-                scale.scale(nn.functional.cross_entropy(logits.float(), y)).backward()
+                scale.scale(loss).backward()
                 scale.step(opt)
                 scale.update()
                 trace.append(scale.get_scale())
             else:
                 assert per_class is not None
-                per_class.step_batch(model, xs, y, opt, num_classes=6)
                 trace.append(per_class.get_scale())
         traces[how] = {"scales": trace, "state": (scale or per_class).state_dict()}  # type: ignore[union-attr]
     same = traces["plain"]["scales"] == traces["classgrad"]["scales"]
@@ -266,35 +286,41 @@ def headline(args: argparse.Namespace) -> dict[str, Any]:
             loss = torch.nn.functional.cross_entropy(model(xb), y[start : start + batch].to(device), reduction="sum")
             torch.autograd.grad(loss, params)
 
-    out: dict[str, Any] = {"classes": classes, "per_class": per_class, "image": size, "dim": dim}
+    out = live("headline", {"classes": classes, "per_class": per_class, "image": size, "dim": dim})
     for precision in ("fp32", "bf16"):
         if time.perf_counter() - STARTED > args.budget_s * 0.6:
             out[precision] = {"skipped": "over 60% of the run's budget spent before it"}
             continue
-        proj = projection_options({"dim": dim})
-        eng = build_engine(model, (x, y), num_classes=classes, batch_size=batch, device=device,
-                           precision=precision, projection=proj)  # fmt: skip
-        first, _ = timed(lambda eng=eng: eng.compute(range(classes)), device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            floor_s, _ = timed(floor, device)
-        out[precision] = {"first_call_s": first, "floor_s": floor_s, "over_floor": first / floor_s}
-        if device.type == "cuda":
-            few = range(min(classes, 64))
-            out[precision]["kernel_over_wall"] = kernel_over_wall(lambda eng=eng, few=few: eng.compute(few), device)
-        log.info("headline %s: %.1f s, floor %.1f s (%.2fx)", precision, first, floor_s, first / floor_s)
+        try:
+            proj = projection_options({"dim": dim})
+            eng = build_engine(model, (x, y), num_classes=classes, batch_size=batch, device=device,
+                               precision=precision, projection=proj)  # fmt: skip
+            first, _ = timed(lambda eng=eng: eng.compute(range(classes)), device)
+            out[precision] = {"first_call_s": first, "engine_notes": list(eng.stats.notes)}
+            # The floor in the engine's arithmetic (fp32: TF32 off, as the engine computes).
+            with eng.precision.autocast(device), eng.precision.float32_arithmetic(device):
+                floor_s, _ = timed(floor, device)
+            out[precision] |= {"floor_s": floor_s, "over_floor": first / floor_s}
+            if device.type == "cuda":
+                few = range(min(classes, 64))
+                out[precision]["kernel_over_wall"] = kernel_over_wall(lambda eng=eng, few=few: eng.compute(few), device)
+            log.info("headline %s: %.1f s, floor %.1f s (%.2fx)", precision, first, floor_s, first / floor_s)
+        except Exception as exc:  # noqa: BLE001 - one precision's failure is a finding; the other still runs
+            out[precision] = {**out.get(precision, {}), "error": f"{type(exc).__name__}: {exc}"}
+            log.info("headline %s FAILED: %s", precision, out[precision]["error"])
     return out
 
 
 def kernel_over_wall(fn: Callable[[], Any], device: torch.device) -> float:
+    """GPU kernel time of one call of ``fn`` (torch.profiler, the kernels' own events) over the
+    wall time of another call without the profiler (whose start and stop would count as wall)."""
     from torch.profiler import ProfilerActivity, profile
 
-    sync(device)
-    t0 = time.perf_counter()
+    wall, _ = timed(fn, device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         sync(device)
-    wall = time.perf_counter() - t0
-    kernels = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e6
+    kernels = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e6
     return kernels / wall
 
 
@@ -352,8 +378,10 @@ def syncs(args: argparse.Namespace) -> dict[str, Any]:
             if callable(p):
                 p()
 
-    out["matmuls_blocking_copy_s"], _ = timed(lambda: loop(lambda r: r.cpu()), device)
-    out["matmuls_side_stream_copy_s"], _ = timed(lambda: loop(lambda r: host_device.copy_to_host(r)[1]), device)
+    blocking, side = (lambda: loop(lambda r: r.cpu())), (lambda: loop(lambda r: host_device.copy_to_host(r)[1]))
+    blocking(), side()  # warm: the pinned buffers' first allocation is not the copy's cost
+    out["matmuls_blocking_copy_s"], _ = timed(blocking, device)
+    out["matmuls_side_stream_copy_s"], _ = timed(side, device)
     return out
 
 
@@ -417,15 +445,19 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
 
     device = torch.device(args.device)
     classes, dim = (100, 256) if args.quick else (10000, 4096)
-    out: dict[str, Any] = {"classes": classes, "dim": dim, "models": {}}
+    out = live("speed", {"classes": classes, "dim": dim, "models": {}})
     options = {"num_classes": classes, "device": device, "batch_size": args.batch_size,
                "projection": {"dim": dim}, "progress": False}  # fmt: skip
     for name in (*SCALE_MODELS, *REAL) if not args.quick else SCALE_MODELS:
+        left = args.budget_s - (time.perf_counter() - STARTED)
+        if left < SUBPROCESS_RESERVE_S and not args.quick:  # the two subprocesses' share of the budget
+            out["models"][name] = {"skipped": f"{left:.0f} s of the budget left"}
+            continue
         try:
             model, samples, _ = build(name, classes)
             model.to(device)
             first, _ = timed(lambda m=model, s=samples: per_class_gradients(m, s, **options), device)
-            floor = _floor(model, samples, classes, dim, args.batch_size)
+            floor = _floor(model, samples, classes, dim, args.batch_size, device)
             out["models"][name] = {"first_call_s": first, "floor_s": floor, "over_floor": first / floor}
             log.info("speed %s: %.2f s, floor %.2f s (%.2fx)", name, first, floor, first / floor)
         except Exception as exc:  # noqa: BLE001 - one model's failure is a finding, not the end
@@ -444,11 +476,13 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
         if left < 30:
             out[label] = {"skipped": f"{left:.0f} s of the budget left"}
             continue
+        limit = left - 60 if label == "gpu_resnet18" and left > 120 else left  # a minute kept for the next
         try:
-            done = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=left)
+            done = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, timeout=limit)
             out[label] = {"returncode": done.returncode, "tail": done.stdout[-4000:] + done.stderr[-1000:]}
-        except subprocess.TimeoutExpired:
-            out[label] = {"error": f"stopped after {left:.0f} s (the budget)"}
+        except subprocess.TimeoutExpired as exc:  # what it printed so far is kept (bytes, whatever text=)
+            printed = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            out[label] = {"error": f"stopped after {limit:.0f} s (the budget)", "tail": printed[-4000:]}
     return out
 
 
@@ -472,10 +506,31 @@ def needs_a_look(report: Any, path: str = "") -> list[str]:
     return found
 
 
+# speed's in-process models stop when this much of the budget is left, for its two subprocesses.
+SUBPROCESS_RESERVE_S = 150
+# Sections' results as they grow (``live``): what a section had when the run's time limit stopped
+# it goes into the report too.
+LIVE: dict[str, dict[str, Any]] = {}
+
+
+def live(section: str, out: dict[str, Any]) -> dict[str, Any]:
+    LIVE[section] = out
+    return out
+
+
+class Stopped(BaseException):
+    """SIGTERM, from ``scripts/gpu_proof.sh``'s ``timeout``: not an ``Exception``, so no section's
+    per-case handler takes it for a finding and goes on."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(f"signal {signum}")
+
+
 STARTED = time.perf_counter()
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "env": env, "syncs": syncs, "exact": exact, "cuda_tests": cuda_tests, "projection": projection, "scaler": scaler,
-    "headline": headline, "actor": actor, "speed": speed,
+    "env": env, "exact": exact, "cuda_tests": cuda_tests, "scaler": scaler, "headline": headline, "actor": actor,
+    "syncs": syncs, "projection": projection, "speed": speed,
 }  # fmt: skip
 
 
@@ -497,10 +552,16 @@ def main() -> int:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     report: dict[str, Any] = {"args": vars(args)}
+    signal.signal(signal.SIGTERM, _stop)
     for name in args.sections.split(","):
         t0 = time.perf_counter()
+        stopped = False
         try:
             report[name] = SECTIONS[name](args)
+        except Stopped:
+            stopped = True
+            report[name] = {**LIVE.get(name, {}), "error": "stopped by the run's time limit (SIGTERM) in this section"}
+            log.info("%s STOPPED by the run's time limit", name)
         except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
             report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
             log.info("%s FAILED: %s: %s", name, type(exc).__name__, exc)
@@ -510,6 +571,8 @@ def main() -> int:
             json.dumps(report, indent=2, default=str)
         )  # after each: a cut run keeps its part
         (out / "log.txt").write_text(stream.getvalue())
+        if stopped:
+            break
     found = needs_a_look({k: v for k, v in report.items() if k != "args"})
     for line in found:
         log.info("needs a look: %s", line)

@@ -178,13 +178,19 @@ def job(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "floor_s": floor, "engine_s": engine, "job_s": wall}
 
 
-def _floor(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> float:
+def _floor(
+    model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int, device: str | torch.device = "cpu"
+) -> float:
+    """One forward and backward of the summed loss over the samples, plus writing C x dim rows on
+    the host: best of 2, on ``device`` (the model is moved there, as the engine under test had it)."""
     from classgrad.workers.engines import build_engine
 
-    eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size)
+    eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size, device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     best = float("inf")
     for _ in range(2):
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)
         t0 = time.perf_counter()
         for start in range(0, len(eng.probe), batch_size):
             idx = torch.arange(start, min(len(eng.probe), start + batch_size))
@@ -192,6 +198,8 @@ def _floor(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: i
             loss = eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
             torch.autograd.grad(loss, params, allow_unused=True)
         torch.empty(classes, dim).fill_(1.0)  # writing the stored rows
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)
         best = min(best, time.perf_counter() - t0)
     return best
 

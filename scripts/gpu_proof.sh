@@ -24,4 +24,5 @@ rm -rf "$build"
 export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1
 mkdir -p "$out"  # nvidia-smi's answer goes inside it: only files under $OUT come back
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia-smi.txt" 2>&1 || true
-timeout 480 "$python" -m benchmarks.gpu_proof --out "$out" "$@"
+# SIGTERM at 8 minutes (gpu_proof records the section it cut and writes its report), SIGKILL 15 s later.
+timeout -k 15 480 "$python" -m benchmarks.gpu_proof --out "$out" "$@"

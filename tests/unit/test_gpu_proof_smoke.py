@@ -7,7 +7,10 @@ budget: their own quick runs are the benchmarks' business, and they double this 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,27 @@ def test_what_needs_a_look_is_every_failure_and_nothing_else() -> None:
     found = gpu_proof.needs_a_look(report)
     assert [line.split(":")[0] for line in found] == ["exact/harness[1]", "speed/models/bert", "speed/sub"]
     assert "boom" in found[1] and "trace" not in found[1]
+
+
+def test_the_time_limit_s_sigterm_keeps_what_the_section_had(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """scripts/gpu_proof.sh's timeout ends the run with SIGTERM: the section it cut is recorded
+    with its results so far, no later section starts, and the report is written."""
+    after = []
+
+    def cut(args) -> dict:
+        out = gpu_proof.live("cut", {"models": {"first": {"first_call_s": 1.0}}})
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises in here
+        out["models"]["second"] = {}
+        return out
+
+    monkeypatch.setitem(gpu_proof.SECTIONS, "cut", cut)
+    monkeypatch.setitem(gpu_proof.SECTIONS, "later", lambda args: after.append(1) or {})
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert _run(monkeypatch, tmp_path, "--sections", "env,cut,later") == 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    report = json.loads((tmp_path / "gpu_proof.json").read_text())
+    assert report["cut"]["models"] == {"first": {"first_call_s": 1.0}} and "time limit" in report["cut"]["error"]
+    assert "later" not in report and not after
