@@ -36,6 +36,8 @@ def status_of(store) -> dict:
         "dtype": store.dtype,
         **completion(store),  # shards_done, shards_total, rows_done, complete, missing_ranges
         "last_run": runs[-1] if runs else None,
+        # A rerun of a finished store computes nothing: the run that computed rows says how.
+        "last_computing_run": next((r for r in reversed(runs) if r.get("rows")), None),
         "runs": len(runs),
         "lease": lease,
         "lease_state": state,  # null (no lease) | live | expired | holder_gone
@@ -65,17 +67,18 @@ def main(args: argparse.Namespace) -> int:
         shown = ", ".join(f"{a}-{b - 1}" for a, b in info["missing_ranges"][:5])
         more = " ..." if len(info["missing_ranges"]) > 5 else ""
         print(f"missing   rows {shown}{more}")
-    run = info["last_run"]
+    run, computing = info["last_run"], info["last_computing_run"]
     if run:
         retries = f"{run.get('retries', 0)} retries (of {info['runs']} runs)"
-        print(f"last run  {run.get('run_id')}: {run.get('status')}, {_timing(run)}, {retries}")
-        notes = run.get("engine_notes") or []
-        for note in notes[:SHOWN_NOTES]:
-            print(f"          engine: {note}")
-        if len(notes) > SHOWN_NOTES:
-            print(f"          engine: +{len(notes) - SHOWN_NOTES} more notes (--json)")
-        if run.get("error"):  # one line: a record of an older classgrad may hold a whole dump
-            print(f"          error: {first_line(run['error'], limit=400)}")
+        if run.get("rows") or computing is None:
+            print(f"last run  {run.get('run_id')}: {run.get('status')}, {_timing(run)}, {retries}")
+            _print_run_details(run)
+        else:  # a rerun with nothing left to compute: the rows' run after it
+            print(f"last run  {run.get('run_id')}: {run.get('status')}, nothing left to compute, {retries}")
+            if run.get("error"):
+                print(f"          error: {first_line(run['error'], limit=400)}")
+            print(f"rows by   {computing.get('run_id')}: {computing.get('status')}, {_timing(computing)}")
+            _print_run_details(computing)
     if info["lease"]:
         lease = info["lease"]
         print(f"lease     held by run {lease.get('run_id')} on {lease.get('host')} (pid {lease.get('pid')})")
@@ -83,6 +86,16 @@ def main(args: argparse.Namespace) -> int:
         rerun = "" if info["lease_state"] == "live" else "; a rerun takes it over"
         print(f"          {state}: {info['lease_state_detail']}{rerun}")
     return 0
+
+
+def _print_run_details(run: dict) -> None:
+    notes = run.get("engine_notes") or []
+    for note in notes[:SHOWN_NOTES]:
+        print(f"          engine: {note}")
+    if len(notes) > SHOWN_NOTES:
+        print(f"          engine: +{len(notes) - SHOWN_NOTES} more notes (--json)")
+    if run.get("error"):  # one line: a record of an older classgrad may hold a whole dump
+        print(f"          error: {first_line(run['error'], limit=400)}")
 
 
 def _timing(run: dict) -> str:

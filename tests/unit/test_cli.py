@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from classgrad.service.commands.cli import main
+from classgrad.store import open_store
 from tests.support.stores import synthetic_store
 
 
@@ -36,3 +37,17 @@ def test_an_option_its_command_does_not_know_is_refused_by_that_command(tmp_path
     assert exit_.value.code == 2
     assert err.startswith("usage: classgrad inspect ")
     assert err.strip().splitlines()[-1] == "classgrad inspect: error: unrecognized arguments: --topp 3"
+
+
+def test_status_after_a_rerun_with_nothing_left_names_the_run_that_computed_the_rows(tmp_path, capsys):
+    synthetic_store(tmp_path / "s", num_classes=40, dim=8)
+    store = open_store(str(tmp_path / "s"), mode="r+")
+    timing = {"seconds": 3.0, "startup_s": 1.0, "compute_s": 2.0}
+    store.append_run({"run_id": "r1", "status": "complete", "rows": 40, "rows_per_s": 20.0, **timing,
+                      "engine_notes": ["partitioned: hooks for all 4 params"]})  # fmt: skip
+    store.append_run({"run_id": "r2", "status": "complete", "rows": 0, "rows_per_s": 0.0, **timing})
+    assert main(["status", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "last run  r2: complete, nothing left to compute, 0 retries (of 2 runs)" in out
+    assert "rows by   r1: complete, 40 rows in 2.0 s of compute (20.0 rows/s)" in out
+    assert "engine: partitioned: hooks for all 4 params" in out
