@@ -111,7 +111,8 @@ class PartitionedLoss(LossKind):
                 f"loss {self.name!r}: targets must be integer class labels of shape [N], "
                 f"got {tuple(targets.shape)} {targets.dtype}"
             )
-        check_label_range(targets, self.num_classes)
+        # Named as both spellings: the function's num_classes, a job file's loss.num_classes.
+        check_label_range(targets, self.num_classes, prefix="labels outside num_classes (loss.num_classes)")
 
     def counts(self, targets: torch.Tensor) -> torch.Tensor:
         return torch.bincount(self.labels(targets), minlength=self.num_classes)

@@ -235,7 +235,7 @@ def model_output_width(t: Ctx):
     return [t.job(model={"kwargs": {"num_classes": 50, "width": 4}})]
 
 
-@case("labels outside [0, 48): sample 144 has label 48")
+@case("labels outside num_classes (loss.num_classes) [0, 48): sample 144 has label 48")
 def labels_out_of_range(t: Ctx):
     return [t.job(data={"kwargs": {"num_classes": 50, "samples_per_class": 3, "input_shape": [3, 8, 8], "seed": 2}})]
 

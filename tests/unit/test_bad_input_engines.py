@@ -25,7 +25,8 @@ def test_model_output_width_must_match_num_classes():
 def test_labels_outside_the_class_range_are_refused():
     x, y = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
     y[3] = NUM_CLASSES
-    with pytest.raises(InputError, match=r"labels outside \[0, 6\): sample 3 has label 6"):
+    message = r"labels outside num_classes \(loss.num_classes\) \[0, 6\): sample 3 has label 6"
+    with pytest.raises(InputError, match=message):
         build_engine(zoo.mlp(NUM_CLASSES, in_features=8), (x, y), num_classes=NUM_CLASSES)
 
 
