@@ -524,7 +524,15 @@ class Stopped(BaseException):
 
 
 def _stop(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # timeout signals the group too: one stop is enough
     raise Stopped(f"signal {signum}")
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (a stop in the middle leaves the last copy)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 STARTED = time.perf_counter()
@@ -552,7 +560,14 @@ def main() -> int:
         log.addHandler(handler)
     log.setLevel(logging.INFO)
     report: dict[str, Any] = {"args": vars(args)}
-    signal.signal(signal.SIGTERM, _stop)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _run_sections(args, report, out, stream)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_sections(args: argparse.Namespace, report: dict[str, Any], out: Path, stream: io.StringIO) -> int:
     for name in args.sections.split(","):
         t0 = time.perf_counter()
         stopped = False
@@ -567,17 +582,17 @@ def main() -> int:
             log.info("%s FAILED: %s: %s", name, type(exc).__name__, exc)
         report[name]["seconds"] = time.perf_counter() - t0
         log.info("%s done in %.1f s", name, report[name]["seconds"])
-        (out / "gpu_proof.json").write_text(
-            json.dumps(report, indent=2, default=str)
+        _write(
+            out / "gpu_proof.json", json.dumps(report, indent=2, default=str)
         )  # after each: a cut run keeps its part
-        (out / "log.txt").write_text(stream.getvalue())
+        _write(out / "log.txt", stream.getvalue())
         if stopped:
             break
     found = needs_a_look({k: v for k, v in report.items() if k != "args"})
     for line in found:
         log.info("needs a look: %s", line)
     log.info("%d findings need a look", len(found))
-    (out / "log.txt").write_text(stream.getvalue())
+    _write(out / "log.txt", stream.getvalue())
     return 1 if found else 0
 
 

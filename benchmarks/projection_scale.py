@@ -195,8 +195,9 @@ def _floor(
         for start in range(0, len(eng.probe), batch_size):
             idx = torch.arange(start, min(len(eng.probe), start + batch_size))
             x, y = eng.probe.batch(idx, eng.device, eng.compute_dtype)
-            loss = eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
-            torch.autograd.grad(loss, params, allow_unused=True)
+            with eng.precision.float32_arithmetic(eng.device):  # as the engine computes: no TF32 in fp32
+                loss = eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
+                torch.autograd.grad(loss, params, allow_unused=True)
         torch.empty(classes, dim).fill_(1.0)  # writing the stored rows
         if eng.device.type == "cuda":
             torch.cuda.synchronize(eng.device)

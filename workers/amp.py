@@ -57,25 +57,42 @@ class PrecisionPolicy:
 
     @contextlib.contextmanager
     def float32_arithmetic(self, device: torch.device) -> Iterator[None]:
-        """fp32 means float32 on CUDA too: TF32 off for cuDNN's convolutions and for matmuls while
-        the engine computes, whatever torch's flags (cuDNN's default is on: convolutions rounded to
-        10 bits, rows about 1e-3 off, and the hook path's rows no longer equal the plain path's to
-        its check's 1e-4). Put back afterwards. bf16 and fp16 leave the flags alone (their
-        products are already rounded further); the CPU has no TF32."""
+        """fp32 means float32 on CUDA too: TF32 off for cuDNN's convolutions and RNNs and for
+        matmuls while the engine computes, whatever torch's settings (cuDNN's default is on:
+        convolutions rounded to 10 bits, rows about 1e-3 off, and the hook path's rows no longer
+        equal the plain path's to its check's 1e-4). Put back afterwards, as they were. bf16 and
+        fp16 leave them alone (their products are already rounded further); the CPU has no TF32."""
         if self.dtype != "fp32" or device.type != "cuda":
             yield
             return
-        cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-        before = matmul.allow_tf32
-        flags = cudnn.flags(
-            enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False
-        )
-        matmul.allow_tf32 = False
+        with _tf32_off():
+            yield
+
+
+@contextlib.contextmanager
+def _tf32_off() -> Iterator[None]:
+    """TF32 off for matmuls and cuDNN, its settings put back after. Through torch's per-backend
+    ``fp32_precision`` settings where this torch has them (2.9 on): reading the older
+    ``allow_tf32`` flags raises once a user has set the newer ones, and setting them would lose a
+    ``set_float32_matmul_precision("medium")``."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv") and hasattr(cudnn, "rnn"):
+        settings = [matmul, cudnn.conv, cudnn.rnn]
+        before = [str(s.fp32_precision) for s in settings]
+        for setting in settings:
+            setting.fp32_precision = "ieee"
         try:
-            with flags:
-                yield
+            yield
         finally:
-            matmul.allow_tf32 = before
+            for setting, value in zip(settings, before):
+                setting.fp32_precision = value
+        return
+    flags = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = flags
 
 
 RowFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

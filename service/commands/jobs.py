@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="every job the cluster knows, newest first")
     for p in (status, logs, stop, sub.choices["list"]):
         add_address_argument(p)
+        p.set_defaults(_parser=p)  # an option it does not know is refused with its usage (cli.parse)
 
 
 def quiet_ray_logging(args: argparse.Namespace) -> None:

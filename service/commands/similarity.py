@@ -134,7 +134,8 @@ def neighbour_lines(index, value, ids, names, summary: dict, shown: int = SAMPLE
     for r in range(n):
         named = [(int(j), v) for j, v in zip(index[r, :shown], value[r, :shown], strict=True) if j >= 0]
         near = ", ".join(f"{label(j)} {v:.3g}" for j, v in named) or "none (no samples in this window)"
-        more = f", +{k - shown} more" if k > shown and named else ""
+        extra = int((index[r, shown:] >= 0).sum())  # a log's row may have fewer than k neighbours
+        more = f", +{extra} more" if extra else ""
         lines.append(f"  {label(r)}: {near}{more}")
     return lines
 

@@ -70,7 +70,9 @@ def main(args: argparse.Namespace) -> int:
     run, computing = info["last_run"], info["last_computing_run"]
     if run:
         retries = f"{run.get('retries', 0)} retries (of {info['runs']} runs)"
-        if run.get("rows") or computing is None:
+        # Nothing left: every shard was done when it started (a failed run may also have 0 rows).
+        nothing_left = bool(run.get("shards_total")) and run.get("shards_skipped") == run.get("shards_total")
+        if not nothing_left or computing is None:
             print(f"last run  {run.get('run_id')}: {run.get('status')}, {_timing(run)}, {retries}")
             _print_run_details(run)
         else:  # a rerun with nothing left to compute: the rows' run after it

@@ -49,6 +49,7 @@ from typing import Any
 
 from classgrad.config import JobConfig
 from classgrad.units import fmt_mib
+from classgrad.workers.engines.base import rnns_ready_for_backward
 from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.engine import GROUP_BYTES
 from classgrad.workers.runtime.actor import project_rows_for
@@ -225,7 +226,8 @@ def saved_bytes_per_sample(engine: Any, samples: int = SAMPLES_MEASURED) -> int:
         x, y = engine.probe.batch(torch.arange(n), engine.device, engine.compute_dtype)
         with engine.selected_grads(), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with engine.precision.autocast(engine.device):
+                # As the engine's forwards run (an eval-mode RNN as for a backward: cuDNN's reserve).
+                with engine.precision.autocast(engine.device), rnns_ready_for_backward(engine.model):
                     out = engine.io(x)
                 engine.loss.batch_losses(out, y, engine.norm)
     except Exception as exc:  # noqa: BLE001 - the estimate goes without it; the job's own run will say

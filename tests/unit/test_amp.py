@@ -145,36 +145,63 @@ def test_fp16_row_that_never_becomes_finite_names_its_class(engine, device):
 # --- fp32 is float32 on CUDA: TF32 off while the engine computes ----------------------------
 
 
+@pytest.fixture
+def tf32_settings():
+    """torch's TF32 settings, put back after the test (they are process-wide)."""
+    b = torch.backends  # set_float32_matmul_precision sets oneDNN's matmuls too
+    settings = [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn, b.mkldnn.matmul]
+    saved, legacy = [s.fp32_precision for s in settings], (b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
+    yield
+    # torch keeps the older flags apart from the newer settings and refuses to read a mix: both
+    # go back, the older first (setting them rewrites the newer ones).
+    b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = legacy
+    for s, value in zip(settings, saved):
+        s.fp32_precision = value
+
+
+def _tf32_state() -> tuple:
+    b = torch.backends
+    return b.cuda.matmul.fp32_precision, b.cudnn.conv.fp32_precision, b.cudnn.rnn.fp32_precision
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "legacy",  # torch.backends.cudnn.allow_tf32 and cuda.matmul.allow_tf32
+        "new",  # the per-backend fp32_precision settings (reading the legacy flags then raises)
+        "medium",  # torch.set_float32_matmul_precision("medium")
+    ],
+)
 @pytest.mark.parametrize("dtype,device,off", [("fp32", "cuda", True), ("bf16", "cuda", False), ("fp32", "cpu", False)])
-def test_fp32_turns_tf32_off_on_cuda_only_and_puts_the_flags_back(dtype, device, off):
-    # The flags are plain settings: they can be read and set on a machine without CUDA.
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = cudnn.allow_tf32, matmul.allow_tf32
-    cudnn.allow_tf32 = matmul.allow_tf32 = True
-    try:
-        with PrecisionPolicy(dtype).float32_arithmetic(torch.device(device)):
-            assert (cudnn.allow_tf32, matmul.allow_tf32) == ((False, False) if off else (True, True))
-        assert (cudnn.allow_tf32, matmul.allow_tf32) == (True, True)
-    finally:
-        cudnn.allow_tf32, matmul.allow_tf32 = saved
+def test_fp32_turns_tf32_off_on_cuda_only_and_puts_the_settings_back(tf32_settings, how, dtype, device, off):
+    # The settings are plain process-wide values: they can be read and set without CUDA.
+    b = torch.backends
+    if how == "legacy":
+        b.cudnn.allow_tf32 = b.cuda.matmul.allow_tf32 = True
+    elif how == "new":
+        b.cuda.matmul.fp32_precision = b.cudnn.conv.fp32_precision = "tf32"
+        b.cudnn.rnn.fp32_precision = "ieee"
+    else:
+        torch.set_float32_matmul_precision("medium")
+    before, precision = _tf32_state(), torch.get_float32_matmul_precision() if how != "new" else None
+    with PrecisionPolicy(dtype).float32_arithmetic(torch.device(device)):
+        assert _tf32_state() == (("ieee",) * 3 if off else before)
+    assert _tf32_state() == before
+    if precision is not None:
+        assert torch.get_float32_matmul_precision() == precision
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("engine", ["partitioned", "dense"])
-def test_fp32_rows_of_a_cnn_are_float32_with_torchs_tf32_flags_on(engine, device):
+def test_fp32_rows_of_a_cnn_are_float32_with_torchs_tf32_flags_on(tf32_settings, engine, device):
     model = zoo.small_cnn(NUM_CLASSES, width=4, seed=0).eval()
     data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="image", input_shape=(3, 8, 8), seed=1)
     truth = build_engine(
         model.double(), (data[0].double(), data[1]), num_classes=NUM_CLASSES, engine="reference"
     ).compute(range(NUM_CLASSES))
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    saved = cudnn.allow_tf32, matmul.allow_tf32
-    cudnn.allow_tf32 = matmul.allow_tf32 = True  # torch's default for cuDNN; on for matmuls too
-    try:
-        rows = build_engine(model.float(), data, num_classes=NUM_CLASSES, engine=engine, device=device).compute(
-            range(NUM_CLASSES)
-        )
-    finally:
-        cudnn.allow_tf32, matmul.allow_tf32 = saved
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True  # cuDNN's default; matmuls too
+    rows = build_engine(model.float(), data, num_classes=NUM_CLASSES, engine=engine, device=device).compute(
+        range(NUM_CLASSES)
+    )
     # float32 against float64 on a small CNN: the engine tests' fp32 tolerance (TF32 would be ~1e-3).
     assert max_relative_error(rows.rows.cpu(), truth.rows) <= 2e-6

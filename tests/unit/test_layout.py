@@ -125,3 +125,24 @@ def test_a_work_layout_whose_slots_share_columns():
         shared.flatten([torch.ones(4), torch.ones(4), torch.ones(3)])
     plain = ParamLayout.from_model(nn.Sequential(nn.Linear(2, 2)))
     assert plain.dim == 6 and not plain.shares_columns
+
+
+@pytest.mark.parametrize("engine", ["partitioned", "dense", "reference"])
+def test_between_two_blocks_the_caller_s_requires_grad_flags_hold(engine):
+    """Only the selected parameters require grad while an engine computes a block
+    (``GradientEngine.computed``); between blocks, and after the caller stops early, the model is
+    as the caller left it."""
+    model = zoo.mlp(NUM_CLASSES, in_features=8, hidden=16)
+    model[0].weight.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
+    data = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(8,))
+    eng = build_engine(model, data, num_classes=NUM_CLASSES, engine=engine, params=["0.weight"], group_rows=2)
+    blocks = eng.iter_blocks(range(NUM_CLASSES))
+    seen = 0
+    for _ in blocks:
+        seen += 1
+        assert [p.requires_grad for p in model.parameters()] == flags
+        if seen == 2:
+            break
+    blocks.close()
+    assert seen == 2 and [p.requires_grad for p in model.parameters()] == flags

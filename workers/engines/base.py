@@ -150,19 +150,15 @@ def rnns_ready_for_backward(model: nn.Module) -> Iterator[None]:
     idle = [m for m in model.modules() if isinstance(m, nn.RNNBase) and not m.training]
     flipped = [m for m in idle if m.dropout == 0 or m.num_layers == 1]
     cudnn = torch.backends.cudnn
-    native = (
-        cudnn.flags(
-            enabled=False, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32
-        )
-        if len(flipped) < len(idle)
-        else contextlib.nullcontext()
-    )
+    enabled = cudnn.enabled  # the switch alone: cudnn.flags() would read the TF32 settings too
     for m in flipped:
         m.training = True
+    if len(flipped) < len(idle):
+        cudnn.enabled = False
     try:
-        with native:
-            yield
+        yield
     finally:
+        cudnn.enabled = enabled
         for m in flipped:
             m.training = False
 
@@ -232,10 +228,28 @@ class GradientEngine(ABC):
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """Around a computation of rows (``iter_blocks``): only the selected parameters require
-        grad (``selected_grads``), and float32 is float32 (``PrecisionPolicy.float32_arithmetic``)."""
+        """Around a computation of rows: only the selected parameters require grad
+        (``selected_grads``), and float32 is float32 (``PrecisionPolicy.float32_arithmetic``)."""
         with self.selected_grads(), self.precision.float32_arithmetic(self.device):
             yield
+
+    def computed(self, blocks: Iterator[RowBlock]) -> Iterator[RowBlock]:
+        """``blocks`` (an engine's row generator) stepped inside ``computing``, which is left at
+        each yield: the caller's code between two blocks runs with its own settings (its
+        ``requires_grad`` flags, its TF32), also when it raises or stops early."""
+        try:
+            while True:
+                with self.computing():
+                    try:
+                        block = next(blocks)
+                    except StopIteration:
+                        return
+                yield block
+        finally:
+            close = getattr(blocks, "close", None)
+            if close is not None:  # an abandoned generator's own clean-up runs now, not at collection
+                with self.computing():
+                    close()
 
     @contextlib.contextmanager
     def selected_grads(self) -> Iterator[None]:

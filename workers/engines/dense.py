@@ -405,16 +405,18 @@ class DenseEngine(GradientEngine):
         ids = self._check_classes(classes)
         if len(ids) == 0:
             return
-        with self.computing():
-            head = self._head_basis()
-            if head is not None:
-                yield from self._through_head(head, ids)
-            elif self.probe.num_micro_batches == 1:
-                yield from self._stream(ids)
-            else:
-                group = min(self.group_rows, self._row_limit())
-                for g0 in range(0, len(ids), group):
-                    yield from self._accumulate(ids[g0 : g0 + group])
+        yield from self.computed(self._row_blocks(ids))
+
+    def _row_blocks(self, ids: torch.Tensor) -> Iterator[RowBlock]:
+        head = self._head_basis()
+        if head is not None:
+            yield from self._through_head(head, ids)
+        elif self.probe.num_micro_batches == 1:
+            yield from self._stream(ids)
+        else:
+            group = min(self.group_rows, self._row_limit())
+            for g0 in range(0, len(ids), group):
+                yield from self._accumulate(ids[g0 : g0 + group])
 
     def _head_basis(self) -> HeadBasis | None:
         """The basis for rows through the model's final Linear layer (``classgrad.workers.engines.head``),

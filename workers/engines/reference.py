@@ -34,25 +34,26 @@ class ReferenceEngine(GradientEngine):
         return row, total[c].detach()
 
     def iter_blocks(self, classes: Sequence[int]) -> Iterator[RowBlock]:
-        ids = self._check_classes(classes)
-        with self.computing():
-            for c in ids.tolist():
-                losses: list[torch.Tensor] = []
+        yield from self.computed(self._row_blocks(self._check_classes(classes)))
 
-                def compute(which: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-                    row, value = self._row(c, float(scales[0]))  # noqa: B023 - called within this iteration
-                    losses.append(value)  # noqa: B023 - called within this iteration
-                    return row.unsqueeze(0)
+    def _row_blocks(self, ids: torch.Tensor) -> Iterator[RowBlock]:
+        for c in ids.tolist():
+            losses: list[torch.Tensor] = []
 
-                rows, scales, again = rows_with_rescale(compute, 1, self.precision, ids.new_tensor([c]), self.device)
-                value = losses[-1].reshape(1)
-                self.stats.rows += 1
-                self.stats.recomputed_rows += int(again.sum())
-                yield RowBlock(
-                    classes=ids.new_tensor([c]),
-                    rows=rows,
-                    loss=value.cpu(),
-                    count=self.counts[[c]],
-                    loss_scale=scales.cpu(),
-                    recomputed=again.cpu(),
-                )
+            def compute(which: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+                row, value = self._row(c, float(scales[0]))  # noqa: B023 - called within this iteration
+                losses.append(value)  # noqa: B023 - called within this iteration
+                return row.unsqueeze(0)
+
+            rows, scales, again = rows_with_rescale(compute, 1, self.precision, ids.new_tensor([c]), self.device)
+            value = losses[-1].reshape(1)
+            self.stats.rows += 1
+            self.stats.recomputed_rows += int(again.sum())
+            yield RowBlock(
+                classes=ids.new_tensor([c]),
+                rows=rows,
+                loss=value.cpu(),
+                count=self.counts[[c]],
+                loss_scale=scales.cpu(),
+                recomputed=again.cpu(),
+            )

@@ -296,10 +296,10 @@ class PartitionedEngine(GradientEngine):
         group = min(self.group_rows, max(1, ROW_BYTES_BUDGET // row_bytes))
         if out is None:  # each group gets a new buffer: keep it small enough to be recycled
             group = min(group, small)
-        with self.computing():
-            for g0 in range(0, len(ids), group):
-                part = ids[g0 : g0 + group]
-                yield self._group(part, None if out is None else out[g0 : g0 + len(part)])
+        yield from self.computed(
+            self._group(ids[g0 : g0 + group], None if out is None else out[g0 : g0 + group])
+            for g0 in range(0, len(ids), group)
+        )
 
     def _group(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> RowBlock:
         n = len(ids)
