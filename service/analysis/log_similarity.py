@@ -140,7 +140,6 @@ def window_similarity(
         del matrix
         os.replace(target[1], target[0])  # the matrix appears whole, or not at all
         matrix = np.load(target[0], mmap_mode="r")
-    index[empty], value[empty] = -1, np.nan
     steps = reader.read("steps", w)
     summary = {
         "log": url,

@@ -278,7 +278,8 @@ def top_k_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each row's k largest entries, excluding its own column (row0 + r) and the columns where
     ``excluded`` (bool ``[C]``) is set: (indices int64 [n, k], values float32 [n, k]), largest
-    first, equal values by lower index. Places left without a column: index -1, value NaN."""
+    first, equal values by lower index. An excluded row itself has no neighbours; places left
+    without a column: index -1, value NaN."""
     n, C = strip.shape
     index = np.empty((n, k), dtype=np.int64)
     value = np.empty((n, k), dtype=np.float32)
@@ -289,8 +290,11 @@ def top_k_rows(
         m = s.shape[0]
         local = np.arange(m)
         s[local, row0 + r + local] = -np.inf
+        mute = np.zeros(m, dtype=bool)
         if excluded is not None:
             s[:, excluded] = -np.inf
+            mute = excluded[row0 + r : row0 + r + m]
+            s[mute] = -np.inf
         if k < C:
             part = np.argpartition(s, C - k, axis=1)[:, C - k :]
         else:
@@ -299,6 +303,7 @@ def top_k_rows(
         # argpartition breaks ties at the k-th value arbitrarily: redo those rows stably.
         kth = vals.min(axis=1)
         straddle = (s == kth[:, None]).sum(axis=1) > (vals == kth[:, None]).sum(axis=1)
+        straddle &= ~mute  # an excluded row names nobody: no ties worth sorting
         for i in np.flatnonzero(straddle):
             part[i] = np.argsort(-s[i], kind="stable")[:k]
             vals[i] = s[i, part[i]]
