@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from classgrad.errors import ConfigError
 from classgrad.service.analysis import validated
 from classgrad.service.analysis.log_rows import LogRows, pick_windows
 from classgrad.service.analysis.plot import (
@@ -34,6 +33,7 @@ from classgrad.service.analysis.plot import (
     TICK_FONT,
     PlotConfig,
     clustered_heatmap,
+    make_out_dir,
     new_figure,
     require_matplotlib,
     save_png,
@@ -126,11 +126,7 @@ def plot_log(
     norms = window_norms(reader, done)
     total = norms.sum(axis=0)
     top = np.argsort(-total, kind="stable")[: config.top_n]
-    out = Path(out_dir)  # made only once the log has been read: a failed plot leaves nothing behind
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {exc}") from None
+    out = make_out_dir(out_dir)  # made only once the log has been read: a failed plot leaves nothing behind
     written: dict[str, str] = {}
     sizes: dict[str, list[int]] = {}
     result: dict = {"files": written, "sizes": sizes, "windows": done, "top_rows": top.tolist(), "similarity": {}}

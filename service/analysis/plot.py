@@ -355,6 +355,16 @@ def require_matplotlib() -> None:
         raise ConfigError("classgrad plot needs matplotlib: pip install 'classgrad[plot]'") from None
 
 
+def make_out_dir(out_dir: str) -> Path:
+    """The plots' folder ``out_dir``, made (with its parents), or one line saying why not."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {exc}") from None
+    return out
+
+
 def clustered_heatmap(store, top: np.ndarray, config: PlotConfig, path: Path, note: str = "") -> dict:
     """The similarity of rows ``top`` of ``store`` (``class_similarity``) drawn in average-linkage
     order into ``path``; ``note``: added to the title's source. Returns the rows in drawn order,
@@ -379,11 +389,7 @@ def plot_store(url: str, out_dir: str, *, storage_options: dict | None = None, *
     finite = np.isfinite(norms.row)
     if not finite.any():
         raise StoreIncompleteError(f"store {url} has no rows written yet; nothing to plot")
-    out = Path(out_dir)  # made only once the store has been read: a failed plot leaves nothing behind
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {out_dir!r}: cannot create the directory: {exc}") from None
+    out = make_out_dir(out_dir)  # made only once the store has been read: a failed plot leaves nothing behind
     written: dict[str, str] = {}
     top = np.sort(norms.top(config.top_n))
     result: dict = {"files": written, "top_rows": top.tolist()}
