@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 MAX_ENGINE_NOTES = 5  # a summary line each; the engine's log has them all
 ENGINE_NOTE_CHARS = 200
+# How long a stopping run waits for Ray to report its killed actors dead; well inside the 30 s a
+# stopped Ray job has before its SIGKILL (``submit.STOP_ENV``), so the record is still written.
+ACTOR_STOP_WAIT_S = 10.0
 
 
 def _note_key(note: str) -> str:
@@ -327,7 +330,7 @@ class JobDriver:
         self.summary.memory = {"estimate": estimate_record(checked.footprint), "peak_rss_per_actor": {}}
         # The lease is taken before the store is created, reopened or deleted, so that two drivers
         # never both touch it. It is released on the way out of the ``with`` (also when the record
-        # failed: a stale lease would refuse the rerun), after the record and before the actors stop.
+        # failed: a stale lease would refuse the rerun), after the actors stopped and the record.
         try:
             with lease_of_store.hold(
                 self.run_id,
@@ -366,6 +369,9 @@ class JobDriver:
                     self.summary.error = redact_text(first_line(exc, with_type=True))
                     raise
                 finally:
+                    # Actors first: one still computing could mark a shard done after the count
+                    # below, and the record would then say less than the store holds.
+                    self._stop_actors()
                     if self.summary.status != "complete":
                         self._count_saved(store, todo)
                     self.summary.ended = _now()
@@ -393,12 +399,29 @@ class JobDriver:
         except ClassgradError as exc:
             log.error("could not record the run in the store: %s", exc)
 
-    def _shutdown(self) -> None:
+    def _stop_actors(self) -> None:
+        """Kill the actors and wait, at most ``ACTOR_STOP_WAIT_S``, until Ray reports each dead
+        (its shards in flight fail), so that none marks a shard done after the run's count."""
         import ray
 
-        for slot in getattr(self, "_slots", []):
-            if slot.actor is not None:
-                ray.kill(slot.actor, no_restart=True)
+        slots = [slot for slot in getattr(self, "_slots", []) if slot.actor is not None]
+        if not slots:
+            return
+        for slot in slots:
+            ray.kill(slot.actor, no_restart=True)
+        # A call made after the kill fails only once Ray knows the actor is dead; an idle actor
+        # has no shard in flight to wait on.
+        ends = [ref for slot in slots for ref, _ in slot.inflight]
+        ends += [slot.actor.__ray_ready__.remote() for slot in slots]
+        _, pending = ray.wait(ends, num_returns=len(ends), timeout=ACTOR_STOP_WAIT_S)
+        if pending:
+            log.warning("%d actor calls had not ended %.0f s after the kill", len(pending), ACTOR_STOP_WAIT_S)
+        for slot in slots:
+            slot.actor = None
+            slot.inflight.clear()
+
+    def _shutdown(self) -> None:
+        self._stop_actors()  # when the run stopped before the lease was taken, or the stop raised
         self._ray.close()
 
     def _run_shards(self, store: GradStore, todo: list[Shard], t_start: float, lease: HeldLease) -> None:
@@ -462,7 +485,7 @@ class JobDriver:
                 more = f" ({len(self._failed) - 1} more shards failed too)" if len(self._failed) > 1 else ""
                 raise ShardFailedError(_shard_failure(shard, tries, why, self.summary) + more)
         finally:
-            # Shards still in flight die with their actors in _shutdown; nothing marks them done.
+            # Shards still in flight die with their actors in _stop_actors; nothing marks them done.
             progress.close()
 
     def _actor_died(self, slot: _Slot, exc: Exception, queue, attempts, where) -> None:

@@ -8,8 +8,8 @@ Holds ``install_stop_handlers``, called by ``classgrad run`` before the job star
 Who sends what: Ray Jobs (``classgrad jobs stop``, ``ray job stop``) sends the driver
 ``RAY_JOB_STOP_SIGNAL`` (SIGINT, which ``submit.STOP_ENV`` asks for), then SIGKILL after
 ``RAY_JOB_STOP_WAIT_TIME_S``; Kubernetes (a deleted RayJob or pod) and ``kill`` send SIGTERM,
-then SIGKILL. Either signal raises ``KeyboardInterrupt`` in the driver, which records the run as
-interrupted, releases the store's lease and stops its actors (``driver.JobDriver.run``).
+then SIGKILL. Either signal raises ``KeyboardInterrupt`` in the driver, which stops its actors,
+records the run as interrupted and releases the store's lease (``driver.JobDriver.run``).
 
 Both handlers are installed explicitly, because a process can start with SIGINT ignored (a Ray
 head started from a script in the background, ``setsid ray start ... &``: a shell without job
