@@ -25,7 +25,7 @@ from tests.support.harness import REPO
 from tests.support.stores import synthetic_store
 
 C, D = 256, 12_800
-TASK_MB = 32  # small enough for several tasks of full rows (a row is 50 KiB)
+TASK_MB = 36  # small enough for several tasks of full rows (a row is 50 KiB)
 
 # The tasks of one store, one after another in a fresh process (as a Ray worker runs them).
 _RUN = """
@@ -69,7 +69,8 @@ def test_every_task_stays_within_the_bound_on_wide_rows(runs, name):
     assert bound <= TASK_MB << 20
     for report in reports:
         assert report["exact_peak"]  # the kernel's high-water mark, not a sampled one
-        # No tolerance: the bound already holds a 16 MiB slack for the interpreter, torch and zarr.
+        # No tolerance: the bound's slack is the measured spread of a fresh process's fixed part
+        # (interpreter, torch, zarr's threads and arenas; similarity_topk._SLACK_BYTES).
         assert report["rss_added"] <= bound, (report, plan.memory_bound())
     # The first task runs in a fresh process (nothing kept from earlier work): it really held
     # its query block, so the measurement is not vacuous.
