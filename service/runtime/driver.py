@@ -407,18 +407,22 @@ class JobDriver:
         slots = [slot for slot in getattr(self, "_slots", []) if slot.actor is not None]
         if not slots:
             return
-        for slot in slots:
-            ray.kill(slot.actor, no_restart=True)
-        # A call made after the kill fails only once Ray knows the actor is dead; an idle actor
-        # has no shard in flight to wait on.
-        ends = [ref for slot in slots for ref, _ in slot.inflight]
-        ends += [slot.actor.__ray_ready__.remote() for slot in slots]
-        _, pending = ray.wait(ends, num_returns=len(ends), timeout=ACTOR_STOP_WAIT_S)
-        if pending:
-            log.warning("%d actor calls had not ended %.0f s after the kill", len(pending), ACTOR_STOP_WAIT_S)
-        for slot in slots:
-            slot.actor = None
-            slot.inflight.clear()
+        try:
+            for slot in slots:
+                ray.kill(slot.actor, no_restart=True)
+            # A call made after the kill fails only once Ray knows the actor is dead; an idle
+            # actor has no shard in flight to wait on.
+            ends = [ref for slot in slots for ref, _ in slot.inflight]
+            ends += [slot.actor.__ray_ready__.remote() for slot in slots]
+            _, pending = ray.wait(ends, num_returns=len(ends), timeout=ACTOR_STOP_WAIT_S)
+            if pending:
+                log.warning("%d actor calls had not ended %.0f s after the kill", len(pending), ACTOR_STOP_WAIT_S)
+        except Exception as exc:  # Ray itself is gone: the run's own error and record come first
+            log.warning("could not stop the run's actors: %s", first_line(exc, with_type=True))
+        finally:
+            for slot in slots:
+                slot.actor = None
+                slot.inflight.clear()
 
     def _shutdown(self) -> None:
         self._stop_actors()  # when the run stopped before the lease was taken, or the stop raised
