@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import psutil
+
 from classgrad import errors
 from classgrad.config import JobConfig
 from classgrad.config.redaction import has_secrets, redact_text
@@ -47,6 +49,7 @@ from classgrad.service.runtime.ray_session import ray_session, resolve_ray_addre
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.runtime.run_record import estimate_record, record_peak, summary_lines
 from classgrad.service.runtime.shipping import actor_config, working_dir_env
+from classgrad.service.runtime.stopping import stop_actors
 from classgrad.store import GradStore, HeldLease, store_lease
 from classgrad.workers.devices import check_device
 from classgrad.workers.imports import from_working_dir
@@ -146,6 +149,14 @@ class _Slot:
         self.generation = 0  # bumped each time the slot gets a replacement actor
         self.actor: Any = None
         self.inflight: collections.deque = collections.deque()  # (ref, shard)
+        self.process: psutil.Process | None = None  # the actor's, when it runs on the driver's node
+
+    def note_process(self, info: dict[str, Any], node: str | None) -> None:
+        """The actor's process from its ready info or a report, if it runs on ``node`` (the
+        driver's own: the same machine and process ids)."""
+        if self.process is None and node is not None and info.get("node") == node:
+            with contextlib.suppress(psutil.Error, KeyError):
+                self.process = psutil.Process(int(info["pid"]))
 
 
 class JobDriver:
@@ -162,6 +173,7 @@ class JobDriver:
         self._ray = contextlib.ExitStack()  # the Ray session this driver opened, closed in _shutdown
         self._ready_after_s: float | None = None  # seconds from the run's start until every actor was ready
         self._shipped = False  # the working directory went to the actors (they start in a copy of it)
+        self._node: str | None = None  # the Ray node this driver runs on, once connected
 
     # --- Ray ------------------------------------------------------------------------------
 
@@ -189,6 +201,7 @@ class JobDriver:
         self._ray.enter_context(
             ray_session(cluster.address, option="cluster.address", num_cpus=max(cpus, needed), runtime_env=ship)
         )
+        self._node = ray.get_runtime_context().get_node_id()  # its actors' processes are ours to watch
 
     def _actor_options(self) -> dict[str, Any]:
         cluster = self.config.cluster
@@ -245,6 +258,7 @@ class JobDriver:
 
     def _start_actor(self, slot: _Slot) -> None:
         slot.generation += 1
+        slot.process = None
         # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
         name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
         slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
@@ -276,6 +290,7 @@ class JobDriver:
                 slot = waiting.pop(ref)
                 try:
                     infos.append(ray.get(ref))
+                    slot.note_process(infos[-1], self._node)
                 except actor_lost(ray) as exc:
                     cause = self._replace_actor(slot, exc)
                     log.warning("actor %d died while starting (%s); a replacement is starting", slot.index, cause)
@@ -400,28 +415,26 @@ class JobDriver:
             log.error("could not record the run in the store: %s", exc)
 
     def _stop_actors(self) -> None:
-        """Kill the actors and wait, at most ``ACTOR_STOP_WAIT_S``, until Ray reports each dead
-        (its shards in flight fail), so that none marks a shard done after the run's count."""
-        import ray
-
+        """Kill the actors and wait until none can mark a shard done (``stopping.stop_actors``),
+        so that the run's count of saved shards is final."""
         slots = [slot for slot in getattr(self, "_slots", []) if slot.actor is not None]
         if not slots:
             return
         try:
-            for slot in slots:
-                ray.kill(slot.actor, no_restart=True)
-            # A call made after the kill fails only once Ray knows the actor is dead; an idle
-            # actor has no shard in flight to wait on.
-            ends = [ref for slot in slots for ref, _ in slot.inflight]
-            ends += [slot.actor.__ray_ready__.remote() for slot in slots]
-            _, pending = ray.wait(ends, num_returns=len(ends), timeout=ACTOR_STOP_WAIT_S)
+            pending = stop_actors(
+                [slot.actor for slot in slots],
+                [ref for slot in slots for ref, _ in slot.inflight],
+                [slot.process for slot in slots if slot.process is not None],
+                ACTOR_STOP_WAIT_S,
+            )
             if pending:
-                log.warning("%d actor calls had not ended %.0f s after the kill", len(pending), ACTOR_STOP_WAIT_S)
+                log.warning("%d actors had not ended %.0f s after the kill", pending, ACTOR_STOP_WAIT_S)
         except Exception as exc:  # Ray itself is gone: the run's own error and record come first
             log.warning("could not stop the run's actors: %s", first_line(exc, with_type=True))
         finally:
             for slot in slots:
                 slot.actor = None
+                slot.process = None
                 slot.inflight.clear()
 
     def _shutdown(self) -> None:
@@ -479,6 +492,7 @@ class JobDriver:
                     self.summary.recomputed_rows += report["recomputed_rows"]
                     self.summary.add_engine_notes(report.get("engine_notes", []))
                     record_peak(self.summary.memory, report)
+                    slot.note_process(report, self._node)  # a replacement's first report
                     if report["node"] not in self.summary.nodes:
                         self.summary.nodes.append(report["node"])
                     progress.update(report["rows"])

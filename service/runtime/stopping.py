@@ -1,7 +1,8 @@
 """How a running job's driver stops on a signal: SIGINT and SIGTERM alike, like Ctrl-C.
 
 Holds ``install_stop_handlers``, called by ``classgrad run`` before the job starts (and
-``restore_handlers``, after it), and
+``restore_handlers``, after it), ``stop_actors`` (how a stopping driver ends its actors before
+it counts what they saved), and
 ``INTERRUPTED_LINE``, the last line the CLI prints after such a stop (``classgrad jobs stop
 --wait`` looks for it in the job's logs to tell a driver that stopped from one that was killed).
 
@@ -28,7 +29,11 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
+from collections.abc import Sequence
 from typing import Any
+
+import psutil
 
 log = logging.getLogger(__name__)
 
@@ -69,3 +74,20 @@ def restore_handlers(before: dict[int, Any]) -> None:
     itself, such as a test or a notebook, keeps its own)."""
     for sig, handler in before.items():
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def stop_actors(actors: Sequence[Any], calls: Sequence[Any], processes: Sequence[psutil.Process], wait_s: float) -> int:
+    """Kill ``actors`` and wait, at most ``wait_s`` in all, until none can mark a shard done: Ray
+    reports each dead (``calls``, their shards in flight, and a call made after the kill fail),
+    and ``processes`` (those of the actors on the driver's own node) have exited, for Ray reports
+    a death a few milliseconds before the process is gone. Returns how many were still
+    pending when the wait ran out."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    ends = [*calls, *(actor.__ray_ready__.remote() for actor in actors)]
+    _, pending = ray.wait(ends, num_returns=len(ends), timeout=wait_s)
+    _, alive = psutil.wait_procs(processes, timeout=max(0.0, deadline - time.monotonic()))
+    return len(pending) + len(alive)
