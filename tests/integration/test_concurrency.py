@@ -76,7 +76,10 @@ def refused_line(capsys, argv: list[str]) -> str:
 
 def test_a_second_driver_is_refused_naming_the_first_run(tmp_path, capsys):
     url = str(tmp_path / "store.zarr")
-    job = small_job(url, **SLOW)
+    # A long TTL: the first driver renews a third of it at a time, so its heartbeat stays the one
+    # from before its actors started (a default 60 s TTL renews every 20 s, and actors that took
+    # that long to start on a loaded machine renewed it just as the first shard landed).
+    job = small_job(url, **SLOW, run={"lease_ttl_s": 600})
     path = write_job(tmp_path / "job.yaml", job)
     first = JobDriver(JobConfig.model_validate(job))
     outcome: dict = {}

@@ -157,14 +157,17 @@ def test_the_dashboard_and_job_server_listen_on_loopback_only(cluster):
 
 
 def test_a_crashed_worker_node_loses_no_rows(cluster, clean, tmp_path):
-    # Runs last: it takes a node away from the module's cluster. 0.15 s per class makes the
-    # job last ~4 s per actor, long enough to crash a node while shards are in flight.
-    plan = faulty.write_plan(tmp_path / "faults", delay_s=0.15)
+    # Runs last: it takes a node away from the module's cluster. The plan's gate is open until
+    # 2 shards are done, then closed: every actor waits inside a loss call with its shard in
+    # flight, so the crash surely lands on one, however long a loaded machine takes to find it.
+    plan = faulty.write_plan(tmp_path / "faults", delay_s=0.15, hold=True)
+    faulty.release(plan)
     url = str(tmp_path / "crash.zarr")
     config = write_job(tmp_path / "crash.yaml", fault_job(url, plan))
     proc = start_cli("run", config, "--set", f"cluster.address={cluster.gcs_address}", env=cluster.client_env())
     try:
         wait_for(lambda: shards_done(url) >= 2, 120, "2 shards done", alive=proc)
+        faulty.hold(plan)
         # Never the head (the GCS lives there); a worker node that hosts one of our actors.
         actors = wait_for(
             lambda: {n: i for n, i in cluster.actor_nodes("classgrad-").items() if i != 0},
@@ -174,8 +177,10 @@ def test_a_crashed_worker_node_loses_no_rows(cluster, clean, tmp_path):
         victim = sorted(actors.values())[0]
         cluster.stop_node(victim, force=True)
         done_at_crash = shards_done(url)
+        faulty.release(plan)
         out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
     finally:
+        faulty.release(plan)
         kill_session(proc)
 
     assert proc.returncode == 0, err[-3000:]

@@ -40,7 +40,8 @@ fingerprint: a faulty run and a clean run of the same job compute the same rows,
 - ``unseeded_mlp`` (initialised from its process's random state), ``noisy_dataset`` (a random
   transform on every read) and ``scaled_mlp`` (``zoo.mlp``'s weights, another forward), for the
   run-identity tests.
-- ``write_plan``, ``faults_raised``, ``memory_faults`` and ``oom_threshold`` for the tests.
+- ``write_plan``, ``release``/``hold`` (the gate), ``faults_raised``, ``memory_faults`` and
+  ``oom_threshold`` for the tests.
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ def write_plan(
 
 def release(directory: str | Path) -> None:
     (Path(directory) / "hold").unlink(missing_ok=True)
+
+
+def hold(directory: str | Path) -> None:
+    """Close the gate of a plan written with ``hold`` again: every loss call waits from now on
+    (a running job's shards stay in flight until ``release``)."""
+    (Path(directory) / "hold").touch()
 
 
 def started(directory: str | Path) -> bool:
