@@ -59,9 +59,10 @@ def test_jobs_stop_stops_a_driver_that_inherited_sigint_ignored(tmp_path):
         took = time.monotonic() - t0
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert "stopped: its driver recorded the run as interrupted" in stop.stdout, stop.stdout
-        # Ray kills a driver still running after 30 s: stopping well before means the driver
-        # stopped on SIGINT itself (a loaded 2-core machine takes a few seconds to record it).
-        assert took < RAY_SIGKILL_AFTER_S - 5, took
+        # Ray kills a driver still running after 30 s: stopping before that means the driver
+        # stopped on SIGINT itself. ``took`` also holds a new interpreter's start and the CLI's
+        # polls (seconds on a loaded 2-core machine), so it is not held to less than the 30 s.
+        assert took < RAY_SIGKILL_AFTER_S, took
         stopped = open_store(store)
         assert stopped.attrs["runs"][-1]["status"] == "interrupted" and stopped.lease.info() is None
         assert int(stopped.shard_done.sum()) < stopped.num_shards
