@@ -13,9 +13,13 @@ B's rows exactly.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,6 +28,7 @@ from classgrad.config import JobConfig
 from classgrad.errors import CorruptChunkError
 from classgrad.service.analysis.verify import CORRUPT, verify_store
 from classgrad.store import open_store
+from classgrad.store.format import LEASE_LOCK_SUFFIX
 from tests.support.harness import (
     classgrad_cli,
     kill_session,
@@ -63,6 +68,19 @@ def ray_dirs():
         shutil.rmtree(d, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def lease_lock(url: str) -> Iterator[None]:
+    """The lock a driver holds while it renews the lease of the local store at ``url``. A process
+    suspended while the test holds it was not inside a renewal: one suspended inside would keep
+    the lock, and B would wait on it until A resumed, which the test does only after B."""
+    fd = os.open(url + LEASE_LOCK_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def env_with(ray_tmp: str) -> dict[str, str]:
     base = {k: v for k, v in repo_env().items() if not k.startswith("RAY_")}
     return {**base, "RAY_TMPDIR": ray_tmp}
@@ -82,8 +100,9 @@ def test_a_paused_run_never_lands_rows_in_the_store_that_replaced_it(tmp_path, r
     try:
         wait_for(lambda: shards_done(url) >= 2, 180, "job A: 2 shards done", alive=a)
         paused = [psutil.Process(a.pid), *ray_processes(a.pid, marker=ray_dirs[0])]
-        for p in paused:
-            p.suspend()
+        with lease_lock(url):
+            for p in paused:
+                p.suspend()
         time.sleep(5)  # past A's lease TTL (3 s): its lease is stale, its processes alive
         b_run = classgrad_cli("run", path_b, env=env_with(ray_dirs[1]), timeout=300)
         assert b_run.returncode == 0, b_run.stderr[-3000:]
