@@ -13,12 +13,18 @@ Holds:
   never stored in a run record nor printed by ``status``.
 - ``out_of_memory_failure``: the one line a job fails with when memory stays short after its
   bounded replacements.
+- ``cause_line``: the one line that says why a Ray task or actor failed (the last line of the
+  traceback Ray wraps), and ``creation_error``: the user error an actor's constructor raised,
+  as the same ``ClassgradError`` type, or None for any other death.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from classgrad import errors
+from classgrad.errors import ClassgradError, first_line
 
 ACTOR_LOST = ("RayActorError", "OutOfMemoryError")
 
@@ -70,3 +76,42 @@ def out_of_memory_failure(kills: int, last: str, saved: int, total: int) -> str:
         f"of a node (fewer cluster.num_workers, more cluster.num_cpus_per_worker, smaller "
         f"engine.block_rows), and rerun to resume"
     )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a Python traceback: "package.module.SomeError: message".
+_EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(?P<msg>.*))?$")
+
+
+def _exception_line(text: str) -> re.Match | None:
+    for line in reversed(_ANSI.sub("", text).splitlines()):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match:
+            return match
+    return None
+
+
+def cause_line(exc: BaseException) -> str:
+    """The one line that says why a Ray task or actor failed."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return first_line(cause, with_type=True)
+    match = _exception_line(str(exc))
+    if match:
+        return f"{match['type'].rsplit('.', 1)[-1]}: {match['msg'] or ''}".strip()[:300]
+    return first_line(_ANSI.sub("", str(exc))) or type(exc).__name__
+
+
+def creation_error(exc: BaseException) -> ClassgradError | None:
+    """The user error an actor's constructor raised (a bad factory on a worker node, say), or
+    None when it died for another reason (node lost, killed, out of memory)."""
+    text = str(exc)
+    if "creation task" not in text:
+        return None
+    match = _exception_line(text)
+    if not match or not match["type"].startswith("classgrad.errors."):
+        return None
+    kind = getattr(errors, match["type"].rsplit(".", 1)[-1], ClassgradError)
+    if not (isinstance(kind, type) and issubclass(kind, ClassgradError)):
+        kind = ClassgradError
+    return kind(match["msg"] or "an actor failed to start")

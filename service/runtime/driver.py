@@ -31,7 +31,6 @@ from typing import Any
 
 import psutil
 
-from classgrad import errors
 from classgrad.config import JobConfig
 from classgrad.config.redaction import has_secrets, redact_text
 from classgrad.errors import (
@@ -41,7 +40,13 @@ from classgrad.errors import (
     StoreError,
     first_line,
 )
-from classgrad.service.runtime.actor_deaths import actor_lost, out_of_memory_failure, out_of_memory_line
+from classgrad.service.runtime.actor_deaths import (
+    actor_lost,
+    cause_line,
+    creation_error,
+    out_of_memory_failure,
+    out_of_memory_line,
+)
 from classgrad.service.runtime.plan import Shard, dispatch_order
 from classgrad.service.runtime.preparation import check_identity, check_job, prepare_store
 from classgrad.service.runtime.progress import Progress
@@ -304,11 +309,11 @@ class JobDriver:
         pause (1, 2, 4 ... s, at most 10 s: memory another process took may come back); every
         replacement counts against one bound, and a job whose actors are still being killed for
         memory past it stops with one line that says so."""
-        user_error = _creation_error(exc)
+        user_error = creation_error(exc)
         if user_error is not None:
             raise user_error  # the actor cannot be built from this config: replacing cannot help
         oom = out_of_memory_line(exc)  # Ray's own text is some 40 lines: never stored or shown
-        cause = oom or _cause_line(exc)
+        cause = oom or cause_line(exc)
         self.summary.actors_replaced += 1
         if oom is not None:
             self._oom_kills += 1
@@ -530,7 +535,7 @@ class JobDriver:
         if isinstance(cause, ClassgradError) and not cause.retryable:
             raise type(cause)(str(cause))  # the user's to fix: retrying cannot help
         attempts[shard.index] += 1
-        line = _cause_line(exc)
+        line = cause_line(exc)
         if attempts[shard.index] >= self.config.sharding.max_attempts:
             self._failed.append((shard, attempts[shard.index], line))
             log.error(
@@ -561,45 +566,6 @@ def _shard_failure(shard: Shard, attempts: int, why: str, summary: RunSummary) -
         f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts} times: {why}; "
         f"{saved} of {summary.shards_total} shards are saved, rerun to resume"
     )
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# The last line of a Python traceback: "package.module.SomeError: message".
-_EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s*(?P<msg>.*))?$")
-
-
-def _exception_line(text: str) -> re.Match | None:
-    for line in reversed(_ANSI.sub("", text).splitlines()):
-        match = _EXCEPTION_LINE.match(line.strip())
-        if match:
-            return match
-    return None
-
-
-def _cause_line(exc: BaseException) -> str:
-    """The one line that says why a Ray task or actor failed."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException) and cause is not exc:
-        return first_line(cause, with_type=True)
-    match = _exception_line(str(exc))
-    if match:
-        return f"{match['type'].rsplit('.', 1)[-1]}: {match['msg'] or ''}".strip()[:300]
-    return first_line(_ANSI.sub("", str(exc))) or type(exc).__name__
-
-
-def _creation_error(exc: BaseException) -> ClassgradError | None:
-    """The user error an actor's constructor raised (a bad factory on a worker node, say), or
-    None when it died for another reason (node lost, killed, out of memory)."""
-    text = str(exc)
-    if "creation task" not in text:
-        return None
-    match = _exception_line(text)
-    if not match or not match["type"].startswith("classgrad.errors."):
-        return None
-    kind = getattr(errors, match["type"].rsplit(".", 1)[-1], ClassgradError)
-    if not (isinstance(kind, type) and issubclass(kind, ClassgradError)):
-        kind = ClassgradError
-    return kind(match["msg"] or "an actor failed to start")
 
 
 def run_job(config: JobConfig, *, preflight: bool = True) -> RunSummary:

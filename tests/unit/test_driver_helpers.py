@@ -11,7 +11,8 @@ import pytest
 
 from classgrad.config import JobConfig
 from classgrad.errors import InputError, LeaseHeldError, StoreError, StoreUnavailableError
-from classgrad.service.runtime.driver import JobDriver, _cause_line, _creation_error
+from classgrad.service.runtime.actor_deaths import cause_line, creation_error
+from classgrad.service.runtime.driver import JobDriver
 from classgrad.service.runtime.plan import Shard
 from tests.support.jobs import small_job
 
@@ -36,18 +37,18 @@ class _Err(Exception):
 
 
 def test_a_constructor_user_error_is_recognised_and_named():
-    err = _creation_error(_Err(CREATION_FAILED))
+    err = creation_error(_Err(CREATION_FAILED))
     assert isinstance(err, InputError)
     assert str(err) == "model.factory 'x:y' raised ValueError: boom"
-    assert _cause_line(_Err(CREATION_FAILED)) == "InputError: model.factory 'x:y' raised ValueError: boom"
+    assert cause_line(_Err(CREATION_FAILED)) == "InputError: model.factory 'x:y' raised ValueError: boom"
 
 
 def test_other_deaths_are_for_a_replacement():
-    assert _creation_error(_Err(NODE_LOST)) is None
-    assert _cause_line(_Err(NODE_LOST)) == "The actor died unexpectedly before finishing this task."
+    assert creation_error(_Err(NODE_LOST)) is None
+    assert cause_line(_Err(NODE_LOST)) == "The actor died unexpectedly before finishing this task."
     crash = CREATION_FAILED.replace("classgrad.errors.InputError", "RuntimeError")
-    assert _creation_error(_Err(crash)) is None  # a bug or a lost GPU may not happen again
-    assert _cause_line(_Err(crash)).startswith("RuntimeError: model.factory")
+    assert creation_error(_Err(crash)) is None  # a bug or a lost GPU may not happen again
+    assert cause_line(_Err(crash)).startswith("RuntimeError: model.factory")
 
 
 def _raised_in_shard(cause: BaseException) -> _Err:
