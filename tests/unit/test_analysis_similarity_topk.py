@@ -210,7 +210,7 @@ def test_plan_stays_within_the_budget_and_bands_wide_rows(tmp_path):
     assert len(plan.blocks()) == 1 or plan.block_rows % plan.chunk_rows == 0
     # Two workers: at least two tasks each; the query block never takes more than half.
     two = plan_topk(store, SimilarityConfig(task_mb=512), workers=2)
-    assert len(two.blocks()) >= 4 and two.block_rows * 4096 * 4 <= 260 << 20
+    assert len(two.blocks()) >= 4 and two.block_rows * 4096 * 4 <= 256 << 20
     # A budget too small for full stream rows beside the query block: bands of column chunks.
     tight = plan_topk(store, SimilarityConfig(task_mb=30, block_rows=96), workers=1)
     assert tight.band_cols < 4096 and tight.band_cols % 512 == 0
