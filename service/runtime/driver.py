@@ -64,8 +64,9 @@ log = logging.getLogger(__name__)
 
 MAX_ENGINE_NOTES = 5  # a summary line each; the engine's log has them all
 ENGINE_NOTE_CHARS = 200
-# How long a stopping run waits for Ray to report its killed actors dead; well inside the 30 s a
-# stopped Ray job has before its SIGKILL (``submit.STOP_ENV``), so the record is still written.
+# How long a stopping run waits for its killed actors to end (Ray's report, their processes);
+# well inside the 30 s a stopped Ray job has before its SIGKILL (``submit.STOP_ENV``), so the
+# record is still written.
 ACTOR_STOP_WAIT_S = 10.0
 
 
@@ -433,7 +434,9 @@ class JobDriver:
                 ACTOR_STOP_WAIT_S,
             )
             if pending:
-                log.warning("%d actors had not ended %.0f s after the kill", pending, ACTOR_STOP_WAIT_S)
+                log.warning(
+                    "%d actor calls or processes had not ended %.0f s after the kill", pending, ACTOR_STOP_WAIT_S
+                )
         except Exception as exc:  # Ray itself is gone: the run's own error and record come first
             log.warning("could not stop the run's actors: %s", first_line(exc, with_type=True))
         finally:

@@ -80,8 +80,8 @@ def stop_actors(actors: Sequence[Any], calls: Sequence[Any], processes: Sequence
     """Kill ``actors`` and wait, at most ``wait_s`` in all, until none can mark a shard done: Ray
     reports each dead (``calls``, their shards in flight, and a call made after the kill fail),
     and ``processes`` (those of the actors on the driver's own node) have exited, for Ray reports
-    a death a few milliseconds before the process is gone. Returns how many were still
-    pending when the wait ran out."""
+    a death a few milliseconds before the process is gone. Returns how many calls and processes
+    had not ended when the wait ran out."""
     import ray
 
     deadline = time.monotonic() + wait_s
