@@ -49,8 +49,9 @@ _TABLE_CHUNK_BYTES = 8 * MIB
 # opening the store and its first reads and writes cost in a fresh process (zarr's codec
 # pipeline, its threads and their allocator arenas). It varies from run to run with how the
 # decoding threads' allocations fall: tests/unit/test_topk_memory.py's first banded task,
-# whose other parts are bounded by 7.6 MiB, peaked between 26.2 and 29.0 MiB in six runs here
-# and at 31.8 MiB in one fresh-clone run of the suite (a fixed part of up to 24.2 MiB).
+# whose other parts are bounded by 7.6 MiB, peaked at 31.8 MiB in one fresh-clone run of the
+# suite (a fixed part of up to 24.2 MiB) and at 24.5-25.1 MiB in three runs of
+# ``benchmarks.topk_wide --classes 256 --dim 12800 --task-mb 36 --col-chunk 1600``.
 _SLACK_BYTES = 28 * MIB
 # One read in flight holds about this many copies of what it decodes: zarr's compressed and
 # decoded chunks, the float32 values it returns and the reader's NaN check (a quarter: booleans);
