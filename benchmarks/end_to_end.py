@@ -116,7 +116,6 @@ def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
 def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str, Any]:
     """The job through JobDriver on the already running local Ray; phases timed."""
     import psutil
-    import ray
 
     from classgrad.config import JobConfig
     from classgrad.service.runtime.driver import JobDriver
@@ -130,14 +129,18 @@ def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str
         return total
 
     class TimedDriver(JobDriver):
-        def _wait_ready(self, slots):
-            super()._wait_ready(slots)
-            self.t_ready = time.perf_counter()
-            self.pids = [info["pid"] for info in ray.get([s.actor.ready.remote() for s in slots])]
-            self.cpu_ready = actor_cpu(self.pids)
+        # Start-up ends when the last actor is ready (the first ones may have begun shards by
+        # then: the job starts with the first ready actor; with a few actors on one machine they
+        # start within a second of each other).
+        def actor_ready(self, slot, info):
+            super().actor_ready(slot, info)
+            self.pids = [*getattr(self, "pids", []), info["pid"]]
+            if len(self.pids) == min(self.config.cluster.num_workers, self.summary.shards_total):
+                self.t_ready = time.perf_counter()
+                self.cpu_ready = actor_cpu(self.pids)
 
-        def _run_shards(self, store, todo, t_start):
-            super()._run_shards(store, todo, t_start)
+        def _run_shards(self, store, todo, t_start, lease):
+            super()._run_shards(store, todo, t_start, lease)
             self.t_done = time.perf_counter()
             self.cpu_done = actor_cpu(self.pids)  # the actors are still alive here
 

@@ -1,12 +1,12 @@
 """The driver of one extraction job: plan, create the store, run the actors, survive faults.
 
 Holds:
-- ``JobDriver``: joins or starts Ray, creates the actors, keeps each one fed with about
-  ``inflight_per_worker`` shards, requeues the shards of an actor that died and replaces it,
-  retries a shard that raised (up to ``sharding.max_attempts``; a shard out of attempts fails
-  the job once every other shard is done; a user error fails it at once, unless retryable, as a
-  store still unreachable after the store's own retries is), holds the store's lease, shows
-  progress, and writes the run summary into the store's history.
+- ``JobDriver``: joins or starts Ray, hands the shards to its actors through a
+  ``dispatch.ShardDispatcher`` over ``ray_actors.RayActors`` (shards only to ready actors, a lost
+  actor's shards requeued and the actor replaced, a shard that raised retried up to
+  ``sharding.max_attempts``, bounds on actors that do not start), holds the store's lease, shows
+  progress, stops its actors before it counts what they saved, and writes the run summary into
+  the store's history.
 - ``RunSummary``: what a run did, printed by the CLI and stored in the run history.
 - ``run_job``: the whole job as one call (``classgrad.run_job``).
 
@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -36,20 +37,14 @@ from classgrad.config.redaction import has_secrets, redact_text
 from classgrad.errors import (
     ClassgradError,
     ConfigError,
-    ShardFailedError,
     StoreError,
     first_line,
 )
-from classgrad.service.runtime.actor_deaths import (
-    actor_lost,
-    cause_line,
-    creation_error,
-    out_of_memory_failure,
-    out_of_memory_line,
-)
+from classgrad.service.runtime.dispatch import ActorBackend, ActorSlot, DispatchPolicy, ShardDispatcher
 from classgrad.service.runtime.plan import Shard, dispatch_order
 from classgrad.service.runtime.preparation import check_identity, check_job, prepare_store
 from classgrad.service.runtime.progress import Progress
+from classgrad.service.runtime.ray_actors import RayActors
 from classgrad.service.runtime.ray_session import ray_session, resolve_ray_address
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.service.runtime.run_record import estimate_record, record_peak, summary_lines
@@ -147,28 +142,8 @@ class RunSummary:
         ] + ([f"  error       {self.error}"] if self.error else [])
 
 
-class _Slot:
-    """One actor position: the live actor and its shards in flight, oldest (running) first."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.generation = 0  # bumped each time the slot gets a replacement actor
-        self.actor: Any = None
-        self.inflight: collections.deque = collections.deque()  # (ref, shard)
-        self.process: psutil.Process | None = None  # the actor's, when it runs on the driver's node
-
-    def note_process(self, info: dict[str, Any], node: str | None) -> None:
-        """The actor's process from its ready info or a report, if it runs on ``node`` (the
-        driver's own: the same machine and process ids)."""
-        if self.process is None and node is not None and info.get("node") == node:
-            with contextlib.suppress(psutil.Error, KeyError):
-                self.process = psutil.Process(int(info["pid"]))
-
-
 class JobDriver:
     """Runs one job to completion on Ray, resuming whatever a previous run left done."""
-
-    _oom_kills = 0  # actors of this run that Ray killed because their node ran low on memory
 
     def __init__(self, config: JobConfig, *, run_id: str | None = None, preflight: bool = True):
         self.config = config
@@ -177,7 +152,12 @@ class JobDriver:
         self.summary = RunSummary(run_id=self.run_id)
         self.completions: collections.Counter = collections.Counter()  # shard index -> times completed
         self._ray = contextlib.ExitStack()  # the Ray session this driver opened, closed in _shutdown
-        self._ready_after_s: float | None = None  # seconds from the run's start until every actor was ready
+        self._ready_after_s: float | None = None  # seconds from the run's start until cluster.min_workers were ready
+        self._t_start = 0.0
+        self._dispatcher: ShardDispatcher | None = None
+        self._progress: Progress | None = None
+        self._lease: HeldLease | None = None
+        self._processes: dict[tuple[int, int], psutil.Process] = {}  # (slot, generation) -> its process, on our node
         self._shipped = False  # the working directory went to the actors (they start in a copy of it)
         self._node: str | None = None  # the Ray node this driver runs on, once connected
 
@@ -261,73 +241,6 @@ class JobDriver:
             check_device(self.config.resolved_device())
         except ClassgradError as exc:
             raise ConfigError(f"engine.{exc}") from None
-
-    def _start_actor(self, slot: _Slot) -> None:
-        slot.generation += 1
-        slot.process = None
-        # Named, so operators (and fault tests) can find a run's actors: `ray list actors`.
-        name = f"classgrad-{self.run_id}-w{slot.index}-{slot.generation}"
-        slot.actor = self._actor_cls.options(**self._actor_options(), name=name).remote(
-            actor_config(self.config.model_dump(mode="json"), self._shipped),
-            num_threads=self.config.cluster.num_cpus_per_worker,
-            run_id=self.run_id,
-            identity=self._identity,
-        )
-
-    def _wait_ready(self, slots: list[_Slot]) -> None:
-        """Wait until every slot's actor is built; an actor that dies while starting is
-        replaced like any other (bounded), unless it died of a user error, which fails the job."""
-        import ray
-
-        timeout = self.config.run.actor_start_timeout_s
-        deadline = time.monotonic() + timeout
-        waiting = {s.actor.ready.remote(): s for s in slots}
-        infos: list[dict[str, Any]] = []
-        while waiting:
-            ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                c = self.config.cluster
-                raise ClassgradError(
-                    f"only {len(infos)} of {len(slots)} actors started within {timeout:.0f} s; each asks for "
-                    f"{c.num_cpus_per_worker} CPU and {c.num_gpus_per_worker} GPU, the cluster has "
-                    f"{ray.cluster_resources()}"
-                )
-            for ref in ready:
-                slot = waiting.pop(ref)
-                try:
-                    infos.append(ray.get(ref))
-                    slot.note_process(infos[-1], self._node)
-                except actor_lost(ray) as exc:
-                    cause = self._replace_actor(slot, exc)
-                    log.warning("actor %d died while starting (%s); a replacement is starting", slot.index, cause)
-                    waiting[slot.actor.ready.remote()] = slot
-        self.summary.nodes = sorted({i["node"] for i in infos})
-        log.info("%d actors ready on %d node(s)", len(infos), len(self.summary.nodes))
-
-    def _replace_actor(self, slot: _Slot, exc: Exception) -> str:
-        """Start a new actor in ``slot`` after its actor died; returns why it died, in one line.
-        An actor that Ray killed because its node ran low on memory is replaced too, after a
-        pause (1, 2, 4 ... s, at most 10 s: memory another process took may come back); every
-        replacement counts against one bound, and a job whose actors are still being killed for
-        memory past it stops with one line that says so."""
-        user_error = creation_error(exc)
-        if user_error is not None:
-            raise user_error  # the actor cannot be built from this config: replacing cannot help
-        oom = out_of_memory_line(exc)  # Ray's own text is some 40 lines: never stored or shown
-        cause = oom or cause_line(exc)
-        self.summary.actors_replaced += 1
-        if oom is not None:
-            self._oom_kills += 1
-        limit = self.config.cluster.num_workers * self.config.sharding.max_attempts
-        if self.summary.actors_replaced > limit:
-            if oom is not None:
-                saved = self.summary.shards_done + self.summary.shards_skipped
-                raise ClassgradError(out_of_memory_failure(self._oom_kills, oom, saved, self.summary.shards_total))
-            raise ClassgradError(f"actors keep dying ({self.summary.actors_replaced} replaced); last: {cause}")
-        if oom is not None:
-            time.sleep(min(2.0 ** (self._oom_kills - 1), 10.0))  # the caller logs the death
-        self._start_actor(slot)
-        return cause
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -423,14 +336,16 @@ class JobDriver:
     def _stop_actors(self) -> None:
         """Kill the actors and wait until none can mark a shard done (``stopping.stop_actors``),
         so that the run's count of saved shards is final."""
-        slots = [slot for slot in getattr(self, "_slots", []) if slot.actor is not None]
+        dispatcher = self._dispatcher
+        slots = [slot for slot in dispatcher.slots if slot.actor is not None] if dispatcher else []
         if not slots:
             return
+        processes = [p for slot in slots if (p := self._processes.get((slot.index, slot.generation))) is not None]
         try:
             pending = stop_actors(
                 [slot.actor for slot in slots],
-                [ref for slot in slots for ref, _ in slot.inflight],
-                [slot.process for slot in slots if slot.process is not None],
+                [call for slot in slots for call, _ in slot.inflight],
+                processes,
                 ACTOR_STOP_WAIT_S,
             )
             if pending:
@@ -442,8 +357,8 @@ class JobDriver:
         finally:
             for slot in slots:
                 slot.actor = None
-                slot.process = None
                 slot.inflight.clear()
+            self._processes.clear()
 
     def _shutdown(self) -> None:
         self._stop_actors()  # when the run stopped before the lease was taken, or the stop raised
@@ -452,123 +367,109 @@ class JobDriver:
     def _run_shards(self, store: GradStore, todo: list[Shard], t_start: float, lease: HeldLease) -> None:
         import ray
 
-        cfg = self.config
         self._connect()
-
-        self._actor_cls = ray.remote(GradientWorker)
         self._check_device()
         self._warn_about_secrets()
-        self._slots = [_Slot(i) for i in range(min(cfg.cluster.num_workers, len(todo)))]
-        for slot in self._slots:
-            self._start_actor(slot)
-        self._wait_ready(self._slots)
-        self._ready_after_s = time.perf_counter() - t_start
+        self._t_start, self._lease = t_start, lease
+        c = self.config.cluster
 
-        queue = collections.deque(todo)
-        attempts: collections.Counter = collections.Counter()
-        where: dict[Any, tuple[_Slot, Shard]] = {}
+        def resources() -> str:
+            return (
+                f"; each asks for {c.num_cpus_per_worker} CPU and {c.num_gpus_per_worker:g} GPU, the cluster has "
+                f"{ray.cluster_resources()}"
+            )
+
+        self.dispatch(RayActors(GradientWorker, self._actor_options(), self._actor_args, self.run_id), todo, resources)
+
+    def dispatch(
+        self,
+        backend: ActorBackend,
+        todo: list[Shard],
+        resources: Callable[[], str] = lambda: "",
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Compute ``todo`` on ``backend``'s actors (Ray's; the scale simulation's are simulated),
+        this driver hearing of each ready actor and done shard."""
+        cfg = self.config
+        policy = DispatchPolicy(
+            inflight_per_actor=cfg.cluster.inflight_per_worker,
+            max_attempts=cfg.sharding.max_attempts,
+            min_actors=cfg.cluster.min_workers,
+            start_timeout_s=cfg.run.actor_start_timeout_s,
+            resources=resources,
+        )
+        self._dispatcher = ShardDispatcher(
+            backend,
+            self,
+            policy,
+            num_actors=min(cfg.cluster.num_workers, len(todo)),
+            shards_saved_before=self.summary.shards_skipped,
+            shards_total=self.summary.shards_total,
+            clock=clock,
+        )
+        self.completions = self._dispatcher.completions
         total_rows = sum(s.rows for s in todo)
-        progress = Progress(total_rows, cfg.run.progress, cfg.run.log_every_s, label=f"run {self.run_id}")
-        self._failed: list[tuple[Shard, int, str]] = []  # out of attempts: the job fails once the rest is done
+        self._progress = Progress(total_rows, cfg.run.progress, cfg.run.log_every_s, label=f"run {self.run_id}")
         try:
-            while queue or where:
-                for slot in self._slots:
-                    while queue and len(slot.inflight) < cfg.cluster.inflight_per_worker:
-                        shard = queue.popleft()
-                        ref = slot.actor.compute_shard.remote(shard.index, attempts[shard.index] + 1)
-                        slot.inflight.append((ref, shard))
-                        where[ref] = (slot, shard)
-                done, _ = ray.wait(list(where), num_returns=1, timeout=1.0)
-                for ref in done:
-                    if ref not in where:
-                        continue  # its actor's death was already handled
-                    slot, shard = where.pop(ref)
-                    try:
-                        report = ray.get(ref)
-                    except actor_lost(ray) as exc:
-                        self._actor_died(slot, exc, queue, attempts, where)
-                        continue
-                    except ray.exceptions.RayTaskError as exc:
-                        slot.inflight = collections.deque((r, s) for r, s in slot.inflight if r != ref)
-                        self._shard_raised(shard, exc, queue, attempts)
-                        continue
-                    slot.inflight = collections.deque((r, s) for r, s in slot.inflight if r != ref)
-                    self.summary.shards_done += 1
-                    self.completions[shard.index] += 1
-                    self.summary.rows += report["rows"]
-                    self.summary.bytes += report["bytes"]
-                    self.summary.recomputed_rows += report["recomputed_rows"]
-                    self.summary.add_engine_notes(report.get("engine_notes", []))
-                    record_peak(self.summary.memory, report)
-                    slot.note_process(report, self._node)  # a replacement's first report
-                    if report["node"] not in self.summary.nodes:
-                        self.summary.nodes.append(report["node"])
-                    progress.update(report["rows"])
-                lease.keep_alive()  # renews every third of the TTL
-                progress.tick()
-            if self._failed:
-                shard, tries, why = self._failed[0]
-                more = f" ({len(self._failed) - 1} more shards failed too)" if len(self._failed) > 1 else ""
-                raise ShardFailedError(_shard_failure(shard, tries, why, self.summary) + more)
+            self._dispatcher.run(todo)
         finally:
             # Shards still in flight die with their actors in _stop_actors; nothing marks them done.
-            progress.close()
+            self.summary.retries = self._dispatcher.retries
+            self.summary.actors_replaced = self._dispatcher.actors_replaced
+            self._progress.close()
 
-    def _actor_died(self, slot: _Slot, exc: Exception, queue, attempts, where) -> None:
-        """Requeue everything the dead actor held (the running shard counts an attempt), and
-        start a replacement."""
-        lost = list(slot.inflight)
-        slot.inflight.clear()
-        for ref, _ in lost:
-            where.pop(ref, None)
-        cause = self._replace_actor(slot, exc)
-        if lost:
-            running = lost[0][1]
-            attempts[running.index] += 1
-            if attempts[running.index] >= self.config.sharding.max_attempts:
-                self._failed.append((running, attempts[running.index], f"its actor died: {cause}"))
-                lost = lost[1:]
-        for _, shard in reversed(lost):
-            queue.appendleft(shard)
-        self.summary.retries += len(lost)
-        log.warning("actor %d died (%s); %d shard(s) requeued, a replacement is starting", slot.index, cause, len(lost))
+    def _actor_args(self) -> tuple[tuple, dict[str, Any]]:
+        kwargs = {
+            "num_threads": self.config.cluster.num_cpus_per_worker,
+            "run_id": self.run_id,
+            "identity": self._identity,
+        }
+        return (actor_config(self.config.model_dump(mode="json"), self._shipped),), kwargs
 
-    def _shard_raised(self, shard: Shard, exc: Exception, queue, attempts) -> None:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, ClassgradError) and not cause.retryable:
-            raise type(cause)(str(cause))  # the user's to fix: retrying cannot help
-        attempts[shard.index] += 1
-        line = cause_line(exc)
-        if attempts[shard.index] >= self.config.sharding.max_attempts:
-            self._failed.append((shard, attempts[shard.index], line))
-            log.error(
-                "shard %d (rows %d-%d) failed %d times, giving up on it: %s",
-                shard.index,
-                shard.start,
-                shard.stop - 1,
-                attempts[shard.index],
-                line,
+    # --- what the dispatcher tells the driver (dispatch.DispatchEvents) ------------------------------
+
+    def actor_ready(self, slot: ActorSlot, info: dict[str, Any]) -> None:
+        self._note_process(slot, info)
+        if info.get("node") and info["node"] not in self.summary.nodes:
+            self.summary.nodes.append(info["node"])
+        dispatcher = self._dispatcher
+        if self._ready_after_s is None and dispatcher is not None and dispatcher.started_at is not None:
+            self._ready_after_s = time.perf_counter() - self._t_start
+            waiting = len(dispatcher.slots) - dispatcher.ever_ready
+            log.info(
+                "%d actor(s) ready on %d node(s)%s",
+                dispatcher.ever_ready,
+                len(self.summary.nodes),
+                f"; {waiting} more join as they start" if waiting > 0 else "",
             )
-            return
-        log.warning(
-            "shard %d (rows %d-%d) failed (attempt %d of %d): %s; retrying",
-            shard.index,
-            shard.start,
-            shard.stop - 1,
-            attempts[shard.index],
-            self.config.sharding.max_attempts,
-            line,
-        )
-        self.summary.retries += 1
-        queue.append(shard)
 
+    def shard_done(self, slot: ActorSlot, shard: Shard, report: dict[str, Any]) -> None:
+        self.summary.shards_done += 1
+        self.summary.rows += report["rows"]
+        self.summary.bytes += report["bytes"]
+        self.summary.recomputed_rows += report["recomputed_rows"]
+        self.summary.add_engine_notes(report.get("engine_notes", []))
+        record_peak(self.summary.memory, report)
+        self._note_process(slot, report)
+        if report["node"] not in self.summary.nodes:
+            self.summary.nodes.append(report["node"])
+        if self._progress is not None:
+            self._progress.update(report["rows"])
 
-def _shard_failure(shard: Shard, attempts: int, why: str, summary: RunSummary) -> str:
-    saved = summary.shards_done + summary.shards_skipped
-    return (
-        f"shard {shard.index} (rows {shard.start}-{shard.stop - 1}) failed {attempts} times: {why}; "
-        f"{saved} of {summary.shards_total} shards are saved, rerun to resume"
-    )
+    def tick(self) -> None:
+        if self._lease is not None:
+            self._lease.keep_alive()  # renews every third of the TTL
+        if self._progress is not None:
+            self._progress.tick()
+
+    def _note_process(self, slot: ActorSlot, info: dict[str, Any]) -> None:
+        """The actor's process from its ready info or a report, if it runs on the driver's own node
+        (the same machine and process ids): a stopping driver waits for it to exit."""
+        key = (slot.index, slot.generation)
+        if key not in self._processes and self._node is not None and info.get("node") == self._node:
+            with contextlib.suppress(psutil.Error, KeyError, TypeError, ValueError):
+                self._processes[key] = psutil.Process(int(info["pid"]))
 
 
 def run_job(config: JobConfig, *, preflight: bool = True) -> RunSummary:

@@ -11,7 +11,10 @@ as the driver, in a subprocess, as a user runs it:
 - with ``max_attempts: 2`` the job fails in one line naming the shard, every other shard is
   saved, and a rerun computes only that shard;
 - a worker node that crashes mid-job (SIGKILL of its whole process group: raylet, agents and
-  the actor with it) costs nothing but a replacement actor and the requeued shards.
+  the actor with it) while the job's 3 actors take every CPU of the cluster: no spare capacity is
+  left, so the replacement actor never starts, and the job finishes on the 2 actors left (before
+  the dispatcher sent shards only to ready actors, the lost actor's shards waited for that
+  replacement: the run hung).
 
 The module also checks, on its cluster, that the dashboard and job server listen on 127.0.0.1
 only and that nothing the cluster listens on serves HTTP to a client without the token (a
@@ -24,6 +27,8 @@ arithmetic). Faults come from ``tests/support/faulty.py``.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -156,14 +161,15 @@ def test_the_dashboard_and_job_server_listen_on_loopback_only(cluster):
     assert not [port for port, answer in answers.items() if answer.startswith("SERVED")], answers
 
 
-def test_a_crashed_worker_node_loses_no_rows(cluster, clean, tmp_path):
+def test_a_crashed_worker_node_with_no_spare_capacity_loses_no_rows_and_finishes_on_the_rest(cluster, clean, tmp_path):
     # Runs last: it takes a node away from the module's cluster. The plan's gate is open until
     # 2 shards are done, then closed: every actor waits inside a loss call with its shard in
     # flight, so the crash surely lands on one, however long a loaded machine takes to find it.
+    # 3 actors of 1 CPU on the cluster's 3 CPUs: the crashed node's replacement can never start.
     plan = faulty.write_plan(tmp_path / "faults", delay_s=0.15, hold=True)
     faulty.release(plan)
     url = str(tmp_path / "crash.zarr")
-    config = write_job(tmp_path / "crash.yaml", fault_job(url, plan))
+    config = write_job(tmp_path / "crash.yaml", fault_job(url, plan, cluster={"num_workers": 3}))
     proc = start_cli("run", config, "--set", f"cluster.address={cluster.gcs_address}", env=cluster.client_env())
     try:
         wait_for(lambda: shards_done(url) >= 2, 120, "2 shards done", alive=proc)
@@ -189,3 +195,4 @@ def test_a_crashed_worker_node_loses_no_rows(cluster, clean, tmp_path):
     assert run["status"] == "complete" and run["actors_replaced"] >= 1 and run["retries"] >= 1, run
     assert run["shards_done"] == NUM_SHARDS and run["shards_skipped"] == 0
     assert_identical(store_arrays(url), clean)
+    assert re.search(r"actor \d+ died \(", err), err[-3000:]  # the loss was seen, and said in one line

@@ -175,7 +175,8 @@ _SECTION_KEYS = {
     "engine": "block_rows, device, group_rows, kind, plugins",
     "sharding": "max_attempts, shard_rows",
     "store": "codec, col_chunk, dtype, overwrite, recompute, row_chunk, sharded, storage_options, url",
-    "cluster": "address, inflight_per_worker, num_cpus_per_worker, num_gpus_per_worker, num_workers, runtime_env",
+    "cluster": "address, inflight_per_worker, min_workers, num_cpus_per_worker, num_gpus_per_worker, num_workers, "
+    "runtime_env",
     "projection": "allocation, dense_layers, dim, kind, low_rank, per_param, rest, seed, sketch_nonzeros, structure",
     "run": "actor_start_timeout_s, lease_ttl_s, log_every_s, progress",
 }

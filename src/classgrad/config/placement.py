@@ -112,6 +112,12 @@ class ClusterConfig(Section):
         "GCS `host:port` joins a running cluster.",
     )
     num_workers: StrictPositiveInt = Field(2, description="Number of actors (model replicas).")
+    min_workers: StrictPositiveInt = Field(
+        1,
+        description="Actors that must be ready before the job starts computing, within "
+        "`run.actor_start_timeout_s` (at most `num_workers`); the others join as they start, so a "
+        "slow node neither holds up nor fails the job.",
+    )
     num_gpus_per_worker: NonNegativeFiniteFloat = Field(
         0.0,
         description="GPUs reserved by each actor (a fraction below 1 shares a GPU; above 1 must "
@@ -194,8 +200,10 @@ class RunConfig(Section):
     )
     actor_start_timeout_s: PositiveFiniteFloat = Field(
         300.0,
-        description="Seconds to wait for the actors to start (a cluster without the requested "
-        "CPUs/GPUs fails with a message instead of waiting forever).",
+        description="Seconds to wait for `cluster.min_workers` actors to start (a cluster without "
+        "the requested CPUs/GPUs fails with a message instead of waiting forever), and the longest "
+        "a job with work left waits with no actor ready (all lost, their replacements not "
+        "starting) before it stops in one line, keeping every shard done so far.",
     )
     progress: Literal["auto", "bar", "log", "none"] = Field(
         "auto",

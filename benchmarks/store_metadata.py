@@ -1,0 +1,133 @@
+"""The store's metadata at 1,000,000 classes: ``status``, ``open_dataset`` and resume planning over
+62,500 done shards, each in a fresh process (what a user waits for).
+
+A store of ``--classes`` named rows of ``--dim`` columns in shards of ``--shard-rows`` rows is written
+once through the store's own write path (rows, then each shard's record and done mark, as an
+actor writes them; fsync off to build it quickly) under ``--dir`` and kept there for reruns.
+Then, one fresh process each, timed from the parent (interpreter and imports included) and
+inside (the operation alone):
+
+- ``status``: ``classgrad status STORE`` as a user runs it;
+- ``open_dataset``: ``classgrad.store.open_dataset`` and the ``shard_done`` variable's values;
+- ``resume``: what a rerun's driver does before any actor starts: open the store, unmark done
+  shards whose recorded chunks are gone (one listing, every record), the missing ranges.
+
+Targets (issue 55): ``status`` and ``open_dataset`` within 3 s, resume planning within 5 s.
+
+    .venv/bin/python -m benchmarks.store_metadata --dir /tmp/store_metadata        # 1,000,000 classes
+    .venv/bin/python -m benchmarks.store_metadata --dir /tmp/sm_quick --quick     # 100,000 classes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import print_table, print_targets, write_report
+
+OUT = Path(__file__).resolve().parent / "out" / "store_metadata.json"
+GOALS = {"status": 3.0, "open_dataset": 3.0, "resume": 5.0}
+
+_CHILD = {
+    "open_dataset": """
+from classgrad.store import open_dataset
+ds = open_dataset(URL)
+flags = ds["shard_done"].values
+assert flags.all(), "not every shard is done"
+""",
+    "resume": """
+from classgrad.store import open_store
+store = open_store(URL)
+done = store.unmark_damaged_shards()
+assert done.all() and not store.missing_ranges(done)
+""",
+}
+
+
+def build(url: str, classes: int, dim: int, shard_rows: int) -> float:
+    import numpy as np
+
+    from classgrad.store import StoreSpec, create_store
+
+    t0 = time.perf_counter()
+    # Named classes, as a job with a dataset's label names makes them (the group's metadata holds them).
+    names = tuple(f"synset_{i:07d}" for i in range(classes))
+    spec = StoreSpec(num_classes=classes, dim=dim, shard_rows=shard_rows, row_chunk=shard_rows, class_names=names)
+    store = create_store(url, spec)
+    store.durable = False  # building the fixture only: the timed reads do not depend on fsync
+    rows = np.random.default_rng(0).standard_normal((classes, dim), dtype=np.float32)
+    store.write_rows(0, rows, loss=np.zeros(classes), count=np.ones(classes, np.int64))
+    for shard in range(store.num_shards):
+        store.mark_shard_done(shard)
+    return time.perf_counter() - t0
+
+
+def timed_child(name: str, url: str) -> dict:
+    if name == "status":
+        cmd = [sys.executable, "-m", "classgrad", "status", url]
+    else:
+        code = f"import time\nURL = {url!r}\nt0 = time.perf_counter()\n{_CHILD[name]}\nprint(time.perf_counter() - t0)"
+        cmd = [sys.executable, "-c", code]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed: {proc.stderr[-2000:]}")
+    inside = float(proc.stdout.strip().splitlines()[-1]) if name != "status" else None
+    return {"wall_s": wall, "inside_s": inside}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", required=True, help="where the store is built (kept for reruns)")
+    parser.add_argument("--classes", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--shard-rows", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="100,000 classes")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    if args.quick:
+        args.classes = 100_000
+    url = str(Path(args.dir) / f"c{args.classes}_d{args.dim}_s{args.shard_rows}.zarr")
+    built = None
+    if not Path(url).exists():
+        print(f"building {url} ...", flush=True)
+        built = build(url, args.classes, args.dim, args.shard_rows)
+        print(f"built in {built:.0f} s", flush=True)
+    shards = -(-args.classes // args.shard_rows)
+    results = {name: timed_child(name, url) for name in ("status", "open_dataset", "resume")}
+    print(f"\n== store metadata: {args.classes} classes, {shards} shards, each in a fresh process")
+    print_table(
+        ["operation", "wall (fresh process)", "the operation alone", "goal"],
+        [
+            [
+                name,
+                f"{r['wall_s']:.2f} s",
+                "-" if r["inside_s"] is None else f"{r['inside_s']:.2f} s",
+                f"{GOALS[name]:.0f} s",
+            ]
+            for name, r in results.items()
+        ],
+    )
+    targets = [
+        {
+            "name": f"{name} at {shards} shards",
+            "value": r["wall_s"],
+            "goal": f"<= {GOALS[name]:.0f} s",
+            "met": r["wall_s"] <= GOALS[name],
+        }
+        for name, r in results.items()
+    ]
+    print_targets(targets)
+    write_report(
+        args.out, {"args": vars(args), "shards": shards, "built_s": built, "results": results, "targets": targets}
+    )
+    json.dumps(results)
+
+
+if __name__ == "__main__":
+    main()
