@@ -6,6 +6,8 @@
 - ``s3_storage_options``: fsspec/s3fs storage options for that server (dummy credentials,
   which moto accepts).
 - ``s3_bucket``: a fresh, empty bucket on that server; yields its name.
+- ``s3_requests``: the requests the server has answered since the test started (moto's own
+  request log, read back): ``s3_requests.since_mark()`` lists (method, path) pairs.
 - ``fresh_choices``: the engines' process-wide speed choices cleared before and after a test
   (it measures and spot-checks anew); modules that need it for every test say
   ``pytestmark = pytest.mark.usefixtures("fresh_choices")``.
@@ -13,17 +15,22 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.support.cluster import free_port  # stdlib only: cheap to import here
 
 _MOTO_START_TIMEOUT_S = 60.0
+_MOTO_LOGS: dict[str, Path] = {}  # endpoint -> its server's log (every request it answered, a line each)
+_REQUEST_LINE = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP/[\d.]+"')
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +58,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"moto server did not answer on {endpoint} within {_MOTO_START_TIMEOUT_S:.0f}s")
                 time.sleep(0.1)
+        _MOTO_LOGS[endpoint] = log_path
         yield endpoint
     finally:
         proc.terminate()
@@ -73,6 +81,29 @@ def s3_bucket(s3_storage_options: dict) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3fs.S3FileSystem(**s3_storage_options).mkdir(name)
     return name
+
+
+class RequestLog:
+    """The requests a moto server answered, from its log: those after the last ``mark``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mark()
+
+    def mark(self) -> None:
+        self._offset = self.path.stat().st_size
+
+    def since_mark(self, settle_s: float = 0.5) -> list[tuple[str, str]]:
+        time.sleep(settle_s)  # the server writes its line after it answers
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            text = _ANSI.sub("", fh.read().decode(errors="replace"))
+        return [(m[1], m[2]) for m in _REQUEST_LINE.finditer(text)]
+
+
+@pytest.fixture
+def s3_requests(s3_server: str) -> RequestLog:
+    return RequestLog(_MOTO_LOGS[s3_server])
 
 
 @pytest.fixture

@@ -182,3 +182,45 @@ def test_format_1_store_opens_reads_verifies_and_inspect_names_its_version(tmp_p
     zarr.open_array(str(copy / "shard_done"), mode="r+")[0] = 0
     writable.mark_shard_done(0)
     assert not (copy / "shard_records").exists() and verify_store(str(copy)).code == 0
+
+
+def test_done_marks_are_read_raw_and_agree_with_zarr_whatever_each_mark_holds(tmp_path, monkeypatch):
+    """The raw reader of the marks (``done_marks``: one plain read each, not zarr's pipeline per
+    chunk) gives zarr's flags for a done, a missing, a zero and a corrupt mark, and never runs
+    zarr's read of ``shard_done`` on a store laid out as classgrad writes it."""
+    from classgrad.store.done_marks import read_done_marks
+
+    store, _ = _store(tmp_path)
+    marks = tmp_path / "s" / "shard_done" / "c"
+    (marks / "1").unlink()  # never marked: the fill value
+    _flip(marks / "2", 0)  # corrupt
+    zarr_flags = []
+    for shard in range(4):
+        try:
+            zarr_flags.append(bool(zarr.open_array(str(tmp_path / "s" / "shard_done"), mode="r")[shard]))
+        except Exception:  # noqa: BLE001 - zarr's checksum error: "not done", as the reader says
+            zarr_flags.append(False)
+    reopened = open_store(str(tmp_path / "s"))
+    done, corrupt = read_done_marks(reopened._arrays, np.arange(4))
+    assert done.tolist() == zarr_flags == [True, False, False, True] and corrupt == [2]
+    calls = []
+    original = zarr.Array.get_orthogonal_selection
+    monkeypatch.setattr(
+        zarr.Array, "get_orthogonal_selection", lambda self, *a, **k: calls.append(self.path) or original(self, *a, **k)
+    )
+    assert reopened.shard_done.tolist() == [True, False, False, True] and "shard_done" not in calls
+
+
+def test_a_hand_edited_mark_layout_is_read_through_zarr(tmp_path):
+    """A ``shard_done`` whose metadata is not the one classgrad writes (here a fill value of 1)
+    is read through zarr, which applies it: the raw reader declines."""
+    from classgrad.store.done_marks import read_done_marks
+
+    _store(tmp_path)
+    meta_path = tmp_path / "s" / "shard_done" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["fill_value"] = 1
+    meta_path.write_text(json.dumps(meta))
+    (tmp_path / "s" / "shard_done" / "c" / "1").unlink()
+    reopened = open_store(str(tmp_path / "s"))
+    assert read_done_marks(reopened._arrays, np.arange(4)) is None

@@ -113,7 +113,12 @@ class StoreArrays:
             raise
         except Exception as exc:
             # Index columns: every column chunk of the rows is checked.
-            raise self._read_error(name, rows, cols if isinstance(cols, slice) else None, exc) from None
+            error = self._read_error(name, rows, cols if isinstance(cols, slice) else None, exc)
+            if self.digests is not None:
+                # What this failed read found unlike the records is said by its error (or is its
+                # cause): left noted, it would fail the next read, of other chunks.
+                self.digests.failed.clear()
+            raise error from None
 
     def lazy(self, name: str, chunks: tuple[int, ...]) -> Any:
         """``name`` as a dask array of ``chunks`` whose reads raise what its records disagree with."""

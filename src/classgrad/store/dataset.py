@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from classgrad.errors import StoreError
 from classgrad.store.coords import array_attributes, coordinate_values
 from classgrad.store.format import (
@@ -43,14 +45,16 @@ if TYPE_CHECKING:
 
 
 def store_dataset(
-    arrays: StoreArrays, spec: StoreSpec, grads: Any, *, version: int, similarity: dict | None
+    arrays: StoreArrays, spec: StoreSpec, grads: Any, *, done: Any, version: int, similarity: dict | None
 ) -> xr.Dataset:
     """The Dataset of an open store: ``grads`` (class_id, column) of float32 true values,
     ``loss`` and ``count`` (class_id), ``shard_done`` (shard), and the finished results of
     ``classgrad similarity`` if any; coordinates ``class_id``, ``class_name`` (when known), and
     unless the rows are projected ``param`` and ``param_id`` (column) and ``parameter`` with
     ``param_offset``, ``param_size``, ``param_shape`` (parameter). ``grads`` is the store's lazy
-    true values (``to_dask``), ``similarity`` its similarity's attributes (or None)."""
+    true values (``to_dask``), ``done`` the done flags read when it was made (``shard_done`` is
+    those flags, in memory: a lazy array of one-element chunks is a task per shard),
+    ``similarity`` its similarity's attributes (or None)."""
     try:
         import dask.array as da
         import xarray as xr
@@ -68,9 +72,11 @@ def store_dataset(
             "gives one parameter's columns; its shape is param_shape.sel(parameter=name).item()"
         )
     data: dict[str, Any] = {"grads": (ARRAY_DIMS["grads"], grads, grads_attrs)}
-    for name in ("loss", "count", "shard_done"):
+    for name in ("loss", "count"):
         arr = arrays[name]
         data[name] = (ARRAY_DIMS[name], arrays.lazy(name, arr.chunks), attrs[name])
+    done_attrs = {**attrs["shard_done"], "read": "when the Dataset was opened (as the NaNs of grads)"}
+    data["shard_done"] = (ARRAY_DIMS["shard_done"], done.astype(np.uint8), done_attrs)
     coords: dict[str, Any] = {}
     values_of = coordinate_values(spec)
     if spec.layout:

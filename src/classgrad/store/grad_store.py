@@ -106,6 +106,7 @@ class GradStore:
             self._arrays, self._spec, self._class_ids, records=self.format_version >= 2, generation=self.generation
         )
         checking.written = self._writer.written
+        checking.replacing = self._writer.replacing
         self.lease = StoreLease(loc, writable=mode != "r")
         self.similarity_arrays = SimilarityArrays(self._arrays, self._spec)
         # ``classgrad score --method trak``'s saved Gram matrix, tied to the rows by their digest.
@@ -340,12 +341,18 @@ class GradStore:
             sizes = list_sizes(self._loc)
         except OSError as exc:
             raise StoreError(f"cannot list the store {self.url}: {first_line(exc, with_type=True)}") from None
+        shards = np.flatnonzero(done).tolist()
+        recorded = [s for s in shards if record_key(s) in sizes]
+        try:  # in one batch: concurrent requests on object storage
+            records = dict(zip(recorded, self._loc.read_many([record_key(s) for s in recorded])))
+        except Exception as exc:  # OSError, and object storage clients' own errors (botocore's)
+            raise io_error(f"cannot read the shard records of {self.url}", exc) from None
         damaged = {}
-        for shard in np.flatnonzero(done).tolist():
-            present = record_key(shard) in sizes
-            if not present and self.format_version < 2:
+        for shard in shards:
+            if shard not in records and self.format_version < 2:
                 continue
-            problems = record_problems(self.shard_record(shard) if present else None, sizes, self.generation)
+            data = records.get(shard)
+            problems = record_problems(None if data is None else ShardRecord.parse(data), sizes, self.generation)
             if problems:
                 damaged[shard] = problems
         return damaged
@@ -437,8 +444,14 @@ class GradStore:
         coordinates of format 3 (also for older stores): see ``classgrad.open_dataset``."""
         from classgrad.store.dataset import store_dataset
 
+        done = self.shard_done  # one read: the rows' NaNs and the shard_done variable agree
         return store_dataset(
-            self._arrays, self._spec, self.to_dask(), version=self.format_version, similarity=self.similarity_info()
+            self._arrays,
+            self._spec,
+            self._reader.to_dask(done),
+            done=done,
+            version=self.format_version,
+            similarity=self.similarity_info(),
         )
 
     # ----------------------------------------------------------------- verification

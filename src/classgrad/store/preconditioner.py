@@ -48,9 +48,9 @@ def rows_digest(loc: Location, spec: StoreSpec, done: np.ndarray, metadata_diges
     h.update(spec.fingerprint.encode())
     h.update(json.dumps(metadata_digest, sort_keys=True, default=str).encode())
     h.update(np.ascontiguousarray(done, dtype=np.uint8).tobytes())
-    for shard in np.flatnonzero(done):
-        record = loc.read_bytes(record_key(int(shard)))
-        h.update(f"{int(shard)}:".encode() + (record or b"-"))
+    shards = np.flatnonzero(done).tolist()
+    for shard, record in zip(shards, loc.read_many([record_key(s) for s in shards])):
+        h.update(f"{shard}:".encode() + (record or b"-"))
     return h.hexdigest()
 
 

@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from classgrad.errors import CorruptChunkError, StoreError, StoreIncompleteError, first_line
+from classgrad.errors import ClassgradError, CorruptChunkError, StoreError, StoreIncompleteError, first_line
 from classgrad.store.arrays import StoreArrays, is_corruption
+from classgrad.store.done_marks import read_done_marks
 from classgrad.store.encoding import bf16_bits_to_f32, decode_rows
 from classgrad.store.format import StoreSpec
 from classgrad.store.indexing import fmt_ranges, row_ids, row_ranges
+from classgrad.store.retry import io_error
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +36,22 @@ class RowReader:
 
     def shard_done(self, shards: np.ndarray | None = None) -> np.ndarray:
         """Done flags of ``shards`` (default all). An unreadable ``shard_done`` chunk (a flipped
-        bit fails its crc32c) reads as "not done", with a warning, so a run recomputes the shard."""
+        bit fails its crc32c) reads as "not done", with a warning, so a run recomputes the shard.
+        The marks are read as raw objects where the array is laid out as classgrad writes it
+        (``done_marks``), through zarr otherwise."""
         if shards is None:
             shards = np.arange(self._spec.num_shards, dtype=np.int64)
+        try:
+            raw = read_done_marks(self._arrays, shards)
+        except ClassgradError:
+            raise
+        except Exception as exc:  # OSError, and object storage clients' own errors (botocore's)
+            raise io_error(f"cannot read shard_done from {self._arrays.url}", exc) from None
+        if raw is not None:
+            done, corrupt = raw
+            for shard in corrupt:
+                self._warn_corrupt_mark(shard, "crc32c checksum mismatch")
+            return done
         try:
             return self._arrays.read("shard_done", shards).astype(bool)
         except CorruptChunkError:
@@ -51,15 +66,20 @@ class RowReader:
                     raise StoreError(
                         f"cannot read shard_done from {self._arrays.url}: {first_line(exc, with_type=True)}"
                     ) from None
-                log.warning(
-                    "store %s: the shard_done chunk of shard %d is corrupt (%s); treating shard %d as not done, "
-                    "so the next run recomputes it",
-                    self._arrays.url,
-                    shard,
-                    "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc),
-                    shard,
+                self._warn_corrupt_mark(
+                    shard, "crc32c checksum mismatch" if "checksum" in str(exc) else first_line(exc)
                 )
         return done
+
+    def _warn_corrupt_mark(self, shard: int, reason: str) -> None:
+        log.warning(
+            "store %s: the shard_done chunk of shard %d is corrupt (%s); treating shard %d as not done, "
+            "so the next run recomputes it",
+            self._arrays.url,
+            shard,
+            reason,
+            shard,
+        )
 
     def missing_ranges(self, done: np.ndarray | None = None) -> list[tuple[int, int]]:
         done = self.shard_done() if done is None else np.asarray(done, dtype=bool)
@@ -151,7 +171,8 @@ class RowReader:
             return np.empty(0, dtype=self._arrays[name].dtype)
         return self._arrays.read(name, uniq)[inverse.reshape(-1)]
 
-    def to_dask(self):  # -> dask.array.Array (dask is optional)
+    def to_dask(self, done: np.ndarray | None = None):  # -> dask.array.Array (dask is optional)
+        """``done``: the done flags when the caller has read them already (one read of the marks)."""
         try:
             import dask.array as da
         except ImportError:
@@ -167,7 +188,8 @@ class RowReader:
             else:
                 x = x.astype(np.float32)
             x = x * scale[:, None]
-        done = np.repeat(self.shard_done(), self._spec.shard_rows)[: self._spec.num_classes]
-        if not done.all():
-            x = da.where(da.from_array(done, chunks=(unit[0],))[:, None], x, np.float32(np.nan))
+        flags = self.shard_done() if done is None else np.asarray(done, dtype=bool)
+        per_row = np.repeat(flags, self._spec.shard_rows)[: self._spec.num_classes]
+        if not per_row.all():
+            x = da.where(da.from_array(per_row, chunks=(unit[0],))[:, None], x, np.float32(np.nan))
         return x

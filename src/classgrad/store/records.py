@@ -115,18 +115,18 @@ def list_sizes(loc: Location) -> dict[str, int]:
     """Every object of the store (key relative to its root) with its size: one listing."""
     sizes: dict[str, int] = {}
     if loc.local:
-        stack = [loc.path]
+        stack = [(loc.path, "")]  # a folder and its key prefix (relpath per entry is most of the time)
         while stack:
-            top = stack.pop()
+            top, prefix = stack.pop()
             try:
                 entries = list(os.scandir(top))
             except FileNotFoundError:
                 continue
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
+                    stack.append((entry.path, f"{prefix}{entry.name}/"))
                 else:
-                    sizes[os.path.relpath(entry.path, loc.path).replace(os.sep, "/")] = entry.stat().st_size
+                    sizes[prefix + entry.name] = entry.stat().st_size
         return sizes
     loc.fs.invalidate_cache()  # s3fs caches listings; a stale one could hide a deletion
     prefix = loc.path.rstrip("/") + "/"

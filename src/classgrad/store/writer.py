@@ -64,6 +64,9 @@ class RowWriter:
         # the store (``verified.DigestCheckingStore.written``), so a record vouches for the bytes
         # this writer wrote, never for what another writer left there since.
         self.written: dict[str, tuple[int, str]] = {}
+        # Shard objects being written whole, read by no one meanwhile (set by the store to its
+        # ``verified.DigestCheckingStore.replacing``): no request before each write.
+        self.replacing: set[str] = set()
 
     def write_rows(self, start: int, rows: np.ndarray, *, loss: np.ndarray, count: np.ndarray) -> int:
         """See ``GradStore.write_rows``."""
@@ -123,6 +126,19 @@ class RowWriter:
         if self._direct:
             for key, size, digest in write_direct(self._arrays[name], self._arrays.loc.path, name, start, values):
                 self.written[key] = (size, digest)
+        elif self._spec.sharded:
+            # Whole shard objects (writes cover ``write_align`` = shard rows, every column).
+            arr = self._arrays[name]
+            rows_per = arr.shards[0] if arr.shards else arr.chunks[0]
+            first, last = start // rows_per, -(-(start + len(values)) // rows_per)
+            per_col = (arr.shards or arr.chunks)[-1]
+            cols = [""] if arr.ndim == 1 else [f"/{j}" for j in range(-(-arr.shape[1] // per_col))]
+            keys = {f"{name}/c/{i}{c}" for i in range(first, last) for c in cols}
+            self.replacing |= keys
+            try:
+                arr[start : start + len(values)] = values
+            finally:
+                self.replacing -= keys
         else:
             self._arrays[name][start : start + len(values)] = values
 

@@ -1,0 +1,63 @@
+"""The done marks read as raw objects: one plain read per mark (one batched request on object
+storage), not zarr's pipeline per chunk, which costs about 0.2 ms a mark (13 s at 62,500 shards).
+
+Holds ``read_done_marks(arrays, shards)``: the marks of ``shards`` as flags, and the shards whose
+mark is corrupt, or None when the array is not laid out as classgrad writes it (then the caller
+reads it through zarr). A mark classgrad writes is 5 bytes: the uint8 flag, then its crc32c as a
+little-endian uint32 (zarr's ``bytes`` then ``crc32c`` codecs, chunks of one, fill value 0, at
+``shard_done/c/<shard>``): a missing object is "not done" (the fill value), a short or long one
+or a checksum mismatch is corrupt.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import crc32c
+import numpy as np
+from zarr.codecs import BytesCodec, Crc32cCodec
+
+from classgrad.store.arrays import StoreArrays
+
+__all__ = ["read_done_marks"]
+
+MARK_BYTES = 5
+NAME = "shard_done"
+
+
+def _raw_layout(arrays: StoreArrays) -> bool:
+    """Whether ``shard_done`` is stored as classgrad writes it (a hand-edited or foreign layout
+    is read through zarr, which applies whatever the metadata says)."""
+    arr = arrays[NAME]
+    meta = arr.metadata
+    codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
+    encoding = getattr(meta, "chunk_key_encoding", None)
+    return (
+        arr.shards is None
+        and arr.chunks == (1,)
+        and arr.dtype == np.uint8
+        and len(codecs) == 2
+        and isinstance(codecs[0], BytesCodec)
+        and isinstance(codecs[1], Crc32cCodec)
+        and getattr(encoding, "name", None) == "default"
+        and getattr(encoding, "separator", None) == "/"
+        and int(getattr(meta, "fill_value", 1) or 0) == 0
+    )
+
+
+def read_done_marks(arrays: StoreArrays, shards: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
+    """(done flags of ``shards``, the shards whose mark is corrupt), or None (see the module)."""
+    if not _raw_layout(arrays):
+        return None
+    blobs = arrays.loc.read_many([f"{NAME}/c/{int(s)}" for s in shards])
+    done = np.zeros(len(blobs), dtype=bool)
+    corrupt: list[int] = []
+    for i, blob in enumerate(blobs):
+        if blob is None:
+            continue  # never marked: the fill value
+        if len(blob) != MARK_BYTES or struct.unpack("<I", blob[1:]) != (crc32c.crc32c(blob[:1]),):
+            corrupt.append(int(shards[i]))
+            continue
+        done[i] = blob[0] != 0
+    return done, corrupt
