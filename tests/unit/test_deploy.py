@@ -282,3 +282,41 @@ def test_token_lookup_follows_rays_order(monkeypatch, tmp_path):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
     with pytest.raises(JobSubmitError, match="cannot read the token file"):
         find_token()
+
+
+def test_the_100_node_example_keeps_the_gcs_in_redis_and_fits_its_job():
+    """deploy/kuberay/scale/: a 100-node RayCluster with GCS fault tolerance (an external Redis,
+    its password from a secret), token auth like the others, and room for the job its comment
+    submits (one actor per GPU, the config's CPUs per actor)."""
+    path = DEPLOY / "kuberay" / "scale" / "raycluster-100-nodes.yaml"
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(path.read_text()) if doc}
+    assert set(docs) == {"Service", "Deployment", "PersistentVolumeClaim", "RayCluster"}
+    cluster = docs["RayCluster"]
+    spec = cluster["spec"]
+    assert spec["rayVersion"] == ray_pin()
+    ft = spec["gcsFaultToleranceOptions"]
+    service = docs["Service"]
+    assert ft["redisAddress"] == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert ft["redisPassword"]["valueFrom"]["secretKeyRef"]["name"]
+    redis = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e for e in redis["env"]}["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    for c in containers(cluster):
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["RAY_AUTH_MODE"]["value"] == "token" and c["image"].endswith(f"-ray{ray_pin()}")
+    (group,) = spec["workerGroupSpecs"]
+    assert group["replicas"] == 100
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    submit = " ".join(
+        line.strip(" #\\")
+        for line in path.read_text().splitlines()
+        if line.startswith("#  ") or line.startswith("#       ")
+    )
+    match = re.search(r"classgrad submit (\S+) .*", submit)
+    assert match, submit
+    overrides = re.findall(r"--set (\S+)", submit)
+    cfg = load_config(REPO / match[1], [o for o in overrides if not o.startswith("store.url=")])
+    gpus = quantity(limits["nvidia.com/gpu"])
+    actors_per_pod = gpus // cfg.cluster.num_gpus_per_worker
+    assert actors_per_pod * cfg.cluster.num_cpus_per_worker <= quantity(limits["cpu"])
+    assert cfg.cluster.num_workers <= group["replicas"] * actors_per_pod
+    assert cfg.cluster.min_workers < cfg.cluster.num_workers and cfg.store.sharded
