@@ -131,7 +131,7 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
             INCOMPLETE, f"{int((~done).sum())} of {store.num_shards} shards not marked done: rows {fmt_ranges(missing)}"
         )
     damaged: set[int] = set()
-    for problem in store.scan_chunks():
+    for problem in store.scan_chunks(progress=None):  # a bar where someone sees it
         report.add(_KIND_FLAGS[problem.kind], problem.message)
         # A shard not marked done is already recomputed by the next run; a corrupt mark is rewritten.
         damaged.update(s for s in problem.shards if done[s] or problem.array == "shard_done")

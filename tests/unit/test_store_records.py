@@ -201,8 +201,8 @@ def test_done_marks_are_read_raw_and_agree_with_zarr_whatever_each_mark_holds(tm
         except Exception:  # noqa: BLE001 - zarr's checksum error: "not done", as the reader says
             zarr_flags.append(False)
     reopened = open_store(str(tmp_path / "s"))
-    done, corrupt = read_done_marks(reopened._arrays, np.arange(4))
-    assert done.tolist() == zarr_flags == [True, False, False, True] and corrupt == [2]
+    values, corrupt = read_done_marks(reopened._arrays, np.arange(4))
+    assert (values != 0).tolist() == zarr_flags == [True, False, False, True] and corrupt == [2]
     calls = []
     original = zarr.Array.get_orthogonal_selection
     monkeypatch.setattr(
@@ -224,3 +224,39 @@ def test_a_hand_edited_mark_layout_is_read_through_zarr(tmp_path):
     (tmp_path / "s" / "shard_done" / "c" / "1").unlink()
     reopened = open_store(str(tmp_path / "s"))
     assert read_done_marks(reopened._arrays, np.arange(4)) is None
+
+
+def test_verify_reads_each_recorded_object_once(tmp_path, monkeypatch):
+    """``classgrad verify`` checks the records against the bytes its scan read (the store leaves
+    each whole read's digest, ``DigestCheckingStore.fetched``), so every recorded chunk object
+    and every record is read once, not twice as before. The marks (5 bytes each, read raw) are
+    read twice: once for the completeness line, once by the scan, which checks their values."""
+    import collections
+
+    from classgrad.store.location import Location
+    from classgrad.store.records import ShardRecord, record_key
+    from classgrad.store.verified import DigestCheckingStore
+
+    _store(tmp_path)
+    root = tmp_path / "s"
+    reads: collections.Counter = collections.Counter()
+    get, read_many = DigestCheckingStore.get, Location.read_many
+
+    async def counting_get(self, key, prototype, byte_range=None):
+        reads[key] += 1
+        return await get(self, key, prototype, byte_range)
+
+    def counting_read_many(self, names):
+        reads.update(names)
+        return read_many(self, names)
+
+    monkeypatch.setattr(DigestCheckingStore, "get", counting_get)
+    monkeypatch.setattr(Location, "read_many", counting_read_many)
+    assert verify_store(str(root)).code == 0
+    recorded = set()
+    for shard in range(4):
+        record = ShardRecord.parse((root / record_key(shard)).read_bytes())
+        recorded |= set(record.chunks)
+        assert reads[record_key(shard)] == 1, record_key(shard)
+        assert reads[f"shard_done/c/{shard}"] == 2
+    assert recorded and {key: reads[key] for key in recorded} == dict.fromkeys(recorded, 1)

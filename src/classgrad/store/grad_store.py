@@ -456,11 +456,13 @@ class GradStore:
 
     # ----------------------------------------------------------------- verification
 
-    def scan_chunks(self) -> list[ChunkProblem]:
+    def scan_chunks(self, *, progress: bool | None = False) -> list[ChunkProblem]:
         """Read every chunk of every array once, results included; one ``ChunkProblem`` per
-        problem, with its kind (see ``classgrad.store.scan.scan_chunks``)."""
+        problem, with its kind (see ``classgrad.store.scan.scan_chunks``; ``progress``: a bar,
+        as ``progress_bar``'s ``show``)."""
         checking = self.check_digests
         self.check_digests = False  # the scan checks the records itself, and reports every problem
+        self._checking.fetched = {}  # the digests of what it reads, checked against the records
         try:
             return scan_chunks(
                 self._arrays,
@@ -468,8 +470,11 @@ class GradStore:
                 self.similarity_arrays,
                 records=self.format_version >= 2,
                 generation=self.generation,
+                fetched=self._checking.fetched,
+                progress=progress,
             )
         finally:
+            self._checking.fetched = None
             self.check_digests = checking
 
     def verify_chunks(self) -> list[str]:

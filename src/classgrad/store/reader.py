@@ -48,10 +48,10 @@ class RowReader:
         except Exception as exc:  # OSError, and object storage clients' own errors (botocore's)
             raise io_error(f"cannot read shard_done from {self._arrays.url}", exc) from None
         if raw is not None:
-            done, corrupt = raw
+            values, corrupt = raw
             for shard in corrupt:
                 self._warn_corrupt_mark(shard, "crc32c checksum mismatch")
-            return done
+            return values != 0
         try:
             return self._arrays.read("shard_done", shards).astype(bool)
         except CorruptChunkError:

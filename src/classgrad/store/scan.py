@@ -15,14 +15,17 @@ import numpy as np
 import zarr
 
 from classgrad.errors import CorruptChunkError, first_line
+from classgrad.progress_bar import progress_bar
 from classgrad.store.arrays import StoreArrays, is_corruption
+from classgrad.store.done_marks import read_done_marks
 from classgrad.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
 from classgrad.store.indexing import fmt_ranges, row_ranges
-from classgrad.store.records import FOREIGN, ShardRecord, chunk_digest, foreign, record_key
+from classgrad.store.records import DIGEST, FOREIGN, ShardRecord, chunk_digest, foreign, record_key
 from classgrad.store.similarity_arrays import SimilarityArrays
 
 # scan_chunks reads this many elements per request at most (64 MiB of float32).
 _SCAN_ELEMS = 1 << 24
+_RECORD_BATCH = 4096  # records read per batch (a few MB: object storage answers them concurrently)
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,13 @@ def scan_chunks(
     *,
     records: bool = True,
     generation: str | None = None,
+    fetched: dict[str, tuple[int, str]] | None = None,
+    progress: bool | None = False,
 ) -> list[ChunkProblem]:
     """Read every chunk of every array once (results included) and report each problem
-    with its kind, for ``classgrad verify``:
+    with its kind, for ``classgrad verify`` (``progress``: a bar of chunks read, as
+    ``progress_bar``'s ``show``; ``fetched``: where the store leaves the size and digest of each
+    whole object it read, so the records are checked against those bytes, not read again):
 
     - ``corrupt``: the chunk fails its crc32c checksum or cannot be decoded;
     - ``unreadable``: the read failed for another reason (I/O);
@@ -69,8 +76,21 @@ def scan_chunks(
     """
     problems: list[ChunkProblem] = []
     done_readable = True
+    raw = read_done_marks(arrays, np.arange(spec.num_shards, dtype=np.int64))
+    if raw is not None:  # one plain read per mark, its values checked here (not again below)
+        values, corrupt = raw
+        done = values != 0  # a value over 1 reads as done, as zarr's reader has it, and is reported
+        for i in corrupt:
+            message = arrays.describe_chunk("shard_done", (i,), "crc32c checksum mismatch") + " (read as not done)"
+            problems.append(ChunkProblem("shard_done", "corrupt", message, (i,)))
+        for s in np.flatnonzero(values > 1).tolist():
+            problems.append(ChunkProblem("shard_done", "bad_value", f"shard_done[{s}] = {values[s]} (expected 0 or 1)"))
+        done_readable = False  # scanned above
+    else:
+        done = None
     try:
-        done = arrays.read_all("shard_done").astype(bool)
+        if done is None:
+            done = arrays.read_all("shard_done").astype(bool)
     except CorruptChunkError:
         done_readable = False
         done = np.zeros(spec.num_shards, dtype=bool)
@@ -87,10 +107,11 @@ def scan_chunks(
     if info is not None:
         ready = np.full(spec.num_classes, info.get("state") == "ready")
         names += [(n, ready) for n in RESULT_ARRAYS if arrays.result(n) is not None]
-    for name, checked in names:
-        if name == "shard_done" and not done_readable:
-            continue  # its corrupt chunks are reported above
+    scanned = [(n, c) for n, c in names if n != "shard_done" or done_readable]
+    bar = progress_bar(sum(arrays[n].nchunks for n, _ in scanned), desc="verify", unit="chunk", show=progress)
+    for name, checked in scanned:
         for sel, indices, block, error in _scan_blocks(arrays[name]):
+            bar.update(len(indices))
             if error is not None:
                 bad = arrays.corrupt_chunks(name, indices) if is_corruption(error) else []
                 problems += [
@@ -113,57 +134,99 @@ def scan_chunks(
                     )
                 continue
             problems += _scan_values(arrays, spec, name, block, sel, checked)
+    bar.close()
     skip = {p.key for p in problems}
-    return problems + scan_records(arrays, done, require=records, skip=skip, generation=generation)
+    return problems + scan_records(arrays, done, require=records, skip=skip, generation=generation, fetched=fetched)
 
 
 def scan_records(
-    arrays: StoreArrays, done: np.ndarray, *, require: bool, skip: set[str], generation: str | None = None
+    arrays: StoreArrays,
+    done: np.ndarray,
+    *,
+    require: bool,
+    skip: set[str],
+    generation: str | None = None,
+    fetched: dict[str, tuple[int, str]] | None = None,
 ) -> list[ChunkProblem]:
-    """Each done shard's recorded chunk objects read whole and checked against the record's
-    size and digest (``require``: a done shard without a record is a problem too; keys in
-    ``skip`` were reported already; ``generation``: the store's, whose records alone vouch)."""
-    loc = arrays.loc
-    out = []
-    for shard in np.flatnonzero(done).tolist():
+    """Each done shard's recorded chunk objects checked against the record's size and digest
+    (``require``: a done shard without a record is a problem too; keys in ``skip`` were reported
+    already; ``generation``: the store's, whose records alone vouch). The records are read in
+    batches; an object is checked against its size and digest in ``fetched`` (what a scan read
+    of it) and read whole, in a batch, only when it is not there."""
+    out: list[ChunkProblem] = []
+    shards = np.flatnonzero(done).tolist()
+    for first in range(0, len(shards), _RECORD_BATCH):
+        batch = shards[first : first + _RECORD_BATCH]
         try:
-            data = loc.read_bytes(record_key(shard))
-        except OSError as exc:
-            out.append(ChunkProblem("shard_records", "unreadable", f"shard {shard}'s record: {first_line(exc)}"))
-            continue
-        record = None if data is None else ShardRecord.parse(data)
-        if record is None:
-            if data is not None or require:
-                why = "is unreadable" if data is not None else "is missing"
-                message = f"shard {shard} is marked done but its record ({record_key(shard)}) {why}"
-                out.append(ChunkProblem("shard_records", "missing", message, (shard,)))
-            continue
-        if foreign(record, generation):
-            out.append(ChunkProblem("shard_records", "corrupt", f"shard {shard}: {FOREIGN}", (shard,)))
-            continue
-        for key, (size, digest) in sorted(record.chunks.items()):
-            if key in skip:
-                continue
-            try:
-                found = loc.fs.cat_file(loc.key(key))
-            except FileNotFoundError:
-                found = None
-            except OSError as exc:
-                out.append(ChunkProblem(key.split("/")[0], "unreadable", f"{key} (shard {shard}): {first_line(exc)}"))
-                continue
-            if found is None:
-                why, kind = "is missing", "missing"
-            elif len(found) != size:
-                why, kind = f"has {len(found)} bytes, its shard record says {size} (truncated or replaced)", "corrupt"
-            elif chunk_digest(key, (found,), record.digest) != digest:
-                why, kind = (
-                    "does not match its shard record's digest (damaged, or another chunk copied over it)",
-                    "corrupt",
+            datas = arrays.loc.read_many([record_key(s) for s in batch])
+        except Exception as exc:  # noqa: BLE001 - OSError, or an object storage client's own
+            out.append(
+                ChunkProblem(
+                    "shard_records", "unreadable", f"shards {batch[0]}-{batch[-1]}'s records: {first_line(exc)}"
                 )
-            else:
+            )
+            continue
+        unread: list[tuple[int, str, int, str, str]] = []  # shard, key, size, digest, digest kind
+        for shard, data in zip(batch, datas):
+            record = None if data is None else ShardRecord.parse(data)
+            if record is None:
+                if data is not None or require:
+                    why = "is unreadable" if data is not None else "is missing"
+                    message = f"shard {shard} is marked done but its record ({record_key(shard)}) {why}"
+                    out.append(ChunkProblem("shard_records", "missing", message, (shard,)))
                 continue
-            out.append(ChunkProblem(key.split("/")[0], kind, f"chunk {key} of shard {shard} {why}", (shard,), key))
+            if foreign(record, generation):
+                out.append(ChunkProblem("shard_records", "corrupt", f"shard {shard}: {FOREIGN}", (shard,)))
+                continue
+            for key, (size, digest) in sorted(record.chunks.items()):
+                if key in skip:
+                    continue
+                seen = fetched.get(key) if fetched is not None and record.digest == DIGEST else None
+                if seen is None:
+                    unread.append((shard, key, size, digest, record.digest))
+                else:
+                    out += _against_record(key, shard, size, digest, seen[0], seen[1])
+        out += _read_and_check(arrays, unread)
     return out
+
+
+def _read_and_check(arrays: StoreArrays, unread: list[tuple[int, str, int, str, str]]) -> list[ChunkProblem]:
+    """Recorded objects the scan did not read whole (missing, sharded objects read by ranges,
+    older records' digests), read in one batch and checked."""
+    if not unread:
+        return []
+    try:
+        found = arrays.loc.read_many([key for _, key, *_ in unread])
+    except Exception:  # noqa: BLE001 - one by one, to name the object that fails
+        found = []
+        for _, key, *_ in unread:
+            try:
+                found.append(arrays.loc.read_bytes(key))
+            except Exception as exc:  # noqa: BLE001
+                found.append(exc)
+    out = []
+    for (shard, key, size, digest, kind), data in zip(unread, found):
+        if isinstance(data, Exception):
+            out.append(ChunkProblem(key.split("/")[0], "unreadable", f"{key} (shard {shard}): {first_line(data)}"))
+        elif data is None:
+            out.append(
+                ChunkProblem(key.split("/")[0], "missing", f"chunk {key} of shard {shard} is missing", (shard,), key)
+            )
+        else:
+            out += _against_record(key, shard, size, digest, len(data), chunk_digest(key, (data,), kind))
+    return out
+
+
+def _against_record(
+    key: str, shard: int, size: int, digest: str, found_size: int, found_digest: str
+) -> list[ChunkProblem]:
+    if found_size != size:
+        why = f"has {found_size} bytes, its shard record says {size} (truncated or replaced)"
+    elif found_digest != digest:
+        why = "does not match its shard record's digest (damaged, or another chunk copied over it)"
+    else:
+        return []
+    return [ChunkProblem(key.split("/")[0], "corrupt", f"chunk {key} of shard {shard} {why}", (shard,), key)]
 
 
 def _key(arrays: StoreArrays, name: str, index: tuple[int, ...]) -> str:
