@@ -20,6 +20,7 @@ from classgrad.store.arrays import StoreArrays, is_corruption
 from classgrad.store.done_marks import read_done_marks
 from classgrad.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
 from classgrad.store.indexing import fmt_ranges, row_ranges
+from classgrad.store.raw_chunks import raw_layout, read_block
 from classgrad.store.records import DIGEST, FOREIGN, ShardRecord, chunk_digest, foreign, record_key
 from classgrad.store.similarity_arrays import SimilarityArrays
 
@@ -110,10 +111,20 @@ def scan_chunks(
     scanned = [(n, c) for n, c in names if n != "shard_done" or done_readable]
     bar = progress_bar(sum(arrays[n].nchunks for n, _ in scanned), desc="verify", unit="chunk", show=progress)
     for name, checked in scanned:
-        for sel, indices, block, error in _scan_blocks(arrays[name]):
+        raw = raw_layout(arrays[name])
+        for sel, indices, block, error in _scan_blocks(arrays[name], read=not raw):
             bar.update(len(indices))
+            bad: list[tuple[tuple[int, ...], str]] = []
+            if raw and error is None:
+                try:
+                    block, bad = read_block(arrays.loc, arrays[name], name, sel, indices, fetched)
+                except Exception as exc:  # noqa: BLE001 - an I/O error: reported as unreadable below
+                    error = exc
+                if bad:
+                    error = CorruptChunkError(bad[0][1])
             if error is not None:
-                bad = arrays.corrupt_chunks(name, indices) if is_corruption(error) else []
+                if not bad:
+                    bad = arrays.corrupt_chunks(name, indices) if is_corruption(error) else []
                 problems += [
                     ChunkProblem(
                         name,
@@ -243,9 +254,10 @@ def _shards(arrays: StoreArrays, spec: StoreSpec, name: str, index: tuple[int, .
     return tuple(range(rows.start // spec.shard_rows, (rows.stop - 1) // spec.shard_rows + 1))
 
 
-def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any, Any]]:
+def _scan_blocks(arr: zarr.Array, *, read: bool = True) -> Iterator[tuple[tuple[slice, ...], list, Any, Any]]:
     """(selection, chunk indices, values or None, exception or None) over an array, in
-    reads of at most _SCAN_ELEMS elements made of whole chunks."""
+    reads of at most _SCAN_ELEMS elements made of whole chunks (``read``: False, the caller reads
+    them itself, and values are None)."""
     rc = arr.chunks[0]
     width = 1 if arr.ndim == 1 else arr.shape[1]
     if arr.ndim == 1:
@@ -268,10 +280,12 @@ def _scan_blocks(arr: zarr.Array) -> Iterator[tuple[tuple[slice, ...], list, Any
                     (ri, cj) for ri in ris for cj in range(cols.start // arr.chunks[1], -(-cols.stop // arr.chunks[1]))
                 ]
             )
+            block, error = None, None
             try:
-                block, error = arr[sel], None
+                if read:
+                    block = arr[sel]
             except Exception as exc:  # noqa: BLE001 - classified by the caller
-                block, error = None, exc
+                error = exc
             yield sel, indices, block, error
 
 
