@@ -27,6 +27,9 @@ from zarr.storage import FsspecStore, LocalStore
 from classgrad.errors import StoreError, first_line
 from classgrad.store.format import ATTR_KEY
 
+# Connections of a store's S3 client: fsspec sends a batch of reads (1,280 at a time) at once.
+S3_CONNECTIONS = 256
+
 
 def local_path(url: str) -> str | None:
     """The raw path part of a local store URL (``file://PATH`` or a plain path), as given (not
@@ -64,13 +67,18 @@ class Location:
 
     @property
     def _fs_options(self) -> dict[str, Any]:
-        """The filesystem's options: the user's, and on S3 one GET per whole-object read unless
-        the user chose otherwise (s3fs's concurrent reads of large objects first ask for the
-        object's size, a HEAD and, when it is missing, a LIST: zarr's read of a chunk before
-        it writes one cost 3 requests instead of 1, and at 1,000 actors every request counts)."""
-        if self.url.split("://", 1)[0].lower() in ("s3", "s3a") and "max_concurrency" not in self.options:
-            return {**self.options, "max_concurrency": 1}
-        return self.options
+        """The filesystem's options: the user's, and on S3, unless the user chose otherwise, one
+        GET per whole-object read (s3fs's concurrent reads of large objects first ask for the
+        object's size, a HEAD and, when it is missing, a LIST: zarr's read of a chunk before it
+        writes one cost 3 requests instead of 1) and ``S3_CONNECTIONS`` connections (botocore's
+        10 would hold a read of 125,000 small objects, a resume at 62,500 shards, to 10 at a
+        time: 250 s at 20 ms a request)."""
+        if self.url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+            return self.options
+        options = {"max_concurrency": 1, **self.options}
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("max_pool_connections", S3_CONNECTIONS)
+        return {**options, "config_kwargs": config}
 
     def key(self, name: str) -> str:
         return f"{self.path}/{name}"
