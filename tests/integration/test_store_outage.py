@@ -109,6 +109,8 @@ def test_a_job_rides_out_an_endpoint_that_goes_down_for_a_few_seconds(tmp_path, 
     url, options = config.store.url, config.store.storage_options
     assert open_store(url, storage_options=options).verify_chunks() == []
     assert_identical(store_arrays(url, storage_options=options), clean)
+    # store.sharded left unset: a new store on S3 is sharded (its clean twin on a disk is not).
+    assert open_store(url, storage_options=options).spec.sharded and "sharded" not in config.store.model_fields_set
 
 
 @pytest.mark.timeout(150)

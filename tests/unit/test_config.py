@@ -495,3 +495,19 @@ def test_the_data_keys_of_dict_samples_are_kept_in_the_stored_config() -> None:
     assert config.redacted()["data"]["label_field"] == "topic"
     assert config.redacted()["data"]["collate"] == "pad"
     assert config.differing_keys(config.redacted()) == []
+
+
+def test_a_new_store_on_object_storage_is_sharded_unless_the_job_says_otherwise() -> None:
+    """``store.sharded`` left unset: sharded on s3:// (a shard is then a few PUTs), not on a
+    local disk; set, as set. The fingerprint is that of ``false`` either way, so stores made
+    before this default resume as they were."""
+    from tests.support.jobs import small_job
+
+    def store(url: str, **extra) -> JobConfig:
+        return JobConfig.model_validate(small_job(url, store=extra))
+
+    assert store("s3://b/x.zarr").store.sharded_layout() is True
+    assert store("/tmp/x.zarr").store.sharded_layout() is False
+    assert store("s3://b/x.zarr", sharded=False).store.sharded_layout() is False
+    assert store("/tmp/x.zarr", sharded=True).store.sharded_layout() is True
+    assert store("s3://b/x.zarr").fingerprint() == store("s3://b/x.zarr", sharded=False).fingerprint()

@@ -69,7 +69,9 @@ class StoreConfig(Section):
         False,
         description="Use Zarr's sharding codec: one storage object per work shard and column "
         "block (fewer, larger objects on object storage: a 256-row shard is 6 PUTs on S3, against "
-        "a PUT per chunk of each array unsharded; `tests/integration/test_s3_requests.py`).",
+        "a PUT per chunk of each array unsharded; `tests/integration/test_s3_requests.py`). Left "
+        "unset, a new store on `s3://` is sharded and any other is not; a store keeps the layout "
+        "it was made with.",
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -89,6 +91,14 @@ class StoreConfig(Section):
         description="Delete an existing store with this config's fingerprint and compute every "
         "row again, instead of resuming it (a store of another config still needs `overwrite`).",
     )
+
+    def sharded_layout(self) -> bool:
+        """Whether a new store is sharded: ``sharded`` as set, or, left unset, on object storage
+        (each request there costs, and sharding makes a shard a few PUTs). The default stays
+        ``false`` in the config, so that the job's fingerprint, and resuming, do not change."""
+        if "sharded" in self.model_fields_set:
+            return self.sharded
+        return self.url.lower().startswith("s3://")
 
     @field_validator("url")
     @classmethod
