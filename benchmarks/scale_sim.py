@@ -18,8 +18,9 @@ Scenarios, each printed as a row:
 Ray's own cost per shard (submitting the call, ``ray.wait``, reading the report) is not
 simulated: ``--ray-actors N`` measures it apart, the same driver over ``RayActors`` with N stub
 actors on a local Ray (no model, no store: each shard sleeps ``--ray-shard-s``), and adds the
-driver's CPU per shard there to the table. The store (requests per prefix, resume) is not
-simulated yet.
+driver's CPU per shard there to the table. The store's requests a second per prefix follow from
+the simulated rate and a shard's requests as ``tests/integration/test_s3_requests.py`` counts
+them; the time to resume is ``benchmarks/store_metadata.py --sim-latency-ms 20``'s.
 
     .venv/bin/python -m benchmarks.scale_sim                 # 1,000 actors, 1,000,000 classes, shards of 16 rows
     .venv/bin/python -m benchmarks.scale_sim --quick         # 200 actors, 100,000 classes
@@ -43,6 +44,18 @@ from tests.support.simulated_actors import SimulatedActors, VirtualClock
 OUT = Path(__file__).resolve().parent / "out" / "scale_sim.json"
 TARGET_RATE = 333.0  # shards/s: 1,000 actors with 3-s shards
 CORE_GOAL = 0.5  # of one core, at the target rate
+PREFIX_PUT_LIMIT = 3500.0  # S3's PUTs a second per prefix
+# Requests of one sharded shard by prefix, as tests/integration/test_s3_requests.py counts them
+# from moto's log (the lease GETs are the lease object's, a prefix of its own).
+SHARD_REQUESTS = {
+    "grads/": ("PUT", 1),
+    "row_scale/": ("PUT", 1),
+    "loss/": ("PUT", 1),
+    "count/": ("PUT", 1),
+    "shard_records/": ("PUT", 1),
+    "shard_done/": ("PUT", 1),
+    "<store>.classgrad-lease.json": ("GET", 2),
+}
 
 
 def simulate(
@@ -227,8 +240,22 @@ def main() -> None:
             "met": True,  # simulate() asserted every shard done exactly once
         },
     ]
+    rate = runs["1-s shards"]["shards_per_s"]
+    per_prefix = {prefix: (method, n * rate) for prefix, (method, n) in SHARD_REQUESTS.items()}
+    print(f"\n== requests a second per prefix on S3 at {rate:.0f} shards/s (1-s shards), a sharded store")
+    print_table(["prefix", "requests/s"], [[p, f"{r:.0f} {m}"] for p, (m, r) in per_prefix.items()])
+    busiest = max(r for m, r in per_prefix.values() if m == "PUT")
+    targets.append(
+        {
+            "name": "PUTs a second on the busiest prefix, 1-s shards",
+            "value": busiest,
+            "goal": f"< {PREFIX_PUT_LIMIT:.0f}",
+            "met": busiest < PREFIX_PUT_LIMIT,
+        }
+    )
     print_targets(targets, ".3f")
-    write_report(args.out, {"args": vars(args), "runs": runs, "ray": ray_run, "targets": targets})
+    report = {"args": vars(args), "runs": runs, "ray": ray_run, "requests_per_prefix": per_prefix, "targets": targets}
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":
