@@ -56,6 +56,10 @@ def load_query_file(path: str | Path) -> QueryFile:
         raw = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"--queries {str(path)!r}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError:  # a .npy of query rows, say: the file names a factory, it holds no rows
+        raise ConfigError(
+            f"--queries {str(path)!r}: not a text file (a YAML file naming the query set's data.factory)"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--queries {str(path)!r}: expected a mapping with a 'data' section")
     if not isinstance(raw.get("data"), dict) or "factory" not in raw["data"]:

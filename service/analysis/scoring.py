@@ -30,6 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.config.fields import Float32Number
 from classgrad.errors import ConfigError
 from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
@@ -56,8 +57,10 @@ class ScoreConfig(BaseModel):
     damping_fraction: float = Field(
         0.1, gt=0, description="trak: lambda as this fraction of the Gram matrix's mean eigenvalue (trace / min(C, k))"
     )
-    weights: list[float] | None = Field(
-        None, description="one weight per store (several checkpoints: scores summed, e.g. weighted by learning rate)"
+    weights: list[Float32Number] | None = Field(
+        None,
+        description="one weight per store (several checkpoints: scores summed, e.g. weighted by learning rate); "
+        "each within float32's range, as the scores it multiplies",
     )
     full: bool = Field(False, description="also write every query x class score into the output (needs out)")
     task_mb: float = Field(

@@ -206,6 +206,21 @@ def test_non_finite_damping_and_weights_are_refused(option, tmp_path):
         score_rows([store], [_queries(3, 96)], method="trak", executor="local", **option)
 
 
+def test_a_weight_beyond_float32_is_refused_in_one_line_naming_it(tmp_path, capsys):
+    """Before: ``--weights 1e308`` ended in "internal error: RuntimeError: value cannot be
+    converted to type float without overflow" (issue 56, item 3)."""
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
+    with pytest.raises(ConfigError, match=r"weights.*must be within float32's range"):
+        score_rows([store], [_queries(3, 96)], method="dot", executor="local", weights=[1e308])
+    # A binary file given as the query file (rows saved with numpy, say) is one line too, not an
+    # internal error (found with this test: a UnicodeDecodeError).
+    queries = tmp_path / "q.npy"
+    np.save(queries, _queries(3, 96))
+    code = cli_main(["score", str(tmp_path / "s"), "--queries", str(queries), "--weights=-1e308"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "not a text file" in err[0], err
+
+
 def test_the_readme_score_snippet_runs(tmp_path):
     """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
     from pathlib import Path

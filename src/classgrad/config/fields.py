@@ -18,12 +18,14 @@ import re
 from typing import Annotated, Any
 
 from annotated_types import Ge, Gt
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 from pydantic_core import PydanticCustomError
 
 __all__ = [
     "ADDRESS_RE",
     "DEVICE_RE",
+    "FLOAT32_MAX",
+    "Float32Number",
     "NonNegativeFiniteFloat",
     "PositiveFiniteFloat",
     "Section",
@@ -55,6 +57,20 @@ StrictPositiveInt = Annotated[int, Strict(), Gt(0)]
 StrictNonNegativeInt = Annotated[int, Strict(), Ge(0)]
 PositiveFiniteFloat = Annotated[float, BeforeValidator(_not_a_bool), Field(gt=0, allow_inf_nan=False)]
 NonNegativeFiniteFloat = Annotated[float, BeforeValidator(_not_a_bool), Field(ge=0, allow_inf_nan=False)]
+# A number that multiplies float32 values (a score's weight): finite float64 beyond float32's range
+# (1e308) overflows there, so it is refused here, naming the option, instead.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _within_float32(value: float) -> float:
+    if abs(value) > FLOAT32_MAX:
+        raise PydanticCustomError("float32_range", "must be within float32's range (|x| <= 3.4e38)")
+    return value
+
+
+Float32Number = Annotated[
+    float, BeforeValidator(_not_a_bool), Field(allow_inf_nan=False), AfterValidator(_within_float32)
+]
 
 # Import paths written before classgrad had one namespace (`workers.zoo:mlp`): accepted and
 # rewritten to today's module, so old job files (and the configs recorded in old stores) still work.
