@@ -42,9 +42,12 @@ def raw_layout(arr: zarr.Array) -> bool:
 
 
 def _dtype(arr: zarr.Array) -> np.dtype:
-    endian = getattr(arr.metadata.codecs[0], "endian", None)
-    order = {"little": "<", "big": ">"}.get(getattr(endian, "value", endian), "=")
-    return np.dtype(arr.dtype).newbyteorder(order) if np.dtype(arr.dtype).itemsize > 1 else np.dtype(arr.dtype)
+    codecs: tuple[Any, ...] = tuple(getattr(arr.metadata, "codecs", ()))
+    endian = getattr(codecs[0], "endian", None) if codecs else None
+    dtype = np.dtype(arr.dtype)
+    if dtype.itemsize == 1:
+        return dtype
+    return dtype.newbyteorder(">" if str(getattr(endian, "value", endian)) == "big" else "<")
 
 
 def read_block(
@@ -78,7 +81,8 @@ def read_block(
             bad.append((index, "crc32c checksum mismatch"))
             continue
         values = np.frombuffer(blob, dtype=dtype, count=chunk_bytes // dtype.itemsize).reshape(arr.chunks)
-        into, part = [], []
+        into: list[slice] = []
+        part: list[slice] = []
         for i, c, s in zip(index, arr.chunks, sel):
             lo, hi = i * c, min((i + 1) * c, arr.shape[len(into)])
             into.append(slice(lo - s.start, hi - s.start))

@@ -79,9 +79,9 @@ def scan_chunks(
     done_readable = True
     raw = read_done_marks(arrays, np.arange(spec.num_shards, dtype=np.int64))
     if raw is not None:  # one plain read per mark, its values checked here (not again below)
-        values, corrupt = raw
+        values, bad_marks = raw
         done = values != 0  # a value over 1 reads as done, as zarr's reader has it, and is reported
-        for i in corrupt:
+        for i in bad_marks:
             message = arrays.describe_chunk("shard_done", (i,), "crc32c checksum mismatch") + " (read as not done)"
             problems.append(ChunkProblem("shard_done", "corrupt", message, (i,)))
         for s in np.flatnonzero(values > 1).tolist():
@@ -111,11 +111,11 @@ def scan_chunks(
     scanned = [(n, c) for n, c in names if n != "shard_done" or done_readable]
     bar = progress_bar(sum(arrays[n].nchunks for n, _ in scanned), desc="verify", unit="chunk", show=progress)
     for name, checked in scanned:
-        raw = raw_layout(arrays[name])
-        for sel, indices, block, error in _scan_blocks(arrays[name], read=not raw):
+        plain = raw_layout(arrays[name])
+        for sel, indices, block, error in _scan_blocks(arrays[name], read=not plain):
             bar.update(len(indices))
             bad: list[tuple[tuple[int, ...], str]] = []
-            if raw and error is None:
+            if plain and error is None:
                 try:
                     block, bad = read_block(arrays.loc, arrays[name], name, sel, indices, fetched)
                 except Exception as exc:  # noqa: BLE001 - an I/O error: reported as unreadable below
@@ -206,8 +206,9 @@ def _read_and_check(arrays: StoreArrays, unread: list[tuple[int, str, int, str, 
     older records' digests), read in one batch and checked."""
     if not unread:
         return []
+    found: list[bytes | None | Exception]
     try:
-        found = arrays.loc.read_many([key for _, key, *_ in unread])
+        found = list(arrays.loc.read_many([key for _, key, *_ in unread]))
     except Exception:  # noqa: BLE001 - one by one, to name the object that fails
         found = []
         for _, key, *_ in unread:
