@@ -300,3 +300,24 @@ class _Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale
+
+
+# Token shapes an exception's text may carry (none is real): the data factory below raises them.
+PLANTED_TOKENS = {
+    "bearer": "Bearer Zm9vYmFyYmF6cXV4MTIzNDU2Nzg5",
+    "hf": "hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345",
+    "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJjbGFzc2dyYWQifQ.c2lnbmF0dXJlLXBsYW50ZWQ",
+    "github": "ghp_PlantedPlantedPlantedPlanted012345",
+    "aws": "AKIAPLANTEDEXAMPLE12",
+    "openai": "sk-plantedplantedplantedplanted",
+}
+
+
+def leaky_dataset(**probe_kwargs) -> Dataset:
+    """A data factory that fails the way a download does, its exception quoting credentials."""
+    headers = {"Authorization": PLANTED_TOKENS["bearer"], "X-Api": PLANTED_TOKENS["openai"]}
+    raise ConnectionError(
+        f"download failed for {{'url': 'https://hub.example/data', 'headers': {headers}, "
+        f"'token': '{PLANTED_TOKENS['hf']}'}} after auth {PLANTED_TOKENS['jwt']} "
+        f"(keys {PLANTED_TOKENS['github']} {PLANTED_TOKENS['aws']})"
+    )

@@ -236,3 +236,11 @@ def test_an_actor_whose_constructor_raised_a_user_error_fails_the_run_at_once():
     backend.outcome = outcome
     with pytest.raises(InputError, match="model.factory 'x:y' raised ValueError: boom"):
         dispatcher.run(shards(4))
+
+
+def test_min_workers_above_the_actors_of_the_run_means_all_of_them():
+    """A job file that asks for 2 run with ``--set cluster.num_workers=1`` (or with one shard
+    left): the bound is capped at the actors the run starts, never a refusal."""
+    dispatcher, backend, events, clock = make(1, 1, min_actors=2, shard_s=1.0)
+    dispatcher.run(shards(3))
+    assert dict(events.done) == {0: 1, 1: 1, 2: 1} and dispatcher.min_actors == 1

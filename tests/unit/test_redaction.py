@@ -271,3 +271,30 @@ def test_jobs_status_json_hides_credentials_in_an_entrypoint() -> None:
         metadata={"classgrad_config": "job.yaml"},
     )
     assert leaked(json.dumps(_details(info))) == []
+
+
+def test_token_shapes_in_an_exception_never_reach_the_error_line_or_the_store(tmp_path: Path, capsys) -> None:
+    """A data factory whose exception quotes a Bearer header, an ``hf_`` token, a JWT and other
+    keys by their shape, under no secret-looking name (issue 56, item 2): ``classgrad run``
+    ends in one line that names the failure and none of them, and nothing is written."""
+    from tests.support import faulty
+
+    url = str(tmp_path / "leak.zarr")
+    job = small_job(url, data={"factory": "tests.support.faulty:leaky_dataset", "kwargs": {}})
+    code = cli_main(["run", write_job(tmp_path / "job.yaml", job)])
+    _, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("classgrad: error: ") and "ConnectionError" in lines[-1], err
+    for name, token in faulty.PLANTED_TOKENS.items():
+        assert token not in err, name
+        assert token.split()[-1] not in err, name  # the credentials of "Bearer ..." too
+    assert not Path(url).exists()
+
+
+@pytest.mark.parametrize("name", ["bearer", "hf", "jwt", "github", "aws", "openai"])
+def test_each_token_shape_is_redacted_in_free_text(name: str) -> None:
+    from tests.support import faulty
+
+    token = faulty.PLANTED_TOKENS[name]
+    text = redact_text(f"failed: {token} (retry later)")
+    assert token.split()[-1] not in text and REDACTED in text and text.endswith("(retry later)"), text

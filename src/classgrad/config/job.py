@@ -101,11 +101,6 @@ class JobConfig(BaseModel):
                     f"loss.kind {self.loss.kind!r} / engine.kind {self.engine.kind!r} never take it "
                     f"(use projection.structure 'dense')"
                 )
-        if self.cluster.min_workers > self.cluster.num_workers:
-            problems.append(
-                f"cluster.min_workers ({self.cluster.min_workers}) must be at most cluster.num_workers "
-                f"({self.cluster.num_workers})"
-            )
         device = self.engine.device
         no_gpus = self.cluster.num_gpus_per_worker == 0
         if device is not None and device.startswith("cuda") and no_gpus:

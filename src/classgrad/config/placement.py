@@ -126,8 +126,9 @@ class ClusterConfig(Section):
     min_workers: StrictPositiveInt = Field(
         1,
         description="Actors that must be ready before the job starts computing, within "
-        "`run.actor_start_timeout_s` (at most `num_workers`); the others join as they start, so a "
-        "slow node neither holds up nor fails the job.",
+        "`run.actor_start_timeout_s` (capped at `num_workers` and at the shards left: a job file "
+        "that asks for 2 runs with `--set cluster.num_workers=1`); the others join as they "
+        "start, so a slow node neither holds up nor fails the job.",
     )
     num_gpus_per_worker: NonNegativeFiniteFloat = Field(
         0.0,

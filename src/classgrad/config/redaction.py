@@ -9,8 +9,11 @@ Holds:
   (but a number under one that names a count or an index: ``pad_token_id: 0``,
   ``num_key_value_heads: 2``), every value of an ``env_vars`` mapping and every credential
   inside a string replaced, at any depth, in every section;
-- ``redact_text``: credentials inside free text (a URL's userinfo, ``name=value`` pairs with a
-  secret-looking name as in connection strings and query strings) replaced;
+- ``redact_text``: credentials inside free text replaced: a URL's userinfo, ``name=value`` and
+  quoted ``'name': 'value'`` pairs with a secret-looking name (connection strings, query
+  strings, a dict's repr in an exception), and tokens by their shape wherever they stand (an
+  ``Authorization`` scheme's credentials, JWTs, Hugging Face, GitHub, Slack, OpenAI-style and
+  AWS access key ids: ``_TOKEN_SHAPES``);
 - ``RedactingFilter``: a logging filter that passes every record's message through ``redact_text``;
 - ``has_secrets`` (whether ``redact`` would hide anything but ``env_vars`` values: the warning
   that Ray logs its runtime env) and ``REDACTED``.
@@ -76,6 +79,20 @@ _WORD_RE = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 _USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^\s/?#]+)@")
 # name=value in connection strings (`;`-separated) and query strings (`&`-separated).
 _PAIR_RE = re.compile(r"(?P<name>[A-Za-z][\w.\-]*)=(?P<value>[^;&\s\"',]+)")
+# 'name': 'value' (a dict's repr, JSON) and name: value (a header line).
+_QUOTED_PAIR_RE = re.compile(
+    r"(?P<q>['\"]?)(?P<name>[A-Za-z][\w.\-]*)(?P=q)\s*:\s*(?P<vq>['\"])(?P<value>[^'\"]*)(?P=vq)"
+)
+# Tokens told by their shape, whatever names them (an exception's text rarely names its key).
+_TOKEN_SHAPES = re.compile(
+    r"(?P<scheme>\b(?:Bearer|Basic|Token|Digest)\s+)[A-Za-z0-9._~+/=\-]{8,}"  # an Authorization value
+    r"|\beyJ[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}"  # a JWT
+    r"|\bhf_[A-Za-z0-9]{16,}"  # Hugging Face
+    r"|\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"  # GitHub
+    r"|\bxox[abposr]-[A-Za-z0-9\-]{10,}"  # Slack
+    r"|\bsk-[A-Za-z0-9_\-]{20,}"  # OpenAI-style API keys
+    r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # AWS access key ids
+)
 
 
 # A number under a key whose last word is one of these is a count, a size or an index, not a
@@ -117,12 +134,22 @@ def _pair(match: re.Match[str]) -> str:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with URL userinfo and secret-looking ``name=value`` values replaced by ``REDACTED``."""
+    """``text`` with URL userinfo, secret-looking ``name=value`` and ``'name': 'value'`` values
+    and tokens of a known shape replaced by ``REDACTED``."""
     if "@" in text:
         text = _USERINFO_RE.sub(_userinfo, text)
     if "=" in text:
         text = _PAIR_RE.sub(_pair, text)
-    return text
+    if ":" in text:
+        text = _QUOTED_PAIR_RE.sub(_quoted_pair, text)
+    return _TOKEN_SHAPES.sub(lambda m: f"{m['scheme'] or ''}{REDACTED}", text)
+
+
+def _quoted_pair(match: re.Match[str]) -> str:
+    if not is_secret_key(match["name"]) or match["value"] in ("", REDACTED):
+        return match[0]
+    q, vq = match["q"], match["vq"]
+    return f"{q}{match['name']}{q}: {vq}{REDACTED}{vq}"
 
 
 def redact(value: Any, *, all_values: bool = False) -> Any:
