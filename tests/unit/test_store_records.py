@@ -260,3 +260,29 @@ def test_verify_reads_each_recorded_object_once(tmp_path, monkeypatch):
         assert reads[record_key(shard)] == 1, record_key(shard)
         assert reads[f"shard_done/c/{shard}"] == 2
     assert recorded and {key: reads[key] for key in recorded} == dict.fromkeys(recorded, 1)
+
+
+def test_a_record_that_covers_less_than_its_shard_vouches_for_nothing(tmp_path):
+    """Issue 56, item 1: a valid chunk copied over another of the same shard, and that chunk's
+    key dropped from the shard's record. Before: the reader returned 16 wrong rows and verify
+    and ``verify --repair`` said OK. Now the read is refused in one line, a resume unmarks the
+    shard, verify reports it and ``--repair`` unmarks it."""
+    from classgrad.errors import CorruptChunkError
+    from classgrad.store.records import record_key
+
+    _store(tmp_path)
+    root = tmp_path / "s"
+    shutil.copyfile(root / "grads" / "c" / "0" / "0", root / "grads" / "c" / "1" / "0")  # rows 16-31 <- 0-15
+    path = root / record_key(0)
+    record = json.loads(path.read_text())
+    del record["chunks"]["grads/c/1/0"]
+    path.write_text(json.dumps(record))
+
+    with pytest.raises(CorruptChunkError, match=r"chunk grads/c/1/0 of shard 0 .* is not in its shard record"):
+        open_store(str(root)).rows([17])
+    problems = open_store(str(root)).damaged_done_shards()
+    assert problems == {0: ["its record does not cover chunk grads/c/1/0"]}
+    report = verify_store(str(root), repair=True)
+    assert report.code & CORRUPT and report.repaired == [0]
+    assert any("does not cover chunk grads/c/1/0" in line for line in report.problems["corrupt"]), report.problems
+    assert open_store(str(root)).shard_done.tolist() == [False, True, True, True]

@@ -154,13 +154,31 @@ def foreign(record: ShardRecord, generation: str | None) -> bool:
 FOREIGN = "its record was written by a run that no longer owned the store (another creation of it)"
 
 
-def record_problems(record: ShardRecord | None, sizes: dict[str, int], generation: str | None = None) -> list[str]:
-    """What is wrong with a done shard's recorded chunks in a listing (empty when sound)."""
+def shard_keys(objects: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], rows: tuple[int, int]) -> list[str]:
+    """Every object key of the recorded arrays holding rows [start, stop): what a shard's record
+    must cover. ``objects``: each recorded array's (object shape, array shape)."""
+    return [key for name in RECORDED_ARRAYS for key in shard_chunk_keys(name, rows, *objects[name])]
+
+
+def uncovered(record: ShardRecord, expected: Iterable[str]) -> list[str]:
+    """The keys of ``expected`` (``shard_keys``) the record does not list: a record that covers
+    less than its shard vouches for nothing there (a chunk copied in with its key dropped)."""
+    return [key for key in expected if key not in record.chunks]
+
+
+def record_problems(
+    record: ShardRecord | None,
+    sizes: dict[str, int],
+    generation: str | None = None,
+    expected: Iterable[str] = (),
+) -> list[str]:
+    """What is wrong with a done shard's recorded chunks in a listing (empty when sound);
+    ``expected``: the keys its record must cover (``shard_keys``)."""
     if record is None:
         return ["its shard record is missing or unreadable"]
     if foreign(record, generation):
         return [FOREIGN]
-    out = []
+    out = [f"its record does not cover chunk {key}" for key in uncovered(record, expected)]
     for key, (size, _) in sorted(record.chunks.items()):
         found = sizes.get(key)
         if found is None:

@@ -7,7 +7,7 @@ Holds ``ChunkProblem`` (array, kind, one-line message, damaged shards), ``scan_c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,17 @@ from classgrad.store.done_marks import read_done_marks
 from classgrad.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
 from classgrad.store.indexing import fmt_ranges, row_ranges
 from classgrad.store.raw_chunks import raw_layout, read_block
-from classgrad.store.records import DIGEST, FOREIGN, ShardRecord, chunk_digest, foreign, record_key
+from classgrad.store.records import (
+    DIGEST,
+    FOREIGN,
+    RECORDED_ARRAYS,
+    ShardRecord,
+    chunk_digest,
+    foreign,
+    record_key,
+    shard_keys,
+    uncovered,
+)
 from classgrad.store.similarity_arrays import SimilarityArrays
 
 # scan_chunks reads this many elements per request at most (64 MiB of float32).
@@ -147,7 +157,14 @@ def scan_chunks(
             problems += _scan_values(arrays, spec, name, block, sel, checked)
     bar.close()
     skip = {p.key for p in problems}
-    return problems + scan_records(arrays, done, require=records, skip=skip, generation=generation, fetched=fetched)
+    objects = {n: (arrays[n].shards or arrays[n].chunks, arrays[n].shape) for n in RECORDED_ARRAYS}
+
+    def expected(shard: int) -> list[str]:
+        return shard_keys(objects, (shard * spec.shard_rows, min((shard + 1) * spec.shard_rows, spec.num_classes)))
+
+    return problems + scan_records(
+        arrays, done, require=records, skip=skip, generation=generation, fetched=fetched, expected=expected
+    )
 
 
 def scan_records(
@@ -158,8 +175,10 @@ def scan_records(
     skip: set[str],
     generation: str | None = None,
     fetched: dict[str, tuple[int, str]] | None = None,
+    expected: Callable[[int], list[str]] | None = None,
 ) -> list[ChunkProblem]:
-    """Each done shard's recorded chunk objects checked against the record's size and digest
+    """Each done shard's recorded chunk objects checked against the record's size and digest,
+    and the record against what it must cover (``expected``: the shard's object keys)
     (``require``: a done shard without a record is a problem too; keys in ``skip`` were reported
     already; ``generation``: the store's, whose records alone vouch). The records are read in
     batches; an object is checked against its size and digest in ``fetched`` (what a scan read
@@ -189,6 +208,9 @@ def scan_records(
             if foreign(record, generation):
                 out.append(ChunkProblem("shard_records", "corrupt", f"shard {shard}: {FOREIGN}", (shard,)))
                 continue
+            for key in uncovered(record, expected(shard)) if expected is not None else []:
+                why = f"shard {shard}'s record does not cover chunk {key} (it covers less than its shard)"
+                out.append(ChunkProblem("shard_records", "corrupt", why, (shard,), key))
             for key, (size, digest) in sorted(record.chunks.items()):
                 if key in skip:
                     continue

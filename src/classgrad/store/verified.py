@@ -106,8 +106,14 @@ class RecordedDigests:
             )
             return
         expected = record.chunks.get(key)
-        if expected is None:
-            return  # an object the record does not cover
+        if expected is None:  # this shard's object, which its record does not list: it vouches for nothing
+            self.failed.setdefault(
+                key,
+                f"store {self.url}: chunk {key} of shard {shard} (rows from {start}) is not in its shard record "
+                f"(the record covers less than its shard); run `classgrad verify --repair`, then rerun the job "
+                f"to recompute the shard",
+            )
+            return
         size, digest = expected
         if len(data) != size or chunk_digest(key, (data,), record.digest) != digest:
             self.failed.setdefault(
