@@ -31,7 +31,8 @@ def reference_rows(config) -> torch.Tensor:
 
 @pytest.mark.parametrize("loss,engine", [("cross_entropy", "partitioned"), ("logit", "dense")])
 def test_two_actors_store_rows_equal_to_reference(job_config, loss, engine):
-    config = job_config(loss={"kind": loss}, engine={"kind": "auto"})
+    # Both actors compute (each one's peak is checked below): the job starts once both are ready.
+    config = job_config(loss={"kind": loss}, engine={"kind": "auto"}, cluster={"min_workers": 2})
     driver = JobDriver(config)
     summary = driver.run()
     store = open_store(config.store.url)

@@ -286,3 +286,19 @@ def test_a_record_that_covers_less_than_its_shard_vouches_for_nothing(tmp_path):
     assert report.code & CORRUPT and report.repaired == [0]
     assert any("does not cover chunk grads/c/1/0" in line for line in report.problems["corrupt"]), report.problems
     assert open_store(str(root)).shard_done.tolist() == [False, True, True, True]
+
+
+@pytest.mark.parametrize("name", ["count", "loss"])
+def test_a_missing_count_or_loss_chunk_of_a_done_shard_is_refused(tmp_path, name):
+    """Issue 60, item 7: before, ``count()`` returned -1 and ``loss()`` NaN for 16 classes of a
+    done shard whose chunk was deleted, with no error; a record lists the chunk, so its loss
+    is refused in one line by every reader."""
+    from classgrad.errors import CorruptChunkError
+
+    _store(tmp_path)
+    root = tmp_path / "s"
+    (root / name / "c" / "1").unlink()  # rows 16-31, in shard 0 (done)
+    store = open_store(str(root))
+    with pytest.raises(CorruptChunkError, match=rf"chunk {name}/c/1 of shard 0 .* is missing, though its shard record"):
+        getattr(store, name)([20])
+    assert getattr(store, name)([70]).shape == (1,)  # another shard still reads

@@ -123,6 +123,18 @@ class RecordedDigests:
                 f"run `classgrad verify --repair`, then rerun the job to recompute the shard",
             )
 
+    def check_missing(self, key: str, shard: int) -> None:
+        """Note a failure when the shard's record lists ``key``, whose object is gone."""
+        record = self._records.get(shard)
+        if record is None or key not in record.chunks or foreign(record, self.generation):
+            return
+        self.failed.setdefault(
+            key,
+            f"store {self.url}: chunk {key} of shard {shard} (rows from {shard * self.shard_rows}) is missing, "
+            f"though its shard record lists it; run `classgrad verify --repair`, then rerun the job to recompute "
+            f"the shard",
+        )
+
     def require(self, shards: Iterable[int]) -> None:
         """Note a failure for each of ``shards`` (marked done, just read) that has no readable
         record: a format-2 store vouches for a done shard's rows by its record."""
@@ -193,12 +205,26 @@ class DigestCheckingStore(WrapperStore[Store]):
             await self._check_whole(key, prototype)
             return await self._store.get(key, prototype, byte_range)
         buf = await self._store.get(key, prototype)
-        if buf is not None:
+        if buf is None:
+            await self._check_missing(key, prototype)
+        else:
             await self._check(key, prototype, buf)
             if self.fetched is not None and key.partition("/c/")[0] in RECORDED_ARRAYS:
                 data = buf.as_numpy_array()
                 self.fetched[key] = (len(data), chunk_digest(key, (data,)))
         return buf
+
+    async def _check_missing(self, key: str, prototype: BufferPrototype) -> None:
+        """Note a failure when ``key`` is gone although its shard's record lists it: zarr would
+        read the fill value (a count of -1, a NaN loss) for rows the store calls done."""
+        digests = self.digests
+        shard = None if digests is None else digests.shard_of(key)
+        if digests is None or shard is None:
+            return
+        if not digests.knows(shard):
+            found = await self._store.get(record_key(shard), prototype)
+            digests.learn(shard, None if found is None else found.to_bytes())
+        digests.check_missing(key, shard)
 
     async def _check_whole(self, key: str, prototype: BufferPrototype) -> None:
         digests = self.digests
