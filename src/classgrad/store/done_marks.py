@@ -13,13 +13,12 @@ or a checksum mismatch is corrupt.
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import crc32c
 import numpy as np
-from zarr.codecs import BytesCodec, Crc32cCodec
 
 from classgrad.store.arrays import StoreArrays
+from classgrad.store.raw_chunks import raw_layout
 
 __all__ = ["read_done_marks"]
 
@@ -31,19 +30,11 @@ def _raw_layout(arrays: StoreArrays) -> bool:
     """Whether ``shard_done`` is stored as classgrad writes it (a hand-edited or foreign layout
     is read through zarr, which applies whatever the metadata says)."""
     arr = arrays[NAME]
-    meta = arr.metadata
-    codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
-    encoding = getattr(meta, "chunk_key_encoding", None)
     return (
-        arr.shards is None
+        raw_layout(arr)
         and arr.chunks == (1,)
         and arr.dtype == np.uint8
-        and len(codecs) == 2
-        and isinstance(codecs[0], BytesCodec)
-        and isinstance(codecs[1], Crc32cCodec)
-        and getattr(encoding, "name", None) == "default"
-        and getattr(encoding, "separator", None) == "/"
-        and int(getattr(meta, "fill_value", 1) or 0) == 0
+        and int(getattr(arr.metadata, "fill_value", 1) or 0) == 0
     )
 
 

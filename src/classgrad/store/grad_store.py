@@ -37,7 +37,7 @@ from classgrad.store.location import Location, unreadable
 from classgrad.store.params import ParamSlot
 from classgrad.store.preconditioner import Preconditioners, rows_digest
 from classgrad.store.reader import RowReader
-from classgrad.store.records import RECORDED_ARRAYS, ShardRecord, list_sizes, record_key, record_problems, shard_keys
+from classgrad.store.records import ShardRecord, list_sizes, record_key, record_problems, shard_keys
 from classgrad.store.retry import io_error, retry_transient
 from classgrad.store.scan import ChunkProblem, scan_chunks
 from classgrad.store.similarity_arrays import SimilarityArrays
@@ -330,12 +330,6 @@ class GradStore:
         data = self._loc.read_bytes(record_key(shard))
         return None if data is None else ShardRecord.parse(data)
 
-    def _shard_keys(self, shard: int) -> list[str]:
-        """The recorded arrays' object keys of ``shard``: what its record must cover."""
-        arrays = {n: self._arrays[n] for n in RECORDED_ARRAYS}
-        objects = {n: (a.shards or a.chunks, a.shape) for n, a in arrays.items()}
-        return shard_keys(objects, self.shard_range(shard))
-
     def damaged_done_shards(self, done: np.ndarray | None = None) -> dict[int, list[str]]:
         """Done shards whose recorded chunks are missing or have another size, from one listing
         of the store (no chunk is read): shard -> problems. Done shards without a record count
@@ -359,7 +353,8 @@ class GradStore:
                 continue
             data = records.get(shard)
             record = None if data is None else ShardRecord.parse(data)
-            problems = record_problems(record, sizes, self.generation, self._shard_keys(shard))
+            expected = shard_keys(self._arrays, self.shard_range(shard))
+            problems = record_problems(record, sizes, self.generation, expected)
             if problems:
                 damaged[shard] = problems
         return damaged

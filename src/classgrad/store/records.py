@@ -154,10 +154,16 @@ def foreign(record: ShardRecord, generation: str | None) -> bool:
 FOREIGN = "its record was written by a run that no longer owned the store (another creation of it)"
 
 
-def shard_keys(objects: dict[str, tuple[tuple[int, ...], tuple[int, ...]]], rows: tuple[int, int]) -> list[str]:
-    """Every object key of the recorded arrays holding rows [start, stop): what a shard's record
-    must cover. ``objects``: each recorded array's (object shape, array shape)."""
-    return [key for name in RECORDED_ARRAYS for key in shard_chunk_keys(name, rows, *objects[name])]
+def object_keys(name: str, arr: Any, rows: tuple[int, int]) -> list[str]:
+    """Keys of the objects of ``arr`` (the array ``name`` of an open store: its chunks, or its
+    Zarr shards when sharded) that hold rows [start, stop)."""
+    return shard_chunk_keys(name, rows, arr.shards or arr.chunks, arr.shape)
+
+
+def shard_keys(arrays: Any, rows: tuple[int, int]) -> list[str]:
+    """Every object key of the recorded arrays of ``arrays`` (an open store's, by name) holding
+    rows [start, stop): what a shard's record must cover, and what its writer records."""
+    return [key for name in RECORDED_ARRAYS for key in object_keys(name, arrays[name], rows)]
 
 
 def uncovered(record: ShardRecord, expected: Iterable[str]) -> list[str]:

@@ -24,7 +24,6 @@ from classgrad.store.raw_chunks import raw_layout, read_block
 from classgrad.store.records import (
     DIGEST,
     FOREIGN,
-    RECORDED_ARRAYS,
     ShardRecord,
     chunk_digest,
     foreign,
@@ -86,7 +85,7 @@ def scan_chunks(
     ``records``: a done shard without a record is a problem (format 2; format 1 has none).
     """
     problems: list[ChunkProblem] = []
-    done_readable = True
+    scan_marks = True  # through zarr, below (False: read above, or read one by one)
     raw = read_done_marks(arrays, np.arange(spec.num_shards, dtype=np.int64))
     if raw is not None:  # one plain read per mark, its values checked here (not again below)
         values, bad_marks = raw
@@ -96,14 +95,14 @@ def scan_chunks(
             problems.append(ChunkProblem("shard_done", "corrupt", message, (i,)))
         for s in np.flatnonzero(values > 1).tolist():
             problems.append(ChunkProblem("shard_done", "bad_value", f"shard_done[{s}] = {values[s]} (expected 0 or 1)"))
-        done_readable = False  # scanned above
+        scan_marks = False
     else:
         done = None
     try:
         if done is None:
             done = arrays.read_all("shard_done").astype(bool)
     except CorruptChunkError:
-        done_readable = False
+        scan_marks = False
         done = np.zeros(spec.num_shards, dtype=bool)
         corrupt = dict(arrays.corrupt_chunks("shard_done", [(i,) for i in range(spec.num_shards)]))
         for i in range(spec.num_shards):
@@ -118,7 +117,7 @@ def scan_chunks(
     if info is not None:
         ready = np.full(spec.num_classes, info.get("state") == "ready")
         names += [(n, ready) for n in RESULT_ARRAYS if arrays.result(n) is not None]
-    scanned = [(n, c) for n, c in names if n != "shard_done" or done_readable]
+    scanned = [(n, c) for n, c in names if n != "shard_done" or scan_marks]
     bar = progress_bar(sum(arrays[n].nchunks for n, _ in scanned), desc="verify", unit="chunk", show=progress)
     for name, checked in scanned:
         plain = raw_layout(arrays[name])
@@ -157,13 +156,14 @@ def scan_chunks(
             problems += _scan_values(arrays, spec, name, block, sel, checked)
     bar.close()
     skip = {p.key for p in problems}
-    objects = {n: (arrays[n].shards or arrays[n].chunks, arrays[n].shape) for n in RECORDED_ARRAYS}
-
-    def expected(shard: int) -> list[str]:
-        return shard_keys(objects, (shard * spec.shard_rows, min((shard + 1) * spec.shard_rows, spec.num_classes)))
-
     return problems + scan_records(
-        arrays, done, require=records, skip=skip, generation=generation, fetched=fetched, expected=expected
+        arrays,
+        done,
+        require=records,
+        skip=skip,
+        generation=generation,
+        fetched=fetched,
+        expected=lambda shard: shard_keys(arrays, spec.shard_range(shard)),
     )
 
 

@@ -186,17 +186,24 @@ class DigestCheckingStore(WrapperStore[Store]):
             data = value.as_numpy_array()
             self.written[key] = (len(data), chunk_digest(key, (data,)))
 
-    async def _check(self, key: str, prototype: BufferPrototype, data: Buffer) -> None:
-        """Note (``RecordedDigests.check``) whether ``data``, the whole object ``key``, is what its
-        shard's record holds, reading that record first when this store has not yet."""
+    async def _recorded_shard(self, key: str, prototype: BufferPrototype) -> int | None:
+        """The work shard of the recorded object ``key`` (None: not one, or no check), its record
+        read first when this store has not yet."""
         digests = self.digests
         shard = None if digests is None else digests.shard_of(key)
         if digests is None or shard is None:
-            return
+            return None
         if not digests.knows(shard):
             found = await self._store.get(record_key(shard), prototype)
             digests.learn(shard, None if found is None else found.to_bytes())
-        digests.check(key, shard, data.as_numpy_array())  # a view of the bytes read: no copy
+        return shard
+
+    async def _check(self, key: str, prototype: BufferPrototype, data: Buffer) -> None:
+        """Note (``RecordedDigests.check``) whether ``data``, the whole object ``key``, is what its
+        shard's record holds."""
+        shard = await self._recorded_shard(key, prototype)
+        if shard is not None and self.digests is not None:
+            self.digests.check(key, shard, data.as_numpy_array())  # a view of the bytes read: no copy
 
     async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
         if key in self.replacing:
@@ -217,14 +224,9 @@ class DigestCheckingStore(WrapperStore[Store]):
     async def _check_missing(self, key: str, prototype: BufferPrototype) -> None:
         """Note a failure when ``key`` is gone although its shard's record lists it: zarr would
         read the fill value (a count of -1, a NaN loss) for rows the store calls done."""
-        digests = self.digests
-        shard = None if digests is None else digests.shard_of(key)
-        if digests is None or shard is None:
-            return
-        if not digests.knows(shard):
-            found = await self._store.get(record_key(shard), prototype)
-            digests.learn(shard, None if found is None else found.to_bytes())
-        digests.check_missing(key, shard)
+        shard = await self._recorded_shard(key, prototype)
+        if shard is not None and self.digests is not None:
+            self.digests.check_missing(key, shard)
 
     async def _check_whole(self, key: str, prototype: BufferPrototype) -> None:
         digests = self.digests

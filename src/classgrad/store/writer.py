@@ -29,11 +29,11 @@ from classgrad.store.direct_write import write_direct, write_file
 from classgrad.store.encoding import encode_rows, row_maxabs
 from classgrad.store.format import StoreSpec
 from classgrad.store.records import (
-    RECORDED_ARRAYS,
     ShardRecord,
     chunk_digest,
+    object_keys,
     record_key,
-    shard_chunk_keys,
+    shard_keys,
     sync_dir,
     sync_paths,
 )
@@ -129,11 +129,7 @@ class RowWriter:
         elif self._spec.sharded:
             # Whole shard objects (writes cover ``write_align`` = shard rows, every column).
             arr = self._arrays[name]
-            rows_per = arr.shards[0] if arr.shards else arr.chunks[0]
-            first, last = start // rows_per, -(-(start + len(values)) // rows_per)
-            per_col = (arr.shards or arr.chunks)[-1]
-            cols = [""] if arr.ndim == 1 else [f"/{j}" for j in range(-(-arr.shape[1] // per_col))]
-            keys = {f"{name}/c/{i}{c}" for i in range(first, last) for c in cols}
+            keys = set(object_keys(name, arr, (start, start + len(values))))
             self.replacing |= keys
             try:
                 arr[start : start + len(values)] = values
@@ -180,20 +176,18 @@ class RowWriter:
         shard whose rows an earlier writer of this store wrote)."""
         record = ShardRecord(shard, rows, generation=self._generation)
         loc = self._arrays.loc
-        for name in RECORDED_ARRAYS:
-            arr = self._arrays[name]
-            for key in shard_chunk_keys(name, rows, arr.shards or arr.chunks, arr.shape):
-                entry = self.written.pop(key, None)
-                if entry is None:
-                    try:
-                        data = loc.fs.cat_file(loc.key(key))
-                    except FileNotFoundError:
-                        raise StoreError(
-                            f"cannot mark shard {shard} of {self._arrays.url} done: its chunk {key} was never "
-                            f"written (write every row of the shard first)"
-                        ) from None
-                    entry = (len(data), chunk_digest(key, (data,)))
-                record.chunks[key] = entry
+        for key in shard_keys(self._arrays, rows):
+            entry = self.written.pop(key, None)
+            if entry is None:
+                try:
+                    data = loc.fs.cat_file(loc.key(key))
+                except FileNotFoundError:
+                    raise StoreError(
+                        f"cannot mark shard {shard} of {self._arrays.url} done: its chunk {key} was never "
+                        f"written (write every row of the shard first)"
+                    ) from None
+                entry = (len(data), chunk_digest(key, (data,)))
+            record.chunks[key] = entry
         return record
 
     def _write_local(self, key: str, parts: tuple) -> None:
