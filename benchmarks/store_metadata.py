@@ -159,7 +159,6 @@ def main() -> None:
     write_report(
         args.out, {"args": vars(args), "shards": shards, "built_s": built, "results": results, "targets": targets}
     )
-    json.dumps(results)
 
 
 def simulated(url: str, args: argparse.Namespace, shards: int) -> None:

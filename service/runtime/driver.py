@@ -430,9 +430,7 @@ class JobDriver:
     # --- what the dispatcher tells the driver (dispatch.DispatchEvents) ------------------------------
 
     def actor_ready(self, slot: ActorSlot, info: dict[str, Any]) -> None:
-        self._note_process(slot, info)
-        if info.get("node") and info["node"] not in self.summary.nodes:
-            self.summary.nodes.append(info["node"])
+        self._note_actor(slot, info)
         dispatcher = self._dispatcher
         if self._ready_after_s is None and dispatcher is not None and dispatcher.started_at is not None:
             self._ready_after_s = time.perf_counter() - self._t_start
@@ -451,9 +449,7 @@ class JobDriver:
         self.summary.recomputed_rows += report["recomputed_rows"]
         self.summary.add_engine_notes(report.get("engine_notes", []))
         record_peak(self.summary.memory, report)
-        self._note_process(slot, report)
-        if report["node"] not in self.summary.nodes:
-            self.summary.nodes.append(report["node"])
+        self._note_actor(slot, report)
         if self._progress is not None:
             self._progress.update(report["rows"])
 
@@ -463,9 +459,12 @@ class JobDriver:
         if self._progress is not None:
             self._progress.tick()
 
-    def _note_process(self, slot: ActorSlot, info: dict[str, Any]) -> None:
-        """The actor's process from its ready info or a report, if it runs on the driver's own node
-        (the same machine and process ids): a stopping driver waits for it to exit."""
+    def _note_actor(self, slot: ActorSlot, info: dict[str, Any]) -> None:
+        """The actor's node (for the summary) and, if that is the driver's own node (the same
+        machine and process ids), its process, from its ready info or a report: a stopping driver
+        waits for that process to exit."""
+        if info.get("node") and info["node"] not in self.summary.nodes:
+            self.summary.nodes.append(info["node"])
         key = (slot.index, slot.generation)
         if key not in self._processes and self._node is not None and info.get("node") == self._node:
             with contextlib.suppress(psutil.Error, KeyError, TypeError, ValueError):
