@@ -57,7 +57,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from classgrad.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, spans, validated
 from classgrad.service.analysis.memory import PeakMemory
-from classgrad.service.analysis.similarity_topk import TopKPlan, plan_topk, topk_task
+from classgrad.service.analysis.similarity_topk import PartMerger, topk_task
+from classgrad.service.analysis.topk_plan import TopKPlan, plan_topk
 from classgrad.service.runtime.ray_session import ray_session
 from classgrad.service.runtime.run_ids import new_run_id
 from classgrad.store import fmt_ranges, open_store
@@ -131,7 +132,10 @@ class SimilarityConfig(BaseModel):
     )
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray task")
     tasks_per_cpu: int = Field(
-        2, ge=1, description="automatic block_rows leaves at least this many tasks per CPU, for load balance"
+        2,
+        ge=1,
+        description="at least this many tasks per CPU, for load balance (dense: automatic block_rows; "
+        "top-k only: query blocks x candidate parts)",
     )
     lease_ttl_s: float = Field(
         120.0,
@@ -368,14 +372,16 @@ def _run_ray(
     ray: Any,
     task_fn: Callable[..., dict],
     args: tuple,
-    blocks: list[tuple[int, int]],
+    tasks: list[tuple],
     config: SimilarityConfig,
     renew: Callable[[], None],
     done: Callable[[dict], None],
 ) -> None:
+    """Every task on Ray: ``task_fn(url, options, plan, a, b, run_id, *rest)`` for each
+    ``(a, b, *rest)`` of ``tasks``; each report goes to ``done`` as it comes."""
     url, options, plan_dict, run_id = args
     task = ray.remote(task_fn).options(num_cpus=config.num_cpus, max_retries=1, name="classgrad-similarity")
-    pending = {task.remote(url, options, plan_dict, a, b, run_id): (a, b) for a, b in blocks}
+    pending = {task.remote(url, options, plan_dict, a, b, run_id, *rest): (a, b) for a, b, *rest in tasks}
     every = max(1.0, min(10.0, config.lease_ttl_s / 4))
     try:
         while pending:
@@ -402,13 +408,13 @@ def _run_ray(
 def _run_local(
     task_fn: Callable[..., dict],
     args: tuple,
-    blocks: list[tuple[int, int]],
+    tasks: list[tuple],
     renew: Callable[[], None],
     done: Callable[[dict], None],
 ) -> None:
     url, options, plan_dict, run_id = args
-    for a, b in blocks:
-        done(task_fn(url, options, plan_dict, a, b, run_id))
+    for a, b, *rest in tasks:
+        done(task_fn(url, options, plan_dict, a, b, run_id, *rest))
         renew()
 
 
@@ -482,16 +488,24 @@ def compute_similarity(
             workers = max(1, int(ray.cluster_resources().get("CPU", 1) // config.num_cpus))
         plan = _plan(store, config, dense, workers)
         bound = plan.memory_bound()
+        tasks: list[tuple] = (
+            [(a, b, (c0, c1)) for a, b, c0, c1 in plan.tasks()]
+            if isinstance(plan, TopKPlan) and plan.part_rows
+            else list(plan.blocks())
+        )
         log.info(
-            "similarity (%s, %s) of %d classes x %d: %d tasks of <= %d rows, bands of %d columns, <= %.1f MiB per task",
+            "similarity (%s, %s) of %d classes x %d: %d tasks of <= %d rows%s, bands of %d columns, "
+            "<= %.1f MiB per task%s",
             plan.metric,
             "dense" if dense else f"top-{plan.top_k} only",
             plan.num_classes,
             plan.dim,
-            len(plan.blocks()),
+            len(tasks),
             plan.block_rows,
+            f" x <= {plan.part_rows} candidates" if isinstance(plan, TopKPlan) and plan.part_rows else "",
             plan.band_cols,
             bound["total"] / MIB,
+            f", the store read {plan.passes()} times" if isinstance(plan, TopKPlan) else "",
         )
         reports: list[dict] = []
         progress = Progress(plan.num_classes, label="similarity")
@@ -504,9 +518,16 @@ def compute_similarity(
                 last_renew[0] = now
             progress.tick()
 
+        merger = PartMerger(plan) if isinstance(plan, TopKPlan) and plan.part_rows else None
+
         def done(report: dict) -> None:
             reports.append(report)
-            progress.update(report["stop"] - report["start"])
+            if merger is None:
+                progress.update(report["stop"] - report["start"])
+            elif (block := merger.add(report)) is not None:  # a block's last part: its neighbours
+                start, index, value = block
+                store.similarity_arrays.write_neighbours(start, index, value, run_id=run_id)
+                progress.update(len(index))
 
         t0 = time.perf_counter()
         store.lease.acquire(run_id, ttl_s=config.lease_ttl_s, info={"command": "similarity", "metric": plan.metric})
@@ -521,22 +542,27 @@ def compute_similarity(
                     "block_rows": plan.block_rows,
                     "band_cols": plan.band_cols,
                     "precision": plan.precision,
-                    "tasks": len(plan.blocks()),
+                    "tasks": len(tasks),
                     "executor": config.executor,
                     "memory_bound_bytes": bound["total"],
                     **(
                         {}
                         if isinstance(plan, SimilarityPlan)
-                        else {"stream_rows": plan.stream_rows, "window_rows": plan.window, "passes": plan.passes()}
+                        else {
+                            "stream_rows": plan.stream_rows,
+                            "window_rows": plan.window,
+                            "part_rows": plan.part_rows or plan.num_classes,
+                            "passes": plan.passes(),
+                        }
                     ),
                 },
             )
             # A local path made absolute: a Ray worker's working directory is not the driver's.
             args = (store.local_path or url, storage_options, asdict(plan), run_id)
             if ray is not None:
-                _run_ray(ray, task_fn, args, plan.blocks(), config, renew, done)
+                _run_ray(ray, task_fn, args, tasks, config, renew, done)
             else:
-                _run_local(task_fn, args, plan.blocks(), renew, done)
+                _run_local(task_fn, args, tasks, renew, done)
             seconds = time.perf_counter() - t0
             summary = _summary(store, plan, config, reports, seconds, bound)
             store.similarity_arrays.finish(
@@ -568,6 +594,7 @@ def _summary(
         "block_rows": plan.block_rows,
         "stream_rows": stream_rows,
         "window_rows": plan.window if isinstance(plan, TopKPlan) else None,
+        "part_rows": (plan.part_rows or plan.num_classes) if isinstance(plan, TopKPlan) else None,
         # how many times each row was read (dense: once per task, its own block included)
         "passes": plan.passes() if isinstance(plan, TopKPlan) else len(plan.blocks()),
         "band_cols": plan.band_cols,

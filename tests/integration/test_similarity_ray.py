@@ -72,6 +72,12 @@ def test_top_k_only_on_ray_equals_the_dense_route(ray_local, tmp_path):
     assert distinct.mean() > 0.9 and np.array_equal(index[distinct], dense_index[distinct])
     compute_similarity(url, top_k=6, dense=False, block_rows=160, executor="local")
     assert np.array_equal(reader.similarity_neighbours()[0][distinct], index[distinct])
+    # More tasks than the budget's query blocks: candidate parts, whose partial tables come
+    # back from the Ray workers and are merged by the driver.
+    parted = compute_similarity(url, top_k=6, dense=False, tasks_per_cpu=8)
+    assert parted["part_rows"] < 600 and parted["tasks"] > len(range(0, 600, parted["block_rows"]))
+    assert parted["passes"] < parted["tasks"]  # not one pass over the store per task
+    assert np.array_equal(reader.similarity_neighbours()[0][distinct], index[distinct])
 
 
 def test_a_failing_task_fails_the_run_with_one_line(ray_local, tmp_path, capsys):

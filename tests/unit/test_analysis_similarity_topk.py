@@ -14,7 +14,8 @@ import torch
 from classgrad.errors import ConfigError, StoreError
 from classgrad.service.analysis import similarity as sim_module
 from classgrad.service.analysis.similarity import SimilarityConfig, compute_similarity, wants_dense
-from classgrad.service.analysis.similarity_topk import TopKPlan, merge_topk, plan_topk, streamed_topk
+from classgrad.service.analysis.similarity_topk import merge_topk, streamed_topk
+from classgrad.service.analysis.topk_plan import TopKPlan, plan_topk
 from classgrad.service.analysis.verify import verify_store
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.store import open_store
@@ -154,6 +155,76 @@ def test_streamed_topk_equals_the_dense_reference(metric, block, stream, band, p
     assert sum(p[2] for p in parts) == plan.passes() * 300 * 96 * 4
 
 
+@pytest.mark.parametrize("band, window", [(None, 0), (40, 0), (None, 48), (40, 48)])
+def test_candidate_parts_merged_give_the_table_of_one_part(band, window):
+    """A query block's neighbours from candidate parts, merged, equal those of every row at
+    once: integer rows, so that every product is exact whatever the tiles, and many ties."""
+    from classgrad.service.analysis.similarity_topk import PartMerger
+
+    rows = np.random.default_rng(5).integers(-2, 3, size=(300, 96)).astype(np.float32)
+    base = plan_for(300, 96, block=64, stream=16, band=band, metric="dot", k=8, window=window)
+
+    def read(a: int, b: int, cols: tuple[int, int]) -> np.ndarray:
+        return rows[a:b, cols[0] : cols[1]].copy()
+
+    whole = [streamed_topk(read, base, a, b)[:2] for a, b in base.blocks()]
+    parted = TopKPlan(**{**base.__dict__, "part_rows": 80})
+    assert parted.parts() == [(0, 80), (80, 160), (160, 240), (240, 300)]
+    merger = PartMerger(parted)
+    merged = {}
+    for a, b, c0, c1 in reversed(parted.tasks()):  # in any order
+        index, value, read_bytes = streamed_topk(read, parted, a, b, (c0, c1))
+        query_reads = len(parted.windows(c0, c1)) if band else 1
+        assert read_bytes == (query_reads * (b - a) + (c1 - c0)) * 96 * 4
+        block = merger.add({"start": a, "index": index, "value": value, "candidates": (c0, c1)})
+        if block is not None:
+            merged[block[0]] = block[1:]
+    assert sorted(merged) == [a for a, _ in base.blocks()]
+    ref_index, ref_value = reference_topk(rows.astype(np.float64) @ rows.T.astype(np.float64), 8)
+    for (a, b), (index, value) in zip(base.blocks(), whole, strict=True):
+        assert np.array_equal(merged[a][0], index) and np.array_equal(merged[a][1], value)
+        assert np.array_equal(index, ref_index[a:b]) and np.array_equal(value, ref_value[a:b])
+
+
+def test_a_top_k_run_in_parts_writes_the_table_of_one_part(tmp_path, monkeypatch):
+    from classgrad.service.analysis.topk_plan import plan_topk as real_plan
+
+    store, rows = synthetic_store(tmp_path / "s", num_classes=300)
+    url = str(tmp_path / "s")
+    compute_similarity(url, executor="local", top_k=6, dense=False, metric="dot")
+    one = open_store(url).similarity_neighbours()
+    # As on a cluster of 4 CPUs (8 tasks): 3 query blocks x 3 candidate parts, merged by the driver.
+    monkeypatch.setattr(sim_module, "plan_topk", lambda store, config, workers=1: real_plan(store, config, 4))
+    summary = compute_similarity(url, executor="local", top_k=6, dense=False, metric="dot")
+    assert summary["tasks"] == 9 and summary["part_rows"] == 112 and summary["passes"] == 3 + 3
+    assert summary["read_bytes"] == summary["passes"] * 300 * 96 * 4
+    assert "index" not in summary["task_reports"][0]  # the partial tables stay with the driver
+    index, value = open_store(url).similarity_neighbours()
+    # The same products in other tiles: float32 sums over D = 96 terms, (D + 8) u |x||y| each.
+    n = np.linalg.norm(rows.astype(np.float64), axis=1)
+    assert (np.abs(value - one[1]) <= 2 * (96 + 8) * U * n[:, None] * n[one[0]]).all()
+    assert (index == one[0]).mean() > 0.95
+    assert verify_store(url).code == 0
+
+
+def test_the_plan_at_a_million_classes_reads_the_store_blocks_plus_parts_times():
+    """1,000,000 x 4,096 float32 rows (15.3 GiB) on 1,000 CPUs at the default 512 MiB per task:
+    before, 62,500 query blocks of 16 rows (one window of every row's scores left room for no
+    more), each streaming the whole store; now query blocks as large as the budget holds, and
+    candidate parts for the rest of the 2,000 tasks."""
+    from types import SimpleNamespace
+
+    store = SimpleNamespace(num_classes=1_000_000, dim=4096, row_chunk=16, col_chunk=4096)
+    plan = plan_topk(store, SimilarityConfig(), workers=1000)
+    assert len(plan.tasks()) >= 2000 and plan.memory_bound()["total"] <= 512 << 20
+    assert plan.block_rows >= 10_000 and plan.window_rows > 0  # 93 blocks, windows of scores
+    assert plan.passes() == len(plan.blocks()) + len(plan.parts()) <= 120, plan  # 62,501 before
+    # A budget that holds more rows than sqrt(tasks) blocks need: sqrt(2,000) blocks and parts.
+    large = plan_topk(store, SimilarityConfig(task_mb=4096), workers=1000)
+    assert large.memory_bound()["total"] <= 4096 << 20
+    assert len(large.blocks()) == 45 and len(large.parts()) == 45 and large.passes() == 90
+
+
 def test_top_k_only_run_writes_no_matrix_and_equals_the_dense_run(tmp_path):
     store, rows = synthetic_store(tmp_path / "s", num_classes=500)
     url = str(tmp_path / "s")
@@ -208,9 +279,10 @@ def test_plan_stays_within_the_budget_and_bands_wide_rows(tmp_path):
     # One block may hold every row (the table is then one chunk of all 500 rows).
     assert plan.chunk_rows == 500 if len(plan.blocks()) == 1 else plan.chunk_rows % 16 == 0
     assert len(plan.blocks()) == 1 or plan.block_rows % plan.chunk_rows == 0
-    # Two workers: at least two tasks each; the query block never takes more than half.
+    # Two workers: at least two tasks each, as 2 query blocks x 2 candidate parts (the store is
+    # read 4 times: each block streams it once, each task reads its block once), not 4 blocks.
     two = plan_topk(store, SimilarityConfig(task_mb=512), workers=2)
-    assert len(two.blocks()) >= 4 and two.block_rows * 4096 * 4 <= 256 << 20
+    assert len(two.tasks()) >= 4 and len(two.blocks()) == len(two.parts()) == 2 and two.passes() == 4
     # A budget too small for full stream rows beside the query block: bands of column chunks.
     tight = plan_topk(store, SimilarityConfig(task_mb=30, block_rows=96), workers=1)
     assert tight.band_cols < 4096 and tight.band_cols % 512 == 0

@@ -20,7 +20,7 @@ from dataclasses import asdict
 import pytest
 
 from classgrad.service.analysis.similarity import SimilarityConfig
-from classgrad.service.analysis.similarity_topk import plan_topk
+from classgrad.service.analysis.topk_plan import plan_topk
 from tests.support.harness import REPO
 from tests.support.stores import synthetic_store
 
