@@ -127,14 +127,23 @@ class ProbeSet:
         collate: str | Callable[[list[Any]], Any] | None = None,
         pad_values: Mapping[str, float] | None = None,
         digest_now: bool = True,
+        driver_targets: torch.Tensor | None = None,
+        digest: str | None = None,
     ):
         """``digest_now``: hash a Dataset's inputs in the one pass that reads its targets (a job
-        records the digest); False leaves it to a second read if ``digest`` is ever asked for."""
+        records the digest); False leaves it to a second read if ``digest`` is ever asked for.
+
+        ``driver_targets`` and ``digest``: the probe set's targets and digest as the driver gathered
+        and hashed them, for an actor: a Dataset is then not read whole (only its first samples,
+        and later the samples a shard needs, each checked against its target here), and nothing
+        is hashed; a probe set of another length, or a sample whose label differs, is refused."""
         if batch_size <= 0:
             raise InputError(f"data.batch_size must be > 0, got {batch_size}")
         self.batch_size = int(batch_size)
         collate_fn = resolve_collate(collate, pad_values)
         self._samples: Samples | None = None
+        self._known_digest = digest
+        self._given = driver_targets is not None  # the driver's targets: labels are checked as samples are read
         if isinstance(data, DataLoader):
             data, collate_fn = _from_loader(data, collate, collate_fn)
         if isinstance(data, Mapping) and all(isinstance(v, torch.Tensor) for v in data.values()):
@@ -154,6 +163,9 @@ class ProbeSet:
             n = len(data)  # type: ignore[arg-type]
             if n == 0:
                 raise InputError("data: the probe set is empty")
+            if driver_targets is not None:  # gathered once, by the driver
+                self._adopt(data, driver_targets, label_field, collate_fn)
+                return
             # The one pass that reads every sample (for its target) also hashes its inputs.
             h = hashlib.sha256()
             gathered: list[torch.Tensor] = []
@@ -176,6 +188,36 @@ class ProbeSet:
                 f"data: expected a Dataset of (input, target) or of dicts, a DataLoader, or a pair (inputs, targets), "
                 f"got {type(data).__name__}"
             )
+        if driver_targets is not None and not _same_targets(self.targets, driver_targets):
+            raise InputError(_DIFFERENT_DATA + ": their targets differ")
+        self._clamp_batch()
+
+    def _adopt(self, data: Any, targets: torch.Tensor, label_field: str | None, collate_fn: Any) -> None:
+        """Take the driver's targets for a Dataset: read only its first samples (the collate and
+        label settings, and the digests ``reads_repeat`` compares)."""
+        if len(data) != len(targets):
+            raise InputError(f"{_DIFFERENT_DATA}: {len(data)} samples here, {len(targets)} on the driver")
+        self.targets = targets.detach().cpu()
+        self._inputs_digest = None
+        self._head = []
+        for i in range(min(HEAD_SAMPLES, len(data))):
+            item = _item(data, i)
+            if self._samples is None:
+                self._samples = Samples(item, label_field, collate_fn)
+            self._check_label(i, item)
+            self._head.append(_sample_digest(self._samples.inputs_of(item)))
+        self._clamp_batch()
+
+    def _check_label(self, index: int, item: Any) -> None:
+        assert self._samples is not None
+        label = torch.as_tensor(self._samples.label_of(item, index))
+        if not _same_targets(label, self.targets[index]):
+            raise InputError(
+                f"{_DIFFERENT_DATA}: sample {index} has label {label.tolist()} here, {self.targets[index].tolist()} "
+                "on the driver"
+            )
+
+    def _clamp_batch(self) -> None:
         if len(self.targets) == 0:
             raise InputError("data: the probe set is empty")
         if self.batch_size > len(self.targets):
@@ -195,7 +237,11 @@ class ProbeSet:
             return _index(self._inputs, indices, memory_format)
         assert self._samples is not None  # set while the targets were gathered
         samples = self._samples
-        batch = samples.inputs_of_batch(samples.collate([_item(self._dataset, int(i)) for i in indices]))
+        items = [_item(self._dataset, int(i)) for i in indices]
+        if self._given:  # each sample as read here: its label must be the driver's
+            for i, item in zip(indices.tolist(), items, strict=True):
+                self._check_label(i, item)
+        batch = samples.inputs_of_batch(samples.collate(items))
         return batch if memory_format is None else in_memory_format(batch, memory_format)
 
     def batch(
@@ -233,7 +279,9 @@ class ProbeSet:
     @property
     def digest(self) -> str:
         """sha256 hex of the probe set as built: its inputs (a Dataset's as read when the probe set
-        was built) and its targets."""
+        was built) and its targets; the driver's when it gave it (``digest=``)."""
+        if self._known_digest is not None:
+            return self._known_digest
         if self._inputs_digest is None:
             h = hashlib.sha256()
             if self._dataset is not None:  # not hashed when first read (``digest_now``): read again
@@ -273,6 +321,16 @@ class ProbeSet:
         order = torch.argsort(labels, stable=True)
         counts = torch.bincount(labels, minlength=num_classes)
         return list(torch.split(order, counts.tolist()))
+
+
+_DIFFERENT_DATA = (
+    "data: the data factory gives another probe set here than on the driver (it must give the same "
+    "samples in the same order on every node)"
+)
+
+
+def _same_targets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.to(b.dtype), b))
 
 
 def _from_loader(loader: DataLoader, setting: Any, collate_fn: Any) -> tuple[Any, Any]:

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import numpy as np
 import psutil
 
 from classgrad.config import JobConfig
@@ -160,6 +161,9 @@ class JobDriver:
         self._processes: dict[tuple[int, int], psutil.Process] = {}  # (slot, generation) -> its process, on our node
         self._shipped = False  # the working directory went to the actors (they start in a copy of it)
         self._node: str | None = None  # the Ray node this driver runs on, once connected
+        self._identity: dict | None = None  # the driver's build (RunIdentity.to_dict()), for the actors
+        self._checked_targets: np.ndarray | None = None  # the probe set's targets, as this driver gathered them
+        self._probe_targets: Any = None  # their Ray object, put once, which every actor takes
 
     # --- Ray ------------------------------------------------------------------------------
 
@@ -259,6 +263,7 @@ class JobDriver:
         lease_of_store = store_lease(store_cfg.url, storage_options=store_cfg.storage_options)
         lease_of_store.check_free(self.run_id)  # a store in use is refused before the model is built
         checked = check_job(self.config, preflight=self.preflight)
+        self._checked_targets = checked.probe_targets
         self.summary.add_engine_notes(checked.engine_notes)
         self.summary.preflight = list(checked.preflight_notes)
         self.summary.memory = {"estimate": estimate_record(checked.footprint), "peak_rss_per_actor": {}}
@@ -371,6 +376,9 @@ class JobDriver:
         self._check_device()
         self._warn_about_secrets()
         self._t_start, self._lease = t_start, lease
+        # Put once: every actor of a node maps the one copy (the probe set's targets, read and
+        # hashed by this driver alone).
+        self._probe_targets = ray.put(self._checked_targets) if self._checked_targets is not None else None
         c = self.config.cluster
 
         def resources() -> str:
@@ -424,6 +432,7 @@ class JobDriver:
             "num_threads": self.config.cluster.num_cpus_per_worker,
             "run_id": self.run_id,
             "identity": self._identity,
+            "probe_targets": self._probe_targets,
         }
         return (actor_config(self.config.model_dump(mode="json"), self._shipped),), kwargs
 

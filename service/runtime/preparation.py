@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from classgrad.config import JobConfig
 from classgrad.errors import ConfigMismatchError, StoreError, StoreMismatchError
 from classgrad.service.runtime.plan import Shard, plan_shards
@@ -57,6 +59,9 @@ class CheckedJob:
     engine_notes: list[str] = field(default_factory=list)  # the driver's build: the path it took, and why
     footprint: dict | None = None  # Footprint.to_dict(): the estimate the run history records
     preflight_notes: list[str] = field(default_factory=list)  # clamps and warnings near a limit
+    # The probe set's targets as the driver gathered them: the actors take them (and the digest
+    # in ``identity``) instead of reading and hashing every sample themselves.
+    probe_targets: np.ndarray | None = None
 
 
 @dataclass
@@ -156,6 +161,7 @@ def check_job(config: JobConfig, *, preflight: bool = True) -> CheckedJob:
         engine_notes=list(engine.stats.notes),
         footprint=footprint.to_dict(),
         preflight_notes=notes,
+        probe_targets=engine.probe.targets.numpy(),
     )
 
 

@@ -141,3 +141,66 @@ def test_blocks_are_gathered_before_each_projection():
     for merged, rows in got:
         assert rows.shape == (len(merged), 4)
         assert torch.equal(rows, projector.project(merged.rows))  # the same projection of the same rows
+
+
+def counting_config(tmp_path) -> JobConfig:
+    """``config_for``'s job over a Dataset that records each sample read (2 samples per class)."""
+    raw = config_for(tmp_path).model_dump(mode="json")
+    raw["data"] = {"factory": "tests.support.counting_data:counting_probe", "kwargs": {"num_classes": C}}
+    return JobConfig.model_validate(raw)
+
+
+def test_an_actor_given_the_drivers_targets_reads_only_its_shards_samples_and_hashes_none(tmp_path):
+    from classgrad.service.runtime.preparation import check_job
+    from tests.support.counting_data import READS
+
+    config = counting_config(tmp_path)
+    READS.clear()
+    checked = check_job(config)
+    assert sorted(set(READS)) == list(range(2 * C))  # the driver reads (and hashes) every sample once
+    prepared = prepare_store(config, checked=checked)
+    READS.clear()
+    worker = GradientWorker(
+        config.model_dump(mode="json"),
+        num_threads=1,
+        identity=prepared.identity,
+        probe_targets=checked.probe_targets,
+    )
+    assert set(READS) <= set(range(4))  # its first samples: the identity's outputs and reads_repeat
+    assert worker.engine.probe.digest == prepared.identity["probe"]  # the driver's, not hashed again
+    READS.clear()
+    worker.compute_shard(1)  # classes 4..7: samples 8..15
+    assert set(READS) == set(range(8, 16))
+    # The same rows as an actor that read and hashed everything itself.
+    alone = GradientWorker(config.model_dump(mode="json"), num_threads=1, identity=prepared.identity)
+    rows = open_store(config.store.url).rows(np.arange(4, 8))
+    alone.compute_shard(1)
+    np.testing.assert_array_equal(open_store(config.store.url).rows(np.arange(4, 8)), rows)
+
+
+def test_an_actor_whose_data_differs_from_the_drivers_is_refused_in_one_line(tmp_path, monkeypatch):
+    from classgrad.errors import InputError
+    from classgrad.service.runtime.preparation import check_job
+    from tests.support.counting_data import RELABEL
+
+    config = counting_config(tmp_path)
+    checked = check_job(config)
+    prepared = prepare_store(config, checked=checked)
+    monkeypatch.setenv(RELABEL, "9")  # this node's sample 9 has another label: found when read
+    worker = GradientWorker(
+        config.model_dump(mode="json"), num_threads=1, identity=prepared.identity, probe_targets=checked.probe_targets
+    )
+    worker.compute_shard(0)  # samples 0..7: as on the driver
+    with pytest.raises(
+        InputError, match=r"another probe set here than on the driver.*sample 9 has label 5 here, 4 on the driver$"
+    ):
+        worker.compute_shard(1)
+    assert open_store(config.store.url).shard_done.tolist() == [True, False, False]
+    # Another length: refused when the actor starts.
+    with pytest.raises(InputError, match=r"24 samples here, 23 on the driver"):
+        GradientWorker(
+            config.model_dump(mode="json"),
+            num_threads=1,
+            identity=prepared.identity,
+            probe_targets=checked.probe_targets[:23],
+        )

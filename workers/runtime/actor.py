@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from classgrad.config import JobConfig
@@ -136,7 +137,12 @@ class GradientWorker:
         num_threads: int | None = None,
         run_id: str | None = None,
         identity: dict | None = None,
+        probe_targets: Any = None,
     ):
+        """``identity``: the driver's build (this one must match it); ``probe_targets``: the probe
+        set's targets as the driver gathered them (an array; Ray hands every actor of a node
+        the one copy the driver put), so that this actor reads only the samples its shards need
+        and hashes none: the probe set's digest is the driver's (``identity``)."""
         self.config = JobConfig.model_validate(config)
         self.run_id = run_id  # the driver's run; shards are marked done only while it holds the lease
         if num_threads:
@@ -146,7 +152,10 @@ class GradientWorker:
         # The store's projection record: the structure an unset projection.structure runs with,
         # and the map the driver fixed (a Kronecker split measured once): every worker reuses it.
         record = self.store.attrs.get("projection") if self.config.projection.dim is not None else None
-        self.engine = build_job_engine(self.config, record=record)
+        driver_probe = None
+        if probe_targets is not None and identity is not None:
+            driver_probe = (torch.as_tensor(np.array(probe_targets)), str(identity["probe"]))
+        self.engine = build_job_engine(self.config, record=record, driver_probe=driver_probe)
         if identity is not None:  # the driver's: this build must compute the same rows, or write none
             check_same_build(identity, engine_identity(self.engine))
         self.projector = build_projector(self.config, engine=self.engine, record=record)

@@ -125,17 +125,35 @@ def build_probe(
     label_field: str | None = None,
     collate: str = "stack",
     pad_values: dict[str, float] | None = None,
+    driver_probe: tuple[torch.Tensor, str] | None = None,
 ) -> ProbeSet:
+    """The probe set of a data factory; ``driver_probe``: the (targets, digest) the driver took,
+    so that an actor neither reads every sample nor hashes them (``ProbeSet``)."""
     data = call_factory(factory, dict(kwargs or {}), "data.factory")
-    return ProbeSet(data, batch_size=batch_size, label_field=label_field, collate=collate, pad_values=pad_values)
+    targets, digest = driver_probe if driver_probe is not None else (None, None)
+    return ProbeSet(
+        data,
+        batch_size=batch_size,
+        label_field=label_field,
+        collate=collate,
+        pad_values=pad_values,
+        driver_targets=targets,
+        digest=digest,
+    )
 
 
-def build_job_engine(config: JobConfig, device: str | None = None, record: dict | None = None) -> GradientEngine:
+def build_job_engine(
+    config: JobConfig,
+    device: str | None = None,
+    record: dict | None = None,
+    driver_probe: tuple[torch.Tensor, str] | None = None,
+) -> GradientEngine:
     """Model, probe set, loss, parameter layout and engine for a job config (the device checked first).
 
     ``record``: the store's ``projection`` attribute: the structure an unset
     ``projection.structure`` resumes with, and the map a worker reuses (a Kronecker split, measured
-    by the driver, see ``structures.kronecker``; a TensorSketch map, checked)."""
+    by the driver, see ``structures.kronecker``; a TensorSketch map, checked). ``driver_probe``:
+    the probe set's targets and digest as the driver took them (``build_probe``)."""
     device = device or config.resolved_device()
     check_device(device)
     model = build_model(config.model.factory, config.model.kwargs, config.model.checkpoint, config.model.mode)
@@ -147,6 +165,7 @@ def build_job_engine(config: JobConfig, device: str | None = None, record: dict 
         label_field=data.label_field,
         collate=data.collate,
         pad_values=input_pad_values(model, data.collate, data.pad_values),  # input_ids: the model's pad id
+        driver_probe=driver_probe,
     )
     loss = create_loss(config.loss.kind, config.loss.num_classes)
     return engine_from_parts(config, model, probe, loss, device=device, record=record)
