@@ -138,7 +138,7 @@ def inspect_store(store, *, top: int = 5, block_rows: int | None = None, block_m
         "loss": finite_summary(loss.astype(np.float64)),
         "param_norms": [],
         "similarity": store.similarity_info(),
-        "runs": len(attrs.get("runs", [])),
+        "runs": len(store.runs),
     }
     if norms.names:
         total_sq = np.nansum(norms.param_sq, axis=0)

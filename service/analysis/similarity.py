@@ -46,17 +46,18 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from classgrad.errors import ClassgradError, ConfigError, StoreError, StoreIncompleteError, first_line
+from classgrad.config.placement import checked_lease_ttl
+from classgrad.errors import ConfigError, StoreError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, spans, validated
 from classgrad.service.analysis.memory import PeakMemory
+from classgrad.service.analysis.similarity_runs import run_local, run_ray
 from classgrad.service.analysis.similarity_topk import PartMerger, topk_task
 from classgrad.service.analysis.topk_plan import TopKPlan, plan_topk
 from classgrad.service.runtime.ray_session import ray_session
@@ -143,8 +144,13 @@ class SimilarityConfig(BaseModel):
         description="the store's lease is held while the "
         "run lasts: renewed every lease_ttl_s / 4 (at most 10 s) while "
         "Ray tasks run, between tasks in-process; another driver may "
-        "take it over once it is this old",
+        "take it over once it is this old; at least 5",
     )
+
+    @field_validator("lease_ttl_s")
+    @classmethod
+    def _lease_outlives_renewals(cls, value: float) -> float:
+        return checked_lease_ttl(value)
 
 
 @dataclass(frozen=True)
@@ -349,75 +355,6 @@ def strip_task(url: str, storage_options: dict | None, plan: dict, start: int, s
     }
 
 
-# --------------------------------------------------------------------------- executors
-
-
-def _task_failed(exc: BaseException, a: int, b: int) -> BaseException:
-    """The error to raise for a failed task: a user error as itself, a bug as RuntimeError."""
-    import ray
-
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, ClassgradError):
-        return cause
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-        return RuntimeError(f"similarity task for rows [{a}, {b}) failed: {first_line(detail)}")
-    return ClassgradError(
-        f"similarity task for rows [{a}, {b}) was lost ({type(exc).__name__}: "
-        f"{first_line(str(exc))}); if it ran out of memory, lower --block-rows or --block-mb (dense) or --task-mb"
-    )
-
-
-def _run_ray(
-    ray: Any,
-    task_fn: Callable[..., dict],
-    args: tuple,
-    tasks: list[tuple],
-    config: SimilarityConfig,
-    renew: Callable[[], None],
-    done: Callable[[dict], None],
-) -> None:
-    """Every task on Ray: ``task_fn(url, options, plan, a, b, run_id, *rest)`` for each
-    ``(a, b, *rest)`` of ``tasks``; each report goes to ``done`` as it comes."""
-    url, options, plan_dict, run_id = args
-    task = ray.remote(task_fn).options(num_cpus=config.num_cpus, max_retries=1, name="classgrad-similarity")
-    pending = {task.remote(url, options, plan_dict, a, b, run_id, *rest): (a, b) for a, b, *rest in tasks}
-    every = max(1.0, min(10.0, config.lease_ttl_s / 4))
-    try:
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=every)
-            renew()
-            for ref in ready:
-                a, b = pending.pop(ref)
-                try:
-                    done(ray.get(ref))
-                except ray.exceptions.RayError as exc:
-                    raise _task_failed(exc, a, b) from None
-    finally:
-        if pending:  # failed or interrupted: stop the rest, and collect what already ended so
-            for ref in pending:  # that Ray does not log their errors as unhandled
-                ray.cancel(ref)
-            ended, _ = ray.wait(list(pending), num_returns=len(pending), timeout=2.0)
-            for ref in ended:
-                try:
-                    ray.get(ref, timeout=0)
-                except Exception:  # noqa: BLE001 - the first failure is what is reported
-                    pass
-
-
-def _run_local(
-    task_fn: Callable[..., dict],
-    args: tuple,
-    tasks: list[tuple],
-    renew: Callable[[], None],
-    done: Callable[[dict], None],
-) -> None:
-    url, options, plan_dict, run_id = args
-    for a, b, *rest in tasks:
-        done(task_fn(url, options, plan_dict, a, b, run_id, *rest))
-        renew()
-
-
 # --------------------------------------------------------------------------- driver
 
 
@@ -560,9 +497,9 @@ def compute_similarity(
             # A local path made absolute: a Ray worker's working directory is not the driver's.
             args = (store.local_path or url, storage_options, asdict(plan), run_id)
             if ray is not None:
-                _run_ray(ray, task_fn, args, tasks, config, renew, done)
+                run_ray(ray, task_fn, args, tasks, config, renew, done)
             else:
-                _run_local(task_fn, args, tasks, renew, done)
+                run_local(task_fn, args, tasks, renew, done)
             seconds = time.perf_counter() - t0
             summary = _summary(store, plan, config, reports, seconds, bound)
             store.similarity_arrays.finish(

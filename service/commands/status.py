@@ -26,7 +26,7 @@ def status_of(store) -> dict:
     from classgrad.service.analysis import completion
     from classgrad.store import lease_state
 
-    runs = store.attrs.get("runs", [])
+    runs = store.runs
     lease = store.lease.info()
     state, why = lease_state(lease, time.time()) if lease else (None, None)
     return {

@@ -533,7 +533,7 @@ def test_bad_input_ends_in_one_line(build, message, ray_local, tmp_path, capsys,
     if left.startswith("resumable"):
         store = open_store(ctx.url)
         assert store.lease.info() is None, "a failed run must release its lease"
-        runs = store.attrs["runs"]  # empty when the disk was too full to record the run
+        runs = store.runs  # empty when the disk was too full to record the run
         assert not runs or runs[-1]["status"] == "failed"
 
 

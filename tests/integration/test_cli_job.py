@@ -89,7 +89,7 @@ def test_sigkill_driver_then_rerun_skips_done_shards(tmp_path, uninterrupted):
 
     rerun = run_to_end(config)
     store = open_store(url)
-    last = store.attrs["runs"][-1]
+    last = store.runs[-1]
     assert store.is_complete and last["status"] == "complete"
     # The rerun computed only what was missing: done shards were skipped, not recomputed.
     assert last["shards_skipped"] == done_before
@@ -110,7 +110,7 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_finishes(tmp_path, uninterrupted):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; finished shards are saved" in err and "Traceback" not in err
     store = open_store(url)
-    last = store.attrs["runs"][-1]
+    last = store.runs[-1]
     assert last["status"] == "interrupted"
     # What the record says the run saved is what the store holds (issue 45, item 10: it counted
     # only the shards whose reports the driver had read).

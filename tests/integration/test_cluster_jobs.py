@@ -59,7 +59,7 @@ def check_store(url: str, overrides: list[str]) -> dict:
     rows = torch.from_numpy(store.rows(np.arange(store.num_classes)))
     # float32 rows against the float64 reference: the engine contract (tests/unit/test_engines.py).
     assert max_relative_error(rows, reference_rows(CONFIG, overrides)) <= 1e-6
-    run = store.attrs["runs"][-1]
+    run = store.runs[-1]
     assert run["status"] == "complete"
     return run
 
@@ -99,7 +99,7 @@ def test_submit_stop_and_resubmit_resumes_with_actors_on_two_nodes(cluster, tmp_
     # The entrypoint is the module form, joining the cluster it runs in (see service/submit.py).
     assert f"python -m classgrad run {CONFIG}" in status.stdout and "cluster.address=auto" in status.stdout
     stopped = open_store(store)
-    assert stopped.attrs["runs"][-1]["status"] == "interrupted" and stopped.lease.info() is None
+    assert stopped.runs[-1]["status"] == "interrupted" and stopped.lease.info() is None
     done_at_stop = int(stopped.shard_done.sum())
     assert 2 <= done_at_stop < stopped.num_shards
 

@@ -96,7 +96,7 @@ def run_on(cluster: LocalRayCluster, config: str, *extra: str):
 
 
 def last_run(url: str) -> dict:
-    return open_store(url).attrs["runs"][-1]
+    return open_store(url).runs[-1]
 
 
 def test_a_shard_that_raises_twice_succeeds_on_its_third_attempt(cluster, clean, tmp_path):

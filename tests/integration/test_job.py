@@ -43,9 +43,9 @@ def test_two_actors_store_rows_equal_to_reference(job_config, loss, engine):
     rows = torch.from_numpy(store.rows(np.arange(48)))
     # float32 rows against the float64 reference: the engine contract (see tests/unit/test_engines.py).
     assert max_relative_error(rows, reference_rows(config)) <= 1e-6
-    assert store.attrs["runs"][-1]["status"] == "complete"
+    assert store.runs[-1]["status"] == "complete"
     # The preflight's estimate beside each actor's measured peak RSS, in the run history (issue 25).
-    memory = store.attrs["runs"][-1]["memory"]
+    memory = store.runs[-1]["memory"]
     assert memory["estimate"]["actor_bytes"] > 0 and len(memory["peak_rss_per_actor"]) == 2, memory
     assert all(peak > 0 for peak in memory["peak_rss_per_actor"].values())
     assert "estimate ~" in "\n".join(summary.lines()) and "measured peak RSS" in "\n".join(summary.lines())
@@ -93,7 +93,7 @@ def test_killed_actor_is_replaced_and_rows_match_an_uninterrupted_run(job_config
     assert sorted(driver.completions) == list(range(12))
     store = open_store(config.store.url)
     assert store.is_complete
-    assert store.attrs["runs"][-1]["retries"] == summary.retries >= 1
+    assert store.runs[-1]["retries"] == summary.retries >= 1
 
     clean_url = str(tmp_path / "clean.zarr")
     clean = job_config(model=slow, data=data, store={"url": clean_url})

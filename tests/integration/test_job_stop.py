@@ -64,5 +64,5 @@ def test_jobs_stop_stops_a_driver_that_inherited_sigint_ignored(tmp_path):
         # polls (seconds on a loaded 2-core machine), so it is not held to less than the 30 s.
         assert took < RAY_SIGKILL_AFTER_S, took
         stopped = open_store(store)
-        assert stopped.attrs["runs"][-1]["status"] == "interrupted" and stopped.lease.info() is None
+        assert stopped.runs[-1]["status"] == "interrupted" and stopped.lease.info() is None
         assert int(stopped.shard_done.sum()) < stopped.num_shards

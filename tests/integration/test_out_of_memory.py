@@ -91,7 +91,7 @@ def test_an_actor_killed_for_memory_is_replaced_and_its_shard_requeued(ray_tight
     oom = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
     assert len(oom) == summary.actors_replaced, oom  # one line per kill
     assert all("\n" not in line and "Top 10" not in line and "memory monitor killed the actor" in line for line in oom)
-    run = open_store(config.store.url).attrs["runs"][-1]
+    run = open_store(config.store.url).runs[-1]
     assert run["status"] == "complete" and run["error"] is None and run["actors_replaced"] == summary.actors_replaced
     clean = config.model_copy(update={"store": config.store.model_copy(update={"url": str(tmp_path / "clean.zarr")})})
     # Same shards, same engine, same CPU arithmetic: the requeued shard's rows are the same bits.
@@ -106,7 +106,7 @@ def test_memory_that_stays_short_stops_the_job_with_one_line(ray_tight, tmp_path
         JobDriver(config).run()
     line = str(caught.value)
     assert "\n" not in line and "Top 10" not in line and "rerun to resume" in line, line
-    run = open_store(config.store.url).attrs["runs"][-1]
+    run = open_store(config.store.url).runs[-1]
     assert run["status"] == "failed" and run["error"] == line
     status = classgrad_cli("status", config.store.url, timeout=120)
     errors = [ln for ln in status.stdout.splitlines() if "error:" in ln]

@@ -69,7 +69,7 @@ def test_s3_store_end_to_end_without_credentials_anywhere(s3_cluster, s3_server,
     rows = torch.from_numpy(store.rows(np.arange(store.num_classes)))
     # float32 rows against the float64 reference: the engine contract (tests/unit/test_engines.py).
     assert max_relative_error(rows, reference_rows(CONFIG, [f"store.url={url}"])) <= 1e-6
-    run = store.attrs["runs"][-1]
+    run = store.runs[-1]
     assert run["status"] == "complete" and len(set(run["nodes"])) == 2  # written from both nodes
     assert store.attrs["config"]["store"]["storage_options"] == {}
 

@@ -200,7 +200,7 @@ def test_20000_classes_survive_an_actor_killed_every_few_seconds(tmp_path, ray_l
     num_shards = -(-C // SHARD_ROWS)
     assert dict(driver.completions) == {i: 1 for i in range(num_shards)}
     store = open_store(url)
-    assert store.is_complete and store.attrs["runs"][-1]["actors_replaced"] == summary.actors_replaced
+    assert store.is_complete and store.runs[-1]["actors_replaced"] == summary.actors_replaced
     got = store_arrays(url)
     assert np.isfinite(got["rows"]).all() and (got["count"] == 1).all()
 

@@ -235,6 +235,12 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
         ([NC, "projection.dim=0"], "projection.dim: Input should be greater than 0"),
         ([NC, "projection.seed=-1"], "projection.seed: Input should be greater than or equal to 0"),
         ([NC, "run.lease_ttl_s=0"], "run.lease_ttl_s: Input should be greater than 0"),
+        # A lease shorter than its renewals lets another driver take over a live run (issue 60, item 10).
+        (
+            [NC, "run.lease_ttl_s=1e-9"],
+            "run.lease_ttl_s: must be at least 5 s (the lease is renewed every third of it; a shorter one "
+            "lets another driver take over a live run), got 1e-09",
+        ),
         ([NC, "store.url=''"], "store.url: String should have at least 1 character"),
         # bad enums
         ([NC, "precision.dtype=fp8"], "precision.dtype: Input should be 'fp32', 'fp16' or 'bf16', got 'fp8'"),

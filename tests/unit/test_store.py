@@ -602,11 +602,11 @@ def test_append_run(tmp_path):
     store = create_store(url, make_spec())
     store.append_run({"start": 1.0, "end": 2.0, "rows": 50, "seconds": 1.0, "retries": 0})
     store.append_run({"start": 3.0, "note": object()})  # non-JSON values become strings
-    runs = open_store(url).attrs["runs"]
+    runs = open_store(url).runs
     assert runs[0]["rows"] == 50 and isinstance(runs[1]["note"], str)
-    assert store.attrs["runs"] == runs
+    assert store.runs == runs
     # Reopening for resume keeps the history.
-    assert len(create_store(url, make_spec()).attrs["runs"]) == 2
+    assert len(create_store(url, make_spec()).runs) == 2
 
 
 def test_metadata_is_plain_json_without_storage_options(tmp_path):

@@ -117,4 +117,4 @@ def test_a_run_record_is_not_appended_to_a_store_created_again_since(tmp_path):
     assert again.generation != first.generation
     with pytest.raises(StoreError, match="created again by another run since this one opened it"):
         first.append_run({"run_id": "lost"})
-    assert open_store(str(tmp_path / "s")).attrs["runs"] == []
+    assert open_store(str(tmp_path / "s")).runs == []

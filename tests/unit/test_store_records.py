@@ -32,9 +32,9 @@ def _flip(path: Path, offset: int = 5) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_format_version_is_3_and_records_cover_every_chunk_of_a_done_shard(tmp_path):
+def test_format_version_is_4_and_records_cover_every_chunk_of_a_done_shard(tmp_path):
     store, _ = _store(tmp_path)
-    assert FORMAT_VERSION == 3 and store.format_version == 3
+    assert FORMAT_VERSION == 4 and store.format_version == 4
     record = store.shard_record(1)
     assert record is not None and record.rows == (64, 128)
     # rows 64-127 = row chunks 4-7: grads 4 x 3 column chunks, 4 chunks each of row_scale, loss, count

@@ -199,17 +199,40 @@ class ClusterConfig(Section):
         return value
 
 
+# A lease must outlive several renewals (every third of it) plus a slow write of one: below
+# this, another driver could take over a live, renewing run (1e-9 s let it do so at once).
+MIN_LEASE_TTL_S = 5.0
+
+
+def checked_lease_ttl(value: float) -> float:
+    """``value`` (a lease's TTL in seconds), refused below ``MIN_LEASE_TTL_S``."""
+    if value < MIN_LEASE_TTL_S:
+        raise PydanticCustomError(
+            "lease_ttl",
+            "must be at least {low} s (the lease is renewed every third of it; a shorter one lets another "
+            "driver take over a live run), got {value}",
+            {"low": f"{MIN_LEASE_TTL_S:g}", "value": f"{value:g}"},
+        )
+    return value
+
+
 class RunConfig(Section):
     """Driver behaviour that does not change the stored values."""
 
     lease_ttl_s: PositiveFiniteFloat = Field(
         60.0,
         description="Seconds after which another driver may take over the store's lease from "
-        "a driver that stopped renewing it.",
+        f"a driver that stopped renewing it (renewed every third of it); at least {MIN_LEASE_TTL_S:g}.",
     )
     log_every_s: PositiveFiniteFloat = Field(
         10.0, description="Seconds between progress log lines when not on a terminal."
     )
+
+    @field_validator("lease_ttl_s")
+    @classmethod
+    def _lease_outlives_renewals(cls, value: float) -> float:
+        return checked_lease_ttl(value)
+
     actor_start_timeout_s: PositiveFiniteFloat = Field(
         300.0,
         description="Seconds to wait for `cluster.min_workers` actors to start (a cluster without "

@@ -9,11 +9,13 @@ the similarity result's). The checks of the chunks themselves are in ``scan``.
 
 from __future__ import annotations
 
+import numpy as np
 import zarr
 
 from classgrad.errors import StoreError, first_line
 from classgrad.store.coords import consolidated_problems, coordinate_problems
 from classgrad.store.format import (
+    CLASS_NAME,
     READABLE_VERSIONS,
     SIM,
     SIM_INDEX,
@@ -23,6 +25,7 @@ from classgrad.store.format import (
     array_table,
     check_layout,
     check_metadata_digest,
+    names_digest,
     spec_from_meta,
 )
 from classgrad.store.location import Location, probe
@@ -80,7 +83,10 @@ def check_metadata(url: str, *, storage_options: dict | None = None) -> list[str
             )
         elif not all(isinstance(i, int) for i in ids) or len(set(ids)) != C:
             problems.append("class_ids are not distinct integers")
-    if names is not None and (not isinstance(names, list) or len(names) != C):
+    if isinstance(names, dict):  # format 4: a record of the class_name coordinate array
+        if names.get("count") != C or not isinstance(names.get("sha256"), str):
+            problems.append(f"class_names records {names.get('count')!r} names, expected one per row ({C})")
+    elif names is not None and (not isinstance(names, list) or len(names) != C):
         problems.append(
             f"class_names has {len(names) if isinstance(names, list) else names!r} entries, expected one per row ({C})"
         )
@@ -105,7 +111,19 @@ def _check_coordinates(loc: Location, meta: dict) -> list[str]:
         group = zarr.open_group(loc.zarr_store(read_only=True), mode="r", zarr_format=3, use_consolidated=False)
     except Exception as exc:
         return [f"cannot check the coordinates: {first_line(exc, with_type=True)}"]
-    return coordinate_problems(group, spec)
+    problems = coordinate_problems(group, spec)
+    record = meta.get("class_names")
+    if isinstance(record, dict):  # format 4: the names are the array's, checked by their digest
+        node = group.get(CLASS_NAME)
+        try:
+            names = [str(n) for n in np.asarray(node[...]).tolist()] if isinstance(node, zarr.Array) else None
+        except Exception as exc:
+            return [*problems, f"coordinate {CLASS_NAME!r} cannot be read: {first_line(exc, with_type=True)}"]
+        if names is None:
+            problems.append(f"coordinate {CLASS_NAME!r} is missing (format 4 keeps the class names there)")
+        elif len(names) != record.get("count") or names_digest(names) != record.get("sha256"):
+            problems.append(f"coordinate {CLASS_NAME!r} differs from the store's metadata (the names' digest)")
+    return problems
 
 
 def _check_arrays(loc: Location, meta: dict) -> list[str]:

@@ -97,12 +97,14 @@ named by every shard record: stores made before it have none); ``num_classes``, 
 ``row_chunk``, ``col_chunk``; ``dtype`` (float32 | float16 | bfloat16), ``storage_dtype``,
 ``scaling`` and ``encoding`` (plain-text descriptions of the two rules below); ``codec`` and
 ``checksum``; ``sharded``; ``class_ids`` (null means row i is class i) and ``class_names``
-(or null); ``layout`` (list of {name, shape, offset, size}; empty when projected);
+(or null; format 4: {array, count, sha256}, the names themselves in the ``class_name``
+coordinate array); ``layout``  (list of {name, shape, offset, size}; empty when projected);
 ``projection`` (or null); ``loss_kind``; ``config`` (the job config, redacted by the caller);
 ``fingerprint``; ``identity`` (what the rows were computed from: digests of the model's
 parameters and of the probe set, and the model's outputs on a few probe samples; JSON made and
 compared by ``classgrad.workers.runtime.identity``, null in stores made before it); ``versions``;
-``runs`` (run history, appended by the driver); (format 2) ``metadata_digest`` ({keys, sha256}:
+``runs`` (formats 1-3: run history, appended by the driver; format 4 keeps it as one object
+per run, ``runs/<n>.json``); (format 2) ``metadata_digest`` ({keys, sha256}:
 sha256 of the canonical JSON of those keys' values, set at creation, checked by
 ``classgrad verify``). Storage options
 (credentials, endpoints) are never written anywhere in the store.
@@ -144,10 +146,14 @@ from classgrad.store.encoding import TOP_EXP
 from classgrad.store.params import ParamSlot
 
 # 2: per-shard records (shard_records/) and the metadata digest; 3: dimension names that are
-# identifiers, coordinate arrays, per-array attributes, consolidated metadata. 1 and 2 are still
-# read and resumed at their own version (see DESIGN.md).
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# identifiers, coordinate arrays, per-array attributes, consolidated metadata; 4: the class names
+# only in their coordinate array (the attributes hold their count and digest) and the run
+# history as one object per run (runs/), so that the group's zarr.json, which every actor reads,
+# grows neither with C nor with runs. 1 to 3 are still read and resumed at their own version
+# (see DESIGN.md).
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+RUNS_DIR = "runs"  # format 4: runs/<n>.json, one run's record each, n from 000000 on
 
 ATTR_KEY = "classgrad"
 LEASE_SUFFIX = ".classgrad-lease.json"
@@ -333,7 +339,7 @@ def spec_to_meta(spec: StoreSpec) -> dict:
         "checksum": "crc32c",
         "sharded": spec.sharded,
         "class_ids": list(spec.class_ids) if spec.class_ids is not None else None,
-        "class_names": list(spec.class_names) if spec.class_names is not None else None,
+        "class_names": names_record(spec.class_names),
         "layout": [e.to_dict() for e in spec.layout],
         "projection": spec.projection,
         "loss_kind": spec.loss_kind,
@@ -341,11 +347,23 @@ def spec_to_meta(spec: StoreSpec) -> dict:
         "fingerprint": spec.fingerprint,
         "identity": spec.identity,
         "versions": {"numpy": np.__version__, "zarr": zarr.__version__, **spec.versions},
-        "runs": [],
     }
     meta["metadata_digest"] = metadata_digest(json.loads(json.dumps(meta)), DIGESTED_KEYS)
     # Normalise through JSON (tuples -> lists) so comparisons with stored attributes are exact.
     return json.loads(json.dumps(meta))
+
+
+def names_digest(names: Any) -> str:
+    """sha256 hex of class names (their JSON list, compact)."""
+    return hashlib.sha256(json.dumps([str(n) for n in names], separators=(",", ":")).encode()).hexdigest()
+
+
+def names_record(names: tuple[str, ...] | None) -> dict | None:
+    """What format 4's attributes say of the class names, which live in the ``class_name``
+    coordinate array: the array, how many, and their digest (None: the classes have no names)."""
+    if names is None:
+        return None
+    return {"array": CLASS_NAME, "count": len(names), "sha256": names_digest(names)}
 
 
 def metadata_digest(meta: dict, keys: tuple | list) -> dict:
@@ -380,7 +398,8 @@ def spec_from_meta(meta: dict) -> StoreSpec:
         sharded=meta["sharded"],
         layout=tuple(ParamSlot.of(e) for e in meta["layout"]),
         class_ids=tuple(meta["class_ids"]) if meta["class_ids"] is not None else None,
-        class_names=tuple(meta["class_names"]) if meta["class_names"] is not None else None,
+        # Format 4 keeps the names in their coordinate array: ``GradStore.class_names`` reads them.
+        class_names=tuple(meta["class_names"]) if isinstance(meta["class_names"], list) else None,
         loss_kind=meta["loss_kind"],
         projection=meta["projection"],
         config=meta["config"],

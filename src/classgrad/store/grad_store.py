@@ -17,9 +17,11 @@ work is done by the objects it holds: ``StoreArrays`` (arrays, reads with a diag
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -29,7 +31,16 @@ import zarr
 from classgrad.errors import ClassgradError, StoreError, first_line
 from classgrad.store.arrays import StoreArrays
 from classgrad.store.coords import consolidated_problems
-from classgrad.store.format import ATTR_KEY, FORMAT_VERSION, READABLE_VERSIONS, StoreSpec, spec_from_meta
+from classgrad.store.format import (
+    ATTR_KEY,
+    CLASS_NAME,
+    FORMAT_VERSION,
+    READABLE_VERSIONS,
+    RUNS_DIR,
+    StoreSpec,
+    names_digest,
+    spec_from_meta,
+)
 from classgrad.store.grad_log import SPEC_ATTR as LOG_SPEC_ATTR
 from classgrad.store.indexing import col_range, row_ids
 from classgrad.store.lease import StoreLease
@@ -45,6 +56,8 @@ from classgrad.store.verified import DigestCheckingStore, RecordedDigests, objec
 from classgrad.store.writer import RowWriter
 
 log = logging.getLogger(__name__)
+
+_RUN_KEY = re.compile(rf"^{RUNS_DIR}/\d{{6}}\.json$")
 
 
 class GradStore:
@@ -97,6 +110,7 @@ class GradStore:
         )
         self._class_ids.flags.writeable = False
         self._checking = checking
+        self._names: tuple[str, ...] | None = None  # format 4's class names, once read
         self._digests: RecordedDigests | None = None
         if self.format_version >= 2:  # format 1 has no records
             self._digests = RecordedDigests(url, object_rows(self._arrays), self._spec.shard_rows, self.generation)
@@ -158,6 +172,9 @@ class GradStore:
 
     @property
     def spec(self) -> StoreSpec:
+        """What the store was created from (format 4's class names read from their array)."""
+        if self._spec.class_names is None and isinstance(self._meta.get("class_names"), dict):
+            return dataclasses.replace(self._spec, class_names=tuple(self.class_names or ()))
         return self._spec
 
     @property
@@ -204,8 +221,34 @@ class GradStore:
 
     @property
     def class_names(self) -> list[str] | None:
+        """Each row's class name (None: the classes have no names). Format 4 keeps them in
+        the ``class_name`` coordinate array, read when first asked for and checked against the
+        digest the attributes record (the names never enter the group's zarr.json)."""
         names = self._spec.class_names
+        if names is None and isinstance(self._meta.get("class_names"), dict):
+            if self._names is None:
+                self._names = self._read_names(self._meta["class_names"])
+            names = self._names
         return None if names is None else list(names)
+
+    def _read_names(self, record: dict) -> tuple[str, ...]:
+        try:
+            node = self._arrays.group[CLASS_NAME]
+            if not isinstance(node, zarr.Array):
+                raise TypeError(f"{CLASS_NAME} is not an array")
+            names = tuple(str(n) for n in np.asarray(node[...]).tolist())
+        except ClassgradError:
+            raise
+        except Exception as exc:
+            raise StoreError(
+                f"store {self.url}: its class names ({CLASS_NAME}) cannot be read: {first_line(exc, with_type=True)}"
+            ) from None
+        if len(names) != record.get("count") or names_digest(names) != record.get("sha256"):
+            raise StoreError(
+                f"store {self.url}: its class names ({CLASS_NAME}) are not the ones it was created with "
+                "(their digest differs); `classgrad verify` says more"
+            )
+        return names
 
     @property
     def fingerprint(self) -> str:
@@ -258,10 +301,38 @@ class GradStore:
         if self._digests is not None:
             self._digests.forget(shard)
 
+    @property
+    def runs(self) -> list[dict]:
+        """The run history, oldest first: one record per run of the driver (and of the
+        analysis commands that record theirs). Formats 1-3 keep it in the group's attributes;
+        format 4 as one object per run (``runs/<n>.json``), read here in one listing and one
+        batch of reads."""
+        if self.format_version < 4:
+            return copy.deepcopy(self._meta.get("runs", []))
+        names = self._run_keys()
+        out = []
+        for name, data in zip(names, self._loc.read_many(names), strict=True):
+            if data is None:
+                continue  # deleted between the listing and the read
+            try:
+                out.append(json.loads(data))
+            except ValueError:
+                log.warning("store %s: run record %s is not JSON; skipped", self.url, name)
+        return out
+
+    def _run_keys(self) -> list[str]:
+        try:
+            return sorted(k for k in self._loc.list_folder(RUNS_DIR) if _RUN_KEY.match(k))
+        except Exception as exc:
+            raise io_error(f"cannot list the run history of {self.url}", exc) from None
+
     def append_run(self, entry: dict) -> None:
-        """Append one run record (any JSON-serialisable dict) to attributes["runs"]."""
+        """Append one run record (any JSON-serialisable dict) to the run history (``runs``)."""
         self._arrays.require_writable()
         entry = json.loads(json.dumps(entry, default=str))
+        if self.format_version >= 4:
+            self._append_run_object(entry)
+            return
 
         def append() -> dict:
             group = zarr.open_group(
@@ -269,11 +340,7 @@ class GradStore:
             )
             meta = group.attrs[ATTR_KEY]
             assert isinstance(meta, dict)  # checked when the store was opened
-            if meta.get("generation") != self._meta.get("generation"):
-                raise StoreError(
-                    f"store {self.url} was created again by another run since this one opened it; "
-                    "this run's record is not appended to its history"
-                )
+            self._check_generation(meta)
             runs = meta.setdefault("runs", [])
             if not runs or runs[-1] != entry:  # a try whose answer was lost may have appended it
                 runs.append(entry)
@@ -287,6 +354,31 @@ class GradStore:
         except Exception as exc:
             raise io_error(f"cannot record the run in {self.url}", exc) from None
         self.consolidate()
+
+    def _append_run_object(self, entry: dict) -> None:
+        """Format 4: the record as the next ``runs/<n>.json``; the group's metadata is not touched.
+        The key is chosen once, so a try whose answer was lost writes the same object again."""
+        data = json.dumps(entry, sort_keys=True).encode()
+        try:
+            meta = json.loads(self._loc.read_bytes("zarr.json") or b"{}").get("attributes", {}).get(ATTR_KEY, {})
+            self._check_generation(meta)
+            keys = self._run_keys()
+            last = self._loc.read_bytes(keys[-1]) if keys else None
+            if last is not None and json.loads(last) == entry:
+                return  # already there
+            key = f"{RUNS_DIR}/{len(keys):06d}.json"
+            retry_transient(lambda: self._loc.write_bytes(key, data), f"recording the run in {self.url}")
+        except ClassgradError:
+            raise
+        except Exception as exc:
+            raise io_error(f"cannot record the run in {self.url}", exc) from None
+
+    def _check_generation(self, meta: Any) -> None:
+        if not isinstance(meta, dict) or meta.get("generation") != self._meta.get("generation"):
+            raise StoreError(
+                f"store {self.url} was created again by another run since this one opened it; "
+                "this run's record is not appended to its history"
+            )
 
     def record_identity(self, identity: dict) -> None:
         """Replace the recorded identity (``spec.identity``); the driver does it only while no
@@ -449,7 +541,7 @@ class GradStore:
         done = self.shard_done  # one read: the rows' NaNs and the shard_done variable agree
         return store_dataset(
             self._arrays,
-            self._spec,
+            self.spec,  # with format 4's class names, read from their array
             self._reader.to_dask(done),
             done=done,
             version=self.format_version,

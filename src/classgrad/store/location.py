@@ -141,11 +141,27 @@ class Location:
         renamed over it, so that a reader never sees half a file."""
         if self.local:
             tmp = f"{self.key(name)}.{uuid.uuid4().hex}.partial"
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
             with open(tmp, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, self.key(name))
         else:
             self.fs.pipe_file(self.key(name), data)
+
+    def list_folder(self, folder: str) -> list[str]:
+        """The objects directly in ``folder`` (keys relative to the store; none when it is
+        absent): one listing."""
+        if self.local:
+            try:
+                return [f"{folder}/{e.name}" for e in os.scandir(self.key(folder)) if e.is_file()]
+            except FileNotFoundError:
+                return []
+        self.fs.invalidate_cache(self.key(folder))  # s3fs caches listings: a new object must show
+        try:
+            found = self.fs.ls(self.key(folder), detail=False)
+        except FileNotFoundError:
+            return []
+        return [f"{folder}/{path.rstrip('/').rsplit('/', 1)[-1]}" for path in found]
 
     def delete(self, name: str) -> None:
         """Remove the object ``name`` (relative to the store), if it is there."""

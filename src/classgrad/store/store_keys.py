@@ -1,7 +1,8 @@
 """The keys a classgrad store holds, told apart from anything else at its location, and their deletion.
 
 Holds ``is_store_key`` (a relative key a classgrad store writes: group and array ``zarr.json``,
-the arrays' chunk keys (coordinates of format 3 included), the shard records, the legacy
+the arrays' chunk keys (coordinates of format 3 included), the shard records, the run records
+of format 4, the legacy
 in-store lease, the temporary files of its atomic writes, the group's metadata's included),
 ``list_keys`` (the keys at a location, split into the store's and the others; the lease and
 the deletion marker, siblings of the store, are neither) and ``delete_store_keys`` (delete the
@@ -23,6 +24,7 @@ from classgrad.store.format import (
     LEASE_LOCK_SUFFIX,
     LEASE_SUFFIX,
     LEGACY_LEASE_KEY,
+    RUNS_DIR,
     SIM,
     SIM_INDEX,
     SIM_VALUE,
@@ -33,13 +35,14 @@ from classgrad.store.records import RECORDS_DIR
 _ARRAY_NAMES = "|".join(re.escape(name) for name in (*ARRAYS, SIM, SIM_INDEX, SIM_VALUE, *COORD_ARRAYS))
 _CHUNK = rf"(?:{_ARRAY_NAMES})/c(?:/\d+)+"  # Zarr v3 default chunk key encoding, "/" separated
 _RECORD = rf"{re.escape(RECORDS_DIR)}/\d+\.json"  # format 2: one record per done shard
+_RUN = rf"{re.escape(RUNS_DIR)}/\d{{6}}\.json"  # format 4: one record per run
 _STORE_KEY = re.compile(
     rf"^(?:zarr\.json|zarr\.json\.[0-9a-f]{{32}}\.partial|{re.escape(LEGACY_LEASE_KEY)}|\.{re.escape(LEGACY_LEASE_KEY)}\.[0-9a-f]{{32}}\.tmp"
     rf"|(?:{_ARRAY_NAMES}|{re.escape(RECORDS_DIR)})/zarr\.json|{_CHUNK}|{_CHUNK}\.[0-9a-f]{{32}}\.partial"
-    rf"|{_RECORD}|{_RECORD}\.[0-9a-f]{{32}}\.partial)$"
+    rf"|{_RECORD}|{_RECORD}\.[0-9a-f]{{32}}\.partial|{_RUN}|{_RUN}\.[0-9a-f]{{32}}\.partial)$"
 )
 # Directories a local store has (the deletion removes them once empty).
-_STORE_DIR = re.compile(rf"^(?:(?:{_ARRAY_NAMES})(?:/c(?:/\d+)*)?|{re.escape(RECORDS_DIR)})$")
+_STORE_DIR = re.compile(rf"^(?:(?:{_ARRAY_NAMES})(?:/c(?:/\d+)*)?|{re.escape(RECORDS_DIR)}|{re.escape(RUNS_DIR)})$")
 # A store at a bucket's root keeps its lease and marker under the root: they are not the store's.
 _SIBLINGS = {LEASE_SUFFIX, LEASE_LOCK_SUFFIX, DELETING_SUFFIX}
 _BATCH = 500  # keys per delete request on object storage (S3 takes at most 1000)
