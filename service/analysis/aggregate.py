@@ -94,6 +94,12 @@ def load_weights(spec: str, num_classes: int) -> tuple[np.ndarray, str]:
         raise ConfigError(
             f"--weights {spec!r}: weights must be finite (row {int(np.flatnonzero(~np.isfinite(w))[0])} is not)"
         )
+    big = np.abs(w) > np.finfo(np.float32).max  # multiplied in float32
+    if big.any():
+        raise ConfigError(
+            f"--weights {spec!r}: weights must be within float32's range (row {int(np.flatnonzero(big)[0])} "
+            f"is {w[big][0]:g})"
+        )
     return w, str(path)
 
 
@@ -124,8 +130,15 @@ def weighted_sum(
     blocks = [(r0, r1) for start, stop in ranges for r0, r1 in plan.row_blocks(start, stop) if weights[r0:r1].any()]
     acc = np.zeros(store.dim, dtype=np.float64)
     for r0, r1, c0, c1, x in iter_tiles(store, plan, blocks):
-        acc[c0:c1] += weights[r0:r1].astype(np.float32) @ x
+        with np.errstate(over="ignore", invalid="ignore"):  # checked below, in one line
+            acc[c0:c1] += weights[r0:r1].astype(np.float32) @ x
         del x
+    limit = np.finfo(np.float32).max
+    if not (np.isfinite(acc) & (np.abs(acc) <= limit)).all():
+        raise ConfigError(
+            "aggregate: the weighted sum of the rows overflows float32 (the weights times the rows leave its "
+            "range); lower --weights"
+        )
     return acc.astype(np.float32)
 
 

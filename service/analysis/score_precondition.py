@@ -24,6 +24,7 @@ rank, the same in both forms).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -99,11 +100,26 @@ def ensure_gram(
     return matrix, attrs
 
 
+# Above this multiple of the Gram matrix's mean eigenvalue, (G + lambda I)^-1 is I / lambda to
+# 12 digits: TRAK's scores are the dot products divided by lambda, which float32 flushes to 0 as
+# lambda grows (--damping 1e308 gave every score 0.0; --damping-fraction 1e308 every score NaN).
+MAX_DAMPING_RATIO = 1e12
+
+
 def damping_for(info: dict, damping: float | None, fraction: float) -> float:
-    """The absolute ``lambda``: ``damping`` as given, else ``fraction`` x the recorded mean eigenvalue."""
-    if damping is not None:
-        return float(damping)
-    return float(fraction) * float(info["mean_eigenvalue"])
+    """The absolute ``lambda``: ``damping`` as given, else ``fraction`` x the recorded mean
+    eigenvalue. Refuses (one line, naming the option) a lambda that is not finite or that
+    drowns every eigenvalue (``MAX_DAMPING_RATIO``)."""
+    mean = float(info["mean_eigenvalue"])
+    option, given = ("--damping", damping) if damping is not None else ("--damping-fraction", fraction)
+    lam = float(damping) if damping is not None else float(fraction) * mean
+    if not math.isfinite(lam) or (mean > 0 and lam > MAX_DAMPING_RATIO * mean):
+        raise ConfigError(
+            f"score option {option} {given:g}: lambda {lam:g} is more than {MAX_DAMPING_RATIO:g} times the Gram "
+            f"matrix's mean eigenvalue ({mean:g}), so trak would score the dot products divided by lambda "
+            "(float32 flushes them to 0); give a smaller one, or --method dot"
+        )
+    return lam
 
 
 def inverse(gram: np.ndarray, lam: float, url: str) -> np.ndarray:

@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from classgrad.config.fields import Float32Number
-from classgrad.errors import ConfigError
+from classgrad.errors import ConfigError, InputError
 from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import merge_topk
@@ -177,6 +177,16 @@ def _norms(x: np.ndarray) -> np.ndarray:
     return np.sqrt(np.square(x, dtype=np.float64).sum(axis=1))
 
 
+def _check_finite(scores) -> None:
+    """Refuse scores that overflowed float32 (before any is written): large weights, or rows and
+    queries whose products leave its range, would rank by inf and NaN."""
+    if not bool(scores.isfinite().all()):
+        raise InputError(
+            "score: query x class scores overflow float32 (with --weights, or rows and queries this large); "
+            "lower --weights, or scale the queries down"
+        )
+
+
 def score_block(readers: list[Any], queries: np.ndarray, weights: list[float], plan: ScorePlan, kinv=None, emit=None):
     """Top-k of one query block: (rows int64 [n, k], scores float32 [n, k]).
 
@@ -216,6 +226,7 @@ def score_block(readers: list[Any], queries: np.ndarray, weights: list[float], p
                 total.add_(part, alpha=float(weights[s]))
         if kernel:
             continue
+        _check_finite(total)
         if emit is not None:
             emit(j0, total.numpy())
         best_val, best_idx = merge_topk(best_val, best_idx, total, j0, C, k)  # row0 = C: no self to exclude
@@ -224,6 +235,7 @@ def score_block(readers: list[Any], queries: np.ndarray, weights: list[float], p
         scores = sum(float(w) * (dots[s] @ kinv[s]) for s, w in enumerate(weights))
         for j0, j1 in plan.stream_blocks():
             block = torch.from_numpy(np.ascontiguousarray(scores[:, j0:j1], dtype=np.float32))
+            _check_finite(block)
             if emit is not None:
                 emit(j0, block.numpy())
             best_val, best_idx = merge_topk(best_val, best_idx, block, j0, C, k)

@@ -196,3 +196,15 @@ def test_the_out_suffix_says_the_format_and_the_summary_is_printed_once(real, tm
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "use .safetensors, .pt, .pth" in err
     assert not (tmp_path / "g.npz").exists()
+
+
+def test_weights_whose_sum_overflows_float32_are_refused_in_one_line(tmp_path, capsys):
+    """Before: ``aggregate --weights`` of 1e38 each wrote non-finite tensors, exit 0 (issue 60, item 12)."""
+    store, _ = synthetic_store(tmp_path / "s", num_classes=64)
+    url, out = str(tmp_path / "s"), tmp_path / "g.safetensors"
+    for value, why in ((1e38, "the weighted sum of the rows overflows float32"), (1e39, "within float32's range")):
+        np.savetxt(tmp_path / "w.txt", np.full(64, value))
+        assert cli_main(["aggregate", url, "--weights", str(tmp_path / "w.txt"), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert why in err and "\n" not in err, err
+        assert not out.exists()

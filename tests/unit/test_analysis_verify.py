@@ -146,6 +146,16 @@ def test_a_truncated_array_metadata_file_is_named_in_one_line(sound, capsys):
     assert len(err) == 1 and "zarr.json cannot be read" in err[0]
 
 
+@pytest.mark.parametrize("name", ["class_id", "param_id"])
+def test_a_truncated_coordinate_metadata_file_is_a_metadata_problem(sound, capsys, name):
+    """Before: ``internal error: JSONDecodeError`` (exit 1) where the metadata bit (32) belongs
+    (issue 60, item 14)."""
+    meta = sound / name / "zarr.json"
+    meta.write_bytes(meta.read_bytes()[: len(meta.read_bytes()) // 2])
+    code, out = verify(sound, capsys)
+    assert code == METADATA and f"coordinate '{name}' cannot be opened ({name}/zarr.json)" in out
+
+
 def test_flags_combine_and_json(sound, capsys):
     from classgrad.store import open_store
 

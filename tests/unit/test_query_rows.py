@@ -132,6 +132,15 @@ def test_query_labels_outside_the_stores_classes_are_refused_in_one_line(stores,
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("fn", ["loss", "margin"])
+def test_float_query_labels_are_refused_in_one_line(stores, fn):
+    """Before: an internal error with fn loss, and accepted with fn margin (issue 60, item 14)."""
+    x, y = _probe()
+    with pytest.raises(InputError, match=r"query labels are float32: give the store's integer class ids") as info:
+        query_rows(stores["default"], (x, y.float()), fn=fn)
+    assert "\n" not in str(info.value)
+
+
 class _WithoutRecord:
     """A projected store whose ``projection`` attribute is gone."""
 

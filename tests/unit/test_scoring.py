@@ -221,6 +221,34 @@ def test_a_weight_beyond_float32_is_refused_in_one_line_naming_it(tmp_path, caps
     assert code == 2 and len(err) == 1 and "not a text file" in err[0], err
 
 
+@pytest.mark.parametrize(
+    "option, name",
+    [({"damping_fraction": 1e308}, "--damping-fraction 1e\\+308"), ({"damping": 1e308}, "--damping 1e\\+308")],
+)
+def test_a_damping_that_drowns_every_eigenvalue_is_refused_naming_it(option, name, tmp_path):
+    """Before: ``--damping-fraction 1e308`` exited 0 with every score NaN, ``--damping 1e308``
+    with every score 0.0 (issue 60, item 11)."""
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
+    with pytest.raises(ConfigError, match=rf"score option {name}: lambda .* more than 1e\+12 times"):
+        score_rows([store], [_queries(3, 96)], method="trak", executor="local", **option)
+    # The largest accepted still gives finite, ranked scores.
+    result = score_rows([store], [_queries(3, 96)], method="trak", executor="local", damping_fraction=1e11)
+    assert np.isfinite(result.scores.numpy()).all() and (result.scores.numpy() != 0).all()
+
+
+def test_weights_whose_scores_overflow_float32_are_refused_before_any_score_is_written(tmp_path):
+    """Weights within float32's range whose products with the scores leave it (issue 60, item 11):
+    before, inf and NaN scores ranked as the best. The output is made before the tasks run (it
+    is what a resume continues); no block of it is written or marked done."""
+    from classgrad.store.score_output import ScoreOutput
+
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
+    out = tmp_path / "scores.zarr"
+    with pytest.raises(InputError, match=r"scores overflow float32 .*lower --weights"):
+        score_rows([store], [_queries(3, 96) * 1e3], method="dot", executor="local", weights=[3e38], out=str(out))
+    assert not ScoreOutput.open(str(out)).block_done().any()
+
+
 def test_the_readme_score_snippet_runs(tmp_path):
     """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
     from pathlib import Path

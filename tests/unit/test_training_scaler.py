@@ -231,6 +231,28 @@ def test_aggregate_sum_weights_function_and_clip():
     assert abs(total - 1e-3) < 1e-7  # clipped to the total norm 1e-3 (float32 rounding of the norm)
 
 
+@pytest.mark.parametrize("route", ["fast", "general", "call"])
+@pytest.mark.parametrize("kind", ["weights", "function"])
+def test_a_non_finite_aggregate_of_finite_rows_skips_the_step_with_a_warning(route, kind, caplog):
+    """Before: NaN weights, or a function that returned NaN, took the step and left every
+    parameter NaN with no warning (issue 60, item 13)."""
+    model = mlp()
+    x, y = batch()
+    aggregate = torch.full((C,), float("nan")) if kind == "weights" else (lambda rows, ids: rows.sum(0) * float("nan"))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = PerClassGradScaler(num_classes=C)
+    if route == "call":
+        ids = torch.unique(y)
+        loss = class_losses(model(x), y, ids)
+        scaler(loss, opt, model=model, aggregate=aggregate if kind == "function" else aggregate[ids], class_ids=ids)
+    else:
+        scaler.step_batch(model, x, y, opt, aggregate=aggregate, route=route)
+    assert scaler.found_inf
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step
+    assert "the aggregate of finite rows is not finite" in caplog.text
+
+
 def poisoned(step: int, x: torch.Tensor) -> torch.Tensor:
     """Inputs that overflow at steps 3, 4 and 11: the forced overflows."""
     return x * float("inf") if step in (3, 4, 11) else x
@@ -381,7 +403,12 @@ def test_inputs_that_gave_a_wrong_step_are_refused_before_any_step():
             lambda: PerClassGradScaler()(class_losses(model(x), y, classes), opt, model=model, class_ids=classes[:2]),
             "class_ids",
         ),
-        (lambda: PerClassGradScaler(init_scale=-3), "init_scale must be a finite number > 0"),
+        (lambda: PerClassGradScaler(init_scale=-3), "init_scale must be a number > 0 within float32's range"),
+        # Issue 60, item 14: each of these was a raw error at the next step, or at once.
+        (lambda: PerClassGradScaler(init_scale=1e308), "init_scale must be a number > 0 within float32's range"),
+        (lambda: PerClassGradScaler(block_rows="x"), "block_rows must be an integer > 0, got 'x'"),
+        (lambda: PerClassGradScaler(precision="fp16").load_state_dict({}), "an empty state is a disabled"),
+        (lambda: PerClassGradScaler().load_state_dict({"scale": 2.0}), "the state lacks ['growth_factor'"),
         (lambda: PerClassGradScaler(bogus=1), "unknown option 'bogus'"),
         (lambda: PerClassGradScaler().load_state_dict({"scale": -5.0}), "scale must be"),
         (lambda: PerClassGradScaler().load_state_dict({"scale": "abc"}), "scale must be"),

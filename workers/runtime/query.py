@@ -98,8 +98,13 @@ def query_function(fn: str | SampleFn, config: JobConfig) -> tuple[SampleFn, str
 def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
     """Query labels are the store's classes: one line before any model runs (an out-of-range label
     failed inside the hook path, whose refusal advised a dense projection)."""
-    if labels.ndim != 1 or labels.is_floating_point():
-        return  # what the loss itself checks
+    if labels.ndim != 1:
+        return  # multi-hot or soft targets: what the loss itself checks
+    if labels.is_floating_point():  # margin took them as they were; the loss failed inside the engine
+        raise InputError(
+            f"query labels are {str(labels.dtype).removeprefix('torch.')}: give the store's integer class ids "
+            "(one per example)"
+        )
     check_label_range(labels, num_classes, prefix="query labels outside the store's classes", item="example")
 
 

@@ -61,8 +61,10 @@ class LossRows:
     """Rows of loss vectors, block by block; remembers whether batched backwards work here."""
 
     def __init__(self, block_rows: int | None = None):
-        if block_rows is not None and block_rows <= 0:
-            raise InputError(f"block_rows must be > 0, got {block_rows}")
+        if block_rows is not None and (
+            isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows <= 0
+        ):
+            raise InputError(f"block_rows must be an integer > 0, got {block_rows!r}")
         self.block_rows = block_rows
         self.batched: bool | None = None  # None until tried: then whether is_grads_batched worked
         self.per_row: dict[int, float] = {}  # block size -> seconds per row, measured

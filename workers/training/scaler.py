@@ -109,6 +109,11 @@ class PerClassGradScaler:
                     "load_state_dict: the state is an fp16 (enabled) GradScaler's, but this scaler runs "
                     f"{self.precision or precision}, where it would be dropped: give precision='fp16'"
                 )
+            if self._pending_state == {} and enabled:
+                raise InputError(
+                    "load_state_dict: an empty state is a disabled GradScaler's (fp32 or bf16), but this scaler "
+                    "runs fp16; give the state_dict() of an fp16 run"
+                )
             self._scaler = torch.amp.GradScaler(device.type, enabled=enabled, **self.scaler_kwargs)
             if self._pending_state is not None:
                 self._scaler.load_state_dict(self._pending_state)
@@ -141,6 +146,15 @@ class PerClassGradScaler:
                 "give this scaler's own state_dict()"
             )
         _check_scaler_values(state, "state")
+        missing = [k for k in STATE_KEYS if k not in state]
+        if state and missing:  # GradScaler.load_state_dict needs every one (a KeyError at the next step)
+            raise InputError(f"load_state_dict: the state lacks {missing}; give this scaler's own state_dict()")
+        enabled = self._scaler.is_enabled() if self._scaler is not None else self.precision == "fp16"
+        if not state and enabled:
+            raise InputError(
+                "load_state_dict: an empty state is a disabled GradScaler's (fp32 or bf16), but this scaler runs "
+                "fp16; give the state_dict() of an fp16 run"
+            )
         if state and self._scaler is not None and not self._scaler.is_enabled():
             raise InputError(
                 "load_state_dict: the state is an fp16 (enabled) GradScaler's, but this scaler is disabled "
@@ -346,6 +360,15 @@ class PerClassGradScaler:
             if found:
                 log.warning("training: a non-finite gradient row: optimizer step skipped")
                 return
+            if named is None and not bool(torch.isfinite(agg).all()):
+                # Finite rows, but weights or a function that gave NaN or inf: no step on it (one
+                # read, only for aggregates other than "mean" and "sum"; a GradScaler finds it itself).
+                self.found_inf = True
+                log.warning(
+                    "training: the aggregate of finite rows is not finite (the aggregate's weights or "
+                    "function gave NaN or inf): optimizer step skipped"
+                )
+                return
             if clip_grad is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip_grad)
             optimizer.step()
@@ -362,10 +385,12 @@ class PerClassGradScaler:
 # What a GradScaler's state_dict holds (an enabled one's; a disabled one's is empty), and the
 # options PerClassGradScaler passes to the GradScaler it makes: each value's check.
 STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 OPTION_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 _VALUE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "scale": ("a finite number > 0", lambda v: _finite(v) and v > 0),
-    "init_scale": ("a finite number > 0", lambda v: _finite(v) and v > 0),
+    # GradScaler keeps its scale in float32: beyond its range the first scaled loss is inf.
+    "scale": ("a number > 0 within float32's range", lambda v: _finite(v) and 0 < v <= FLOAT32_MAX),
+    "init_scale": ("a number > 0 within float32's range", lambda v: _finite(v) and 0 < v <= FLOAT32_MAX),
     "growth_factor": ("a finite number > 1", lambda v: _finite(v) and v > 1),
     "backoff_factor": ("a number in (0, 1)", lambda v: _finite(v) and 0 < v < 1),
     "growth_interval": ("an integer >= 1", lambda v: _integer(v) and v >= 1),

@@ -114,8 +114,8 @@ def _check_coordinates(loc: Location, meta: dict) -> list[str]:
     problems = coordinate_problems(group, spec)
     record = meta.get("class_names")
     if isinstance(record, dict):  # format 4: the names are the array's, checked by their digest
-        node = group.get(CLASS_NAME)
         try:
+            node = group.get(CLASS_NAME)
             names = [str(n) for n in np.asarray(node[...]).tolist()] if isinstance(node, zarr.Array) else None
         except Exception as exc:
             return [*problems, f"coordinate {CLASS_NAME!r} cannot be read: {first_line(exc, with_type=True)}"]

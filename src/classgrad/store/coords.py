@@ -149,7 +149,11 @@ def coordinate_problems(group: zarr.Group, spec: StoreSpec) -> list[str]:
     verify``): each expected one present, with the dimension names and values it should have."""
     out = []
     for name, expected in coordinate_values(spec).items():
-        node = group.get(name)
+        try:
+            node = group.get(name)
+        except Exception as exc:  # a truncated or garbled zarr.json of its own
+            out.append(f"coordinate {name!r} cannot be opened ({name}/{ZARR_JSON}): {type(exc).__name__}: {exc}")
+            continue
         if not isinstance(node, zarr.Array):
             out.append(f"coordinate {name!r} is missing (format 3 writes it at creation)")
             continue
