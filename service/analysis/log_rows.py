@@ -2,8 +2,9 @@
 and ``plot`` share when they are given a log (``classgrad.store.grad_log``) instead of a job's
 store.
 
-Holds ``pick_windows`` (the windows a command names: ``all``, ``last``, or indices and ranges
-such as ``0-3,7``; each checked done by the log's reader, one line otherwise), ``fmt_windows``
+Holds ``pick_windows`` (the windows a command names: ``all`` (refused when windows below the
+last done one are missing), ``last``, or indices and ranges such as ``0-3,7``; each checked
+done by the log's reader, one line otherwise), ``fmt_windows``
 (such a list written back as ranges) and ``LogRows`` (a
 log's ``grads`` or ``lr_grads`` of some windows, summed, behind the reader interface the store
 analyses take: ``num_classes``, ``dim``, ``row_chunk``, ``col_chunk``, ``block``, ``rows_band``,
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from classgrad.errors import ConfigError, StoreIncompleteError
-from classgrad.store.grad_log import LogReader
+from classgrad.store.grad_log import LogReader, missing_windows
 from classgrad.store.indexing import col_range
 
 WINDOW_WORDS = ("all", "last")
@@ -49,6 +50,13 @@ def pick_windows(
     if not reader.done:
         raise StoreIncompleteError(f"grad log {reader.url} has no done window yet: nothing to read")
     if windows is None or windows == "all":
+        holes = missing_windows(reader.done)
+        if holes:  # "all" would quietly leave them out (top-1 changed for 20% of queries)
+            raise StoreIncompleteError(
+                f"grad log {reader.url} lacks window(s) {fmt_windows(holes)} among its done windows "
+                f"{fmt_windows(reader.done)}: {option} all would leave them out; name the windows to read "
+                f"(e.g. {option} {fmt_windows([w for w in reader.done if w > holes[-1]]) or 'last'}), or relog them"
+            )
         return list(reader.done)
     if windows == "last":
         return [reader.done[-1]]

@@ -56,6 +56,29 @@ def test_every_reader_refuses_a_copied_chunk_in_one_line(copied, capsys):
         assert len(err) == 1 and f"chunk {key} of shard 1" in err[0], err
 
 
+def test_a_copied_chunk_whose_shard_record_is_deleted_is_refused_by_every_reader(copied):
+    """Before: ``rows()`` refused, but ``to_dask`` and ``open_dataset(...)["grads"].values``
+    returned row 64's data as row 80 (issue 60, item 5)."""
+    from classgrad.store import open_dataset
+
+    path, rows, _ = copied
+    (path / "shard_records" / "1.json").unlink()
+    store = open_store(str(path))
+    readers = [
+        lambda: store.rows(np.arange(80, 96)),
+        lambda: store.to_dask()[80:96].compute(),
+        lambda: store.to_xarray()["grads"].values,
+        lambda: open_dataset(str(path))["grads"][64:128].values,
+        lambda: open_dataset(str(path))["loss"].values,
+    ]
+    for read in readers:
+        with pytest.raises(
+            CorruptChunkError, match=r"shard 1 \(rows from 64\) is marked done but its record is missing"
+        ):
+            read()
+    np.testing.assert_array_equal(open_dataset(str(path))["grads"][:64].values, rows[:64])  # shard 0 reads
+
+
 def test_a_saved_preconditioner_is_not_reused_over_a_changed_chunk(tmp_path):
     path = tmp_path / "s"
     store, rows = synthetic_store(path, num_classes=200, projected=True)

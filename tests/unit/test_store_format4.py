@@ -70,3 +70,24 @@ def test_each_run_is_an_object_of_its_own_and_the_group_metadata_stays_as_it_is(
     report = verify_store(str(tmp_path / "s"))  # no rows yet: incomplete, nothing else
     assert report.problems["metadata"] == [] and report.problems["corrupt"] == []
     np.testing.assert_array_equal(open_store(str(tmp_path / "s")).shard_done, [False])
+
+
+@pytest.mark.parametrize("edit", ["fill_value", "shape"])
+def test_hand_edited_array_metadata_is_refused_on_open(tmp_path, edit):
+    """Before: a ``fill_value`` of 0 read a deleted chunk as zero rows; a ``grads`` shape shrunk
+    by 8 columns returned the narrower rows and ``run`` resumed it (issue 60, item 8)."""
+    from classgrad.service.analysis.verify import METADATA
+    from tests.support.stores import synthetic_store
+
+    synthetic_store(tmp_path / "s", num_classes=64)
+    meta_path = tmp_path / "s" / "grads" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    if edit == "fill_value":
+        meta["fill_value"] = 0.0
+        (tmp_path / "s" / "grads" / "c" / "1" / "0").unlink()
+    else:
+        meta["shape"][1] -= 8
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=r"array 'grads' is \[64, (96|88)\] float32 .*; the store's metadata makes it"):
+        open_store(str(tmp_path / "s"), mode="r+")
+    assert verify_store(str(tmp_path / "s")).code & METADATA

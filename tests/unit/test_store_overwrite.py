@@ -156,3 +156,23 @@ def test_an_overwrite_deletes_only_the_stores_keys(tmp_path):
         ]
     )
     assert zarr.open_group(url, mode="r").attrs["classgrad"]["fingerprint"] == "fp-2"
+
+
+def test_a_store_url_that_is_a_symbolic_link_is_refused_before_anything_is_deleted(tmp_path):
+    """Before: a job whose store.url was a link to another job's store, with overwrite, deleted
+    every key of that store, then failed with NotADirectoryError on every retry (issue 60, item 9)."""
+    from classgrad.store import store_lease
+
+    other = str(tmp_path / "other.zarr")
+    fill(create_store(other, spec("fp-other")), 2.0)
+    before = files_under(other)
+    link = tmp_path / "link.zarr"
+    link.symlink_to(other)
+    for make in (
+        lambda: create_store(str(link), spec("fp-mine"), overwrite=True),
+        lambda: store_lease(str(link)),  # what the driver takes first
+    ):
+        with pytest.raises(StoreError, match=r"link.zarr is a symbolic link \(to .*other.zarr\): give the real path"):
+            make()
+    assert files_under(other) == before and open_store(other).is_complete  # untouched
+    assert open_store(str(link)).is_complete  # reading through a link is harmless

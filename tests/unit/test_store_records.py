@@ -211,10 +211,16 @@ def test_done_marks_are_read_raw_and_agree_with_zarr_whatever_each_mark_holds(tm
     assert reopened.shard_done.tolist() == [True, False, False, True] and "shard_done" not in calls
 
 
-def test_a_hand_edited_mark_layout_is_read_through_zarr(tmp_path):
-    """A ``shard_done`` whose metadata is not the one classgrad writes (here a fill value of 1)
-    is read through zarr, which applies it: the raw reader declines."""
+def test_a_hand_edited_mark_layout_is_refused_and_never_read_raw(tmp_path):
+    """A ``shard_done`` whose metadata is not the one classgrad writes (here a fill value of 1,
+    which would read a deleted mark as done): the store refuses to open (issue 60, item 8); the
+    raw reader, which never applies a fill value, reads the deleted mark as not done."""
+    import zarr
+
+    from classgrad.errors import StoreError
+    from classgrad.store.arrays import StoreArrays
     from classgrad.store.done_marks import read_done_marks
+    from classgrad.store.location import Location
 
     _store(tmp_path)
     meta_path = tmp_path / "s" / "shard_done" / "zarr.json"
@@ -222,8 +228,12 @@ def test_a_hand_edited_mark_layout_is_read_through_zarr(tmp_path):
     meta["fill_value"] = 1
     meta_path.write_text(json.dumps(meta))
     (tmp_path / "s" / "shard_done" / "c" / "1").unlink()
-    reopened = open_store(str(tmp_path / "s"))
-    assert read_done_marks(reopened._arrays, np.arange(4)) is None
+    with pytest.raises(StoreError, match=r"array 'shard_done' is \[4\] uint8 in chunks \[1\], fill 1"):
+        open_store(str(tmp_path / "s"))
+    loc = Location(str(tmp_path / "s"), None)
+    arrays = StoreArrays(loc, zarr.open_group(str(tmp_path / "s"), mode="r"), "r")
+    found = read_done_marks(arrays, np.arange(4))
+    assert found is None or found[0].tolist() == [1, 0, 1, 1]
 
 
 def test_verify_reads_each_recorded_object_once(tmp_path, monkeypatch):

@@ -57,7 +57,8 @@ class GradLog:
     (``tensorsketch``, or ``sketch``, a log made before it; None: a resumed log's own, else
     ``tensorsketch``); ``params``: the name patterns of
     the parameters in a row (as ``per_class_gradients``); ``start_step``: the step a resumed run
-    starts at (a multiple of ``window``; windows from there on are recomputed); ``background``:
+    starts at (a multiple of ``window``; windows from there on are recomputed; needed to reopen a
+    log that holds windows, and refused when a window before it was never written); ``background``:
     a finished window is written while the next one's steps run (``window_sums``; two sets of
     sums in memory), else the step that ends a window waits for its write (default: in the
     background when the model is on a GPU)."""
@@ -73,14 +74,14 @@ class GradLog:
         seed: int = 0,
         structure: str | None = None,
         params: Sequence[str] | None = None,
-        start_step: int = 0,
+        start_step: int | None = None,
         storage_options: dict | None = None,
         overwrite: bool = False,
         background: bool | None = None,
     ):
         if not isinstance(window, int) or window < 1:
             raise InputError(f"GradLog: window must be an integer >= 1, got {window!r}")
-        if not isinstance(start_step, int) or start_step < 0 or start_step % window:
+        if start_step is not None and (not isinstance(start_step, int) or start_step < 0 or start_step % window):
             raise InputError(
                 f"GradLog: start_step must be a multiple of window ({window}) >= 0, got {start_step!r}: resume "
                 "from a checkpoint at a window boundary (a window's steps never come from two runs)"
@@ -121,11 +122,17 @@ class GradLog:
         self.store: GradLogStore | None = None
         if self.writer:
             self.store = open_log(url, spec, storage_options=storage_options, overwrite=overwrite)
-            self.store.resume_at(start_step)
+            if start_step is None and self.store.done:  # start_step 0 would drop every window
+                raise InputError(
+                    f"GradLog: {url} already holds windows {self.store.done[0]}-{self.store.done[-1]}: pass "
+                    "start_step= (the step this run resumes at, a multiple of window), or overwrite=True "
+                    "to start the log over"
+                )
+            self.store.resume_at(start_step or 0)
         if self.distributed:
             dist.barrier()  # the log exists, resumed, before any rank adds to it
         self.device = next(model.parameters()).device
-        self._last_step = start_step - 1
+        self._last_step = (start_step or 0) - 1
         # On a GPU the host's cores are free to write while the device computes; on a CPU the
         # writer competes with the step's own threads (2 cores: each step slower, window 1 and 10).
         background = self.device.type != "cpu" if background is None else background

@@ -129,7 +129,7 @@ class LogMap:
         total = len(labels)
         if step:
             engine.step = StepGrads({int(c): int(n) / total for c, n in zip(class_ids, counts)})
-        rows = torch.empty(len(class_ids), self.dim, device=device)
+        rows = torch.empty(len(class_ids), self.dim, device=device, dtype=engine.row_dtype)  # float64 models: float64
         losses = torch.empty(len(class_ids))
         finite = True
         with torch.autocast(device.type, enabled=False):  # the engine's own autocast, forward only

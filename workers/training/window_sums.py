@@ -84,6 +84,7 @@ class WindowSums:
     ) -> None:
         """Rows ``[k, width]`` of the distinct classes ``ids`` (on the device), ``n`` samples each."""
         sums = self.sums
+        rows = rows.to(sums.rows.dtype)  # the log stores float32 whatever the model's dtype (float64 too)
         # The class ids of a step are distinct: each index is added once, in any order, exactly.
         sums.rows.index_add_(0, ids, rows)
         sums.lr_rows.index_add_(0, ids, rows * lr)

@@ -120,11 +120,12 @@ class StoreArrays:
                 self.digests.failed.clear()
             raise error from None
 
-    def lazy(self, name: str, chunks: tuple[int, ...]) -> Any:
-        """``name`` as a dask array of ``chunks`` whose reads raise what its records disagree with."""
+    def lazy(self, name: str, chunks: tuple[int, ...], done: np.ndarray | None = None) -> Any:
+        """``name`` as a dask array of ``chunks`` whose reads raise what its records disagree with
+        (and, given the shards' ``done`` flags, a done shard read without a record)."""
         import dask.array as da
 
-        return da.from_array(CheckedArray(self._arrays[name], self.digests), chunks=chunks)
+        return da.from_array(CheckedArray(self._arrays[name], self.digests, done), chunks=chunks)
 
     def read_all(self, name: str) -> np.ndarray:
         return self.read(name, np.arange(self._arrays[name].shape[0], dtype=np.int64))

@@ -71,6 +71,7 @@ def create_store(
     if not isinstance(spec, StoreSpec):
         raise StoreError(f"create_store needs a StoreSpec, got {type(spec).__name__}")
     loc = Location(url, storage_options)
+    loc.refuse_link()  # an overwrite through a link deleted the store it points to
     if lease is None:
         with StoreLease(loc, writable=True).hold(f"create-{uuid.uuid4().hex[:8]}") as own:
             return _create_or_reopen(loc, spec, overwrite, recompute, own)

@@ -74,7 +74,7 @@ def store_dataset(
     data: dict[str, Any] = {"grads": (ARRAY_DIMS["grads"], grads, grads_attrs)}
     for name in ("loss", "count"):
         arr = arrays[name]
-        data[name] = (ARRAY_DIMS[name], arrays.lazy(name, arr.chunks), attrs[name])
+        data[name] = (ARRAY_DIMS[name], arrays.lazy(name, arr.chunks, done), attrs[name])
     done_attrs = {**attrs["shard_done"], "read": "when the Dataset was opened (as the NaNs of grads)"}
     data["shard_done"] = (ARRAY_DIMS["shard_done"], done.astype(np.uint8), done_attrs)
     coords: dict[str, Any] = {}

@@ -435,6 +435,40 @@ def array_table(
     }
 
 
+def fill_values(dtype: str) -> dict[str, float]:
+    """name -> the fill value of each of a store's arrays (what was never written): NaN rows and
+    losses (bfloat16's NaN bits 0x7FC0), a count of -1, not done."""
+    return {
+        "grads": 0x7FC0 if dtype == "bfloat16" else math.nan,
+        "row_scale": math.nan,
+        "loss": math.nan,
+        "count": -1,
+        "shard_done": 0,
+    }
+
+
+def array_problems(arrays: dict[str, Any], spec: StoreSpec) -> list[str]:
+    """How the arrays as opened (``zarr.Array``s by name) differ from what ``spec`` made them:
+    shape, chunks, dtype, fill value (a hand-edited ``zarr.json``: a fill value of 0 read a
+    deleted chunk as zero rows, a shrunk shape returned fewer columns)."""
+    table = array_table(
+        spec.num_classes, spec.dim, spec.row_chunk, spec.col_chunk, spec.num_shards, STORAGE_DTYPES[spec.dtype]
+    )
+    fills = fill_values(spec.dtype)
+    out = []
+    for name, (shape, chunks, dtype) in table.items():
+        arr = arrays[name]
+        fill = arr.metadata.fill_value
+        fill = float(fill) if isinstance(fill, (int, float, np.number)) else fill
+        same_fill = (math.isnan(fills[name]) and isinstance(fill, float) and math.isnan(fill)) or fill == fills[name]
+        if tuple(arr.shape) != shape or tuple(arr.chunks) != chunks or str(arr.dtype) != dtype or not same_fill:
+            out.append(
+                f"array '{name}' is {list(arr.shape)} {arr.dtype} in chunks {list(arr.chunks)}, fill {fill!r}; "
+                f"the store's metadata makes it {list(shape)} {dtype} in chunks {list(chunks)}, fill {fills[name]!r}"
+            )
+    return out
+
+
 def check_layout(layout: Any, projection: Any, dim: int) -> list[str]:
     """Problems of a stored layout (list of dicts) and projection for rows of ``dim`` columns."""
     if projection is not None:

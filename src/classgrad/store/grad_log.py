@@ -19,8 +19,10 @@ Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, dims in each array's
 - ``count`` ``[window, class_id]`` int64: the class's samples in the window's steps;
 - ``loss_sum`` ``[window, class_id]`` float64: their losses summed (0 where none were given);
 - ``steps`` ``[window, bound]`` int64: the first step logged and one past the last;
-- group attributes: ``grad_log`` (the spec) and ``done_windows`` (written only after the
-  window's chunks are: a window not listed is absent, whatever its chunks hold).
+- group attributes: ``grad_log`` (the spec), ``done_windows`` (written only after the
+  window's chunks and record are: a window not listed is absent, whatever its chunks hold) and
+  ``window_records`` (true: the log keeps a record per window, ``log_records``);
+- ``window_records/<w>.json``: the digest of every chunk of window ``w``, checked on every read.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Any
 import numpy as np
 import zarr
 
-from classgrad.errors import StoreError, StoreIncompleteError, StoreMismatchError
+from classgrad.errors import StoreError, StoreIncompleteError, StoreMismatchError, first_line
+from classgrad.store.log_records import RECORDS_ATTR, WindowRecords, checked_rows, window_digests
 
 SPEC_ATTR = "grad_log"
 DONE_ATTR = "done_windows"
@@ -66,16 +69,35 @@ class LogSpec:
         ]
 
 
-def _array(group: zarr.Group, name: str) -> zarr.Array:
-    found = group[name]
+def _array(group: zarr.Group, name: str, url: str = "") -> zarr.Array:
+    try:
+        found = group[name]
+    except Exception as exc:  # missing, or a truncated or garbled zarr.json of its own
+        raise StoreError(
+            f"grad log {url}: the metadata of {name!r} ({name}/zarr.json) cannot be read "
+            f"({first_line(exc, with_type=True)}); it is damaged"
+        ) from None
     if not isinstance(found, zarr.Array):
-        raise StoreError(f"grad log: {name} is not an array")
+        raise StoreError(f"grad log {url}: {name} is not an array")
     return found
 
 
-def _done(group: zarr.Group) -> list[int]:
+def _done(group: zarr.Group, url: str = "") -> list[int]:
     listed = group.attrs.get(DONE_ATTR, [])
-    return sorted(int(w) for w in listed) if isinstance(listed, list) else []
+    if not isinstance(listed, list):
+        raise StoreError(f"grad log {url}: its {DONE_ATTR} attribute is not a list of windows; it is damaged")
+    bad = [w for w in listed if isinstance(w, bool) or not isinstance(w, int) or w < 0]
+    if bad or len(set(listed)) != len(listed):  # 5.5 was counted as window 5, twice
+        shown = bad[0] if bad else "a window listed twice"
+        raise StoreError(
+            f"grad log {url}: its {DONE_ATTR} attribute holds {shown!r}: not a window index; it is damaged"
+        )
+    return sorted(listed)
+
+
+def missing_windows(done: list[int]) -> list[int]:
+    """The windows below the last done one that are not done: holes a resume or a kill left."""
+    return sorted(set(range(done[-1] + 1)) - set(done)) if done else []
 
 
 def _short(value: Any) -> str:
@@ -86,14 +108,16 @@ def _short(value: Any) -> str:
 class GradLogStore:
     """A log opened for writing: ``write_window`` then ``mark_done``; ``done`` lists the windows."""
 
-    def __init__(self, group: zarr.Group, spec: LogSpec, url: str):
+    def __init__(self, group: zarr.Group, spec: LogSpec, url: str, records: WindowRecords | None = None):
         self.group = group
         self.spec = spec
         self.url = url
+        self.records = records  # None: a log made before window records
+        self._pending: dict[int, dict[str, list[str]]] = {}  # window -> its digests, until marked done
 
     @property
     def done(self) -> list[int]:
-        return _done(self.group)
+        return _done(self.group, self.url)
 
     def write_window(
         self,
@@ -112,13 +136,21 @@ class GradLogStore:
             "loss_sum": loss_sum,
             "steps": np.asarray(steps, dtype=np.int64),
         }
+        chunks = {}
         for name, value in values.items():
-            array = _array(self.group, name)
+            array = _array(self.group, name, self.url)
             if array.shape[0] <= w:
                 array.resize((w + 1, *array.shape[1:]))
             array[w] = value
+            chunks[name] = int(array.chunks[1])
+        if self.records is not None:
+            self._pending[w] = window_digests(w, values, chunks)
 
     def mark_done(self, w: int) -> None:
+        """Window ``w`` done: its record first (the digests of what ``write_window`` wrote), then
+        the list of done windows."""
+        if self.records is not None:
+            self.records.write(w, self._pending.pop(w))
         self.group.attrs[DONE_ATTR] = sorted(set(self.done) | {w})
 
     def resume_at(self, step: int) -> None:
@@ -131,7 +163,16 @@ class GradLogStore:
                 f"{step // window * window}-{(step // window + 1) * window - 1}), which is logged: "
                 f"resume from a checkpoint at a window boundary (a multiple of {window})"
             )
-        self.group.attrs[DONE_ATTR] = [w for w in self.done if (w + 1) * window <= step]
+        kept = [w for w in self.done if (w + 1) * window <= step]
+        holes = sorted(set(range(step // window)) - set(kept))
+        if holes:  # a run killed after its checkpoint but before the window was written
+            first = holes[0]
+            raise StoreIncompleteError(
+                f"grad log {self.url}: window {first} (steps {first * window}-{(first + 1) * window - 1}) was never "
+                f"written, and a resume at step {step} would leave it out for good: resume from a checkpoint "
+                f"at step {first * window} or before"
+            )
+        self.group.attrs[DONE_ATTR] = kept
 
 
 def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, overwrite: bool = False) -> GradLogStore:
@@ -159,7 +200,10 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
                 f"grad log {url} was written by another run ({'; '.join(diffs)}): "
                 "log to another path, or pass overwrite=True to replace it"
             )
-        return GradLogStore(group, spec, url)
+        for name in DIMS:  # each array's own metadata readable (one line, not a traceback later)
+            _array(group, name, url)
+        records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
+        return GradLogStore(group, spec, url, records)
     c, k = spec.num_classes, spec.width
     shapes = {
         "grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), "float32"),
@@ -172,7 +216,8 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
         group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, dimension_names=DIMS[name])
     group.attrs[SPEC_ATTR] = asdict(spec)
     group.attrs[DONE_ATTR] = []
-    return GradLogStore(group, spec, url)
+    group.attrs[RECORDS_ATTR] = True
+    return GradLogStore(group, spec, url, WindowRecords(url, storage_options))
 
 
 def is_log(url: str, *, storage_options: dict | None = None) -> bool:
@@ -189,13 +234,16 @@ class LogReader:
     """A log opened for reading: ``spec``, ``done`` (the windows to read), ``held`` (the windows
     the arrays hold, done or not) and ``read`` (one done window of one array, or a block of it)."""
 
-    def __init__(self, group: zarr.Group, spec: LogSpec, url: str):
+    def __init__(self, group: zarr.Group, spec: LogSpec, url: str, records: WindowRecords | None = None):
         self.group = group
         self.spec = spec
         self.url = url
-        self.done = _done(group)  # once: the attribute a writer may be changing is read one time
-        self.held = int(_array(group, "steps").shape[0])
-        self.row_chunk = int(_array(group, "grads").chunks[1])
+        self.records = records  # None: a log made before window records: read unchecked
+        self.done = _done(group, url)  # once: the attribute a writer may be changing is read one time
+        self.held = int(_array(group, "steps", url).shape[0])
+        self.row_chunk = int(_array(group, "grads", url).chunks[1])
+        for name in DIMS:
+            _array(group, name, url)
 
     def check_window(self, w: int) -> None:
         """One line unless window ``w`` is done: past the arrays, or not (yet) marked done."""
@@ -215,7 +263,10 @@ class LogReader:
         """``name``'s values of done window ``w``; ``index``: a slice or integer array per other
         dimension (each taken on its own, as ``numpy.ix_`` would)."""
         self.check_window(w)
-        return np.asarray(_array(self.group, name).oindex[(w, *index)])
+        expected = None if self.records is None else self.records.get(w).get(name)
+        if self.records is not None and expected is None:
+            raise StoreError(f"grad log {self.url}: the record of window {w} has no digests of {name}")
+        return checked_rows(_array(self.group, name, self.url), name, w, index, expected, self.url)
 
 
 def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogReader:
@@ -233,7 +284,7 @@ def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogRead
         raise StoreError(
             f"grad log {url}: its recorded spec is not one this classgrad reads ({_short(recorded)})"
         ) from None
-    return LogReader(group, spec, url)
+    return LogReader(group, spec, url, WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None)
 
 
 def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.ndarray]:
@@ -242,5 +293,7 @@ def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.n
     reader = open_log_reader(url, storage_options=storage_options)
     out = {"window": np.asarray(reader.done, dtype=np.int64)}
     for name in DIMS:
-        out[name] = np.asarray(_array(reader.group, name)[:])[reader.done]
+        values = [reader.read(name, w) for w in reader.done]  # each window's chunks checked
+        empty = np.zeros((0, *_array(reader.group, name, url).shape[1:]), dtype=_array(reader.group, name, url).dtype)
+        out[name] = np.stack(values) if values else empty
     return out

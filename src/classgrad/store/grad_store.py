@@ -32,12 +32,14 @@ from classgrad.errors import ClassgradError, StoreError, first_line
 from classgrad.store.arrays import StoreArrays
 from classgrad.store.coords import consolidated_problems
 from classgrad.store.format import (
+    ARRAYS,
     ATTR_KEY,
     CLASS_NAME,
     FORMAT_VERSION,
     READABLE_VERSIONS,
     RUNS_DIR,
     StoreSpec,
+    array_problems,
     names_digest,
     spec_from_meta,
 )
@@ -104,6 +106,9 @@ class GradStore:
             raise StoreError(
                 f"store at {url} has damaged classgrad attributes: {first_line(exc, with_type=True)}"
             ) from None
+        changed = array_problems({name: self._arrays[name] for name in ARRAYS}, self._spec)
+        if changed:  # zarr.json edited by hand: reads would be silently wrong
+            raise StoreError(f"store at {url}: {changed[0]}; it is damaged (`classgrad verify` says more)")
         ids = self._spec.class_ids
         self._class_ids = (
             np.arange(self.num_classes, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)

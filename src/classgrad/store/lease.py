@@ -280,5 +280,8 @@ class StoreLease:
 
 
 def store_lease(url: str, *, storage_options: dict | None = None) -> StoreLease:
-    """The lease of the store at ``url``, which need not exist yet: a driver takes it first."""
-    return StoreLease(Location(url, storage_options), writable=True)
+    """The lease of the store at ``url``, which need not exist yet: a driver takes it first
+    (refused for a local path that is a symbolic link)."""
+    loc = Location(url, storage_options)
+    loc.refuse_link()
+    return StoreLease(loc, writable=True)

@@ -80,6 +80,15 @@ class Location:
         config.setdefault("max_pool_connections", S3_CONNECTIONS)
         return {**options, "config_kwargs": config}
 
+    def refuse_link(self) -> None:
+        """Refuse a local store path that is a symbolic link: its lease would be the link's, not
+        the store's, and an overwrite through it deleted another job's store."""
+        if self.local and os.path.islink(self.path.rstrip("/")):
+            raise StoreError(
+                f"store url {self.url} is a symbolic link (to {os.path.realpath(self.path)}): give the real "
+                "path, so that the store's lease and any overwrite apply to the store itself"
+            )
+
     def key(self, name: str) -> str:
         return f"{self.path}/{name}"
 

@@ -180,15 +180,15 @@ class RowReader:
         dtype = self._spec.dtype
         grads = self._arrays["grads"]
         unit = grads.shards or grads.chunks
-        x = self._arrays.lazy("grads", unit)
+        flags = self.shard_done() if done is None else np.asarray(done, dtype=bool)
+        x = self._arrays.lazy("grads", unit, flags)
         if dtype != "float32":
-            scale = self._arrays.lazy("row_scale", (unit[0],))
+            scale = self._arrays.lazy("row_scale", (unit[0],), flags)
             if dtype == "bfloat16":
                 x = x.map_blocks(bf16_bits_to_f32, dtype=np.float32)
             else:
                 x = x.astype(np.float32)
             x = x * scale[:, None]
-        flags = self.shard_done() if done is None else np.asarray(done, dtype=bool)
         per_row = np.repeat(flags, self._spec.shard_rows)[: self._spec.num_classes]
         if not per_row.all():
             x = da.where(da.from_array(per_row, chunks=(unit[0],))[:, None], x, np.float32(np.nan))

@@ -34,6 +34,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
@@ -249,17 +250,33 @@ class DigestCheckingStore(WrapperStore[Store]):
 
 class CheckedArray:
     """A Zarr array whose every read raises what ``RecordedDigests`` found unlike its records
-    (what ``dask.array.from_array`` takes for ``to_dask`` and ``to_xarray``)."""
+    (what ``dask.array.from_array`` takes for ``to_dask`` and ``to_xarray``). ``done``: the
+    shards' done flags as the reader took them: a read of a done shard without a record is
+    refused too, as ``rows()`` refuses it (a chunk copied in with its record deleted read as
+    another row's data)."""
 
-    def __init__(self, array: Any, digests: RecordedDigests | None) -> None:
-        self.array, self.digests = array, digests
+    def __init__(self, array: Any, digests: RecordedDigests | None, done: np.ndarray | None = None) -> None:
+        self.array, self.digests, self.done = array, digests, done
         self.shape, self.dtype, self.ndim = array.shape, array.dtype, array.ndim
 
     def __getitem__(self, selection: Any) -> Any:
         out = self.array[selection]
         if self.digests is not None:
+            if self.done is not None:
+                self.digests.require(self._done_shards(selection))
             self.digests.raise_failed()
         return out
+
+    def _done_shards(self, selection: Any) -> list[int]:
+        assert self.digests is not None and self.done is not None
+        rows = selection[0] if isinstance(selection, tuple) and selection else selection
+        n = self.shape[0]
+        if isinstance(rows, slice):
+            start, stop, _ = rows.indices(n)
+            ids = np.arange(start // self.digests.shard_rows, -(-stop // self.digests.shard_rows))
+        else:
+            ids = np.unique(np.arange(n)[rows] // self.digests.shard_rows)
+        return [int(s) for s in ids if s < len(self.done) and self.done[s]]
 
 
 def object_rows(arrays: Any) -> dict[str, int]:
