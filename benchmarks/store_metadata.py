@@ -14,6 +14,9 @@ inside (the operation alone):
 - ``actor_open``: what each actor does at start-up: open the store for writing and take its
   first shard's class ids (and the size of the group's ``zarr.json`` it reads is printed).
 
+``--tree PATH`` builds and times another checkout's code (the editable install pointed at it,
+as ``engine_times.py --tree``): before and after a change on the same machine.
+
 Targets (issue 55): ``status`` and ``open_dataset`` within 3 s, resume planning within 5 s; an
 actor's open within 1 s (a goal of this benchmark: it must not grow with C).
 
@@ -25,6 +28,8 @@ keys, requests concurrent as the client sends them), each child copying the stor
     .venv/bin/python -m benchmarks.store_metadata --dir /tmp/store_metadata        # 1,000,000 classes
     .venv/bin/python -m benchmarks.store_metadata --dir /tmp/sm_quick --quick     # 100,000 classes
     .venv/bin/python -m benchmarks.store_metadata --dir /tmp/sm --sim-latency-ms 20   # against object storage's latency
+    git worktree add /tmp/before 566e661    # then, the code before format 4 on the same machine:
+    .venv/bin/python -m benchmarks.store_metadata --dir /tmp/sm --tree /tmp/before
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 from benchmarks.common import print_table, print_targets, write_report
 
 OUT = Path(__file__).resolve().parent / "out" / "store_metadata.json"
+ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"status": 3.0, "open_dataset": 3.0, "resume": 5.0, "actor_open": 1.0}
 OPERATIONS = ("status", "open_dataset", "resume", "actor_open")
 
@@ -93,8 +99,28 @@ sim.SimulatedObjectStore.latency_s = {latency}
 """
 
 
-def timed_child(name: str, url: str, latency_ms: float | None = None) -> dict:
-    if name == "status" and latency_ms is None:
+def tree_setup(tree: str | None) -> str:
+    """Code that points the editable install at another checkout before ``classgrad`` is imported
+    (as ``engine_times.py --tree``): the store built and read by that code."""
+    if tree is None:
+        return ""
+    return (
+        "import __editable___classgrad_0_1_0_finder as finder\n"
+        f"root = {tree!r}\n"
+        "finder.MAPPING.update({'classgrad': root + '/src/classgrad', 'classgrad.service': root + '/service',"
+        " 'classgrad.workers': root + '/workers'})\n"
+    )
+
+
+def build_in(tree: str, url: str, classes: int, dim: int, shard_rows: int) -> float:
+    call = f"build({url!r}, {classes}, {dim}, {shard_rows})"
+    code = f"{tree_setup(tree)}from benchmarks.store_metadata import build\nprint({call})\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def timed_child(name: str, url: str, latency_ms: float | None = None, tree: str | None = None) -> dict:
+    if name == "status" and latency_ms is None and tree is None:
         cmd = [sys.executable, "-m", "classgrad", "status", url]
     else:
         setup, target = "", url
@@ -102,21 +128,24 @@ def timed_child(name: str, url: str, latency_ms: float | None = None) -> dict:
             target = "simstore://bucket/store.zarr"
             setup = _SIM.format(local=url, url=target, latency=latency_ms / 1e3)
         code = (
-            f"import json, time\n{setup}\nURL = {target!r}\nt0 = time.perf_counter()\n{_CHILD[name]}\n"
+            # classgrad imported before the clock: the operation alone (an actor has it imported)
+            f"import json, time\n{tree_setup(tree)}import classgrad.store\n{setup}\nURL = {target!r}\n"
+            "t0 = time.perf_counter()\n"
+            f"{_CHILD[name]}\n"
             "print(time.perf_counter() - t0)\n"
         )
         if latency_ms is not None:
             code += "print(json.dumps(dict(sim.SimulatedObjectStore.requests)))\n"
         cmd = [sys.executable, "-c", code]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed: {proc.stderr[-2000:]}")
     lines = proc.stdout.strip().splitlines()
     if latency_ms is not None:
         return {"wall_s": wall, "inside_s": float(lines[-2]), "requests": json.loads(lines[-1])}
-    return {"wall_s": wall, "inside_s": float(lines[-1]) if name != "status" else None}
+    return {"wall_s": wall, "inside_s": float(lines[-1]) if (name != "status" or tree) else None}
 
 
 def main() -> None:
@@ -127,21 +156,26 @@ def main() -> None:
     parser.add_argument("--shard-rows", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="100,000 classes")
     parser.add_argument("--sim-latency-ms", type=float, help="against a simulated object store with this latency")
+    parser.add_argument("--tree", help="another checkout: build and time its code (the store in its own folder)")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     if args.quick:
         args.classes = 100_000
-    url = str(Path(args.dir) / f"c{args.classes}_d{args.dim}_s{args.shard_rows}.zarr")
+    tag = "" if args.tree is None else "_" + Path(args.tree).name
+    url = str(Path(args.dir) / f"c{args.classes}_d{args.dim}_s{args.shard_rows}{tag}.zarr")
     built = None
     if not Path(url).exists():
         print(f"building {url} ...", flush=True)
-        built = build(url, args.classes, args.dim, args.shard_rows)
+        if args.tree is None:
+            built = build(url, args.classes, args.dim, args.shard_rows)
+        else:
+            built = build_in(args.tree, url, args.classes, args.dim, args.shard_rows)
         print(f"built in {built:.0f} s", flush=True)
     shards = -(-args.classes // args.shard_rows)
     if args.sim_latency_ms is not None:
         simulated(url, args, shards)
         return
-    results = {name: timed_child(name, url) for name in OPERATIONS}
+    results = {name: timed_child(name, url, tree=args.tree) for name in OPERATIONS}
     group_json = (Path(url) / "zarr.json").stat().st_size
     print(f"\n== store metadata: {args.classes} classes, {shards} shards, each in a fresh process")
     print(f"the group's zarr.json, which every actor reads: {group_json / 1e6:.3f} MB")

@@ -29,6 +29,9 @@ A Hugging Face or Lightning ``Trainer`` fills one through its callback (``hf_cal
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -121,14 +124,20 @@ class GradLog:
         self.writer = not self.distributed or dist.get_rank() == 0  # one rank writes the log
         self.store: GradLogStore | None = None
         if self.writer:
-            self.store = open_log(url, spec, storage_options=storage_options, overwrite=overwrite)
-            if start_step is None and self.store.done:  # start_step 0 would drop every window
-                raise InputError(
-                    f"GradLog: {url} already holds windows {self.store.done[0]}-{self.store.done[-1]}: pass "
-                    "start_step= (the step this run resumes at, a multiple of window), or overwrite=True "
-                    "to start the log over"
-                )
-            self.store.resume_at(start_step or 0)
+            # The log's lease, for this process: a second writer is refused while this one lives.
+            writer_id = f"gradlog-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            self.store = open_log(url, spec, storage_options=storage_options, overwrite=overwrite, writer_id=writer_id)
+            try:
+                if start_step is None and self.store.done:  # start_step 0 would drop every window
+                    raise InputError(
+                        f"GradLog: {url} already holds windows {self.store.done[0]}-{self.store.done[-1]}: pass "
+                        "start_step= (the step this run resumes at, a multiple of window), or overwrite=True "
+                        "to start the log over"
+                    )
+                self.store.resume_at(start_step or 0)
+            except BaseException:
+                self.store.close()  # the lease back: nothing was written
+                raise
         if self.distributed:
             dist.barrier()  # the log exists, resumed, before any rank adds to it
         self.device = next(model.parameters()).device
@@ -304,6 +313,8 @@ class GradLog:
             raise InputError(f"GradLog: step {step} after step {self._last_step}: steps must increase")
         self.windows.start(step // self.window, step)
         self._last_step = step
+        if self.store is not None:
+            self.store.keep_alive()  # renews the log's lease every third of its TTL
         ids = class_ids.to(self.device, torch.int64)
         n = torch.ones(len(ids), dtype=torch.int64, device=self.device) if counts is None else counts.to(self.device)
         if self.distributed:  # each rank's row weighted by its share of the class's samples
@@ -313,9 +324,13 @@ class GradLog:
         self.windows.add(ids, projected, lr, n, losses)
 
     def close(self) -> None:
-        """Write the window in progress (a last, shorter window at the end of training) and wait
-        for every write."""
-        self.windows.close()
+        """Write the window in progress (a last, shorter window at the end of training), wait
+        for every write, and give the log's lease back."""
+        try:
+            self.windows.close()
+        finally:
+            if self.store is not None:
+                self.store.close()
 
     def __enter__(self) -> GradLog:
         return self
@@ -324,7 +339,11 @@ class GradLog:
         if exc[0] is None:
             self.close()
         else:  # the window in progress is not written (its steps are recomputed on resume)
-            self.windows.abort()
+            try:
+                self.windows.abort()
+            finally:
+                if self.store is not None:
+                    self.store.close()
 
 
 def _recorded_structure(url: str, storage_options: dict | None) -> str | None:

@@ -28,6 +28,7 @@ Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, dims in each array's
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,10 +36,14 @@ import numpy as np
 import zarr
 
 from classgrad.errors import StoreError, StoreIncompleteError, StoreMismatchError, first_line
+from classgrad.store.lease import HeldLease, StoreLease
+from classgrad.store.location import Location
 from classgrad.store.log_records import RECORDS_ATTR, WindowRecords, checked_rows, window_digests
 
 SPEC_ATTR = "grad_log"
 DONE_ATTR = "done_windows"
+GENERATION_ATTR = "generation"  # a random id per creation of a log at its url
+LOG_LEASE_TTL_S = 300.0  # a writer renews its lease every third of it, at a step
 ROW_CHUNK = 256  # classes per chunk of grads: a window's chunk of 256 x 4,096 floats is 4 MiB
 DIMS = {
     "grads": ("window", "class_id", "column"),
@@ -108,12 +113,44 @@ def _short(value: Any) -> str:
 class GradLogStore:
     """A log opened for writing: ``write_window`` then ``mark_done``; ``done`` lists the windows."""
 
-    def __init__(self, group: zarr.Group, spec: LogSpec, url: str, records: WindowRecords | None = None):
+    def __init__(
+        self,
+        group: zarr.Group,
+        spec: LogSpec,
+        url: str,
+        records: WindowRecords | None = None,
+        lease: HeldLease | None = None,
+    ):
         self.group = group
         self.spec = spec
         self.url = url
         self.records = records  # None: a log made before window records
+        self.lease = lease  # this writer's lease on the log: one writer at a time
+        self.generation = group.attrs.get(GENERATION_ATTR)  # which creation of the log at this url
         self._pending: dict[int, dict[str, list[str]]] = {}  # window -> its digests, until marked done
+
+    def keep_alive(self) -> None:
+        """Renew this writer's lease when due (each step calls it; a write every third of the TTL)."""
+        if self.lease is not None:
+            self.lease.keep_alive()
+
+    def _confirm_writer(self) -> None:
+        """Before a window is marked done: this writer still holds the log, and it is still the
+        creation it opened; else one line (the other writer's windows stay as they are)."""
+        if self.lease is not None:
+            self.lease.confirm()  # LeaseHeldError if another run took the log over
+        now = zarr.open_group(self.group.store, mode="r").attrs.get(GENERATION_ATTR)
+        if now != self.generation:
+            raise StoreMismatchError(
+                f"grad log {self.url} was created again by another run since this one opened it: "
+                "this run's windows are not written into it"
+            )
+
+    def close(self) -> None:
+        """Give the log's lease back (a writer that stops without it leaves the lease to expire)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     @property
     def done(self) -> list[int]:
@@ -149,6 +186,7 @@ class GradLogStore:
     def mark_done(self, w: int) -> None:
         """Window ``w`` done: its record first (the digests of what ``write_window`` wrote), then
         the list of done windows."""
+        self._confirm_writer()
         if self.records is not None:
             self.records.write(w, self._pending.pop(w))
         self.group.attrs[DONE_ATTR] = sorted(set(self.done) | {w})
@@ -175,9 +213,37 @@ class GradLogStore:
         self.group.attrs[DONE_ATTR] = kept
 
 
-def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, overwrite: bool = False) -> GradLogStore:
+def open_log(
+    url: str,
+    spec: LogSpec,
+    *,
+    storage_options: dict | None = None,
+    overwrite: bool = False,
+    writer_id: str | None = None,
+    lease_ttl_s: float = LOG_LEASE_TTL_S,
+) -> GradLogStore:
     """The log at ``url``: created with ``spec``, or reopened when its recorded spec equals
-    ``spec`` (else one line naming each difference; ``overwrite`` replaces it)."""
+    ``spec`` (else one line naming each difference; ``overwrite`` replaces it). ``writer_id``:
+    the writer takes the log's lease first (a second writer is refused in one line while it is
+    live; see ``classgrad.store.lease``), held until ``close``."""
+    lease = None
+    if writer_id is not None:
+        loc = Location(url, storage_options)
+        loc.refuse_link()
+        store_lease = StoreLease(loc, writable=True)
+        store_lease.acquire(writer_id, ttl_s=lease_ttl_s, info={"command": "GradLog"})
+        lease = HeldLease(store_lease, writer_id, lease_ttl_s / 3)
+    try:
+        return _open_log(url, spec, storage_options, overwrite, lease)
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def _open_log(
+    url: str, spec: LogSpec, storage_options: dict | None, overwrite: bool, lease: HeldLease | None
+) -> GradLogStore:
     try:
         group = zarr.open_group(url, mode="w" if overwrite else "a", zarr_format=3, storage_options=storage_options)
     except Exception as exc:  # noqa: BLE001 - any backend's failure: one line naming the log
@@ -203,7 +269,7 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
         for name in DIMS:  # each array's own metadata readable (one line, not a traceback later)
             _array(group, name, url)
         records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
-        return GradLogStore(group, spec, url, records)
+        return GradLogStore(group, spec, url, records, lease)
     c, k = spec.num_classes, spec.width
     shapes = {
         "grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), "float32"),
@@ -217,7 +283,8 @@ def open_log(url: str, spec: LogSpec, *, storage_options: dict | None = None, ov
     group.attrs[SPEC_ATTR] = asdict(spec)
     group.attrs[DONE_ATTR] = []
     group.attrs[RECORDS_ATTR] = True
-    return GradLogStore(group, spec, url, WindowRecords(url, storage_options))
+    group.attrs[GENERATION_ATTR] = uuid.uuid4().hex
+    return GradLogStore(group, spec, url, WindowRecords(url, storage_options), lease)
 
 
 def is_log(url: str, *, storage_options: dict | None = None) -> bool:

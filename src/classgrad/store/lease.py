@@ -140,6 +140,10 @@ class HeldLease:
         self._lease.renew(self.run_id)
         self._renewed = time.monotonic()
 
+    def release(self) -> None:
+        """Give the lease back (left alone if another run holds it by now)."""
+        self._lease.release(self.run_id)
+
 
 class StoreLease:
     """The lease of one store (``GradStore.lease``, or ``store_lease`` before the store exists)."""
