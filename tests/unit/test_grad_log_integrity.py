@@ -160,3 +160,31 @@ def test_a_float64_model_logs_and_resumes(log):
     stored = read_log(str(log))
     assert stored["window"].tolist() == [0, 1, 2, 3, 4] and stored["grads"].dtype == np.float32
     assert np.abs(stored["grads"][4]).sum() > 0
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_log(log):
+    """Before: two processes logging into one log both exited 0 and the log held windows of each
+    (issue 60, item 3). The first writer holds the log's lease until it closes."""
+    import torch
+
+    from classgrad.errors import LeaseHeldError
+
+    model, _ = run.fresh()
+    first = GradLog(str(log), model, run.C, window=run.WINDOW, dim=run.DIM, start_step=8)
+    with pytest.raises(LeaseHeldError, match=r"is in use by run 'gradlog-") as info:
+        GradLog(str(log), model, run.C, window=run.WINDOW, dim=run.DIM, start_step=8)
+    assert "\n" not in str(info.value)
+    first.close()
+    second = GradLog(str(log), model, run.C, window=run.WINDOW, dim=run.DIM, start_step=8)  # free now
+    # The second's lease taken over by another run (its heartbeat stale): its next window is refused.
+    lease_file = log.parent / "log.zarr.classgrad-lease.json"
+    taken = json.loads(lease_file.read_text())
+    taken.update(run_id="another-writer", pid=1)
+    lease_file.write_text(json.dumps(taken))
+    x, y = run.batch(8)
+    rows = torch.zeros(len(torch.unique(y)), second.layout.dim)
+    second.add(8, rows, torch.unique(y))
+    second.add(9, rows, torch.unique(y))
+    with pytest.raises(LeaseHeldError, match="lost its lease"):
+        second.close()  # writes window 4: refused, not marked done
+    assert read_log(str(log))["window"].tolist() == [0, 1, 2, 3]
