@@ -321,3 +321,13 @@ def leaky_dataset(**probe_kwargs) -> Dataset:
         f"'token': '{PLANTED_TOKENS['hf']}'}} after auth {PLANTED_TOKENS['jwt']} "
         f"(keys {PLANTED_TOKENS['github']} {PLANTED_TOKENS['aws']})"
     )
+
+
+def leaky_on_actors(**probe_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``synthetic_probe``'s data on the driver; inside a Ray actor, ``leaky_dataset``'s failure
+    (a node whose download fails, quoting its credentials): what reaches Ray's own logs."""
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        leaky_dataset()
+    return zoo.synthetic_probe(**probe_kwargs)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from classgrad.config import JobConfig
+from classgrad.config.redaction import redact_text
 from classgrad.errors import LeaseHeldError
 from classgrad.store import open_store
 from classgrad.workers.engines import (
@@ -143,6 +144,17 @@ class GradientWorker:
         set's targets as the driver gathered them (an array; Ray hands every actor of a node
         the one copy the driver put), so that this actor reads only the samples its shards need
         and hashes none: the probe set's digest is the driver's (``identity``)."""
+        try:
+            self._build(config, num_threads, run_id, identity, probe_targets)
+        except Exception as exc:
+            hidden = redacted(exc)
+            if hidden is exc:
+                raise
+            raise hidden from None  # Ray logs what an actor raises: never the secrets in it
+
+    def _build(
+        self, config: dict, num_threads: int | None, run_id: str | None, identity: dict | None, probe_targets: Any
+    ) -> None:
         self.config = JobConfig.model_validate(config)
         self.run_id = run_id  # the driver's run; shards are marked done only while it holds the lease
         if num_threads:
@@ -175,6 +187,15 @@ class GradientWorker:
 
     def compute_shard(self, shard: int, attempt: int = 1) -> dict[str, Any]:
         """Compute and store every row of ``shard``; return a small report."""
+        try:
+            return self._compute_shard(shard, attempt)
+        except Exception as exc:
+            hidden = redacted(exc)
+            if hidden is exc:
+                raise
+            raise hidden from None
+
+    def _compute_shard(self, shard: int, attempt: int) -> dict[str, Any]:
         start, stop = self.store.shard_range(shard)
         self._check_lease(shard)  # an actor of a run that lost the store starts no shard in it
         t0 = time.perf_counter()
@@ -220,6 +241,20 @@ class GradientWorker:
                 f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "
                 f"shard {shard} is not computed nor marked done"
             )
+
+
+def redacted(exc: Exception) -> Exception:
+    """``exc`` itself when its text holds nothing secret-looking, else the same type (or
+    ``RuntimeError`` naming it) with the text redacted (``redact_text``: token shapes, secret
+    values): what Ray prints into its logs and hands the driver, which redacts again."""
+    text = str(exc)
+    clean = redact_text(text)
+    if clean == text:
+        return exc
+    try:
+        return type(exc)(clean)
+    except Exception:  # noqa: BLE001 - a type that takes other arguments
+        return RuntimeError(f"{type(exc).__name__}: {clean}")
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:
