@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.config.fields import MemoryMiB
 from classgrad.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
 from classgrad.store import open_store
@@ -48,7 +49,7 @@ class AggregateConfig(BaseModel):
     block_rows: int | None = Field(
         None, ge=1, description="rows read at once (a multiple of the store's row_chunk); default from block_mb"
     )
-    block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB of one read")
+    block_mb: MemoryMiB = Field(DEFAULT_BLOCK_MB, description="memory budget in MiB of one read")
 
 
 def load_weights(spec: str, num_classes: int) -> tuple[np.ndarray, str]:

@@ -47,6 +47,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from classgrad.config.fields import MemoryMiB
 from classgrad.errors import ConfigError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, cosine_from_gram, validated
 from classgrad.store import open_store
@@ -76,7 +77,7 @@ class PlotConfig(BaseModel):
     )
     dpi: int = Field(100, ge=30, le=600, description="pixels per inch of the PNGs")
     block_rows: int | None = Field(None, ge=1, description="rows read at once for the norms")
-    block_mb: float = Field(DEFAULT_BLOCK_MB, gt=0, description="memory budget in MiB of one read")
+    block_mb: MemoryMiB = Field(DEFAULT_BLOCK_MB, description="memory budget in MiB of one read")
 
 
 def average_linkage(dist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

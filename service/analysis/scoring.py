@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from classgrad.config.fields import Float32Number
+from classgrad.config.fields import Float32Number, MemoryMiB
 from classgrad.errors import ConfigError, InputError
 from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
@@ -63,14 +63,14 @@ class ScoreConfig(BaseModel):
         "each within float32's range, as the scores it multiplies",
     )
     full: bool = Field(False, description="also write every query x class score into the output (needs out)")
-    task_mb: float = Field(
-        512.0, gt=0, description="memory budget in MiB of one task, from which its block sizes are chosen"
+    task_mb: MemoryMiB = Field(
+        512.0, description="memory budget in MiB of one task, from which its block sizes are chosen"
     )
     block_rows: int | None = Field(
         None, ge=1, description="queries per task (default: from task_mb, >= 2 tasks per CPU)"
     )
-    precond_mb: float = Field(
-        1024.0, gt=0, description="trak: the largest preconditioner (k x k or C x C float64) accepted, in MiB"
+    precond_mb: MemoryMiB = Field(
+        1024.0, description="trak: the largest preconditioner (k x k or C x C float64) accepted, in MiB"
     )
     recompute_preconditioner: bool = Field(False, description="trak: compute and save the store's Gram matrix again")
     overwrite: bool = Field(False, description="replace an output made by another request")

@@ -53,6 +53,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from classgrad.config.fields import MemoryMiB
 from classgrad.config.placement import checked_lease_ttl
 from classgrad.errors import ConfigError, StoreError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, MIB, ceil_div, plan_blocks, spans, validated
@@ -105,18 +106,16 @@ class SimilarityConfig(BaseModel):
         "the most that keep a strip within block_mb; top-k only, the most that keep "
         "the query block within half of task_mb; both with at least tasks_per_cpu tasks per CPU",
     )
-    task_mb: float = Field(
+    task_mb: MemoryMiB = Field(
         512.0,
-        gt=0,
         description="memory budget in MiB of one top-k-only task (query block, stream block, "
         "scores, running top-k), from which its block sizes are chosen",
     )
     band_cols: int | None = Field(
         None, ge=1, description="columns read at once; default: all, unless a block of full rows would exceed block_mb"
     )
-    block_mb: float = Field(
+    block_mb: MemoryMiB = Field(
         DEFAULT_BLOCK_MB,
-        gt=0,
         description="memory budget in MiB for one block of rows as read and for one output strip (automatic sizes)",
     )
     precision: Literal["float32", "float64"] = Field(

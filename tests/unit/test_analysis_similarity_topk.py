@@ -370,3 +370,13 @@ def test_the_benchmarks_numpy_baseline_finds_the_same_neighbours(tmp_path):
     distinct = (np.diff(-best, axis=1) > 2 * (96 + 8) * U).all(axis=1)
     distinct[ZERO_ROW] = False
     assert distinct.mean() > 0.9 and np.array_equal(ours[distinct], theirs[distinct])
+
+
+@pytest.mark.parametrize("option", ["--task-mb", "--block-mb"])
+def test_a_memory_budget_beyond_a_pebibyte_is_refused_in_one_line(tmp_path, capsys, option):
+    """Before: ``--task-mb 1e308`` was an internal error (OverflowError: its byte count is inf;
+    issue 56, item 3)."""
+    synthetic_store(tmp_path / "s", num_classes=64)
+    assert cli_main(["similarity", str(tmp_path / "s"), "--local", option, "1e308"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"({option}): Input should be less than or equal to 1073741824, got 1e+308" in err and "\n" not in err

@@ -235,6 +235,8 @@ def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
         ([NC, "projection.dim=0"], "projection.dim: Input should be greater than 0"),
         ([NC, "projection.seed=-1"], "projection.seed: Input should be greater than or equal to 0"),
         ([NC, "run.lease_ttl_s=0"], "run.lease_ttl_s: Input should be greater than 0"),
+        # An fp16 loss scale beyond float32's range makes every scaled loss inf (issue 56, item 3).
+        ([NC, "precision.init_scale=1e39"], "precision.init_scale: must be within float32's range (|x| <= 3.4e38)"),
         # A lease shorter than its renewals lets another driver take over a live run (issue 60, item 10).
         (
             [NC, "run.lease_ttl_s=1e-9"],

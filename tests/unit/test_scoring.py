@@ -249,6 +249,14 @@ def test_weights_whose_scores_overflow_float32_are_refused_before_any_score_is_w
     assert not ScoreOutput.open(str(out)).block_done().any()
 
 
+@pytest.mark.parametrize("option", [{"task_mb": 1e308}, {"precond_mb": 1e308}])
+def test_a_memory_budget_beyond_a_pebibyte_is_refused_naming_it(option, tmp_path):
+    """Issue 56, item 3: every number that becomes a byte count or a float32 is range-checked."""
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
+    with pytest.raises(ConfigError, match=rf"{next(iter(option))}.*less than or equal to 1073741824"):
+        score_rows([store], [_queries(3, 96)], method="trak", executor="local", **option)
+
+
 def test_the_readme_score_snippet_runs(tmp_path):
     """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
     from pathlib import Path

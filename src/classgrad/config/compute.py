@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 from classgrad.config.choices import ENGINE_KINDS, PROJECTION_KINDS, STRUCTURES
 from classgrad.config.fields import (
     DEVICE_RE,
-    PositiveFiniteFloat,
+    PositiveFloat32,
     Section,
     StrictNonNegativeInt,
     StrictPositiveInt,
@@ -30,12 +30,12 @@ class PrecisionConfig(Section):
         description="`fp32` (float32 on a GPU too: TF32 off while rows are computed), or `fp16`/`bf16` "
         "under `torch.autocast`; fp16 uses loss scaling.",
     )
-    init_scale: PositiveFiniteFloat = Field(
+    init_scale: PositiveFloat32 = Field(
         65536.0,
         description="fp16 only: loss scale S the backward starts with; rows are divided by S "
         "and a row that overflows is recomputed with S halved.",
     )
-    min_scale: PositiveFiniteFloat = Field(
+    min_scale: PositiveFloat32 = Field(
         1.0,
         description="fp16 only: smallest scale tried before a row that is still non-finite "
         "fails the job (naming the class); at most `init_scale`.",

@@ -26,8 +26,11 @@ __all__ = [
     "DEVICE_RE",
     "FLOAT32_MAX",
     "Float32Number",
+    "MAX_MIB",
+    "MemoryMiB",
     "NonNegativeFiniteFloat",
     "PositiveFiniteFloat",
+    "PositiveFloat32",
     "Section",
     "StrictNonNegativeInt",
     "StrictPositiveInt",
@@ -71,6 +74,14 @@ def _within_float32(value: float) -> float:
 Float32Number = Annotated[
     float, BeforeValidator(_not_a_bool), Field(allow_inf_nan=False), AfterValidator(_within_float32)
 ]
+# A scale that multiplies a float32 loss (fp16's loss scale): positive and within float32's range.
+PositiveFloat32 = Annotated[
+    float, BeforeValidator(_not_a_bool), Field(gt=0, allow_inf_nan=False), AfterValidator(_within_float32)
+]
+# A memory budget in MiB: a finite one beyond a pebibyte (1e308 MiB) overflowed the byte count
+# its plan takes (an internal error), so it is refused here, naming the option.
+MAX_MIB = float(1 << 30)
+MemoryMiB = Annotated[float, BeforeValidator(_not_a_bool), Field(gt=0, le=MAX_MIB, allow_inf_nan=False)]
 
 # Import paths written before classgrad had one namespace (`workers.zoo:mlp`): accepted and
 # rewritten to today's module, so old job files (and the configs recorded in old stores) still work.
