@@ -380,3 +380,36 @@ def test_a_memory_budget_beyond_a_pebibyte_is_refused_in_one_line(tmp_path, caps
     assert cli_main(["similarity", str(tmp_path / "s"), "--local", option, "1e308"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"({option}): Input should be less than or equal to 1073741824, got 1e+308" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_result_chunk_copied_over_another_is_refused_and_verify_reports_it(tmp_path, dense):
+    """Before: a chunk of ``similarity_topk_index`` (or ``similarity``) copied over another gave
+    wrong neighbours and ``verify`` exited 0 (issue 60, item 6): every result chunk now has a
+    digest in the result's records, checked on read and by verify."""
+    import shutil
+
+    from classgrad.errors import CorruptChunkError
+    from classgrad.service.analysis.verify import CORRUPT
+
+    synthetic_store(tmp_path / "s", num_classes=64)
+    url = str(tmp_path / "s")
+    compute_similarity(url, executor="local", top_k=4, dense=dense, block_rows=16)
+    assert verify_store(url).code == 0
+    reader = open_store(url)
+    from classgrad.store.store_keys import list_keys
+
+    keys = list_keys(reader._loc)  # the records are the store's own keys (deleted with it)
+    assert not keys.others and any(k.startswith("similarity_records/") for k in keys.store)
+    rc = int(reader.similarity_info()["chunk_rows"])
+    assert rc < 64  # two chunks at least: one copied over the other
+    name = "similarity" if dense else "similarity_topk_index"
+    shutil.copyfile(tmp_path / "s" / name / "c" / "0" / "0", tmp_path / "s" / name / "c" / "1" / "0")
+    read = (
+        (lambda: open_store(url).similarity([rc])) if dense else (lambda: open_store(url).similarity_neighbours([rc]))
+    )
+    with pytest.raises(CorruptChunkError, match=rf"{name} rows {rc}-{2 * rc - 1} do not match their record"):
+        read()
+    assert open_store(url).similarity_neighbours([0])[0].shape == (1, 4)  # the other chunk reads
+    report = verify_store(url)
+    assert report.code & CORRUPT and any(f"{name} rows {rc}-" in p for p in report.problems["corrupt"])

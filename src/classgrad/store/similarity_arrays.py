@@ -33,6 +33,7 @@ from classgrad.store.format import (
     codecs,
 )
 from classgrad.store.indexing import row_ids
+from classgrad.store.result_records import ChunkUnreadable, ResultRecords, checked_read, chunk_digests
 
 # write_rows hands zarr about this many bytes per call (whole chunks).
 _SIM_WRITE_BYTES = 8 << 20
@@ -44,6 +45,7 @@ class SimilarityArrays:
     def __init__(self, arrays: StoreArrays, spec: StoreSpec) -> None:
         self._arrays = arrays
         self._spec = spec
+        self._records = ResultRecords(arrays.loc)  # the digest of every chunk written, per run
 
     @property
     def _url(self) -> str:
@@ -103,6 +105,7 @@ class SimilarityArrays:
                     "neighbours": "similarity_topk_index holds row indices (row i is class "
                     "class_ids[i]), most similar first, ties by lower index, self excluded",
                     "started": time.time(),
+                    "records": True,  # every chunk's digest in similarity_records/, checked on read
                     **(info or {}),
                 },
                 default=str,
@@ -117,6 +120,7 @@ class SimilarityArrays:
         marker = SIM if dense else SIM_INDEX
         group = self._arrays.group
         try:
+            self._records.clear()  # the previous result's
             for name in RESULT_ARRAYS:
                 if name in group:
                     del group[name]  # the markers first (matrix, index table): they mark a result
@@ -191,6 +195,14 @@ class SimilarityArrays:
                 target = self._arrays.result(name)
                 assert target is not None, f"{name} is missing"  # begin() made it
                 target[start:stop] = data
+            self._records.write(
+                run_id,
+                start,
+                {
+                    name: chunk_digests(name, run_id, start, data, rc)
+                    for name, data in ((SIM_INDEX, index), (SIM_VALUE, value))
+                },
+            )
         except ClassgradError:
             raise
         except Exception as exc:
@@ -250,6 +262,9 @@ class SimilarityArrays:
                 assert target is not None, f"{name} is missing"  # begin() made it, as top_k > 0
                 for r0 in range(0, n, step):
                     target[start + r0 : min(start + r0 + step, stop)] = data[r0 : r0 + step]
+            self._records.write(
+                run_id, start, {name: chunk_digests(name, run_id, start, data, rc) for name, data in parts}
+            )
         except ClassgradError:
             raise
         except Exception as exc:
@@ -292,14 +307,43 @@ class SimilarityArrays:
             )
         return arr, info
 
-    def _read(self, arr: zarr.Array, name: str, ids: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
+    def _read(self, arr: zarr.Array, name: str, ids: np.ndarray, cols: np.ndarray | None, info: dict) -> np.ndarray:
         uniq, inverse = np.unique(ids, return_inverse=True)
         ucols, col_inverse = (None, None) if cols is None else np.unique(cols, return_inverse=True)
         if uniq.size == 0:
             width = arr.shape[1] if cols is None else cols.size
             return np.empty((0, width), dtype=arr.dtype)
-        out = self._arrays.read(name, uniq, ucols)[inverse.reshape(-1)]
+        if info.get("records"):  # every chunk against its record: a copied chunk is refused
+            run_id = str(info.get("run_id"))
+            expected = self._records.of_run(run_id).get(name, {})
+            rows = checked_read(arr, name, uniq, run_id, expected, self._url)
+            out = (rows if ucols is None else rows[:, ucols])[inverse.reshape(-1)]
+        else:  # a result written before records
+            out = self._arrays.read(name, uniq, ucols)[inverse.reshape(-1)]
         return out if col_inverse is None else out[:, col_inverse.reshape(-1)]
+
+    def record_problems(self) -> list[str]:
+        """What ``classgrad verify`` finds of a finished result against its records: every chunk
+        read once (a chunk at a time), each refusal in one line. Empty without a finished result
+        or without records (a result written before them)."""
+        info = self.info()
+        if info is None or info.get("state") != "ready" or not info.get("records"):
+            return []
+        run_id, out = str(info.get("run_id")), []
+        for name in RESULT_ARRAYS:
+            arr = self._arrays.result(name)
+            if arr is None:
+                continue
+            expected = self._records.of_run(run_id).get(name, {})
+            rc, n = int(arr.chunks[0]), int(arr.shape[0])
+            for j in range(-(-n // rc)):
+                try:
+                    checked_read(arr, name, np.arange(j * rc, min((j + 1) * rc, n)), run_id, expected, self._url)
+                except ChunkUnreadable:
+                    continue  # the chunk scan reports it, with its key
+                except ClassgradError as exc:
+                    out.append(str(exc))
+        return out
 
     def matrix(self, ids: Any = None, cols: Any = None) -> np.ndarray:
         """Rows ``ids`` (default all) and columns ``cols`` (default all) of the stored class
@@ -314,7 +358,7 @@ class SimilarityArrays:
             )
         ids = row_ids(ids, C)
         cols = None if cols is None else row_ids(cols, C)
-        return self._read(arr, SIM, ids, cols)
+        return self._read(arr, SIM, ids, cols, info)
 
     def neighbours(self, ids: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k neighbours of rows ``ids`` (default all): (row indices int64 [n, k], values
@@ -330,6 +374,6 @@ class SimilarityArrays:
             arr = self._arrays.result(name)
             if arr is None:
                 raise StoreError(f"store {self._url} has no '{name}' array although top_k > 0; it is damaged")
-            out.append(self._read(arr, name, ids, None))
+            out.append(self._read(arr, name, ids, None, info))
         index, value = out
         return index, value

@@ -31,18 +31,22 @@ from classgrad.store.format import (
 )
 from classgrad.store.location import Location
 from classgrad.store.records import RECORDS_DIR
+from classgrad.store.result_records import RECORDS_DIR as RESULT_RECORDS_DIR
 
 _ARRAY_NAMES = "|".join(re.escape(name) for name in (*ARRAYS, SIM, SIM_INDEX, SIM_VALUE, *COORD_ARRAYS))
 _CHUNK = rf"(?:{_ARRAY_NAMES})/c(?:/\d+)+"  # Zarr v3 default chunk key encoding, "/" separated
 _RECORD = rf"{re.escape(RECORDS_DIR)}/\d+\.json"  # format 2: one record per done shard
 _RUN = rf"{re.escape(RUNS_DIR)}/\d{{6}}\.json"  # format 4: one record per run
+_RESULT = rf"{re.escape(RESULT_RECORDS_DIR)}/[A-Za-z0-9_.-]+-\d+\.json"  # a similarity write's record
 _STORE_KEY = re.compile(
     rf"^(?:zarr\.json|zarr\.json\.[0-9a-f]{{32}}\.partial|{re.escape(LEGACY_LEASE_KEY)}|\.{re.escape(LEGACY_LEASE_KEY)}\.[0-9a-f]{{32}}\.tmp"
     rf"|(?:{_ARRAY_NAMES}|{re.escape(RECORDS_DIR)})/zarr\.json|{_CHUNK}|{_CHUNK}\.[0-9a-f]{{32}}\.partial"
-    rf"|{_RECORD}|{_RECORD}\.[0-9a-f]{{32}}\.partial|{_RUN}|{_RUN}\.[0-9a-f]{{32}}\.partial)$"
+    rf"|{_RECORD}|{_RECORD}\.[0-9a-f]{{32}}\.partial|{_RUN}|{_RUN}\.[0-9a-f]{{32}}\.partial|{_RESULT}|{_RESULT}\.[0-9a-f]{{32}}\.partial)$"
 )
 # Directories a local store has (the deletion removes them once empty).
-_STORE_DIR = re.compile(rf"^(?:(?:{_ARRAY_NAMES})(?:/c(?:/\d+)*)?|{re.escape(RECORDS_DIR)}|{re.escape(RUNS_DIR)})$")
+_STORE_DIR = re.compile(
+    rf"^(?:(?:{_ARRAY_NAMES})(?:/c(?:/\d+)*)?|{re.escape(RECORDS_DIR)}|{re.escape(RUNS_DIR)}|{re.escape(RESULT_RECORDS_DIR)})$"
+)
 # A store at a bucket's root keeps its lease and marker under the root: they are not the store's.
 _SIBLINGS = {LEASE_SUFFIX, LEASE_LOCK_SUFFIX, DELETING_SUFFIX}
 _BATCH = 500  # keys per delete request on object storage (S3 takes at most 1000)
