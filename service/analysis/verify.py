@@ -137,8 +137,8 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
         damaged.update(s for s in problem.shards if done[s] or problem.array == "shard_done")
     if repair:
         _repair(url, storage_options, sorted(damaged), report)
-    for problem in store.similarity_arrays.record_problems():  # a copied or changed result chunk
-        report.add(CORRUPT, problem)
+    for line in store.similarity_arrays.record_problems():  # a copied or changed result chunk
+        report.add(CORRUPT, line)
     info = store.similarity_info()
     if info is not None and info.get("state") != "ready":
         report.notes.append(

@@ -257,6 +257,39 @@ def test_a_memory_budget_beyond_a_pebibyte_is_refused_naming_it(option, tmp_path
         score_rows([store], [_queries(3, 96)], method="trak", executor="local", **option)
 
 
+def test_a_changed_or_copied_chunk_of_a_score_output_is_refused(tmp_path):
+    """Every output classgrad writes carries digests (issue 60, item 6): a top-k chunk of one
+    query block copied over another's, or the query rows changed, are refused on the next read
+    (a resume of the same request reads them), not returned as the scores."""
+    import shutil
+
+    from classgrad.errors import CorruptChunkError
+    from classgrad.store.score_output import ScoreOutput
+
+    store, _ = _store(tmp_path / "s", num_classes=40, dim=24, col_chunk=8, shard_rows=16)
+    out = str(tmp_path / "scores.zarr")
+    q = _queries(24, 24)
+    first = score_rows([store], [q], method="dot", top_k=3, block_rows=8, executor="local", out=out)
+    assert ScoreOutput.open(out).read_topk()[0].shape == (24, 3)
+    shutil.copyfile(
+        tmp_path / "scores.zarr" / "topk_row" / "c" / "0" / "0", tmp_path / "scores.zarr" / "topk_row" / "c" / "1" / "0"
+    )
+    with pytest.raises(
+        CorruptChunkError, match=r"topk_row of query block 1 \(queries 8-15\) does not match its record"
+    ):
+        score_rows([store], [q], method="dot", top_k=3, block_rows=8, executor="local", out=out)  # a resume
+    shutil.rmtree(out)  # what the refusal says to do
+    score_rows([store], [q], method="dot", top_k=3, block_rows=8, executor="local", out=out)
+    group = zarr.open_group(out, mode="r+")
+    rows = group["query_rows"][...]
+    rows[0, 3, 0] += 1.0
+    group["query_rows"][...] = rows
+    zarr.open_group(out, mode="r+")["block_done"][1] = 0  # a resume that must score block 1 again
+    with pytest.raises(CorruptChunkError, match="its query rows do not match their digest"):
+        score_rows([store], [q], method="dot", top_k=3, block_rows=8, executor="local", out=out)
+    assert first.rows.shape == (24, 3)
+
+
 def test_the_readme_score_snippet_runs(tmp_path):
     """The README's `classgrad score` Python snippet, as written, on a smaller store of the demo's job."""
     from pathlib import Path

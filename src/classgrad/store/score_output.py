@@ -14,6 +14,9 @@ Layout (dimension names in brackets; xarray-readable, ``xr.open_zarr(url)``):
 - ``query_rows`` float32 [checkpoint, query, column]: the query rows scored (one set per store),
   written once at creation, so that a resumed run scores exactly the same rows.
 - ``block_done`` uint8 [block]: 1 once a query block's results are written (the resume mark).
+- ``score_records/<block>.json``: the xxh3-128 digest of each chunk the block wrote (bound to the
+  array, the request and the chunk's place), written before its mark; ``read_topk`` checks them,
+  and the query rows are checked against ``query_rows_digest`` when a resumed run reads them.
 - coordinates ``query`` (0..Q-1), ``group`` (each row's group id as text, for rows of groups),
   ``rank``, ``class_id`` and ``class_name`` (when the stores know names), ``checkpoint``.
 
@@ -32,17 +35,26 @@ import time
 from typing import Any, Literal
 
 import numpy as np
+import xxhash
 import zarr
 from zarr.codecs import BytesCodec
 
-from classgrad.errors import ClassgradError, StoreError, StoreMismatchError, first_line
+from classgrad.errors import ClassgradError, CorruptChunkError, StoreError, StoreMismatchError, first_line
 from classgrad.store.coords import consolidate
 from classgrad.store.format import codecs
 from classgrad.store.location import Location
 
 ATTR = "classgrad_scores"
+RECORDS_DIR = "score_records"  # <block>.json: the digest of each chunk of a done query block
 TOPK_CLASS, TOPK_ROW, TOPK_SCORE = "topk_class_id", "topk_row", "topk_score"
 SCORES, QUERY_ROWS, BLOCK_DONE = "scores", "query_rows", "block_done"
+
+
+def _digest(name: str, request: str, chunk: str, values: np.ndarray) -> str:
+    """A chunk's digest, bound to the array, the output's request and the chunk's place."""
+    h = xxhash.xxh3_128(f"{name}\0{request}\0{chunk}\0{values.dtype.str}{values.shape}".encode())
+    h.update(np.ascontiguousarray(values).tobytes())
+    return h.hexdigest()
 
 
 def request_digest(request: dict) -> str:
@@ -66,6 +78,9 @@ class ScoreOutput:
         self._loc = loc
         self._group = group
         self.info: dict = _attrs(group)
+        # Outputs made before records (no "records" in their attributes) are read unchecked.
+        self._recorded = bool(self.info.get("records"))
+        self._pending: dict[str, dict[str, str]] = {}  # this block's chunk digests, until mark_done
 
     @property
     def url(self) -> str:
@@ -153,6 +168,7 @@ class ScoreOutput:
                 "num_queries": Q,
                 "num_classes": C,
                 "started": time.time(),
+                "records": True,  # each done block's chunk digests in score_records/, checked on read
             }
             coords = (["class_name"] if class_names is not None else []) + (["group"] if groups is not None else [])
             group.attrs.update({ATTR: info, "coordinates": " ".join(coords)})
@@ -192,6 +208,9 @@ class ScoreOutput:
                 rows,
                 {"long_name": "the query rows scored, one set per store (checkpoint)"},
             )
+            # Their digest, checked when a resumed run reads them back to score.
+            info["query_rows_digest"] = _digest(QUERY_ROWS, info["request_digest"], "all", rows)
+            group.attrs.update({ATTR: info})
             k_chunk = (block_rows, max(top_k, 1))
             desc = {"long_name": "best classes per query, best first"}
             make(TOPK_CLASS, (Q, top_k), k_chunk, "int64", ("query", "rank"), -1, attrs=desc)
@@ -221,29 +240,55 @@ class ScoreOutput:
             raise _fail(self.url, "read the done marks of", exc) from None
 
     def query_rows(self, a: int, b: int) -> np.ndarray:
-        """float32 [stores, b - a, width]: the query rows of queries [a, b)."""
-        return np.asarray(self._array(QUERY_ROWS)[:, a:b], dtype=np.float32)
+        """float32 [stores, b - a, width]: the query rows of queries [a, b) (all of them read once
+        and checked against their digest in an output with records)."""
+        if not self._recorded:
+            return np.asarray(self._array(QUERY_ROWS)[:, a:b], dtype=np.float32)
+        rows = np.asarray(self._array(QUERY_ROWS)[...], dtype=np.float32)
+        if _digest(QUERY_ROWS, self.info["request_digest"], "all", rows) != self.info.get("query_rows_digest"):
+            raise CorruptChunkError(
+                f"score output {self.url}: its query rows do not match their digest (changed since it was "
+                f"made); delete {self.url} and score again"
+            )
+        return rows[:, a:b]
 
     def _array(self, name: str) -> Any:
         return self._group[name]
 
+    def _note(self, name: str, chunk: str, values: np.ndarray) -> None:
+        if self._recorded:
+            self._pending.setdefault(name, {})[chunk] = _digest(name, self.info["request_digest"], chunk, values)
+
     def write_topk(self, a: int, rows: np.ndarray, class_ids: np.ndarray, scores: np.ndarray) -> None:
+        parts: list[tuple[str, np.ndarray]] = [
+            (TOPK_ROW, np.asarray(rows, np.int64)),
+            (TOPK_CLASS, np.asarray(class_ids, np.int64)),
+            (TOPK_SCORE, scores.astype(np.float32)),
+        ]
         try:
             b = a + len(rows)
-            self._array(TOPK_ROW)[a:b] = rows
-            self._array(TOPK_CLASS)[a:b] = class_ids
-            self._array(TOPK_SCORE)[a:b] = scores.astype(np.float32)
+            for name, values in parts:
+                self._array(name)[a:b] = values
+                self._note(name, str(a), values)
         except Exception as exc:
             raise _fail(self.url, f"write the top-k of queries [{a}, {a + len(rows)}) to", exc) from None
 
     def write_scores(self, a: int, j0: int, values: np.ndarray) -> None:
+        values = values.astype(np.float32)
         try:
-            self._array(SCORES)[a : a + values.shape[0], j0 : j0 + values.shape[1]] = values.astype(np.float32)
+            self._array(SCORES)[a : a + values.shape[0], j0 : j0 + values.shape[1]] = values
         except Exception as exc:
             raise _fail(self.url, f"write the scores of queries from {a} to", exc) from None
+        self._note(SCORES, f"{a},{j0}", values)
 
     def mark_done(self, block: int) -> None:
+        """Query block ``block`` done: its record (the digest of each chunk written) first, then
+        its mark."""
         try:
+            if self._recorded:
+                record = {"block": block, "digests": self._pending}
+                self._loc.write_bytes(f"{RECORDS_DIR}/{block}.json", json.dumps(record).encode())
+                self._pending = {}
             self._array(BLOCK_DONE)[block] = 1
         except Exception as exc:
             raise _fail(self.url, f"mark query block {block} done in", exc) from None
@@ -260,9 +305,24 @@ class ScoreOutput:
         self._consolidate()
 
     def read_topk(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, class ids, scores) of every query's top-k."""
-        return (
-            np.asarray(self._array(TOPK_ROW)[...]),
-            np.asarray(self._array(TOPK_CLASS)[...]),
-            np.asarray(self._array(TOPK_SCORE)[...]),
-        )
+        """(rows, class ids, scores) of every query's top-k; in an output with records, each
+        done block's part checked against its record (a copied or changed chunk is refused)."""
+        out = tuple(np.asarray(self._array(name)[...]) for name in (TOPK_ROW, TOPK_CLASS, TOPK_SCORE))
+        if self._recorded:
+            br = int(self.info["block_rows"])
+            done = self.block_done()
+            names = [data for data in self._loc.read_many([f"{RECORDS_DIR}/{b}.json" for b in np.flatnonzero(done)])]
+            for b, data in zip(np.flatnonzero(done).tolist(), names, strict=True):
+                try:
+                    digests = json.loads(data)["digests"] if data is not None else {}
+                except (ValueError, KeyError, TypeError):
+                    digests = {}
+                for name, values in zip((TOPK_ROW, TOPK_CLASS, TOPK_SCORE), out, strict=True):
+                    got = _digest(name, self.info["request_digest"], str(b * br), values[b * br : (b + 1) * br])
+                    if digests.get(name, {}).get(str(b * br)) != got:
+                        raise CorruptChunkError(
+                            f"score output {self.url}: {name} of query block {b} (queries {b * br}-"
+                            f"{min((b + 1) * br, len(values)) - 1}) does not match its record (changed, copied or "
+                            f"lost); delete {self.url} and score again"
+                        )
+        return out  # type: ignore[return-value]
