@@ -38,7 +38,7 @@ from classgrad.service.analysis.plot import (
     require_matplotlib,
     save_png,
 )
-from classgrad.store.grad_log import LogReader, open_log_reader
+from classgrad.store.grad_log import LogReader, missing_windows, open_log_reader
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +117,16 @@ def plot_log(
 ) -> dict:
     """Write the PNGs of the training log at ``url`` into ``out_dir``; return what was written.
     ``windows``: those whose class similarity is drawn (``pick_windows``; default the last done
-    one); ``options``: ``PlotConfig`` fields (``top_n``, ``metric``, ``dpi``, ``block_mb``)."""
+    one; the norms span every done window, or the windows asked for when a window is missing);
+    ``options``: ``PlotConfig`` fields (``top_n``, ``metric``, ``dpi``, ``block_mb``)."""
     config: PlotConfig = validated(PlotConfig, "plot", **options)
     require_matplotlib()
     reader = open_log_reader(url, storage_options=storage_options)
-    done = pick_windows(reader, "all")
     chosen = pick_windows(reader, "last" if windows is None else windows)
+    if windows is not None and missing_windows(reader.done):  # the windows asked for, not across a hole
+        done = [w for w in reader.done if min(chosen) <= w <= max(chosen)]
+    else:
+        done = pick_windows(reader, "all")  # refused when a window below the last is missing
     norms = window_norms(reader, done)
     total = norms.sum(axis=0)
     top = np.argsort(-total, kind="stable")[: config.top_n]

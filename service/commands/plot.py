@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--windows",
         metavar="W",
         help="a training log: the windows whose class similarity is drawn, as indices and ranges such as 0-3,7, "
-        "all or last (default: last); the norms are drawn for every done window",
+        "all or last (default: last); the norms are drawn for every done window (for these windows when "
+        "a window of the log is missing)",
     )
 
 

@@ -75,6 +75,10 @@ def test_all_windows_of_a_log_with_a_hole_is_refused_and_a_range_without_it_is_r
     err = capsys.readouterr().err.strip()
     assert "lacks window(s) 2 among its done windows 0-1, 3: --windows all would leave them out" in err
     assert "\n" not in err
+    # plot: its norms span every window, so it refuses too, unless windows without the hole are named.
+    assert cli_main(["plot", str(log), "--out", str(log.parent / "png")]) == 2
+    assert "lacks window(s) 2" in capsys.readouterr().err
+    assert cli_main(["plot", str(log), "--out", str(log.parent / "png"), "--windows", "3", "--dpi", "40"]) == 0
 
 
 @pytest.mark.parametrize("damage", ["delete", "flip", "copy"])
