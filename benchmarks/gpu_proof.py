@@ -26,6 +26,8 @@ time limit cuts the long tail of ``speed`` rather than it):
   its first shard, then a warm shard with the rows' copy to the host on its side stream (beside
   the next block's compute) against the same loop with the copy on the compute stream, and
   against the engine alone over the same shard.
+- ``grad_log``: ``GradLog.step`` on ResNet-18 at C = 10,000, k = 4,096, windows of 10, the
+  background writer on, against a plain training step (``benchmarks/gpu_log_step.py``).
 - ``syncs``: issue 46's reads from the device on the device itself: warm ``per_class_gradients``
   calls (the MLP, tiny BERT and GPT-2 of ``tests/unit/test_host_reads.py``, full and projected)
   under ``torch.cuda.set_sync_debug_mode("warn")``, synchronising calls counted per run (target:
@@ -68,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.gpu_log_step import grad_log_step
 
 log = logging.getLogger("gpu_proof")
 
@@ -538,7 +542,7 @@ def _write(path: Path, text: str) -> None:
 STARTED = time.perf_counter()
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "env": env, "exact": exact, "cuda_tests": cuda_tests, "scaler": scaler, "headline": headline, "actor": actor,
-    "syncs": syncs, "projection": projection, "speed": speed,
+    "grad_log": grad_log_step, "syncs": syncs, "projection": projection, "speed": speed,
 }  # fmt: skip
 
 
