@@ -192,3 +192,34 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_log(log):
     with pytest.raises(LeaseHeldError, match="lost its lease"):
         second.close()  # writes window 4: refused, not marked done
     assert read_log(str(log))["window"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_windows_chunk_files_are_the_bytes_zarr_writes(tmp_path):
+    """A new log's windows are written straight as chunk files (zarr's pipeline wrote them at a
+    tenth of numpy.save's speed): byte for byte what zarr writes for the same values, edge chunks
+    (C = 300: rows 256-299 of 256) included."""
+    from classgrad.store.grad_log import LogSpec, open_log
+
+    spec = LogSpec(num_classes=300, width=16, window=2, layout=[["w", [16]]], projection=None, model="M")
+    rng = np.random.default_rng(0)
+    values = (
+        rng.standard_normal((300, 16)).astype(np.float32),
+        rng.standard_normal((300, 16)).astype(np.float32),
+        rng.integers(0, 5, 300),
+        rng.standard_normal(300),
+    )
+    direct = open_log(str(tmp_path / "direct.zarr"), spec)
+    direct.write_window(1, *values, (2, 4))
+    by_zarr = open_log(str(tmp_path / "zarr.zarr"), spec)
+    for name, value in zip(
+        ("grads", "lr_grads", "count", "loss_sum", "steps"), (*values, np.array([2, 4])), strict=True
+    ):
+        array = by_zarr.group[name]
+        array.resize((2, *array.shape[1:]))
+        array[1] = value
+    files = sorted(
+        p.relative_to(tmp_path / "direct.zarr") for p in (tmp_path / "direct.zarr").rglob("c/*/**/*") if p.is_file()
+    )
+    assert len(files) == 2 * 2 + 3  # grads and lr_grads: two row chunks each; count, loss_sum, steps
+    for rel in files:
+        assert (tmp_path / "direct.zarr" / rel).read_bytes() == (tmp_path / "zarr.zarr" / rel).read_bytes(), rel

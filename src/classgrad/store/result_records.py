@@ -15,18 +15,20 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from classgrad.errors import CorruptChunkError, StoreError, first_line
 from classgrad.store.location import Location
+from classgrad.store.records import chunk_digest
 
 RECORDS_DIR = "similarity_records"
 
 
 def _digest(name: str, run_id: str, j: int, values: np.ndarray) -> str:
-    h = xxhash.xxh3_128(f"{name}\0{run_id}\0{j}\0{values.dtype.str}{values.shape}".encode())
-    h.update(np.ascontiguousarray(values).tobytes())
-    return h.hexdigest()
+    # The values' bytes as they are (no copy), after what binds them to their place.
+    return chunk_digest(
+        f"{name}\0{run_id}\0{j}\0{values.dtype.str}{values.shape}",
+        (np.ascontiguousarray(values).reshape(-1).view(np.uint8),),
+    )
 
 
 def chunk_digests(name: str, run_id: str, start: int, values: np.ndarray, chunk_rows: int) -> dict[str, str]:

@@ -35,7 +35,6 @@ import time
 from typing import Any, Literal
 
 import numpy as np
-import xxhash
 import zarr
 from zarr.codecs import BytesCodec
 
@@ -43,6 +42,7 @@ from classgrad.errors import ClassgradError, CorruptChunkError, StoreError, Stor
 from classgrad.store.coords import consolidate
 from classgrad.store.format import codecs
 from classgrad.store.location import Location
+from classgrad.store.records import chunk_digest
 
 ATTR = "classgrad_scores"
 RECORDS_DIR = "score_records"  # <block>.json: the digest of each chunk of a done query block
@@ -52,9 +52,11 @@ SCORES, QUERY_ROWS, BLOCK_DONE = "scores", "query_rows", "block_done"
 
 def _digest(name: str, request: str, chunk: str, values: np.ndarray) -> str:
     """A chunk's digest, bound to the array, the output's request and the chunk's place."""
-    h = xxhash.xxh3_128(f"{name}\0{request}\0{chunk}\0{values.dtype.str}{values.shape}".encode())
-    h.update(np.ascontiguousarray(values).tobytes())
-    return h.hexdigest()
+    # The values' bytes as they are (no copy), after what binds them to their place.
+    return chunk_digest(
+        f"{name}\0{request}\0{chunk}\0{values.dtype.str}{values.shape}",
+        (np.ascontiguousarray(values).reshape(-1).view(np.uint8),),
+    )
 
 
 def request_digest(request: dict) -> str:
