@@ -81,6 +81,8 @@ def imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
+        elif (literal := import_module_literal(node)) is not None:
+            names.add(literal)  # importlib.import_module("classgrad...."): an import like any other
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
@@ -94,6 +96,17 @@ def imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
             if len(submodules) < len(node.names):
                 names.add(target)
     return names
+
+
+def import_module_literal(node: ast.AST) -> str | None:
+    """The module named by ``importlib.import_module("...")`` (or ``import_module("...")``) with a
+    literal string; None for anything else (a user's factory path is not a literal)."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    value = node.args[0].value
+    return value if name == "import_module" and isinstance(value, str) else None
 
 
 def module_edges() -> dict[str, set[str]]:
@@ -181,10 +194,18 @@ def hidden_crossings() -> list[str]:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("classgrad"):
-                    target = node.module or ""
-                    if side_of(target) != side_of(module):
-                        found.append(f"{path.relative_to(REPO)}:{node.lineno} imports {target} inside {fn.name}()")
+                # `from x import y`, `import x` and importlib.import_module("x") alike.
+                if isinstance(node, ast.ImportFrom):
+                    targets = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    literal = import_module_literal(node)
+                    targets = [literal] if literal is not None else []
+                for target in targets:
+                    if target.startswith("classgrad") and side_of(target) != side_of(module):
+                        line = getattr(node, "lineno", 0)
+                        found.append(f"{path.relative_to(REPO)}:{line} imports {target} inside {fn.name}()")
     return found
 
 

@@ -73,3 +73,19 @@ def test_no_source_file_is_over_the_size_limit(folder):
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_layer_check_sees_imports_inside_functions_and_by_import_module(tmp_path):
+    """Issue 58: ``import x`` inside a function and ``importlib.import_module("classgrad...")``
+    with a literal name were not checked (only ``from x import y`` was)."""
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import importlib\n"
+        "def f():\n"
+        "    import classgrad.service.runtime.driver\n"
+        "    importlib.import_module('classgrad.service.commands.cli')\n"
+        "    importlib.import_module(user_path)\n"  # a user's factory: not a literal, not an edge
+    )
+    names = graph.imported_names("classgrad.store.m", source, set())
+    assert {"classgrad.service.runtime.driver", "classgrad.service.commands.cli"} <= names
+    assert not any(n == "user_path" for n in names)
