@@ -223,3 +223,39 @@ def test_a_windows_chunk_files_are_the_bytes_zarr_writes(tmp_path):
     assert len(files) == 2 * 2 + 3  # grads and lr_grads: two row chunks each; count, loss_sum, steps
     for rel in files:
         assert (tmp_path / "direct.zarr" / rel).read_bytes() == (tmp_path / "zarr.zarr" / rel).read_bytes(), rel
+
+
+def test_a_bfloat16_log_holds_the_float32_sums_rounded_to_8_bits(tmp_path):
+    """``GradLog(dtype="bfloat16")`` (issue 57, item 3): half the bytes; every stored sum is the
+    float32 one rounded to nearest even at 8 significant bits (relative error <= 2**-8 each), read
+    back as float32, checked against its record like a float32 log's; a resume with another dtype
+    is refused naming it."""
+
+    from classgrad.errors import StoreMismatchError
+
+    def logged(url: str, dtype: str) -> dict:
+        model, opt = run.fresh()
+        with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, dtype=dtype) as glog:
+            for step in range(4):
+                x, y = run.batch(step)
+                opt.zero_grad()
+                glog.step(step, model, x, y, opt)
+        return read_log(url)
+
+    f32 = logged(str(tmp_path / "f32.zarr"), "float32")
+    bf16 = logged(str(tmp_path / "bf16.zarr"), "bfloat16")
+    for name in ("grads", "lr_grads"):
+        a, b = f32[name], bf16[name]
+        assert b.dtype == np.float32 and b.shape == a.shape
+        # Round to nearest at 8 significant bits: each value within half a unit (2**-8) of its own.
+        assert (np.abs(b - a) <= 2.0**-8 * np.abs(a)).all(), name
+        assert (b != a).any()  # rounded, not float32 in disguise
+    assert np.array_equal(f32["count"], bf16["count"]) and np.array_equal(f32["steps"], bf16["steps"])
+    stored = sum(p.stat().st_size for p in (tmp_path / "bf16.zarr" / "grads" / "c").rglob("*") if p.is_file())
+    full = sum(p.stat().st_size for p in (tmp_path / "f32.zarr" / "grads" / "c").rglob("*") if p.is_file())
+    assert 2 * stored == full  # the chunks: half the bytes
+    model, _ = run.fresh()
+    with pytest.raises(StoreMismatchError, match=r"dtype: the log's \"bfloat16\", this run's \"float32\""):
+        GradLog(str(tmp_path / "bf16.zarr"), model, run.C, window=run.WINDOW, dim=run.DIM, start_step=4)
+    with pytest.raises(InputError, match="dtype must be one of float32, bfloat16"):
+        GradLog(str(tmp_path / "f16.zarr"), model, run.C, window=run.WINDOW, dim=run.DIM, dtype="float16")

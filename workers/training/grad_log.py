@@ -41,7 +41,7 @@ from torch import nn
 
 from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
-from classgrad.store.grad_log import GradLogStore, LogSpec, is_log, open_log, open_log_reader
+from classgrad.store.grad_log import LOG_DTYPES, GradLogStore, LogSpec, is_log, open_log, open_log_reader
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector, recorded_structure
 from classgrad.workers.training.batch_rows import batch_loss_vector
@@ -64,7 +64,9 @@ class GradLog:
     log that holds windows, and refused when a window before it was never written); ``background``:
     a finished window is written while the next one's steps run (``window_sums``; two sets of
     sums in memory), else the step that ends a window waits for its write (default: in the
-    background when the model is on a GPU)."""
+    background when the model is on a GPU); ``dtype``: how the windows' sums are stored,
+    ``float32`` or ``bfloat16`` (half the bytes, 8 significant bits: benchmarks/RESULTS.md has
+    its error against float32); readers get float32 either way."""
 
     def __init__(
         self,
@@ -81,9 +83,12 @@ class GradLog:
         storage_options: dict | None = None,
         overwrite: bool = False,
         background: bool | None = None,
+        dtype: str = "float32",
     ):
         if not isinstance(window, int) or window < 1:
             raise InputError(f"GradLog: window must be an integer >= 1, got {window!r}")
+        if dtype not in LOG_DTYPES:
+            raise InputError(f"GradLog: dtype must be one of {', '.join(LOG_DTYPES)}, got {dtype!r}")
         if start_step is not None and (not isinstance(start_step, int) or start_step < 0 or start_step % window):
             raise InputError(
                 f"GradLog: start_step must be a multiple of window ({window}) >= 0, got {start_step!r}: resume "
@@ -119,6 +124,7 @@ class GradLog:
             layout=[[s.name, list(s.shape)] for s in self.layout.slots],
             projection=record,
             model=type(model).__qualname__,
+            dtype=dtype,
         )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.writer = not self.distributed or dist.get_rank() == 0  # one rank writes the log

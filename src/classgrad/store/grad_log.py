@@ -40,6 +40,7 @@ from zarr.core.metadata import ArrayV3Metadata
 
 from classgrad.errors import StoreError, StoreIncompleteError, StoreMismatchError, first_line
 from classgrad.store.direct_write import write_file
+from classgrad.store.encoding import bf16_bits_to_f32, f32_to_bf16_bits
 from classgrad.store.lease import HeldLease, StoreLease
 from classgrad.store.location import Location, local_path
 from classgrad.store.log_records import RECORDS_ATTR, WindowRecords, checked_rows, window_digests
@@ -48,6 +49,11 @@ SPEC_ATTR = "grad_log"
 DONE_ATTR = "done_windows"
 GENERATION_ATTR = "generation"  # a random id per creation of a log at its url
 LOG_LEASE_TTL_S = 300.0  # a writer renews its lease every third of it, at a step
+# How a window's sums are stored: float32, or bfloat16 (uint16 bits, the high half of float32
+# rounded to nearest even: float32's range, 8 significant bits; float16 would overflow sums
+# above 65,504 without per-row scales). Readers get float32 either way.
+LOG_DTYPES = ("float32", "bfloat16")
+SUM_ARRAYS = ("grads", "lr_grads")
 LOG_CODECS = ("none", "zstd")  # how a new log's chunks are stored (logs made before: zstd, kept)
 ROW_CHUNK = 256  # classes per chunk of grads: a window's chunk of 256 x 4,096 floats is 4 MiB
 DIMS = {
@@ -63,7 +69,8 @@ DIMS = {
 class LogSpec:
     """``num_classes`` rows of ``width`` columns per window of ``window`` steps; ``layout``: the
     model's selected parameters (name, shape) in row order; ``projection``: the map's record
-    (None: whole rows); ``model``: the caller's fingerprint of the model (e.g. its class)."""
+    (None: whole rows); ``model``: the caller's fingerprint of the model (e.g. its class);
+    ``dtype``: how ``grads`` and ``lr_grads`` are stored (``LOG_DTYPES``)."""
 
     num_classes: int
     width: int
@@ -71,6 +78,7 @@ class LogSpec:
     layout: list = field(default_factory=list)
     projection: dict | None = None
     model: str = ""
+    dtype: str = "float32"  # of grads and lr_grads: float32, or bfloat16 (half the bytes; logs before: float32)
 
     def differences(self, other: LogSpec) -> list[str]:
         mine, theirs = asdict(self), asdict(other)
@@ -209,8 +217,8 @@ class GradLogStore:
     ) -> None:
         """Window ``w``'s arrays (the arrays grow to hold it); not done until ``mark_done``."""
         values = {
-            "grads": grads.astype(np.float32, copy=False),
-            "lr_grads": lr_grads.astype(np.float32, copy=False),
+            "grads": self._stored(grads, w),
+            "lr_grads": self._stored(lr_grads, w),
             "count": count,
             "loss_sum": loss_sum,
             "steps": np.asarray(steps, dtype=np.int64),
@@ -228,6 +236,16 @@ class GradLogStore:
             chunks[name] = int(array.chunks[1])
         if self.records is not None:
             self._pending[w] = window_digests(w, values, chunks)
+
+    def _stored(self, sums: np.ndarray, w: int) -> np.ndarray:
+        """A window's sums as stored: float32, or bfloat16 bits (refused where they round to inf)."""
+        x = sums.astype(np.float32, copy=False)
+        if self.spec.dtype != "bfloat16":
+            return x
+        bits = f32_to_bf16_bits(x)
+        if ((bits & np.uint16(0x7FFF)) == np.uint16(0x7F80)).any():
+            raise StoreError(f"grad log {self.url}: window {w}'s sums leave bfloat16's range; not written")
+        return bits
 
     def mark_done(self, w: int) -> None:
         """Window ``w`` done: its record first (the digests of what ``write_window`` wrote), then
@@ -321,10 +339,13 @@ def _open_log(
             _array(group, name, url)
         records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
         return GradLogStore(group, spec, url, records, lease)
+    if spec.dtype not in LOG_DTYPES:
+        raise StoreError(f"grad log {url}: dtype must be one of {', '.join(LOG_DTYPES)}, got {spec.dtype!r}")
     c, k = spec.num_classes, spec.width
+    stored = "uint16" if spec.dtype == "bfloat16" else "float32"
     shapes = {
-        "grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), "float32"),
-        "lr_grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), "float32"),
+        "grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), stored),
+        "lr_grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), stored),
         "count": ((0, c), (1, c), "int64"),
         "loss_sum": ((0, c), (1, c), "float64"),
         "steps": ((0, 2), (1, 2), "int64"),
@@ -393,7 +414,10 @@ class LogReader:
         expected = None if self.records is None else self.records.get(w).get(name)
         if self.records is not None and expected is None:
             raise StoreError(f"grad log {self.url}: the record of window {w} has no digests of {name}")
-        return checked_rows(_array(self.group, name, self.url), name, w, index, expected, self.url)
+        values = checked_rows(_array(self.group, name, self.url), name, w, index, expected, self.url)
+        if self.spec.dtype == "bfloat16" and name in SUM_ARRAYS:
+            return bf16_bits_to_f32(values)  # float32 true values, whatever the stored dtype
+        return values
 
 
 def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogReader:
@@ -421,6 +445,7 @@ def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.n
     out = {"window": np.asarray(reader.done, dtype=np.int64)}
     for name in DIMS:
         values = [reader.read(name, w) for w in reader.done]  # each window's chunks checked
-        empty = np.zeros((0, *_array(reader.group, name, url).shape[1:]), dtype=_array(reader.group, name, url).dtype)
-        out[name] = np.stack(values) if values else empty
+        array = _array(reader.group, name, url)
+        dtype = np.float32 if name in SUM_ARRAYS else array.dtype  # sums read as float32 (bfloat16 decoded)
+        out[name] = np.stack(values) if values else np.zeros((0, *array.shape[1:]), dtype=dtype)
     return out
