@@ -215,7 +215,8 @@ class GradLogStore:
         loss_sum: np.ndarray,
         steps: tuple[int, int],
     ) -> None:
-        """Window ``w``'s arrays (the arrays grow to hold it); not done until ``mark_done``."""
+        """Window ``w``'s arrays (the arrays grow to hold it); not done until ``mark_done``. With
+        ``spec.dtype`` bfloat16, ``grads`` and ``lr_grads`` may come as their uint16 bits."""
         values = {
             "grads": self._stored(grads, w),
             "lr_grads": self._stored(lr_grads, w),
@@ -238,11 +239,11 @@ class GradLogStore:
             self._pending[w] = window_digests(w, values, chunks)
 
     def _stored(self, sums: np.ndarray, w: int) -> np.ndarray:
-        """A window's sums as stored: float32, or bfloat16 bits (refused where they round to inf)."""
-        x = sums.astype(np.float32, copy=False)
+        """A window's sums as stored: float32, or bfloat16 bits (given as uint16 bits already
+        rounded, or as float32; refused where they round to inf)."""
         if self.spec.dtype != "bfloat16":
-            return x
-        bits = f32_to_bf16_bits(x)
+            return sums.astype(np.float32, copy=False)
+        bits = sums if sums.dtype == np.uint16 else f32_to_bf16_bits(sums.astype(np.float32, copy=False))
         if ((bits & np.uint16(0x7FFF)) == np.uint16(0x7F80)).any():
             raise StoreError(f"grad log {self.url}: window {w}'s sums leave bfloat16's range; not written")
         return bits
