@@ -746,3 +746,17 @@ def write_report(out: str | Path, report: dict[str, Any]) -> Path:
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"\nwrote {out}")
     return out
+
+
+def tree_setup_code(tree: str | None) -> str:
+    """Python code that points this venv's editable install of classgrad at another checkout
+    (its three source folders), to run before ``classgrad`` is imported in a child process: the
+    code before a change, timed on the same machine (``--tree`` of the benchmarks)."""
+    if tree is None:
+        return ""
+    return (
+        "import __editable___classgrad_0_1_0_finder as finder\n"
+        f"root = {str(tree)!r}\n"
+        "finder.MAPPING.update({'classgrad': root + '/src/classgrad', 'classgrad.service': root + '/service',"
+        " 'classgrad.workers': root + '/workers'})\n"
+    )

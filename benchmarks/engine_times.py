@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import tree_setup_code
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = "bert,gpt2,vit,resnet,lstm,ln_mlp"
 
@@ -57,10 +59,7 @@ def in_tree(tree: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     pointed at it before ``classgrad`` is imported)."""
     code = (
         "import json, sys\n"
-        "import __editable___classgrad_0_1_0_finder as finder\n"
-        f"root = {str(tree)!r}\n"
-        "finder.MAPPING.update({'classgrad': root + '/src/classgrad', 'classgrad.service': root + '/service',"
-        " 'classgrad.workers': root + '/workers'})\n"
+        f"{tree_setup_code(str(tree))}"
         "from benchmarks.engine_times import measure\n"
         f"print(json.dumps(measure({args.models!r}, {args.classes}, {args.dim}, {args.reps})))\n"
     )

@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import print_table, print_targets, write_report
+from benchmarks.common import print_table, print_targets, tree_setup_code, write_report
 
 OUT = Path(__file__).resolve().parent / "out" / "store_metadata.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,22 +99,9 @@ sim.SimulatedObjectStore.latency_s = {latency}
 """
 
 
-def tree_setup(tree: str | None) -> str:
-    """Code that points the editable install at another checkout before ``classgrad`` is imported
-    (as ``engine_times.py --tree``): the store built and read by that code."""
-    if tree is None:
-        return ""
-    return (
-        "import __editable___classgrad_0_1_0_finder as finder\n"
-        f"root = {tree!r}\n"
-        "finder.MAPPING.update({'classgrad': root + '/src/classgrad', 'classgrad.service': root + '/service',"
-        " 'classgrad.workers': root + '/workers'})\n"
-    )
-
-
 def build_in(tree: str, url: str, classes: int, dim: int, shard_rows: int) -> float:
     call = f"build({url!r}, {classes}, {dim}, {shard_rows})"
-    code = f"{tree_setup(tree)}from benchmarks.store_metadata import build\nprint({call})\n"
+    code = f"{tree_setup_code(tree)}from benchmarks.store_metadata import build\nprint({call})\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     return float(done.stdout.strip().splitlines()[-1])
 
@@ -129,7 +116,7 @@ def timed_child(name: str, url: str, latency_ms: float | None = None, tree: str 
             setup = _SIM.format(local=url, url=target, latency=latency_ms / 1e3)
         code = (
             # classgrad imported before the clock: the operation alone (an actor has it imported)
-            f"import json, time\n{tree_setup(tree)}import classgrad.store\n{setup}\nURL = {target!r}\n"
+            f"import json, time\n{tree_setup_code(tree)}import classgrad.store\n{setup}\nURL = {target!r}\n"
             "t0 = time.perf_counter()\n"
             f"{_CHILD[name]}\n"
             "print(time.perf_counter() - t0)\n"

@@ -17,6 +17,7 @@ Also holds what the driver and ``classgrad estimate`` share with it: ``build_pro
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -144,13 +145,8 @@ class GradientWorker:
         set's targets as the driver gathered them (an array; Ray hands every actor of a node
         the one copy the driver put), so that this actor reads only the samples its shards need
         and hashes none: the probe set's digest is the driver's (``identity``)."""
-        try:
+        with secrets_hidden():  # Ray logs what an actor raises: never the secrets in it
             self._build(config, num_threads, run_id, identity, probe_targets)
-        except Exception as exc:
-            hidden = redacted(exc)
-            if hidden is exc:
-                raise
-            raise hidden from None  # Ray logs what an actor raises: never the secrets in it
 
     def _build(
         self, config: dict, num_threads: int | None, run_id: str | None, identity: dict | None, probe_targets: Any
@@ -187,13 +183,8 @@ class GradientWorker:
 
     def compute_shard(self, shard: int, attempt: int = 1) -> dict[str, Any]:
         """Compute and store every row of ``shard``; return a small report."""
-        try:
+        with secrets_hidden():
             return self._compute_shard(shard, attempt)
-        except Exception as exc:
-            hidden = redacted(exc)
-            if hidden is exc:
-                raise
-            raise hidden from None
 
     def _compute_shard(self, shard: int, attempt: int) -> dict[str, Any]:
         start, stop = self.store.shard_range(shard)
@@ -241,6 +232,19 @@ class GradientWorker:
                 f"run {self.run_id!r} no longer holds the lease of {self.store.url} (held by {holder!r}); "
                 f"shard {shard} is not computed nor marked done"
             )
+
+
+@contextlib.contextmanager
+def secrets_hidden() -> Iterator[None]:
+    """Re-raise an exception of the block with its text redacted (``redacted``; its cause
+    dropped), or as it is when there is nothing to hide."""
+    try:
+        yield
+    except Exception as exc:
+        hidden = redacted(exc)
+        if hidden is exc:
+            raise
+        raise hidden from None
 
 
 def redacted(exc: Exception) -> Exception:

@@ -9,13 +9,11 @@ the similarity result's). The checks of the chunks themselves are in ``scan``.
 
 from __future__ import annotations
 
-import numpy as np
 import zarr
 
 from classgrad.errors import StoreError, first_line
-from classgrad.store.coords import consolidated_problems, coordinate_problems
+from classgrad.store.coords import consolidated_problems, coordinate_problems, recorded_names
 from classgrad.store.format import (
-    CLASS_NAME,
     READABLE_VERSIONS,
     SIM,
     SIM_INDEX,
@@ -25,7 +23,6 @@ from classgrad.store.format import (
     array_table,
     check_layout,
     check_metadata_digest,
-    names_digest,
     spec_from_meta,
 )
 from classgrad.store.location import Location, probe
@@ -114,15 +111,8 @@ def _check_coordinates(loc: Location, meta: dict) -> list[str]:
     problems = coordinate_problems(group, spec)
     record = meta.get("class_names")
     if isinstance(record, dict):  # format 4: the names are the array's, checked by their digest
-        try:
-            node = group.get(CLASS_NAME)
-            names = [str(n) for n in np.asarray(node[...]).tolist()] if isinstance(node, zarr.Array) else None
-        except Exception as exc:
-            return [*problems, f"coordinate {CLASS_NAME!r} cannot be read: {first_line(exc, with_type=True)}"]
-        if names is None:
-            problems.append(f"coordinate {CLASS_NAME!r} is missing (format 4 keeps the class names there)")
-        elif len(names) != record.get("count") or names_digest(names) != record.get("sha256"):
-            problems.append(f"coordinate {CLASS_NAME!r} differs from the store's metadata (the names' digest)")
+        _, problem = recorded_names(group, record)
+        problems += [problem] if problem else []
     return problems
 
 

@@ -29,6 +29,7 @@ from classgrad.store.format import (
     PARAM_SIZE,
     StoreSpec,
     codecs,
+    names_digest,
 )
 from classgrad.store.location import Location, unreadable
 
@@ -167,6 +168,22 @@ def coordinate_problems(group: zarr.Group, spec: StoreSpec) -> list[str]:
         if not same or dims != ARRAY_DIMS[name]:
             out.append(f"coordinate {name!r} differs from the store's metadata (values or dimensions {list(dims)})")
     return out
+
+
+def recorded_names(group: zarr.Group, record: dict) -> tuple[tuple[str, ...] | None, str | None]:
+    """Format 4's class names from their coordinate array, checked against the attributes'
+    ``record`` ({array, count, sha256}): (the names, None), or (None, what is wrong with them,
+    in words starting with the array's name): what the store's reader and ``verify`` both use."""
+    try:
+        node = group.get(CLASS_NAME)
+        names = tuple(str(n) for n in np.asarray(node[...]).tolist()) if isinstance(node, zarr.Array) else None
+    except Exception as exc:  # a truncated zarr.json, a damaged chunk
+        return None, f"coordinate {CLASS_NAME!r} cannot be read: {type(exc).__name__}: {exc}"
+    if names is None:
+        return None, f"coordinate {CLASS_NAME!r} is missing (format 4 keeps the class names there)"
+    if len(names) != record.get("count") or names_digest(names) != record.get("sha256"):
+        return None, f"coordinate {CLASS_NAME!r} differs from the store's metadata (the names' digest)"
+    return names, None
 
 
 def consolidated_problems(loc: Location) -> list[str]:

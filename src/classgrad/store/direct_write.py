@@ -6,8 +6,9 @@ crc32c as a little-endian uint32, at key ``<name>/c/<i>[/<j>]``), each through a
 and a rename, as Zarr's ``LocalStore`` does; it returns each object's key, size and digest (for
 the shard record, computed from the bytes in memory, never read back). zarr-python's pipeline
 copies every chunk three times (fill, merge, checksum append), which halves write throughput; a
-test checks these files are byte-identical to Zarr's own. Also ``write_file`` (one file written
-whole through a rename, optionally fsync'ed with its directory).
+test checks these files are byte-identical to Zarr's own. Also ``chunk_bytes`` (a chunk's bytes as
+Zarr lays them out, edge chunks padded; the training log's windows use it too) and ``write_file``
+(one file written whole through a rename, optionally fsync'ed with its directory).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import contextlib
 import os
 import struct
 import uuid
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import crc32c
 import numpy as np
@@ -35,7 +36,6 @@ def write_direct(arr: zarr.Array, store_root: str, name: str, start: int, values
     covering rows [start, start + len(values)); ``start`` is a multiple of the row chunk.
     Returns (key, size, digest) of each chunk file written."""
     chunks = arr.chunks
-    little = values.dtype.newbyteorder("<")
     root = os.path.join(store_root, name, "c")
     written: list[WrittenChunk] = []
     rc = chunks[0]
@@ -50,19 +50,25 @@ def write_direct(arr: zarr.Array, store_root: str, name: str, start: int, values
             parts = [(row_dir, str(c0 // cc), rows[:, c0 : c0 + cc]) for c0 in range(0, values.shape[1], cc)]
         os.makedirs(parts[0][0], exist_ok=True)
         for directory, leaf, block in parts:
-            if block.shape != chunks:
-                # Zarr stores edge chunks full size, padded with the fill value.
-                full = np.full(chunks, arr.fill_value, dtype=little)
-                full[tuple(slice(0, n) for n in block.shape)] = block
-                block = full
-            # ndarray supports the buffer protocol, but numpy's stubs do not declare __buffer__.
-            data = memoryview(cast("Buffer", np.ascontiguousarray(block, dtype=little))).cast("B")
+            data = chunk_bytes(block, chunks, arr.fill_value)
             path = os.path.join(directory, leaf)
             trailer = struct.pack("<I", crc32c.crc32c(data))
             write_file(path, (data, trailer))
             key = os.path.relpath(path, store_root).replace(os.sep, "/")
             written.append((key, data.nbytes + len(trailer), chunk_digest(key, (data, trailer))))
     return written
+
+
+def chunk_bytes(block: np.ndarray, chunks: tuple[int, ...], fill: Any) -> memoryview:
+    """A chunk's bytes as Zarr's bytes codec lays them out: little-endian, an edge chunk padded
+    to the full chunk shape with the fill value."""
+    little = block.dtype.newbyteorder("<")
+    if block.shape != tuple(chunks):
+        full = np.full(chunks, fill, dtype=little)
+        full[tuple(slice(0, n) for n in block.shape)] = block
+        block = full
+    # ndarray supports the buffer protocol, but numpy's stubs do not declare __buffer__.
+    return memoryview(cast("Buffer", np.ascontiguousarray(block, dtype=little))).cast("B")
 
 
 def write_file(path: str, parts: tuple, *, sync: bool = False) -> None:

@@ -39,7 +39,7 @@ from zarr.codecs import BytesCodec, ZstdCodec
 from zarr.core.metadata import ArrayV3Metadata
 
 from classgrad.errors import StoreError, StoreIncompleteError, StoreMismatchError, first_line
-from classgrad.store.direct_write import write_file
+from classgrad.store.direct_write import chunk_bytes, write_file
 from classgrad.store.encoding import bf16_bits_to_f32, f32_to_bf16_bits
 from classgrad.store.lease import HeldLease, StoreLease
 from classgrad.store.location import Location, local_path
@@ -135,19 +135,12 @@ def _write_plain(array: zarr.Array, root: str, name: str, w: int, value: np.ndar
     through a rename: zarr's pipeline wrote a window at about a tenth of ``numpy.save``'s speed
     (``benchmarks/training_log.py --parts``). Reads go through zarr, and the window's record."""
     chunk = array.chunks[1:]
-    little = value.dtype.newbyteorder("<")
     rc = chunk[0]
     for j, r0 in enumerate(range(0, value.shape[0], rc)):
-        block = value[r0 : r0 + rc]
-        if block.shape != chunk:
-            full = np.full(chunk, array.fill_value, dtype=little)
-            full[tuple(slice(0, n) for n in block.shape)] = block
-            block = full
-        data = np.ascontiguousarray(block, dtype=little)
         leaf = [str(w), str(j)] + ["0"] * (len(chunk) - 1)
         path = os.path.join(root, name, "c", *leaf)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_file(path, (data.tobytes() if data.ndim == 0 else data.data.cast("B"),))
+        write_file(path, (chunk_bytes(value[r0 : r0 + rc], chunk, array.fill_value),))
 
 
 def missing_windows(done: list[int]) -> list[int]:

@@ -30,7 +30,7 @@ import zarr
 
 from classgrad.errors import ClassgradError, StoreError, first_line
 from classgrad.store.arrays import StoreArrays
-from classgrad.store.coords import consolidated_problems
+from classgrad.store.coords import consolidated_problems, recorded_names
 from classgrad.store.format import (
     ARRAYS,
     ATTR_KEY,
@@ -40,7 +40,6 @@ from classgrad.store.format import (
     RUNS_DIR,
     StoreSpec,
     array_problems,
-    names_digest,
     spec_from_meta,
 )
 from classgrad.store.grad_log import SPEC_ATTR as LOG_SPEC_ATTR
@@ -116,6 +115,7 @@ class GradStore:
         self._class_ids.flags.writeable = False
         self._checking = checking
         self._names: tuple[str, ...] | None = None  # format 4's class names, once read
+        self._named: tuple[StoreSpec, StoreSpec] | None = None  # (spec, the spec with those names)
         self._digests: RecordedDigests | None = None
         if self.format_version >= 2:  # format 1 has no records
             self._digests = RecordedDigests(url, object_rows(self._arrays), self._spec.shard_rows, self.generation)
@@ -178,9 +178,12 @@ class GradStore:
     @property
     def spec(self) -> StoreSpec:
         """What the store was created from (format 4's class names read from their array)."""
-        if self._spec.class_names is None and isinstance(self._meta.get("class_names"), dict):
-            return dataclasses.replace(self._spec, class_names=tuple(self.class_names or ()))
-        return self._spec
+        names = self._names_in_array()
+        if names is None:
+            return self._spec
+        if self._named is None or self._named[0] is not self._spec:  # once per spec, not per call
+            self._named = (self._spec, dataclasses.replace(self._spec, class_names=names))
+        return self._named[1]
 
     @property
     def num_classes(self) -> int:
@@ -229,31 +232,25 @@ class GradStore:
         """Each row's class name (None: the classes have no names). Format 4 keeps them in
         the ``class_name`` coordinate array, read when first asked for and checked against the
         digest the attributes record (the names never enter the group's zarr.json)."""
-        names = self._spec.class_names
-        if names is None and isinstance(self._meta.get("class_names"), dict):
-            if self._names is None:
-                self._names = self._read_names(self._meta["class_names"])
-            names = self._names
+        names = self._names_in_array() or self._spec.class_names
         return None if names is None else list(names)
 
-    def _read_names(self, record: dict) -> tuple[str, ...]:
-        try:
-            node = self._arrays.group[CLASS_NAME]
-            if not isinstance(node, zarr.Array):
-                raise TypeError(f"{CLASS_NAME} is not an array")
-            names = tuple(str(n) for n in np.asarray(node[...]).tolist())
-        except ClassgradError:
-            raise
-        except Exception as exc:
-            raise StoreError(
-                f"store {self.url}: its class names ({CLASS_NAME}) cannot be read: {first_line(exc, with_type=True)}"
-            ) from None
-        if len(names) != record.get("count") or names_digest(names) != record.get("sha256"):
-            raise StoreError(
-                f"store {self.url}: its class names ({CLASS_NAME}) are not the ones it was created with "
-                "(their digest differs); `classgrad verify` says more"
-            )
-        return names
+    def _names_in_array(self) -> tuple[str, ...] | None:
+        """Format 4's class names, read from their array and checked once; None for a store
+        whose attributes hold them (or that has none)."""
+        record = self._meta.get("class_names")
+        if self._spec.class_names is not None or not isinstance(record, dict):
+            return None
+        if self._names is None:
+            names, problem = recorded_names(self._arrays.group, record)
+            if names is None:
+                raise StoreError(
+                    f"store {self.url}: its class names ({CLASS_NAME}) are not the ones it was created with "
+                    f"({problem}); "
+                    "`classgrad verify` says more"
+                )
+            self._names = names
+        return self._names
 
     @property
     def fingerprint(self) -> str:

@@ -1,12 +1,15 @@
 """Row and column selections: checked row ids, merged row ranges and their one-line form.
 
 Holds ``row_ids`` (any selection of rows -> int64 row indices, checked), ``row_ranges``
-(sorted row ids -> merged [start, stop) ranges), ``fmt_ranges`` (those ranges for a message)
-and ``col_range`` (a contiguous column range, checked). Numpy only.
+(sorted row ids -> merged [start, stop) ranges), ``fmt_ranges`` (those ranges for a message),
+``col_range`` (a contiguous column range, checked) and ``rows_by_chunks`` (rows gathered from
+whole row chunks, each read once: how the records of the training log and of the analysis
+outputs check what they return). Numpy only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -60,3 +63,15 @@ def col_range(cols: slice | tuple[int, int] | None, dim: int) -> slice:
     if not 0 <= start <= stop <= dim:
         raise StoreError(f"columns [{start}, {stop}) are outside [0, {dim})")
     return slice(start, stop)
+
+
+def rows_by_chunks(
+    ids: np.ndarray, chunk_rows: int, num_rows: int, read_chunk: Callable[[int, int, int], np.ndarray]
+) -> np.ndarray:
+    """Rows ``ids`` (a non-empty int64 array, any order) of an array of ``num_rows`` rows in
+    chunks of ``chunk_rows``, each needed chunk read whole, once: ``read_chunk(j, start, stop)``
+    returns rows [start, stop) of chunk ``j`` (checked as its caller wants)."""
+    needed = np.unique(ids // chunk_rows)
+    pieces = [read_chunk(j, j * chunk_rows, min((j + 1) * chunk_rows, num_rows)) for j in needed.tolist()]
+    held = np.concatenate(pieces)  # the needed chunks in order: each whole but the array's last
+    return held[np.searchsorted(needed, ids // chunk_rows) * chunk_rows + ids % chunk_rows]

@@ -23,19 +23,16 @@ from typing import Any
 import numpy as np
 
 from classgrad.errors import StoreError, first_line
+from classgrad.store.indexing import rows_by_chunks
 from classgrad.store.location import Location
-from classgrad.store.records import chunk_digest
+from classgrad.store.records import values_digest
 
 RECORDS_ATTR = "window_records"  # the group attribute: this log writes a record per window
 RECORDS_DIR = "window_records"
 
 
 def _digest(name: str, w: int, j: int, values: np.ndarray) -> str:
-    # The values' bytes as they are (no copy), after what binds them to their place.
-    return chunk_digest(
-        f"{name}\0{w}\0{j}\0{values.dtype.str}{values.shape}",
-        (np.ascontiguousarray(values).reshape(-1).view(np.uint8),),
-    )
+    return values_digest(f"{name}\0{w}\0{j}", values)
 
 
 def window_digests(w: int, values: Mapping[str, np.ndarray], row_chunks: Mapping[str, int]) -> dict[str, list[str]]:
@@ -89,26 +86,25 @@ def checked_rows(array: Any, name: str, w: int, index: tuple, expected: list[str
     rows_index = index[0] if index else slice(None)
     n, rc = int(array.shape[1]), int(array.chunks[1])
     ids = np.arange(n)[rows_index] if isinstance(rows_index, slice) else np.asarray(rows_index, dtype=np.int64)
-    needed = np.unique(ids // rc) if ids.size else np.zeros(0, dtype=np.int64)
-    pieces = []
-    for j in needed.tolist():
+    if not ids.size:
+        return np.asarray(array[(w, *index)])
+
+    def read(j: int, a: int, b: int) -> np.ndarray:
         try:
-            piece = np.asarray(array[w, j * rc : min((j + 1) * rc, n)])
+            piece = np.asarray(array[w, a:b])
         except Exception as exc:
             raise StoreError(
-                f"grad log {url}: {name} of window {w}, rows {j * rc}-{min((j + 1) * rc, n) - 1}, cannot be read "
+                f"grad log {url}: {name} of window {w}, rows {a}-{b - 1}, cannot be read "
                 f"({first_line(exc, with_type=True)})"
             ) from None
         if expected is not None and (j >= len(expected) or _digest(name, w, j, piece) != expected[j]):
             raise StoreError(
-                f"grad log {url}: {name} of window {w}, rows {j * rc}-{min((j + 1) * rc, n) - 1}, does not match "
+                f"grad log {url}: {name} of window {w}, rows {a}-{b - 1}, does not match "
                 "its record (deleted, changed or copied from elsewhere): relog the window"
             )
-        pieces.append(piece)
-    if not pieces:
-        return np.asarray(array[(w, *index)]) if not ids.size else np.zeros(0)
-    held = np.concatenate(pieces)  # the needed chunks in order: each whole but the array's last
-    out = held[np.searchsorted(needed, ids // rc) * rc + ids % rc]
+        return piece
+
+    out = rows_by_chunks(ids, rc, n, read)
     for axis, idx in enumerate(index[1:], start=1):  # the other dimensions, each on its own
         out = np.take(out, np.arange(out.shape[axis])[idx], axis=axis)
     return out

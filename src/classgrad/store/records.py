@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from classgrad.store.location import Location
@@ -57,6 +58,14 @@ def chunk_digest(key: str, data: Iterable[Any], name: str = DIGEST) -> str:
     for part in data:
         h.update(part)
     return str(h.hexdigest())
+
+
+def values_digest(place: str, values: Any) -> str:
+    """The digest of a chunk's values (a numpy array) bound to ``place`` (what names where they
+    belong: the array, the window or run, the chunk's index), their dtype and shape: the records
+    of the training log and of the analysis outputs. The bytes are hashed as they are, no copy."""
+    arr = np.ascontiguousarray(values)
+    return chunk_digest(f"{place}\0{arr.dtype.str}{arr.shape}", (arr.reshape(-1).view(np.uint8),))
 
 
 def known_digest(name: str) -> bool:

@@ -17,18 +17,15 @@ from typing import Any
 import numpy as np
 
 from classgrad.errors import CorruptChunkError, StoreError, first_line
+from classgrad.store.indexing import rows_by_chunks
 from classgrad.store.location import Location
-from classgrad.store.records import chunk_digest
+from classgrad.store.records import values_digest
 
 RECORDS_DIR = "similarity_records"
 
 
 def _digest(name: str, run_id: str, j: int, values: np.ndarray) -> str:
-    # The values' bytes as they are (no copy), after what binds them to their place.
-    return chunk_digest(
-        f"{name}\0{run_id}\0{j}\0{values.dtype.str}{values.shape}",
-        (np.ascontiguousarray(values).reshape(-1).view(np.uint8),),
-    )
+    return values_digest(f"{name}\0{run_id}\0{j}", values)
 
 
 def chunk_digests(name: str, run_id: str, start: int, values: np.ndarray, chunk_rows: int) -> dict[str, str]:
@@ -94,24 +91,22 @@ def checked_read(
 ) -> np.ndarray:
     """Rows ``ids`` (sorted, unique) of the result ``array``, read by whole chunks, each checked
     against ``expected`` (None: a result written before records, read unchecked)."""
-    rc, n = int(array.chunks[0]), int(array.shape[0])
-    needed = np.unique(ids // rc)
-    pieces = []
-    for j in needed.tolist():
+    if not ids.size:
+        return np.empty((0, *array.shape[1:]), dtype=array.dtype)
+
+    def read(j: int, a: int, b: int) -> np.ndarray:
         try:
-            piece = np.asarray(array[j * rc : min((j + 1) * rc, n)])
+            piece = np.asarray(array[a:b])
         except Exception as exc:  # its crc32c or its decoding: what the scan of verify reports too
             raise ChunkUnreadable(
-                f"the similarity of {url}: {name} rows {j * rc}-{min((j + 1) * rc, n) - 1} cannot be read "
+                f"the similarity of {url}: {name} rows {a}-{b - 1} cannot be read "
                 f"({first_line(exc, with_type=True)}); rerun `classgrad similarity`"
             ) from None
         if expected is not None and expected.get(str(j)) != _digest(name, run_id, j, piece):
             raise CorruptChunkError(
-                f"the similarity of {url}: {name} rows {j * rc}-{min((j + 1) * rc, n) - 1} do not match their "
+                f"the similarity of {url}: {name} rows {a}-{b - 1} do not match their "
                 "record (changed, copied or never written); rerun `classgrad similarity`"
             )
-        pieces.append(piece)
-    if not pieces:
-        return np.empty((0, *array.shape[1:]), dtype=array.dtype)
-    held = np.concatenate(pieces)
-    return held[np.searchsorted(needed, ids // rc) * rc + ids % rc]
+        return piece
+
+    return rows_by_chunks(ids, int(array.chunks[0]), int(array.shape[0]), read)

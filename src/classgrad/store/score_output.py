@@ -42,7 +42,7 @@ from classgrad.errors import ClassgradError, CorruptChunkError, StoreError, Stor
 from classgrad.store.coords import consolidate
 from classgrad.store.format import codecs
 from classgrad.store.location import Location
-from classgrad.store.records import chunk_digest
+from classgrad.store.records import values_digest
 
 ATTR = "classgrad_scores"
 RECORDS_DIR = "score_records"  # <block>.json: the digest of each chunk of a done query block
@@ -52,11 +52,7 @@ SCORES, QUERY_ROWS, BLOCK_DONE = "scores", "query_rows", "block_done"
 
 def _digest(name: str, request: str, chunk: str, values: np.ndarray) -> str:
     """A chunk's digest, bound to the array, the output's request and the chunk's place."""
-    # The values' bytes as they are (no copy), after what binds them to their place.
-    return chunk_digest(
-        f"{name}\0{request}\0{chunk}\0{values.dtype.str}{values.shape}",
-        (np.ascontiguousarray(values).reshape(-1).view(np.uint8),),
-    )
+    return values_digest(f"{name}\0{request}\0{chunk}", values)
 
 
 def request_digest(request: dict) -> str:
@@ -312,9 +308,9 @@ class ScoreOutput:
         out = tuple(np.asarray(self._array(name)[...]) for name in (TOPK_ROW, TOPK_CLASS, TOPK_SCORE))
         if self._recorded:
             br = int(self.info["block_rows"])
-            done = self.block_done()
-            names = [data for data in self._loc.read_many([f"{RECORDS_DIR}/{b}.json" for b in np.flatnonzero(done)])]
-            for b, data in zip(np.flatnonzero(done).tolist(), names, strict=True):
+            done = np.flatnonzero(self.block_done()).tolist()
+            records = self._loc.read_many([f"{RECORDS_DIR}/{b}.json" for b in done])
+            for b, data in zip(done, records, strict=True):
                 try:
                     digests = json.loads(data)["digests"] if data is not None else {}
                 except (ValueError, KeyError, TypeError):
