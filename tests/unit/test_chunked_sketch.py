@@ -83,6 +83,20 @@ def test_the_fft_route_is_the_map_of_an_outer_product():
     torch.testing.assert_close(spectra, direct, rtol=1e-10, atol=1e-12)  # float64: roundoff only
 
 
+@pytest.mark.parametrize("channels", [None, 3])
+def test_flat_columns_of_any_range_are_each_entrys_own_column_and_sign(channels):
+    # ``_flat_columns`` builds the table a row chunk at a time; ``entry_columns`` is the map's
+    # definition entry by entry. Ranges start and stop inside rows and cross row chunks.
+    u = ChunkedSketchUnit(0, ParamSlot("w", (11, 9), 0, 99), ParamSlot("b", (11,), 99, 11), 11, 9, False, 4, 5)
+    order = torch.arange(u.cols_in) if channels is None else u.column_order(channels)
+    for start, stop in [(0, u.full), (3, 4), (5, 47), (u.cols_in * 4 - 1, u.full - 2)]:
+        flat = torch.arange(start, stop)
+        want_col, want_neg = u.entry_columns(flat // u.cols_in, order[flat % u.cols_in], "cpu")
+        col, neg = u._flat_columns(start, stop, torch.device("cpu"), channels)
+        assert col.shape == neg.shape == (stop - start, 1)
+        assert torch.equal(col[:, 0], want_col) and torch.equal(neg[:, 0], want_neg)
+
+
 def test_inner_products_preserved_in_expectation():
     rows = torch.randn(2, 11 * 6, dtype=torch.float64)
     exact = float(rows[0] @ rows[1])
