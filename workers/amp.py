@@ -20,6 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from classgrad.config.compute import (
+    DEFAULT_DTYPE,
+    DEFAULT_INIT_SCALE,
+    DEFAULT_MIN_SCALE,
+    PRECISION_DTYPES,
+    scales_in_order,
+)
 from classgrad.errors import InputError, NonFiniteError, RowOverflowError
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -27,19 +34,20 @@ AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """How the forward pass runs and how fp16 gradients are scaled."""
+    """How the forward pass runs and how fp16 gradients are scaled (the defaults and checks of the
+    job file's ``precision`` section, ``classgrad.config.compute``)."""
 
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     """fp32, fp16 (autocast + loss scaling) or bf16 (autocast, no scaling)."""
-    init_scale: float = 2.0**16
+    init_scale: float = DEFAULT_INIT_SCALE
     """fp16: first loss scale S; rows are divided by S after the backward."""
-    min_scale: float = 1.0
+    min_scale: float = DEFAULT_MIN_SCALE
     """fp16: a row still non-finite below this scale is an error naming its class."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("fp32", *AUTOCAST_DTYPES):
+        if self.dtype not in PRECISION_DTYPES:
             raise InputError(f"precision.dtype must be fp32, fp16 or bf16, got {self.dtype!r}")
-        if not 0 < self.min_scale <= self.init_scale:
+        if not scales_in_order(self.init_scale, self.min_scale):
             raise InputError(f"precision.min_scale must be in (0, init_scale={self.init_scale}], got {self.min_scale}")
 
     @property

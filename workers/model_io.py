@@ -17,7 +17,8 @@ Holds:
   Face model's), unless they are the ``LABEL_i`` placeholders filled in by default.
 - ``call_errors``: the model's own failures that are user input problems (tensors on another
   device than the engine's, a GPT-2-style model without a pad token given several samples),
-  turned into one-line ``InputError``s.
+  turned into one-line ``InputError``s; ``is_device_mismatch`` and ``is_missing_pad_token`` tell
+  those two failures apart (by their text: PyTorch and transformers raise no type of their own).
 - ``input_pad_values``: the pad values of ``data.collate: pad`` for this model: ``input_ids`` by
   default padded with the tokenizer's pad id (when one is given) or the model's
   ``config.pad_token_id``, and any other pad id of ``input_ids`` refused in one line (a
@@ -44,7 +45,16 @@ from classgrad.errors import InputError, first_line
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModelIO", "call_errors", "class_names_of", "input_pad_values", "logits_of", "pad_token_id_of"]
+__all__ = [
+    "ModelIO",
+    "call_errors",
+    "class_names_of",
+    "input_pad_values",
+    "is_device_mismatch",
+    "is_missing_pad_token",
+    "logits_of",
+    "pad_token_id_of",
+]
 
 # Fragments of PyTorch's messages for tensors of one operation on different devices.
 _DEVICE_ERRORS = ("same device", "expected device", "meta tensor", "Expected object of device type")
@@ -102,14 +112,28 @@ def logits_of(out: Any, output: str | int | None = None) -> torch.Tensor:
     )
 
 
+def is_device_mismatch(exc: BaseException) -> bool:
+    """Whether ``exc`` is PyTorch refusing an operation on tensors of different devices. PyTorch
+    raises a plain ``RuntimeError`` (no subclass, no attribute naming the devices) for it, so its
+    text is the only signal: the fragments in ``_DEVICE_ERRORS``."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in _DEVICE_ERRORS)
+
+
+def is_missing_pad_token(exc: BaseException) -> bool:
+    """Whether ``exc`` is a transformers sequence classifier (GPT-2-style, which reads each sample's
+    last non-pad token) refusing several samples because ``config.pad_token_id`` is unset.
+    transformers raises a plain ``ValueError`` for it, so its text is the only signal."""
+    return isinstance(exc, ValueError) and "no padding token" in str(exc)
+
+
 @contextlib.contextmanager
 def call_errors(device: torch.device | str | None = None) -> Iterator[None]:
     """Turn the model's failures that are the user's inputs into one-line ``InputError``s."""
     try:
         yield
     except RuntimeError as exc:
-        text = str(exc)
-        if any(s in text for s in _DEVICE_ERRORS):
+        if is_device_mismatch(exc):
             where = f" than engine.device {str(device)!r}" if device is not None else ""
             raise InputError(
                 f"model: its forward uses tensors on another device{where} ({first_line(exc)}): keep every "
@@ -117,7 +141,7 @@ def call_errors(device: torch.device | str | None = None) -> Iterator[None]:
             ) from None
         raise
     except ValueError as exc:
-        if "no padding token" in str(exc):
+        if is_missing_pad_token(exc):
             raise InputError(
                 "model: config.pad_token_id is not set, so it cannot find the last token of each of several "
                 "samples (a GPT-2-style model): set model.config.pad_token_id in the factory "

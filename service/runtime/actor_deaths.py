@@ -5,6 +5,9 @@ Holds:
   must be requeued" (``RayActorError`` and ``OutOfMemoryError``: Ray fails the tasks of an actor
   that its memory monitor killed with ``OutOfMemoryError``, which is not a ``RayActorError``);
   ``actor_lost(ray)`` gives them as a tuple of classes for ``except``.
+- ``is_out_of_memory``: whether a death is Ray's memory monitor (or the kernel's OOM killer)
+  killing the actor: Ray's ``OutOfMemoryError``, or the text of the ``ActorDiedError`` that
+  later calls see (the only place Ray puts that cause).
 - ``out_of_memory_line``: for an actor killed by Ray's memory monitor (or by the kernel's OOM
   killer, as Ray reports it), one line such as ``out of memory: Ray's memory monitor killed the
   actor (node 10.0.0.3: 29.80 GiB used of 31.30 GiB, 95%)``, Ray's figures (which it computes
@@ -14,8 +17,9 @@ Holds:
 - ``out_of_memory_failure``: the one line a job fails with when memory stays short after its
   bounded replacements.
 - ``cause_line``: the one line that says why a Ray task or actor failed (the last line of the
-  traceback Ray wraps), and ``creation_error``: the user error an actor's constructor raised,
-  as the same ``ClassgradError`` type, or None for any other death.
+  traceback Ray wraps), and ``creation_error``: the user error an actor's constructor raised
+  (a ``RayActorError`` whose ``actor_init_failed`` is set), as the same ``ClassgradError`` type,
+  or None for any other death.
 """
 
 from __future__ import annotations
@@ -47,8 +51,18 @@ def actor_lost(ray: Any) -> tuple[type[Exception], ...]:
     return tuple(getattr(ray.exceptions, name) for name in ACTOR_LOST if hasattr(ray.exceptions, name))
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    if type(exc).__name__ == "OutOfMemoryError":
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says that the actor was killed because its node ran low on memory.
+
+    The tasks running when Ray's memory monitor kills an actor fail with Ray's ``OutOfMemoryError``;
+    every later call on that actor fails with an ``ActorDiedError``, which Ray builds from the
+    actor's death context but keeps only as text (the worker's exit type, ``NODE_OUT_OF_MEMORY``,
+    and its detail are lines of the message; the exception has no attribute for them). For that
+    one the text is the only signal: the phrases in ``_OOM_MARKERS``.
+    """
+    from ray.exceptions import OutOfMemoryError
+
+    if isinstance(exc, OutOfMemoryError):
         return True
     text = str(exc)
     return any(marker in text for marker in _OOM_MARKERS)
@@ -56,7 +70,7 @@ def _is_out_of_memory(exc: BaseException) -> bool:
 
 def out_of_memory_line(exc: BaseException) -> str | None:
     """One line for an actor that Ray killed because its node ran low on memory, else None."""
-    if not _is_out_of_memory(exc):
+    if not is_out_of_memory(exc):
         return None
     match = _NODE_MEMORY.search(str(exc))
     if match is None:
@@ -105,10 +119,11 @@ def cause_line(exc: BaseException) -> str:
 def creation_error(exc: BaseException) -> ClassgradError | None:
     """The user error an actor's constructor raised (a bad factory on a worker node, say), or
     None when it died for another reason (node lost, killed, out of memory)."""
-    text = str(exc)
-    if "creation task" not in text:
+    from ray.exceptions import RayActorError
+
+    if not (isinstance(exc, RayActorError) and exc.actor_init_failed):
         return None
-    match = _exception_line(text)
+    match = _exception_line(str(exc))
     if not match or not match["type"].startswith("classgrad.errors."):
         return None
     kind = getattr(errors, match["type"].rsplit(".", 1)[-1], ClassgradError)

@@ -10,7 +10,8 @@ Holds:
 - ``Submission`` and ``prepare_submission``: the entrypoint and runtime env for one job file
   (the config is validated here, before anything is uploaded), ``DEFAULT_EXCLUDES``;
 - ``submit``, ``job_info``, ``job_logs``, ``follow_logs``, ``stop_job``, ``list_jobs``,
-  ``failure_line``: thin wrappers over the SDK that turn its exceptions into ``JobSubmitError``.
+  ``failure_line``: thin wrappers over the SDK that turn its exceptions into ``JobSubmitError``;
+- ``is_job_not_found``: whether an SDK error is the job server's "no such job".
 
 How a submitted job runs (see deploy/README.md): the working directory (the project, minus
 ``DEFAULT_EXCLUDES``, .gitignore'd and .rayignore'd files) is uploaded as the job's
@@ -165,6 +166,15 @@ def _hidden_env(names: Sequence[str]) -> Iterator[None]:
 # --------------------------------------------------------------------------- errors
 
 
+def is_job_not_found(exc: BaseException) -> bool:
+    """Whether ``exc`` is the job server answering that the job asked about does not exist. Ray's
+    ``JobSubmissionClient`` turns every HTTP error into a plain ``RuntimeError("Request failed with
+    status code 404: Job ... does not exist.")``, keeping neither the response nor its status, so
+    the text is the only signal."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (" 404" in text or "does not exist" in text)
+
+
 @contextlib.contextmanager
 def _sdk_errors(address: str, job_id: str | None = None) -> Iterator[None]:
     """Turn the SDK's exceptions (ConnectionError, RuntimeError with an HTTP status inside,
@@ -194,12 +204,11 @@ def _sdk_errors(address: str, job_id: str | None = None) -> Iterator[None]:
     except requests.exceptions.RequestException as exc:
         raise JobSubmitError(f"Ray job server at {address}: {first_line(exc, limit=_LINE_MAX)}") from None
     except RuntimeError as exc:
-        text = str(exc)
-        if job_id is not None and (" 404" in text or "does not exist" in text):
+        if job_id is not None and is_job_not_found(exc):
             raise JobSubmitError(
                 f"no job {job_id!r} on the Ray cluster at {address} (see `classgrad jobs list --address {address}`)"
             ) from None
-        raise JobSubmitError(f"Ray job server at {address}: {first_line(text, limit=_LINE_MAX)}") from None
+        raise JobSubmitError(f"Ray job server at {address}: {first_line(str(exc), limit=_LINE_MAX)}") from None
 
 
 # --------------------------------------------------------------------------- client

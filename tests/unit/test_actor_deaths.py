@@ -1,15 +1,13 @@
-"""``classgrad.service.runtime.actor_deaths`` without Ray: an actor killed by Ray's memory monitor
+"""``classgrad.service.runtime.actor_deaths`` without a Ray cluster: an actor killed by Ray's memory monitor
 is told apart from other deaths and said in one line, from Ray 2.60's message and an older one
 (the kill itself, by Ray's monitor on a real local Ray, is in tests/integration/test_out_of_memory.py)."""
 
 from __future__ import annotations
 
-from classgrad.service.runtime.actor_deaths import out_of_memory_failure, out_of_memory_line
+from ray.exceptions import OutOfMemoryError
 
-
-class OutOfMemoryError(Exception):
-    """Named as Ray's ``ray.exceptions.OutOfMemoryError``, which fails an OOM-killed actor's tasks."""
-
+from classgrad.service.runtime.actor_deaths import is_out_of_memory, out_of_memory_failure, out_of_memory_line
+from tests.support.ray_errors import actor_died, creation_failed
 
 # Shaped as Ray 2.60's message (format strings of its raylet), shortened: some 40 lines in all.
 RAY_260 = """Task was killed due to the node running low on memory.
@@ -39,9 +37,7 @@ def test_an_out_of_memory_kill_is_one_line_with_the_node_and_its_memory():
     )
     # The actor's death as later calls see it (an ActorDiedError quoting the OOM exit), and text
     # that names no node: still out of memory, still one line.
-    died = RuntimeError(
-        "The actor died unexpectedly before finishing this task.\n\tWorker exit type: NODE_OUT_OF_MEMORY"
-    )
+    died = actor_died("The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY")
     assert (
         out_of_memory_line(died) == "out of memory: Ray's memory monitor killed the actor (its node ran low on memory)"
     )
@@ -55,6 +51,19 @@ def test_other_deaths_are_not_out_of_memory():
         "The actor died because of an error raised in its creation task, torch.OutOfMemoryError: CUDA out of memory",
     ):
         assert out_of_memory_line(RuntimeError(text)) is None, text
+
+
+def test_out_of_memory_is_rays_type_or_the_text_of_the_death_that_later_calls_see():
+    assert is_out_of_memory(OutOfMemoryError(""))  # the type alone says it
+    detail = (
+        "Worker exit type: NODE_OUT_OF_MEMORY Worker exit detail: "
+        "Task was killed due to the node running low on memory."
+    )
+    assert is_out_of_memory(actor_died(f"The actor is dead because its worker process has died. {detail}"))
+    assert not is_out_of_memory(actor_died("The actor is dead because it was killed by `ray.kill`."))
+    assert not is_out_of_memory(actor_died("The actor is dead because its node has died. Node Id: abcd"))
+    # A constructor that ran out of GPU memory is the user's model, not Ray's monitor.
+    assert not is_out_of_memory(creation_failed(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")))
 
 
 def test_memory_that_stays_short_is_said_in_one_line_with_what_to_do():

@@ -7,7 +7,8 @@
 - One Ray version everywhere: requirements/lock.txt, the Dockerfile, ``rayVersion`` and image tags.
 - Every ``configs/*.yaml`` and ``classgrad`` subcommand that the deployment guide names exists.
 - ``classgrad.service.runtime.submit``: the entrypoint and runtime env it builds, what it refuses before uploading
-  anything, how it finds the job server address and the auth token.
+  anything, how it finds the job server address and the auth token, and how it tells the job
+  server's "no such job" from its other errors.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
+from ray.dashboard.modules.dashboard_sdk import SubmissionClient
 
 from classgrad.config import load_config
 from classgrad.errors import ConfigError
@@ -27,6 +30,7 @@ from classgrad.service.runtime.submit import (
     STOP_ENV,
     JobSubmitError,
     find_token,
+    is_job_not_found,
     prepare_submission,
     resolve_address,
 )
@@ -260,6 +264,22 @@ def test_address_resolution(monkeypatch):
     assert resolve_address("http://mine:8265") == "http://mine:8265"  # explicit wins
     with pytest.raises(JobSubmitError, match="expected http://HOST:8265"):
         resolve_address("ftp://head:8265")
+
+
+def _sdk_error(status: int, body: str) -> RuntimeError:
+    """The error Ray's job client raises for an HTTP answer of ``status`` (its own ``_raise_error``)."""
+    response = requests.Response()
+    response.status_code, response._content = status, body.encode()
+    with pytest.raises(RuntimeError) as raised:
+        SubmissionClient.__new__(SubmissionClient)._raise_error(response)
+    return raised.value
+
+
+def test_the_job_servers_no_such_job_is_told_from_its_other_errors():
+    assert is_job_not_found(_sdk_error(404, "Job raysubmit_abc does not exist"))
+    assert not is_job_not_found(_sdk_error(500, "Internal Server Error"))
+    assert not is_job_not_found(_sdk_error(400, "Invalid request"))
+    assert not is_job_not_found(ConnectionError("Failed to connect to Ray at address: http://head:8265."))
 
 
 def test_token_lookup_follows_rays_order(monkeypatch, tmp_path):

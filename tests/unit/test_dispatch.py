@@ -221,7 +221,7 @@ def test_a_store_still_unreachable_is_retried_as_a_shard_failure_and_other_store
 
 
 def test_an_actor_whose_constructor_raised_a_user_error_fails_the_run_at_once():
-    from tests.unit.test_driver_helpers import CREATION_FAILED
+    from tests.support.ray_errors import creation_failed
 
     dispatcher, backend, events, clock = make(2, 2)
     original = backend.outcome
@@ -230,7 +230,7 @@ def test_an_actor_whose_constructor_raised_a_user_error_fails_the_run_at_once():
         if call.shard is None:
             from classgrad.service.runtime.dispatch import Outcome
 
-            return Outcome.LOST, RuntimeError(CREATION_FAILED)
+            return Outcome.LOST, creation_failed(InputError("model.factory 'x:y' raised ValueError: boom"))
         return original(call)
 
     backend.outcome = outcome

@@ -14,7 +14,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from classgrad.errors import InputError
 from classgrad.workers.engines import per_class_gradients
-from classgrad.workers.model_io import ModelIO, class_names_of, logits_of
+from classgrad.workers.model_io import ModelIO, class_names_of, is_device_mismatch, is_missing_pad_token, logits_of
 from tests.support import hf_jobs
 
 
@@ -189,6 +189,22 @@ def test_a_model_on_another_device_than_asked_for_is_one_line():
         per_class_gradients(OffDevice(), data, num_classes=2)
     with pytest.raises(InputError, match="model: cannot be moved to engine.device 'cpu'"):
         per_class_gradients(nn.Linear(3, 2, device="meta"), data, num_classes=2)
+
+
+def test_device_mismatches_and_a_missing_pad_token_are_told_by_their_text():
+    with pytest.raises(RuntimeError) as raised:
+        OffDevice()(torch.randn(4, 3))  # torch's own refusal: a cpu tensor times a meta one
+    assert is_device_mismatch(raised.value)
+    cuda = "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+    assert is_device_mismatch(RuntimeError(cuda))
+    with pytest.raises(RuntimeError) as other:
+        torch.ones(2, 3) @ torch.ones(2, 3)  # a shape error: the user's model, said as it is
+    assert not is_device_mismatch(other.value)
+    assert not is_device_mismatch(ValueError(cuda))  # only PyTorch's RuntimeError
+    pad = ValueError("Cannot handle batch sizes > 1 if no padding token is defined.")  # transformers' words
+    assert is_missing_pad_token(pad)
+    assert not is_missing_pad_token(ValueError("too many values to unpack"))
+    assert not is_missing_pad_token(RuntimeError(str(pad)))
 
 
 def test_parameter_names_are_the_models_own():

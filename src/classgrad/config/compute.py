@@ -1,11 +1,13 @@
 """The sections that say how rows are computed: precision, parameter selection, engine, projection.
 
-Holds ``PrecisionConfig``, ``ParamsConfig``, ``EngineConfig`` and ``ProjectionConfig``.
+Holds ``PrecisionConfig``, ``ParamsConfig``, ``EngineConfig`` and ``ProjectionConfig``; and
+precision's choices, defaults and scale check (``PRECISION_DTYPES``, ``DEFAULT_*``,
+``scales_in_order``), which ``classgrad.workers.amp.PrecisionPolicy`` shares.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -19,24 +21,49 @@ from classgrad.config.fields import (
     StrictPositiveInt,
 )
 
-__all__ = ["EngineConfig", "ParamsConfig", "PrecisionConfig", "ProjectionConfig"]
+__all__ = [
+    "DEFAULT_DTYPE",
+    "DEFAULT_INIT_SCALE",
+    "DEFAULT_MIN_SCALE",
+    "PRECISION_DTYPES",
+    "EngineConfig",
+    "ParamsConfig",
+    "PrecisionConfig",
+    "PrecisionDtype",
+    "ProjectionConfig",
+    "scales_in_order",
+]
+
+# Precision, once for the job file's section and for the policy the engines run with
+# (classgrad.workers.amp.PrecisionPolicy).
+PrecisionDtype = Literal["fp32", "fp16", "bf16"]
+PRECISION_DTYPES: tuple[str, ...] = get_args(PrecisionDtype)
+DEFAULT_DTYPE: PrecisionDtype = "fp32"
+DEFAULT_INIT_SCALE = 2.0**16
+DEFAULT_MIN_SCALE = 1.0
+
+
+def scales_in_order(init_scale: float, min_scale: float) -> bool:
+    """fp16's loss-scale schedule can run: it starts at ``init_scale`` and halves the scale of a row
+    that overflows, down to ``min_scale``; so ``0 < min_scale <= init_scale``."""
+    return 0 < min_scale <= init_scale
 
 
 class PrecisionConfig(Section):
     """Arithmetic precision of the forward/backward pass (parameters and rows stay as asked)."""
 
-    dtype: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp32",
+    dtype: PrecisionDtype = Field(
+        DEFAULT_DTYPE,
         description="`fp32` (float32 on a GPU too: TF32 off while rows are computed), or `fp16`/`bf16` "
         "under `torch.autocast`; fp16 uses loss scaling.",
     )
     init_scale: PositiveFloat32 = Field(
-        65536.0,
+        DEFAULT_INIT_SCALE,
         description="fp16 only: loss scale S the backward starts with; rows are divided by S "
         "and a row that overflows is recomputed with S halved.",
     )
     min_scale: PositiveFloat32 = Field(
-        1.0,
+        DEFAULT_MIN_SCALE,
         description="fp16 only: smallest scale tried before a row that is still non-finite "
         "fails the job (naming the class); at most `init_scale`.",
     )

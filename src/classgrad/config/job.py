@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from classgrad.config.choices import DENSE_LOSS_KINDS, IN_BACKWARD_STRUCTURES, PARTITIONED_ENGINES
-from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
+from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig, scales_in_order
 from classgrad.config.fingerprint import FINGERPRINT_FIELDS, differing_keys, fingerprint, recorded_fingerprint
 from classgrad.config.inputs import DataConfig, LossConfig, ModelConfig
 from classgrad.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
@@ -81,7 +81,7 @@ class JobConfig(BaseModel):
                 f"sharding.shard_rows must be a multiple of store.row_chunk "
                 f"({self.store.row_chunk}), got {self.sharding.shard_rows}"
             )
-        if self.precision.min_scale > self.precision.init_scale:
+        if not scales_in_order(self.precision.init_scale, self.precision.min_scale):
             problems.append(
                 f"precision.min_scale ({self.precision.min_scale}) must be at most "
                 f"precision.init_scale ({self.precision.init_scale})"
