@@ -14,6 +14,8 @@ from torch import nn
 
 from classgrad import PerClassGradScaler
 from classgrad.errors import InputError
+from classgrad.workers.training import scaler as scaler_module
+from classgrad.workers.training.scaler import is_freed_graph
 from tests.support.devices import DEVICES
 from tests.support.docs import python_blocks
 
@@ -121,6 +123,20 @@ def test_the_graph_is_freed_after_the_last_block():
         loss.sum().backward()
 
 
+def test_a_loss_whose_graph_was_freed_is_one_line():
+    model = mlp()
+    x, y = batch()
+    loss = class_losses(model(x), y, torch.arange(C))
+    loss.sum().backward()
+    with pytest.raises(InputError, match="its graph was already freed"):
+        PerClassGradScaler()(loss, torch.optim.SGD(model.parameters(), lr=0.1), model=model, update_grad=False)
+    with pytest.raises(RuntimeError) as raised:
+        loss.sum().backward()  # autograd's own refusal, the error the helper reads
+    assert is_freed_graph(raised.value)
+    assert not is_freed_graph(RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn"))
+    assert not is_freed_graph(ValueError(str(raised.value)))
+
+
 @pytest.mark.parametrize("image", [False, True])
 def test_step_batch_fast_route_rows_equal_the_reference(image):
     model = cnn() if image else mlp()
@@ -148,18 +164,69 @@ def test_step_batch_bf16_rows_within_the_engines_bf16_tolerance():
 
 
 def test_train_mode_dropout_and_batchnorm_rows_follow_the_batch_as_given():
-    for model in (mlp(dropout=0.5).train(), cnn().train()):
+    # The general route (BatchNorm's own under auto; dropout's when asked: auto takes the fast
+    # route, whose masks are drawn as its run forwards the samples).
+    for model, route in ((mlp(dropout=0.5).train(), "general"), (cnn().train(), "auto")):
         x, y = batch(image=isinstance(model[0], nn.Conv2d))
         scaler = PerClassGradScaler(num_classes=C)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         twin = copy.deepcopy(model)
         torch.manual_seed(7)
-        rows, ids = scaler.step_batch(model, x, y, opt, update_grad=False)
+        rows, ids = scaler.step_batch(model, x, y, opt, update_grad=False, route=route)
         torch.manual_seed(7)  # the same dropout masks, the same batch statistics
         want = loop_rows(twin, class_losses(twin(x), y, ids))
         assert close(rows, want, 1e-5)  # two fp32 computations of the same gradients
         for a, b in zip(model.buffers(), twin.buffers()):  # BatchNorm statistics moved once, as in a step
             assert torch.equal(a, b)
+
+
+class SignDropout(nn.Dropout):
+    """A dropout whose mask is a function of each sample's own values (its positive entries kept):
+    a stand-in for the generator's draws that any arrangement of the batch reproduces, so the
+    fast route's rows under it have a plain reference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (x.detach() > 0).to(x.dtype) / (1 - self.p) if self.training else x
+
+
+def test_train_mode_dropout_takes_the_fast_route_each_row_its_classs_gradient_under_its_masks(monkeypatch):
+    general = []
+    route = scaler_module.batch_loss_vector
+    monkeypatch.setattr(scaler_module, "batch_loss_vector", lambda *a, **k: general.append(1) or route(*a, **k))
+    model = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), SignDropout(0.5), nn.Linear(12, C)).train()
+    x, y = batch()
+    twin, opt = copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.1)
+    rows, ids = PerClassGradScaler(num_classes=C).step_batch(model, x, y, opt)
+    assert general == []  # one forward and one backward, through the hook path
+    # Two fp32 computations of the same gradients (the masks are each sample's own).
+    assert close(rows, loop_rows(twin, class_losses(twin(x), y, ids)), 1e-5)
+
+
+def test_train_mode_dropouts_masks_come_from_the_callers_generator(monkeypatch):
+    model, (x, y) = mlp(dropout=0.5).train(), batch()
+    scaler, opt = PerClassGradScaler(num_classes=C), torch.optim.SGD(model.parameters(), lr=0.1)
+    found = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        found.append(scaler.step_batch(model, x, y, opt, update_grad=False)[0])
+    assert torch.equal(found[0], found[1])  # the caller's seed, the same masks
+    assert not torch.equal(found[0], found[2])  # not a seed of the engine's own
+    # Where the hook path cannot run (a forward hook on every module): the general route, whose
+    # masks a plain forward of the batch under the same seed draws.
+    general = []
+    route = scaler_module.batch_loss_vector
+    monkeypatch.setattr(scaler_module, "batch_loss_vector", lambda *a, **k: general.append(1) or route(*a, **k))
+    twin = copy.deepcopy(model)
+    hook = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        torch.manual_seed(5)
+        rows, ids = scaler.step_batch(model, x, y, opt, update_grad=False)
+        torch.manual_seed(5)
+        assert general == [1] and close(rows, loop_rows(twin, class_losses(twin(x), y, ids)), 1e-5)
+        with pytest.raises(InputError, match="dropout draws need"):
+            scaler.step_batch(model, x, y, opt, update_grad=False, route="fast")
+    finally:
+        hook.remove()
 
 
 # --- the training loop ----------------------------------------------------------------------------
@@ -374,7 +441,7 @@ def test_bad_input_is_one_line():
         (lambda: scaler.step_batch(model, x, y, opt, num_classes=0), "num_classes"),
         (lambda: scaler.step_batch(model, x, y, opt, aggregate="median"), "aggregate"),
         (
-            lambda: scaler.step_batch(mlp(dropout=0.5).train(), x, y, opt, update_grad=False, route="fast"),
+            lambda: scaler.step_batch(cnn().train(), *batch(image=True), opt, update_grad=False, route="fast"),
             "route='fast'",
         ),
     ]

@@ -8,7 +8,8 @@ Holds:
 - ``GradientEngine``: the one constructor signature and the one method, ``iter_blocks``, plus
   the helpers every engine shares: the forward pass under autocast with buffers left untouched
   and a seeded RNG per micro-batch, parameter selection, and loss checks.
-- ``samples_independent``: whether a model in its current mode treats samples independently.
+- ``samples_independent``: whether a model in its current mode treats samples independently;
+  ``draws_only``: whether only its dropout layers' random draws keep it from it.
 - ``choice_clock``: the clock engines time their own choices (the dense engine's block size) with.
 - ``NormInFloat32``: batch norm on half inputs computed in float32, so vmap can batch it.
 - ``parameters_kept``: a model's own parameters back in place after ``functional_call``.
@@ -51,6 +52,8 @@ BATCH_COUPLED_TYPES: tuple[type[nn.Module], ...] = (
     nn.FeatureAlphaDropout,
 )
 
+DROPOUT_TYPES: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd,)  # AlphaDropout's too
+
 # Each micro-batch's forward draws its random numbers (dropout in train mode) from this seed
 # plus its index, so every engine sees the same masks and reruns give the same rows.
 FORWARD_SEED = 0x5EED
@@ -79,6 +82,17 @@ def samples_independent(model: nn.Module) -> bool:
     if declared is not None:
         return bool(declared)
     return not any(couples_samples(m) for m in model.modules())
+
+
+def draws_only(model: nn.Module) -> bool:
+    """True when every module that couples samples (``couples_samples``) is a dropout layer: each
+    sample's output then depends on that sample and its own random draws only, so a run that
+    forwards every sample once, drawing from the caller's generator, gives each class the exact
+    gradient of its samples under those draws (``PartitionedEngine(draws_from_caller=True)``)."""
+    if getattr(model, "samples_independent", None) is not None:
+        return False  # a model that declares itself is taken at its word
+    coupled = [m for m in model.modules() if couples_samples(m)]
+    return bool(coupled) and all(isinstance(m, DROPOUT_TYPES) for m in coupled)
 
 
 def couples_samples(module: nn.Module) -> bool:
@@ -140,6 +154,20 @@ class EngineStats:
 
 
 @contextlib.contextmanager
+def without_draws(model: nn.Module) -> Iterator[None]:
+    """The model's dropout layers in eval mode for the block (each back as it was after): the
+    spot check of a training batch's hook path, which forwards its classes twice."""
+    flipped = [m for m in model.modules() if isinstance(m, DROPOUT_TYPES) and m.training]
+    for m in flipped:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.training = True
+
+
+@contextlib.contextmanager
 def rnns_ready_for_backward(model: nn.Module) -> Iterator[None]:
     """The model's recurrent modules in eval mode, run so that a backward through them works on
     a GPU, with the values of eval mode. cuDNN's RNN kernels keep what their backward needs only
@@ -184,6 +212,9 @@ class GradientEngine(ABC):
     # A training step whose gradient a run's backward also computes (only the partitioned
     # engine's hook path serves one; ``classgrad.workers.training``'s logged step sets it).
     step: StepGrads | None = None
+    # A training batch's forward draws dropout masks from the caller's generator, as the plain
+    # step would; False: each micro-batch's draws are seeded (reruns give the same rows).
+    draws_from_caller: bool = False
 
     def __init__(
         self,
@@ -285,7 +316,8 @@ class GradientEngine(ABC):
     @contextlib.contextmanager
     def forward_context(self, micro_batch: int) -> Iterator[None]:
         """Autocast and RNNs ready for a backward (``rnns_ready_for_backward``); in train mode,
-        buffers restored afterwards and a seeded RNG per micro-batch."""
+        buffers restored afterwards and a seeded RNG per micro-batch (the caller's generator with
+        ``draws_from_caller``)."""
         if not self.model.training:
             with self.precision.autocast(self.device), rnns_ready_for_backward(self.model):
                 yield
@@ -297,9 +329,11 @@ class GradientEngine(ABC):
         for m, name, b in originals:
             m._buffers[name] = b.clone()
         devices = [self.device] if self.device.type == "cuda" else []
+        seeded = not self.draws_from_caller
         try:
-            with torch.random.fork_rng(devices=devices):
-                seed_forward(self.device, FORWARD_SEED + micro_batch)
+            with torch.random.fork_rng(devices=devices) if seeded else contextlib.nullcontext():
+                if seeded:
+                    seed_forward(self.device, FORWARD_SEED + micro_batch)
                 with self.precision.autocast(self.device), rnns_ready_for_backward(self.model):
                     yield
         finally:

@@ -4,9 +4,11 @@ Holds:
 - ``ambient_precision``: the precision of the autocast the caller runs under (fp32, fp16, bf16).
 - ``fast_rows``: the rows of the classes present in a batch through the partitioned engine's
   hook path (``classgrad.workers.engines.partitioned``), about one forward+backward over the
-  batch, for a model that treats samples independently in its current mode; an overflow or a
-  non-finite loss is reported, not raised, so that the caller can skip the step as
-  ``GradScaler`` would.
+  batch, for a model that treats samples independently in its current mode, or whose only
+  coupling is train-mode dropout (its masks drawn from the caller's generator as the batch's
+  samples go through, each sample forwarded once: ``OneForwardRefused`` when that cannot be);
+  an overflow or a non-finite loss is reported, not raised, so that the caller can skip the
+  step as ``GradScaler`` would.
 - ``batch_loss_vector``: the general route's per-class loss vector of a batch: one forward of
   the batch as given (the caller's RNG draws the dropout masks; train-mode BatchNorm uses, and
   updates, the batch's statistics, once, as the user's own step would), then the mean
@@ -27,6 +29,7 @@ from torch import nn
 from classgrad.errors import ClassgradError, InputError, NonFiniteError, RowOverflowError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines import host_device
+from classgrad.workers.engines.base import without_draws
 from classgrad.workers.engines.layer_rules.rule_io import sum_is_finite
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
@@ -125,6 +128,7 @@ def fast_rows(
         device=device,
         group_rows=max(1, len(class_ids)),
         output=output,
+        draws_from_caller=True,
     )
     rows = out if out is not None else torch.empty(len(class_ids), layout.dim, device=device)
     with torch.autocast(device.type, enabled=False):  # the engine's own autocast, forward only
@@ -160,7 +164,7 @@ def check_forward(model: nn.Module, inputs: Any, *, num_classes: int, output: st
     device = next(model.parameters()).device
     head = tree_map_tensors(lambda t: t[:2].to(device), inputs)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), without_draws(model):  # the caller's generator is the rows' alone
             logits = ModelIO(model, output, device)(head)
     except ClassgradError:
         raise

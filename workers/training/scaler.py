@@ -15,6 +15,8 @@ contract kept: the aggregate goes in at the scaler's scale and ``GradScaler.unsc
 ``step`` / ``update`` do the rest, so a non-finite value in any row skips the step and lowers the
 scale exactly as ``GradScaler.step`` would (with a disabled scaler the step is skipped the same
 way and there is no scale to lower); ``clip_grad`` clips the total norm after unscaling.
+
+Also holds ``is_freed_graph``: whether an error is autograd's refusal of a graph already freed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import nn
 
 from classgrad.errors import InputError
 from classgrad.store.params import ParamSlot
-from classgrad.workers.engines.base import samples_independent
+from classgrad.workers.engines.base import draws_only, samples_independent
+from classgrad.workers.engines.partitioned.engine import OneForwardRefused
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.training.batch_rows import (
     ambient_precision,
@@ -53,6 +56,13 @@ CREATE_GRAPH_REFUSAL = (
     "graph is freed after the last block, so they cannot be differentiated again (take "
     "torch.autograd.grad(loss[c], params, create_graph=True) per class for that)"
 )
+
+
+def is_freed_graph(exc: BaseException) -> bool:
+    """Whether ``exc`` is autograd refusing a backward through a graph that an earlier backward
+    freed ("Trying to backward through the graph a second time"). PyTorch raises a plain
+    ``RuntimeError`` for it (no subclass, no attribute), so its text is the only signal."""
+    return isinstance(exc, RuntimeError) and "backward through the graph a second time" in str(exc)
 
 
 class PerClassGradScaler:
@@ -213,7 +223,7 @@ class PerClassGradScaler:
         try:
             self._rows.rows(loss, tensors, layout, rows, scale)
         except RuntimeError as exc:
-            if "backward through the graph a second time" in str(exc):
+            if is_freed_graph(exc):
                 raise InputError("loss: its graph was already freed (a backward ran on it before this call)") from None
             raise
         ids = torch.arange(n) if class_ids is None else class_ids
@@ -268,33 +278,64 @@ class PerClassGradScaler:
         precision = ambient_precision(device)
         scaler = self._scaler_for(device, precision)
         scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-        independent = samples_independent(model)
+        # Train-mode dropout alone couples nothing (it draws masks): the fast route draws them.
+        independent = samples_independent(model) or draws_only(model)
         if route == "fast" and not independent:
             raise InputError(
                 "route='fast' needs a model that treats samples independently in its current mode "
-                "(dropout or BatchNorm in train mode couple them): use route='general' or 'auto'"
+                "(BatchNorm in train mode couples them): use route='general' or 'auto'"
             )
-        if route == "general" or not independent:
-            loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=classes, output=output)
-            weights = _class_weights(aggregate, class_ids)
-            rows = self(
-                loss,
-                optimizer,
-                model=model,
-                clip_grad=clip_grad,
-                update_grad=update_grad,
-                aggregate=weights,
-                params=params,
-                out=out,
-                class_ids=class_ids,
-            )
-            return rows, class_ids
+        if route != "general" and independent:
+            try:
+                return self._fast_step(
+                    model, inputs, labels, optimizer, classes, layout, tensors, precision, scaler, scale,
+                    aggregate=aggregate, clip_grad=clip_grad, update_grad=update_grad, output=output, out=out,
+                )  # fmt: skip
+            except OneForwardRefused as exc:  # dropout whose hook path failed: nothing touched yet
+                if route == "fast":
+                    raise
+                log.info("training: %s; the batch takes the general route", exc)
+        loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=classes, output=output)
+        weights = _class_weights(aggregate, class_ids)
+        rows = self(
+            loss,
+            optimizer,
+            model=model,
+            clip_grad=clip_grad,
+            update_grad=update_grad,
+            aggregate=weights,
+            params=params,
+            out=out,
+            class_ids=class_ids,
+        )
+        return rows, class_ids
+
+    def _fast_step(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        labels: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        classes: int,
+        layout: ParamLayout,
+        tensors: Sequence[torch.Tensor],
+        precision: str,
+        scaler: torch.amp.GradScaler,
+        scale: float,
+        *,
+        aggregate: Aggregate,
+        clip_grad: float | None,
+        update_grad: bool,
+        output: str | int | None,
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step_batch``'s fast route: the rows by ``fast_rows``, then the step on their aggregate."""
         signature = input_signature(inputs)
         if signature not in self._forward_checked:  # once per input shape: a forward of two samples
             check_forward(model, inputs, num_classes=classes, output=output)
             self._forward_checked.add(signature)
         k = int(torch.unique(labels).numel())
-        buf = None if out is None else _rows_buffer(out, k, layout.dim, device)
+        buf = None if out is None else _rows_buffer(out, k, layout.dim, tensors[0].device)
         rows, class_ids, found = fast_rows(
             model,
             inputs,

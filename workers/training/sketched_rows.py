@@ -12,8 +12,10 @@ batch) formed as the map's ``dim`` columns inside the backward; no ``[k, D]`` ro
 gradient formed by the same layer rules from the same captures, the batch as one class) into
 the parameters' ``.grad``: the training step and its rows from one forward and one backward.
 
-None when the hook path cannot take the batch (a model that couples samples in its current mode,
-a layer outside the rules, a loss scale that fp16 needs): the caller then takes
+Train-mode dropout draws its masks from the caller's generator as the batch's samples go through
+(each sample forwarded once; ``PartitionedEngine(draws_from_caller=True)``). None when the hook
+path cannot take the batch (a model that couples samples in its current mode, a layer outside
+the rules, a loss scale that fp16 needs): the caller then takes
 ``PerClassGradScaler.step_batch``'s rows and sketches them whole (``LogMap.project``), the same
 map.
 """
@@ -29,7 +31,7 @@ from torch import nn
 
 from classgrad.errors import ClassgradError, NonFiniteError
 from classgrad.workers.amp import PrecisionPolicy
-from classgrad.workers.engines.base import StepGrads, samples_independent
+from classgrad.workers.engines.base import StepGrads, draws_only, samples_independent
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 from classgrad.workers.layout import ParamLayout
@@ -104,7 +106,7 @@ class LogMap:
         then touched)."""
         device = next(model.parameters()).device
         precision = ambient_precision(device)
-        if precision == "fp16" or not samples_independent(model):
+        if precision == "fp16" or not (samples_independent(model) or draws_only(model)):
             return None  # fp16 needs a loss scale per step; coupled samples need the general route
         labels = check_labels(labels, num_classes, None)
         class_ids, counts = torch.unique(labels, return_counts=True)
@@ -121,6 +123,7 @@ class LogMap:
                 device=device,
                 group_rows=len(class_ids),
                 output=output,
+                draws_from_caller=True,
             )
         except (ClassgradError, RuntimeError) as exc:
             log.debug("training log: the hook path does not take this batch (%s)", exc)

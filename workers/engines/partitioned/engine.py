@@ -37,7 +37,14 @@ import torch
 
 from classgrad.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import rows_with_rescale
-from classgrad.workers.engines.base import GradientEngine, RowBlock, couples_samples, samples_independent
+from classgrad.workers.engines.base import (
+    GradientEngine,
+    RowBlock,
+    couples_samples,
+    draws_only,
+    samples_independent,
+    without_draws,
+)
 from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.hook_path import HookPath, HookPlan
 from classgrad.workers.engines.partitioned.loop_path import LoopPath
@@ -61,6 +68,12 @@ FALLBACK = "fallback: "  # the prefix of the notes that say a fallback (the run 
 VMAP_SLOWER = 2.5
 
 
+class OneForwardRefused(InputError):
+    """A training batch whose dropout draws come from the caller (``draws_from_caller``) needs
+    every sample forwarded once, by the hook path; it could not take this batch (the message
+    says why). The training routes then take their general route."""
+
+
 class PartitionedEngine(GradientEngine):
     """Forward+backward over each class's own samples; small classes split by hooks or vmap."""
 
@@ -71,14 +84,18 @@ class PartitionedEngine(GradientEngine):
     # The constructor refuses any loss that is not ``partitioned``: the ``PartitionedLoss`` family.
     loss: PartitionedLoss
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, draws_from_caller: bool = False, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if not self.loss.partitioned:
             raise InputError(
                 f"engine.kind=partitioned needs a class-partitioned loss (cross_entropy or a "
                 f"@partitioned_loss callable); {self.loss.name!r} is dense: use engine.kind=dense or auto"
             )
-        if not samples_independent(self.model):
+        # A training batch (``workers.training``): dropout's masks drawn as the plain step draws
+        # them, each sample forwarded once by the hook path (nothing recomputed: a second
+        # forward would draw other masks), so each row is its class's gradient under the draws.
+        self.draws_from_caller = draws_from_caller and draws_only(self.model)
+        if not samples_independent(self.model) and not self.draws_from_caller:
             coupled = sorted({type(m).__name__ for m in self.model.modules() if couples_samples(m)})
             raise InputError(
                 f"engine.kind=partitioned needs a model that treats samples independently; it has "
@@ -95,6 +112,10 @@ class PartitionedEngine(GradientEngine):
         self._abandoned: list[str] = []
         self._described: set[str] = set()
         self._pack = 1  # classes in the pack at hand: a fallback to the loop costs a backward each
+        if self.draws_from_caller:
+            self._vmap = None  # both would forward a sample again: never taken with the caller's draws
+            if plan is None:
+                raise OneForwardRefused("the batch's dropout draws need the hook path, which this model does not take")
         if plan is None:
             self._abandoned.append("hooks abandoned (forward hooks on every module, or on the model)")
             self._say_fallback("hooks abandoned: forward hooks on every module, or on the model")
@@ -215,6 +236,8 @@ class PartitionedEngine(GradientEngine):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
         self._pack = len(classes)
+        if self.draws_from_caller:
+            return self._one_forward(classes, scales, dest, where)
         if self._hooked is not None and isinstance(where, slice):
             try:
                 result = self._hooked.rows(classes, scales, dest, where)
@@ -250,6 +273,39 @@ class PartitionedEngine(GradientEngine):
         pairs = [self._single(c, scales[i : i + 1], dest, spot) for i, (c, spot) in enumerate(zip(classes, spots))]
         return torch.cat([v for v, _ in pairs]), torch.cat([f for _, f in pairs])
 
+    def _one_forward(
+        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_rows_into`` with the caller's draws: the hook path only, its samples forwarded once.
+        The once-per-model spot check runs first on two classes with dropout off (its plain path
+        forwards them again), the step's gradient set aside meanwhile."""
+        hooked = self._hooked
+        if hooked is None or not isinstance(where, slice):
+            raise OneForwardRefused("the batch's dropout draws need one run of the hook path over the batch")
+        try:
+            if not hooked.checked:
+                picks = sorted({0, len(classes) - 1})
+                spare = torch.empty(len(picks), dest.shape[1], dtype=dest.dtype, device=dest.device)
+                step, self.step = self.step, None
+                try:
+                    with without_draws(self.model):
+                        hooked.rows([classes[i] for i in picks], scales[picks], spare, slice(0, len(picks)))
+                        hooked.check([classes[i] for i in picks], scales[picks], spare, slice(0, len(picks)))
+                finally:
+                    self.step = step
+            result = hooked.rows(classes, scales, dest, where)
+        except ClassgradError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the hook path cannot take it: the caller's general route
+            raise OneForwardRefused(
+                f"the batch's dropout draws need the hook path, which failed here "
+                f"({first_line(exc, with_type=True, limit=120)})"
+            ) from exc
+        self._describe("hooks")
+        if bool(result[1].all()):
+            self.stats.bounded_rows += len(classes)
+        return result
+
     def _checked(
         self, classes: list[int], dest: torch.Tensor, where: slice | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -268,6 +324,8 @@ class PartitionedEngine(GradientEngine):
         def compute(which: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
             if pending:  # the first call asks for every row at the first scale: already computed
                 return pending.pop()
+            if self.draws_from_caller:  # a recomputed row would be of other draws than the step's
+                raise OneForwardRefused("fp16 rows that overflowed would be recomputed under other dropout draws")
             sub = [classes[i] for i in which.tolist()]
             buf = torch.empty(len(sub), self.layout.dim, dtype=self.row_dtype, device=self.device)
             vals, _ = self._rows_into(sub, sc.cpu(), buf, slice(0, len(sub)))
