@@ -103,8 +103,8 @@ def make_store(workdir: Path, model, args, projection: dict | None) -> str:
     from safetensors.torch import save_file
 
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import prepare_store
-    from classgrad.workers.runtime.actor import GradientWorker
+    from classgrad.service.driver_runtime.preparation import prepare_store
+    from classgrad.workers.actor_runtime.actor import GradientWorker
 
     checkpoint = workdir / "model.safetensors"
     save_file(model.state_dict(), str(checkpoint))

@@ -112,8 +112,8 @@ def worker_split(reps: int, classes: int) -> dict[str, Any]:
     import end_to_end
 
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import prepare_store
-    from classgrad.workers.runtime.actor import GradientWorker
+    from classgrad.service.driver_runtime.preparation import prepare_store
+    from classgrad.workers.actor_runtime.actor import GradientWorker
 
     torch.set_num_threads(1)
     workdir = Path(tempfile.mkdtemp(prefix="classgrad-diag-"))

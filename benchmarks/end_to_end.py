@@ -2,7 +2,7 @@
 
 1. **Job vs engine alone.** One job (the MLP of ``classgrad.workers.zoo``, ``--classes`` C with
    ``--spc`` samples each, rows = the second hidden layer's gradients so the store stays a
-   few hundred MB) runs through ``classgrad.service.runtime.driver.JobDriver`` on a local Ray with 1 actor, and
+   few hundred MB) runs through ``classgrad.service.driver_runtime.driver.JobDriver`` on a local Ray with 1 actor, and
    again with 2 actors (one CPU and one torch thread each). The same engine computes the same
    rows in this process without Ray or a store ("engine alone", one torch thread). Per-row time
    of the job = (time from "actors ready" to "last shard done") / C: Ray start-up
@@ -87,7 +87,7 @@ def engine_alone(config_dict: dict, sample_ids: list[int]) -> dict[str, Any]:
     """Every row computed by the job's engine in this process (one thread), blocks discarded
     except a few sample rows kept for the store check."""
     from classgrad.config import JobConfig
-    from classgrad.workers.runtime.factory import build_job_engine
+    from classgrad.workers.actor_runtime.factory import build_job_engine
 
     config = JobConfig.model_validate(config_dict)
     t0 = time.perf_counter()
@@ -118,7 +118,7 @@ def run_job(config_dict: dict, sample_rows: dict[int, torch.Tensor]) -> dict[str
     import psutil
 
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.driver import JobDriver
+    from classgrad.service.driver_runtime.driver import JobDriver
     from classgrad.store import open_store
 
     def actor_cpu(pids: list[int]) -> float:
@@ -178,7 +178,7 @@ def rss_child(args) -> None:
     """In a fresh process: a GradientWorker computes and writes every shard; print peak RSS."""
     import resource
 
-    from classgrad.workers.runtime.actor import GradientWorker
+    from classgrad.workers.actor_runtime.actor import GradientWorker
 
     config = json.loads(Path(args.rss_child).read_text())
     t0 = time.perf_counter()
@@ -203,7 +203,7 @@ def rss_child(args) -> None:
 
 def rss_case(classes: int, args, workdir: Path) -> dict[str, Any]:
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import prepare_store
+    from classgrad.service.driver_runtime.preparation import prepare_store
 
     url = str(workdir / f"rss_{classes}.zarr")
     cfg = job_config(classes, args.spc, args.hidden, url, 1, args.shard_rows)

@@ -395,9 +395,9 @@ def actor(args: argparse.Namespace) -> dict[str, Any]:
     import yaml
 
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import prepare_store
+    from classgrad.service.driver_runtime.preparation import prepare_store
+    from classgrad.workers.actor_runtime.actor import GradientWorker
     from classgrad.workers.engines import host_device
-    from classgrad.workers.runtime.actor import GradientWorker
 
     classes = 64 if args.quick else 2048
     with tempfile.TemporaryDirectory() as tmp:

@@ -65,7 +65,7 @@ def job(classes: int, url: str, dim: int | None) -> dict[str, Any]:
 
 def run(config: dict) -> dict[str, Any]:
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.driver import JobDriver
+    from classgrad.service.driver_runtime.driver import JobDriver
     from classgrad.store import open_store
 
     t0 = time.perf_counter()
@@ -127,9 +127,9 @@ def measure_one(
     import torch
 
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import prepare_store
-    from classgrad.workers.runtime.actor import GradientWorker
-    from classgrad.workers.runtime.factory import build_job_engine
+    from classgrad.service.driver_runtime.preparation import prepare_store
+    from classgrad.workers.actor_runtime.actor import GradientWorker
+    from classgrad.workers.actor_runtime.factory import build_job_engine
 
     torch.set_num_threads(1)
     proj: dict[str, Any] = {"dim": None}

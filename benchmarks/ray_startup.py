@@ -1,6 +1,6 @@
 """Seconds to start a local Ray and one actor process until it answers a call (its imports
 included, engine build excluded): the measurement behind ``RAY_STARTUP_ALLOWANCE_S`` in
-``classgrad.service.runtime.estimate``.
+``classgrad.service.driver_runtime.estimate``.
 
 Run: ``python -m benchmarks.ray_startup [--repeats N]`` (each repeat starts and stops its own Ray).
 """
@@ -21,7 +21,7 @@ def measure_once() -> float:
         @ray.remote(num_cpus=1)
         class Probe:
             def __init__(self) -> None:
-                import classgrad.workers.runtime.actor  # noqa: F401  (what an actor imports)
+                import classgrad.workers.actor_runtime.actor  # noqa: F401  (what an actor imports)
 
             def ready(self) -> bool:
                 return True

@@ -36,8 +36,8 @@ from pathlib import Path
 
 from benchmarks.common import print_table, print_targets, write_report
 from classgrad.config import JobConfig
-from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.runtime.plan import plan_shards
+from classgrad.service.driver_runtime.driver import JobDriver
+from classgrad.service.driver_runtime.plan import plan_shards
 from tests.support.jobs import small_job
 from tests.support.simulated_actors import SimulatedActors, VirtualClock
 
@@ -134,7 +134,7 @@ def ray_stub(actors: int, shards: int, shard_s: float) -> dict:
     with stub actors (the process's CPU during the run, Ray's client threads in it included)."""
     import ray
 
-    from classgrad.service.runtime.ray_actors import RayActors
+    from classgrad.service.driver_runtime.ray_actors import RayActors
 
     config = JobConfig.model_validate(
         small_job(

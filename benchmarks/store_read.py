@@ -1,7 +1,7 @@
 """Read throughput of the gradient store with and without the digest check on read (issue 45).
 
 Every reader checks each chunk object of a done shard against the blake2b digest its shard's
-record holds (``classgrad.store.verified``). This measures what that costs: a store of
+record holds (``classgrad.store.integrity.verified``). This measures what that costs: a store of
 ``C x D`` float32 rows per chunk shape (row_chunk x col_chunk, and Zarr-sharded), read whole
 block by block as ``similarity``, ``score`` and ``aggregate`` read it (``iter_blocks``), with the
 check on and off (``GradStore.check_digests``), interleaved, best of ``--reps`` (on this VM the

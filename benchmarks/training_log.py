@@ -25,6 +25,7 @@ log (and plans its map) inside the timed run, as a training run does once.
 
     .venv/bin/python -m benchmarks.training_log                       # C = 1,000 and 10,000
     .venv/bin/python -m benchmarks.training_log --classes 1000 --window 1
+    .venv/bin/python -m benchmarks.training_log --dropout 0.1 --log-dtype bfloat16   # dropout, half the bytes
     .venv/bin/python -m benchmarks.training_log --parts --reps 5          # where a logged step's time goes
     .venv/bin/python -m benchmarks.training_log --parts --reps 5 --same-window   # the writes in the page cache
 """
@@ -42,23 +43,35 @@ from torch import nn
 
 from benchmarks.common import interleaved, print_table
 from classgrad import GradLog, PerClassGradScaler
-from classgrad.store.grad_log import open_log
+from classgrad.store.training_log.log_store import open_log
+from classgrad.workers import zoo
 
 
-def _setup(classes: int, hidden: int, batch: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer, list]:
+def _setup(classes: int, args: argparse.Namespace, steps: int) -> tuple[nn.Module, torch.optim.Optimizer, list]:
+    """``--model``: ``mlp`` (64-hidden-hidden-C, ``--dropout`` after each hidden layer) or ``cnn``
+    (``zoo.small_cnn`` of width ``--width`` on 3 x 32 x 32 images: a step of 50 ms or more here)."""
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
-    )
+    hidden = args.hidden
+    if args.model == "cnn":
+        model: nn.Module = zoo.small_cnn(classes, in_channels=3, width=args.width)
+        shape: tuple[int, ...] = (3, 32, 32)
+    else:
+        drop = [nn.Dropout(args.dropout)] if args.dropout else []  # train mode: masks drawn every step
+        model = nn.Sequential(
+            nn.Linear(64, hidden), nn.ReLU(), *drop, nn.Linear(hidden, hidden), nn.ReLU(), *drop,
+            nn.Linear(hidden, classes),
+        )  # fmt: skip
+        shape = (64,)
     g = torch.Generator().manual_seed(1)
     batches = [
-        (torch.randn(batch, 64, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(steps)
+        (torch.randn(args.batch, *shape, generator=g), torch.randint(0, classes, (args.batch,), generator=g))
+        for _ in range(steps)
     ]
     return model, torch.optim.SGD(model.parameters(), lr=1e-3), batches
 
 
 def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
-    model, opt, batches = _setup(classes, args.hidden, args.batch, args.steps)
+    model, opt, batches = _setup(classes, args, args.steps)
     scaler = PerClassGradScaler(num_classes=classes)
     tmp = tempfile.TemporaryDirectory()
 
@@ -74,7 +87,8 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
             scaler.step_batch(model, x, y, opt)
 
     def logged(window: int) -> None:
-        with GradLog(f"{tmp.name}/log.zarr", model, classes, window=window, dim=args.dim, overwrite=True) as log:
+        path = f"{tmp.name}/log.zarr"
+        with GradLog(path, model, classes, window=window, dim=args.dim, overwrite=True, dtype=args.log_dtype) as log:
             for step, (x, y) in enumerate(batches):
                 opt.zero_grad()
                 rows, ids = scaler.step_batch(model, x, y, opt)
@@ -82,7 +96,8 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
 
     def one_backward(window: int, background: bool | None = None) -> None:
         path = f"{tmp.name}/log.zarr"
-        with GradLog(path, model, classes, window=window, dim=args.dim, overwrite=True, background=background) as log:
+        kw = {"overwrite": True, "background": background, "dtype": args.log_dtype}
+        with GradLog(path, model, classes, window=window, dim=args.dim, **kw) as log:
             for step, (x, y) in enumerate(batches):
                 opt.zero_grad()
                 log.step(step, model, x, y, opt)
@@ -96,16 +111,21 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
     timings = interleaved(methods, reps=args.reps)
     tmp.cleanup()
     base = timings["plain"].best
+    # What a logged method writes a step: a window's two C x dim arrays, once per window.
+    itemsize = 2 if args.log_dtype == "bfloat16" else 4
+    written = {name: 2 * classes * args.dim * itemsize / int(name.split("window ")[1].split(",")[0]) / 2**20
+               for name in timings if "window" in name}  # fmt: skip
     return [
-        [f"{classes:,}", name, f"{t.best / args.steps * 1e3:.1f}", f"{t.best / base:.2f}"]
+        [f"{classes:,}", name, f"{t.best / args.steps * 1e3:.1f}", f"{t.best / base:.2f}",
+         f"{written[name]:.1f}" if name in written else "-"]
         for name, t in timings.items()
-    ]
+    ]  # fmt: skip
 
 
 def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
     """Per step: a plain forward and backward, the sketched rows with the step's gradient, and
     one window's write (not a step's: a tenth of it a step with windows of 10)."""
-    model, _, batches = _setup(classes, args.hidden, args.batch, 1)
+    model, _, batches = _setup(classes, args, 1)
     x, y = batches[0]
     tmp = tempfile.TemporaryDirectory()
     log = GradLog(f"{tmp.name}/log.zarr", model, classes, window=1, dim=args.dim, overwrite=True)
@@ -174,6 +194,12 @@ def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
     return out
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    if args.model == "cnn":
+        return f"zoo.small_cnn, width {args.width}, 3 x 32 x 32"
+    return f"MLP 64-{args.hidden}-{args.hidden}-C" + (f", dropout {args.dropout:g}" if args.dropout else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--classes", default="1000,10000")
@@ -188,16 +214,22 @@ def main() -> None:
         "--same-window", action="store_true", help="--parts: rewrite one window (page cache) instead of new ones"
     )
     parser.add_argument("--parts", action="store_true", help="where a logged step's time goes, not the table")
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp")
+    parser.add_argument("--width", type=int, default=32, help="--model cnn: its channels")
+    parser.add_argument("--dropout", type=float, default=0.0, help="mlp: dropout after each hidden layer (train mode)")
+    parser.add_argument("--log-dtype", default="float32", help="GradLog(dtype=): float32 or bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(2)
     if args.parts:
         parts = [row for classes in args.classes.split(",") for row in _part_rows(int(classes), args)]
-        print(f"MLP 64-{args.hidden}-{args.hidden}-C, a batch of {args.batch}, k = {args.dim}: best of {args.reps}")
+        print(f"{_model_name(args)}, a batch of {args.batch}, k = {args.dim}: best of {args.reps}")
         print_table(["C", "part", "ms"], parts)
         return
     rows = [row for classes in args.classes.split(",") for row in _table_rows(int(classes), args)]
-    print(f"MLP 64-{args.hidden}-{args.hidden}-C, batches of {args.batch}, {args.steps} steps, k = {args.dim}")
-    print_table(["C", "method", "ms / step", "over plain"], rows)
+    print(
+        f"{_model_name(args)}, batches of {args.batch}, {args.steps} steps, k = {args.dim}, log dtype {args.log_dtype}"
+    )
+    print_table(["C", "method", "ms / step", "over plain", "MiB written / step"], rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """PerClassGradScaler in a training loop (issue 26): per-step time and peak memory against a plain step.
 
 For each model (``--models``: ``cnn``, the small CNN of ``classgrad.workers.zoo``; ``vit`` and
-``bert``, the tiny Hugging Face configs of ``benchmarks.real_model_cases``, dropout 0), each C
+``bert``, the tiny Hugging Face configs of ``benchmarks.real_model_cases``, dropout 0;
+``mlp_dropout``, an MLP 256-512-512-C with dropout 0.1 after each hidden layer), each C
 (``--classes``) and each precision (``--precisions``: fp32 and bf16 on a CPU, fp16 with
 ``--device cuda``), in train mode, on one batch of ``--batch-size`` samples with random labels,
 SGD, every method timed round-robin (``common.interleaved``):
@@ -64,10 +65,10 @@ from classgrad.workers.layout import ParamLayout
 from classgrad.workers.model_io import ModelIO
 
 OUT = common.OUT_DIR / "training_step.json"
-MODELS = ("cnn", "vit", "bert")
+MODELS = ("cnn", "vit", "bert", "mlp_dropout")
 # Rows of the general route: parameters whose size does not depend on C (the CNN's convolutions,
 # the transformers' second layer: ``encoder.layer.1`` or ``layers.1`` by transformers' version).
-GENERAL_PARAMS = {"cnn": r"^features\.", "vit": r"layers?\.1\.", "bert": r"layers?\.1\."}
+GENERAL_PARAMS = {"cnn": r"^features\.", "vit": r"layers?\.1\.", "bert": r"layers?\.1\.", "mlp_dropout": r"^[03]\."}
 
 
 def general_params(name: str, model: nn.Module) -> list[str]:
@@ -89,6 +90,12 @@ def build(name: str, num_classes: int, batch: int, device: torch.device, seed: i
             "input_ids": torch.randint(1, VOCAB, (batch, SEQ_LEN), generator=g),
             "attention_mask": torch.ones(batch, SEQ_LEN, dtype=torch.long),
         }
+    elif name == "mlp_dropout":  # train-mode dropout: masks drawn as the samples go through
+        model = nn.Sequential(
+            nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1),
+            nn.Linear(512, num_classes),
+        )  # fmt: skip
+        x = torch.randn(batch, 256, generator=g)
     else:
         raise SystemExit(f"unknown model {name!r} (choices: {', '.join(MODELS)})")
     y = torch.randint(0, num_classes, (batch,), generator=g)

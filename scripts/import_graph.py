@@ -5,7 +5,7 @@
 Every import in the source folders (top-level, inside functions and under TYPE_CHECKING alike)
 is read from the files with ``ast``, so nothing is imported to draw it. The layers: 0 the
 foundation (src/classgrad: errors, units, progress bars, the version, config, store); 1 the
-compute side (workers/); 2 the runtime (service/runtime, workers/runtime); 3 the analyses, the
+compute side (workers/); 2 the runtime (service/driver_runtime, workers/actor_runtime); 3 the analyses, the
 CLI and the public API. ``tests/unit/test_layers.py`` runs it and uses its functions.
 """
 
@@ -41,8 +41,8 @@ LAYERS = {
     "classgrad.workers.engines.registry": 1,
     "classgrad.workers.engines.api": 1,
     "classgrad.service": 2,
-    "classgrad.service.runtime": 2,
-    "classgrad.workers.runtime": 2,
+    "classgrad.service.driver_runtime": 2,
+    "classgrad.workers.actor_runtime": 2,
     "classgrad.service.analysis": 3,
     "classgrad.service.commands": 3,
     "classgrad": 3,

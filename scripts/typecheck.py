@@ -6,7 +6,7 @@ The repository keeps the package's code in three folders that install as one nam
 (src/classgrad -> classgrad, service/ -> classgrad.service, workers/ -> classgrad.workers).
 mypy cannot follow setuptools' editable import hook, so this builds that tree once more out of
 symbolic links under build/typecheck/ and checks it there; messages name the linked paths,
-which mirror the repository's (classgrad/service/runtime/... is service/runtime/...).
+which mirror the repository's (classgrad/service/driver_runtime/... is service/driver_runtime/...).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Holds ``ParamLayout``: the ordered selection for a model (include/exclude name p
 every parameter with ``requires_grad``), with ``flatten``/``unflatten`` between per-parameter
 gradients and rows, and a JSON form for the store's attributes. Its entries are ``ParamSlot``s
 (name, shape, offset, size), the one layout type the store and the engines share, defined with
-the store in ``classgrad.store.params``.
+the store in ``classgrad.store.core.params``.
 
 Order is ``model.named_parameters()`` order, which is deterministic for a given model class, so
 every worker and every reader agree on the column of each parameter entry.
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from classgrad.errors import InputError
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -38,7 +38,7 @@ from classgrad.service.analysis.plot import (
     require_matplotlib,
     save_png,
 )
-from classgrad.store.grad_log import LogReader, missing_windows, open_log_reader
+from classgrad.store.training_log.log_store import LogReader, missing_windows, open_log_reader
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A training log's rows as the store analyses read rows: what ``classgrad score``, ``similarity``
-and ``plot`` share when they are given a log (``classgrad.store.grad_log``) instead of a job's
+and ``plot`` share when they are given a log (``classgrad.store.training_log.log_store``) instead of a job's
 store.
 
 Holds ``pick_windows`` (the windows a command names: ``all`` (refused when windows below the
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from classgrad.errors import ConfigError, StoreIncompleteError
-from classgrad.store.grad_log import LogReader, missing_windows
-from classgrad.store.indexing import col_range
+from classgrad.store.core.indexing import col_range
+from classgrad.store.training_log.log_store import LogReader, missing_windows
 
 WINDOW_WORDS = ("all", "last")
 

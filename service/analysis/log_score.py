@@ -4,7 +4,7 @@ checkpoint.
 
 Holds ``score_log`` (the Python API: a log, a model and query data in; ``Scores`` out, the same
 result ``classgrad.score`` gives) and ``log_query_space`` (the log's row definition in the form
-``workers.runtime.query.query_rows`` reads a store's).
+``workers.actor_runtime.query.query_rows`` reads a store's).
 
 What is computed, exactly. For query example q and class c, over the chosen windows W:
 
@@ -53,10 +53,10 @@ from classgrad.service.analysis import validated
 from classgrad.service.analysis.log_rows import LogRows, fmt_windows, pick_windows
 from classgrad.service.analysis.score_driver import Scores
 from classgrad.service.analysis.scoring import ScoreConfig, plan_scores, score_block
-from classgrad.store.grad_log import LogReader, open_log_reader
-from classgrad.store.params import ParamSlot
-from classgrad.workers.runtime.factory import build_model
-from classgrad.workers.runtime.query import query_rows
+from classgrad.store.core.params import ParamSlot
+from classgrad.store.training_log.log_store import LogReader, open_log_reader
+from classgrad.workers.actor_runtime.factory import build_model
+from classgrad.workers.actor_runtime.query import query_rows
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from classgrad.service.analysis.similarity import (
     top_k_rows,
     wants_dense,
 )
-from classgrad.store.grad_log import open_log_reader
+from classgrad.store.training_log.log_store import open_log_reader
 from classgrad.workers.structures import neighbour_caveat
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ Holds ``score`` (the Python API: stores, a model and query data in; ``Scores`` o
 ``data`` section, the query function, an optional group field) and ``query_data`` (the query
 set and its groups from such a file).
 
-The query rows come from ``classgrad.workers.runtime.query`` (the store's own row definition,
+The query rows come from ``classgrad.workers.actor_runtime.query`` (the store's own row definition,
 one row per example, or per group), one set per store (each checkpoint's model makes its own);
 the scores from ``score_driver.score_rows``.
 """
@@ -28,8 +28,8 @@ from classgrad.service.analysis.score_driver import Scores, check_stores, score_
 from classgrad.service.analysis.score_precondition import trak_form
 from classgrad.service.analysis.scoring import ScoreConfig
 from classgrad.store import open_store
-from classgrad.workers.runtime.factory import call_factory
-from classgrad.workers.runtime.query import query_rows
+from classgrad.workers.actor_runtime.factory import call_factory
+from classgrad.workers.actor_runtime.query import query_rows
 
 
 class QueryFile(BaseModel):

@@ -28,7 +28,7 @@ from classgrad.service.analysis import MIB, validated
 from classgrad.service.analysis.score_precondition import damping_for, ensure_gram, inverse, trak_form
 from classgrad.service.analysis.scoring import ScoreConfig, ScorePlan, plan_scores, score_task
 from classgrad.store import fmt_ranges
-from classgrad.store.score_output import ScoreOutput
+from classgrad.store.analysis.score_output import ScoreOutput
 from classgrad.workers.structures import neighbour_caveat
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def score_rows(
     ``groups``: each query row's group id, when the rows are groups'."""
     import torch
 
-    from classgrad.service.runtime.ray_session import ray_session
+    from classgrad.service.driver_runtime.ray_session import ray_session
 
     if config is None:
         config = validated(ScoreConfig, "score", **options)

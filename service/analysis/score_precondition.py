@@ -32,7 +32,7 @@ import numpy as np
 
 from classgrad.errors import ConfigError, InputError
 from classgrad.service.analysis import MIB, plan_blocks
-from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.service.driver_runtime.run_ids import new_run_id
 from classgrad.units import fmt_bytes
 
 log = logging.getLogger(__name__)

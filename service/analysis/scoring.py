@@ -36,7 +36,7 @@ from classgrad.service.analysis import MIB, ceil_div, spans
 from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_topk import merge_topk
 from classgrad.store import open_store
-from classgrad.store.score_output import ScoreOutput
+from classgrad.store.analysis.score_output import ScoreOutput
 
 METHODS = ("dot", "cosine", "trak")
 _SLACK_BYTES = 32 * MIB

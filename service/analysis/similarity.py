@@ -61,8 +61,8 @@ from classgrad.service.analysis.memory import PeakMemory
 from classgrad.service.analysis.similarity_runs import run_local, run_ray
 from classgrad.service.analysis.similarity_topk import PartMerger, topk_task
 from classgrad.service.analysis.topk_plan import TopKPlan, plan_topk
-from classgrad.service.runtime.ray_session import ray_session
-from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.service.driver_runtime.ray_session import ray_session
+from classgrad.service.driver_runtime.run_ids import new_run_id
 from classgrad.store import fmt_ranges, open_store
 from classgrad.units import fmt_bytes
 from classgrad.workers.structures import neighbour_caveat
@@ -390,7 +390,7 @@ def compute_similarity(
     ``options`` are ``SimilarityConfig`` fields (``metric="dot"``, ``top_k=5``, ``dense=False``,
     ...), checked like the command line's. Refuses incomplete stores, naming the missing rows.
     """
-    from classgrad.service.runtime.progress import Progress
+    from classgrad.service.driver_runtime.progress import Progress
 
     if config is None:
         config = validated(SimilarityConfig, "similarity", **options)

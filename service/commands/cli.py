@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"classgrad: error: {redact_text(str(exc))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        from classgrad.service.runtime.stopping import INTERRUPTED_LINE  # jobs stop --wait looks for it
+        from classgrad.service.driver_runtime.stopping import INTERRUPTED_LINE  # jobs stop --wait looks for it
 
         print(INTERRUPTED_LINE, file=sys.stderr)
         return 130

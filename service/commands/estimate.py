@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from classgrad.config import load_config
     from classgrad.errors import ConfigError
-    from classgrad.service.runtime.estimate import estimate_job
+    from classgrad.service.driver_runtime.estimate import estimate_job
 
     if args.sample_rows is not None and args.sample_rows <= 0:
         raise ConfigError(f"--sample-rows must be > 0, got {args.sample_rows}")

@@ -2,7 +2,7 @@
 
 Also holds ``add_address_argument``, the ``--address`` option shared with ``classgrad submit``.
 Every failure (cluster unreachable, token missing or wrong, unknown job id) is one line and a
-non-zero exit code; see ``classgrad.service.runtime.submit`` for how the address and the auth token are found.
+non-zero exit code; see ``classgrad.service.driver_runtime.submit`` for how the address and the auth token are found.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _details(info) -> dict:
 
 def finish_followed(client, job_id: str) -> int:
     """Follow a job's logs to stdout; 0 if it succeeded, else JobFailedError (exit 3)."""
-    from classgrad.service.runtime import submit
+    from classgrad.service.driver_runtime import submit
 
     def write(chunk: str) -> None:
         sys.stdout.write(chunk)
@@ -105,7 +105,7 @@ def finish_followed(client, job_id: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.runtime import submit
+    from classgrad.service.driver_runtime import submit
 
     quiet_ray_logging(args)
     client = submit.connect(args.address)
@@ -155,8 +155,8 @@ def stop_outcome(client, job_id: str) -> str:
     """Wait until a job asked to stop has ended (Ray marks it STOPPED once every process of its
     driver has exited, on the signal or by SIGKILL), and say which: "stopped" only when the
     driver stopped itself, having recorded the run and released the store's lease."""
-    from classgrad.service.runtime import submit
-    from classgrad.service.runtime.stopping import INTERRUPTED_LINE
+    from classgrad.service.driver_runtime import submit
+    from classgrad.service.driver_runtime.stopping import INTERRUPTED_LINE
 
     while (status := str(submit.job_info(client, job_id).status)) not in submit.TERMINAL:
         time.sleep(1.0)

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.analysis.plot import plot_store
-    from classgrad.store.grad_log import is_log
+    from classgrad.store.training_log.log_store import is_log
 
     options = given_options(args, "top_n", "metric", "dpi")
     log = is_log(args.store, storage_options=storage_options(args))

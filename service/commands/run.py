@@ -36,12 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from classgrad.config import load_config
-    from classgrad.service.runtime.driver import JobDriver
-    from classgrad.service.runtime.stopping import install_stop_handlers, restore_handlers
+    from classgrad.service.driver_runtime.driver import JobDriver
+    from classgrad.service.driver_runtime.stopping import install_stop_handlers, restore_handlers
 
     # `classgrad jobs stop` (SIGINT), pod deletion and `kill` (SIGTERM): stop as cleanly as on
     # Ctrl-C, so the run is recorded as interrupted and its lease released, also in a driver that
-    # inherited SIGINT ignored or blocked (see classgrad.service.runtime.stopping).
+    # inherited SIGINT ignored or blocked (see classgrad.service.driver_runtime.stopping).
     before = install_stop_handlers()
     try:
         config = load_config(args.config, args.overrides)

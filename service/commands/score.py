@@ -250,7 +250,7 @@ def main_log(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.analysis.score_api import load_query_file, query_data, score
-    from classgrad.store.grad_log import is_log
+    from classgrad.store.training_log.log_store import is_log
     from classgrad.units import fmt_bytes
 
     if any(is_log(s, storage_options=storage_options(args)) for s in args.stores):

@@ -189,7 +189,7 @@ def main_log(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from classgrad.service.analysis.similarity import compute_similarity
     from classgrad.store import open_store
-    from classgrad.store.grad_log import is_log
+    from classgrad.store.training_log.log_store import is_log
     from classgrad.units import fmt_bytes
 
     if is_log(args.store, storage_options=storage_options(args)):

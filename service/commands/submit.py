@@ -2,7 +2,7 @@
 
 The working directory travels as the job's ``working_dir``; the job runs
 ``python -m classgrad run CONFIG --set ... --set cluster.address=auto`` on the head node (see
-``classgrad.service.runtime.submit`` for why). Prints the job id on stdout (alone on its line, so scripts can
+``classgrad.service.driver_runtime.submit`` for why). Prints the job id on stdout (alone on its line, so scripts can
 capture it); with ``--follow`` the job's logs follow and the exit code is the job's: 0 if it
 succeeded, 3 if it failed or was stopped.
 """
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from classgrad.service.runtime import submit
+    from classgrad.service.driver_runtime import submit
 
     submission = submit.prepare_submission(
         args.config,

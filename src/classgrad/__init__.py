@@ -31,7 +31,7 @@ from classgrad.version import __version__
 if TYPE_CHECKING:
     from classgrad.config import JobConfig, load_config
     from classgrad.service.analysis.score_api import score
-    from classgrad.service.runtime.driver import run_job
+    from classgrad.service.driver_runtime.driver import run_job
     from classgrad.store import open_dataset, open_store
     from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.training import GradLog, PerClassGradScaler
@@ -45,7 +45,7 @@ _EXPORTS = {
     "open_dataset": "classgrad.store",
     "JobConfig": "classgrad.config",
     "load_config": "classgrad.config",
-    "run_job": "classgrad.service.runtime.driver",
+    "run_job": "classgrad.service.driver_runtime.driver",
     "PerClassGradScaler": "classgrad.workers.training",
     "GradLog": "classgrad.workers.training",
     # Optional dependencies (transformers, lightning): imported only when the name is used, and

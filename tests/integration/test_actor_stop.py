@@ -1,4 +1,4 @@
-"""A stopping driver's ``stop_actors`` (service/runtime/stopping.py): when it returns, the killed
+"""A stopping driver's ``stop_actors`` (service/driver_runtime/stopping.py): when it returns, the killed
 actors can mark nothing done any more. Ray reports an actor dead a few milliseconds before its
 process is gone; an actor at ``mark_shard_done`` in that gap made a run's record count fewer
 shards than the store held (tests/integration/test_cli_job.py's Ctrl-C test failed in CI)."""
@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from classgrad.service.runtime.stopping import stop_actors
+from classgrad.service.driver_runtime.stopping import stop_actors
 
 
 def test_killed_actors_processes_are_gone_when_it_returns(ray_local):

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from classgrad.config import JobConfig
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.runtime.preparation import prepare_store
+from classgrad.service.driver_runtime.preparation import prepare_store
 from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.cluster import free_port

@@ -26,8 +26,8 @@ import pytest
 from classgrad.config import JobConfig
 from classgrad.errors import LeaseHeldError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.runtime.driver import JobDriver
-from classgrad.service.runtime.preparation import prepare_store
+from classgrad.service.driver_runtime.driver import JobDriver
+from classgrad.service.driver_runtime.preparation import prepare_store
 from classgrad.store import open_store
 from tests.support.harness import (
     assert_identical,

@@ -28,7 +28,7 @@ from classgrad.config import JobConfig
 from classgrad.errors import CorruptChunkError
 from classgrad.service.analysis.verify import CORRUPT, verify_store
 from classgrad.store import open_store
-from classgrad.store.format import LEASE_LOCK_SUFFIX
+from classgrad.store.core.format import LEASE_LOCK_SUFFIX
 from tests.support.harness import (
     classgrad_cli,
     kill_session,

@@ -12,7 +12,7 @@ import torch
 import zarr
 
 from classgrad.config import load_config
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from tests.support.engine_cases import max_relative_error
 

@@ -27,7 +27,7 @@ import pytest
 
 from classgrad.config import JobConfig
 from classgrad.errors import ClassgradError
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.harness import (

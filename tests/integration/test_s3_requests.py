@@ -25,7 +25,7 @@ def _write_one_shard(url: str, options: dict, *, sharded: bool, s3_requests) -> 
     store = open_store(url, storage_options=options, mode="r+")
     lease = store.lease
     s3_requests.mark()
-    lease.info()  # the actor's lease check before the shard (workers/runtime/actor.py)
+    lease.info()  # the actor's lease check before the shard (workers/actor_runtime/actor.py)
     rows = np.random.default_rng(0).standard_normal((SHARD_ROWS, K), dtype=np.float32)
     store.write_rows(SHARD_ROWS, rows, loss=np.zeros(SHARD_ROWS), count=np.ones(SHARD_ROWS, np.int64))
     lease.info()  # and before its mark

@@ -1,7 +1,7 @@
 """A job whose S3 endpoint throttles every write: the first PUT of every object is answered
 ``503 SlowDown`` (``tests/support/slowdown.py``, an HTTP proxy in front of moto), as S3 answers
 a prefix over its request rate. The client's own retries are off (botocore: one attempt), so
-what rides it out is the store's backoff (``src/classgrad/store/retry.py``). The job (the
+what rides it out is the store's backoff (``src/classgrad/store/core/retry.py``). The job (the
 fault job's 12 shards on 2 actors, a sharded store) completes, every shard once, bit-identical
 to an uninterrupted run on a local disk."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from classgrad.config import JobConfig
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from tests.support.harness import assert_identical, fault_job, store_arrays, uninterrupted
 from tests.support.slowdown import SlowDownProxy

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from classgrad.config import JobConfig
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from tests.support.harness import (
     assert_identical,

@@ -19,7 +19,7 @@ import classgrad
 from classgrad.config import load_config
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import StoreSpec, create_store, open_store
 from tests.support.stores import DIM, LAYOUT, synthetic_rows, write_all
 from tests.support.xarray_checks import assert_consolidated_fresh, open_zarr_strict

@@ -7,7 +7,7 @@ object meanwhile. The job is ``harness.fault_job`` (12 shards of 4 rows, 2 actor
 Ray in this process) with a small delay per class, so that the outage surely falls mid-job.
 The client's own retries are turned off (botocore: one attempt; s3fs never retries a refused
 connection), so that what these tests see is classgrad's: the store's retries of a request
-(``src/classgrad/store/retry.py``), then the driver's retries of the shard (``sharding.max_attempts``).
+(``src/classgrad/store/core/retry.py``), then the driver's retries of the shard (``sharding.max_attempts``).
 
 - An outage of a few seconds: the job completes, every shard once, rows, losses and counts
   bit-identical to an uninterrupted run.
@@ -27,7 +27,7 @@ import pytest
 
 from classgrad.config import JobConfig
 from classgrad.errors import ShardFailedError
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from tests.support import faulty
 from tests.support.harness import assert_identical, fault_job, store_arrays, uninterrupted

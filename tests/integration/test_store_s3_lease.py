@@ -19,7 +19,7 @@ import s3fs
 
 from classgrad.errors import LeaseHeldError, StoreError
 from classgrad.store import StoreSpec, create_store, open_store, store_lease
-from classgrad.store.lease_files import S3LeaseFile
+from classgrad.store.integrity.lease_files import S3LeaseFile
 
 
 def spec(fingerprint: str = "fp-1") -> StoreSpec:

@@ -197,8 +197,8 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
     ``slow_models`` one with ``delay_s``) and data. ``config_path`` is relative to the repository
     root (or absolute)."""
     from classgrad.config import load_config
+    from classgrad.workers.actor_runtime.factory import build_model, build_probe
     from classgrad.workers.engines import per_class_gradients
-    from classgrad.workers.runtime.factory import build_model, build_probe
 
     config = load_config(REPO / config_path, overrides)
     kwargs = {**config.model.kwargs, **({"delay_s": 0.0} if "delay_s" in config.model.kwargs else {})}
@@ -218,8 +218,8 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
 
 def uninterrupted(config: JobConfig) -> dict[str, np.ndarray]:
     """Run every shard of ``config`` once, in order, in this process (no Ray, no faults)."""
-    from classgrad.service.runtime.preparation import prepare_store
-    from classgrad.workers.runtime.actor import GradientWorker
+    from classgrad.service.driver_runtime.preparation import prepare_store
+    from classgrad.workers.actor_runtime.actor import GradientWorker
 
     threads = torch.get_num_threads()
     try:
@@ -271,8 +271,8 @@ def trusted_state(url: str, config: JobConfig | None = None) -> str:
     done = np.flatnonzero(store.shard_done)
     if done.size:
         assert config is not None, "done shards but no config to check them against"
+        from classgrad.workers.actor_runtime.factory import build_model, build_probe
         from classgrad.workers.engines import per_class_gradients
-        from classgrad.workers.runtime.factory import build_model, build_probe
         from tests.support.engine_cases import max_relative_error
 
         model = build_model(

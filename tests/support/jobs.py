@@ -64,9 +64,9 @@ def mlp_job(tmp_path: Path, **sections: Any) -> JobConfig:
 
 def run_without_ray(config: JobConfig):
     """The driver's preparation, then the real worker for every shard (no Ray): the store."""
-    from classgrad.service.runtime.preparation import prepare_store
+    from classgrad.service.driver_runtime.preparation import prepare_store
     from classgrad.store import open_store
-    from classgrad.workers.runtime.actor import GradientWorker
+    from classgrad.workers.actor_runtime.actor import GradientWorker
 
     prepared = prepare_store(config)
     worker = GradientWorker(config.model_dump(mode="json"))

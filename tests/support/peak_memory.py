@@ -84,7 +84,7 @@ def _in_children(fns: list, at_once: int = 2) -> list[Any]:
 
 def _driver(job: dict) -> dict:
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import check_job, prepare_store
+    from classgrad.service.driver_runtime.preparation import check_job, prepare_store
 
     config = JobConfig.model_validate(job)
     checked = check_job(config)
@@ -93,7 +93,7 @@ def _driver(job: dict) -> dict:
 
 
 def _actor(job: dict, shards: list[int]) -> dict:
-    from classgrad.workers.runtime.actor import GradientWorker, peak_memory
+    from classgrad.workers.actor_runtime.actor import GradientWorker, peak_memory
 
     worker = GradientWorker(job, num_threads=job.get("cluster", {}).get("num_cpus_per_worker", 1))
     for shard in shards:
@@ -107,8 +107,8 @@ def main(path: str) -> None:
     import psutil
 
     # The zygote's imports, as a fresh driver or actor process has them before it builds a job.
-    import classgrad.service.runtime.preparation  # noqa: F401
-    import classgrad.workers.runtime.actor  # noqa: F401
+    import classgrad.service.driver_runtime.preparation  # noqa: F401
+    import classgrad.workers.actor_runtime.actor  # noqa: F401
 
     # transformers is imported once here rather than in every child (seconds each): a fresh process
     # imports it in its build, where the driver measures it; here neither child's build sees it, and

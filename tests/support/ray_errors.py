@@ -26,7 +26,7 @@ def creation_failed(error: Exception) -> ActorDiedError:
         proctitle="ray::GradientWorker.__init__",
         pid=28203,
         ip="192.0.2.2",
-        actor_repr="<classgrad.workers.runtime.actor.GradientWorker object>",
+        actor_repr="<classgrad.workers.actor_runtime.actor.GradientWorker object>",
         actor_id="9e7b",
     )
     return ActorDiedError(task_error)

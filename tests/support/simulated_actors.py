@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from classgrad.service.runtime.dispatch import Outcome
-from classgrad.service.runtime.plan import Shard
+from classgrad.service.driver_runtime.dispatch import Outcome
+from classgrad.service.driver_runtime.plan import Shard
 
 # The text of a lost actor's exception, as Ray words a node's death.
 NODE_LOST = "The actor died unexpectedly before finishing this task.\nThe actor is dead because its node has died."

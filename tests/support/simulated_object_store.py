@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
-from classgrad.store.location import S3_CONNECTIONS
+from classgrad.store.core.location import S3_CONNECTIONS
 
 PAGE = 1000  # keys per listing page, as S3's list_objects_v2
 

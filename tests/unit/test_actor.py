@@ -1,4 +1,4 @@
-"""The worker (``classgrad.workers.runtime.actor``), used directly as a plain class, without Ray:
+"""The worker (``classgrad.workers.actor_runtime.actor``), used directly as a plain class, without Ray:
 it computes whole shards into the store, marks a shard done only once every row is stored and
 only while its run holds the lease, and gathers rows before projecting them."""
 
@@ -10,12 +10,12 @@ import torch
 
 from classgrad.config import JobConfig
 from classgrad.errors import LeaseHeldError
-from classgrad.service.runtime.preparation import prepare_store
+from classgrad.service.driver_runtime.preparation import prepare_store
 from classgrad.store import open_store
+from classgrad.workers.actor_runtime.actor import GradientWorker, project_rows_for, stored_blocks
+from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.engines import RowBlock, per_class_gradients
 from classgrad.workers.projection import Projector
-from classgrad.workers.runtime.actor import GradientWorker, project_rows_for, stored_blocks
-from classgrad.workers.runtime.factory import build_model, build_probe
 
 C = 12
 
@@ -151,7 +151,7 @@ def counting_config(tmp_path) -> JobConfig:
 
 
 def test_an_actor_given_the_drivers_targets_reads_only_its_shards_samples_and_hashes_none(tmp_path):
-    from classgrad.service.runtime.preparation import check_job
+    from classgrad.service.driver_runtime.preparation import check_job
     from tests.support.counting_data import READS
 
     config = counting_config(tmp_path)
@@ -180,7 +180,7 @@ def test_an_actor_given_the_drivers_targets_reads_only_its_shards_samples_and_ha
 
 def test_an_actor_whose_data_differs_from_the_drivers_is_refused_in_one_line(tmp_path, monkeypatch):
     from classgrad.errors import InputError
-    from classgrad.service.runtime.preparation import check_job
+    from classgrad.service.driver_runtime.preparation import check_job
     from tests.support.counting_data import RELABEL
 
     config = counting_config(tmp_path)

@@ -1,4 +1,4 @@
-"""``classgrad.service.runtime.actor_deaths`` without a Ray cluster: an actor killed by Ray's memory monitor
+"""``classgrad.service.driver_runtime.actor_deaths`` without a Ray cluster: an actor killed by Ray's memory monitor
 is told apart from other deaths and said in one line, from Ray 2.60's message and an older one
 (the kill itself, by Ray's monitor on a real local Ray, is in tests/integration/test_out_of_memory.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ray.exceptions import OutOfMemoryError
 
-from classgrad.service.runtime.actor_deaths import is_out_of_memory, out_of_memory_failure, out_of_memory_line
+from classgrad.service.driver_runtime.actor_deaths import is_out_of_memory, out_of_memory_failure, out_of_memory_line
 from tests.support.ray_errors import actor_died, creation_failed
 
 # Shaped as Ray 2.60's message (format strings of its raylet), shortened: some 40 lines in all.

@@ -26,13 +26,13 @@ from classgrad.service.analysis.score_driver import check_stores
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
+from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import SketchUnit
 from classgrad.workers.projection.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.projection.tensor_sketch import HASHED, TensorSketchMap
-from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.jobs import mlp_job, run_without_ray
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.workers.engines import build_engine, choices, dense, per_class_gradients
+from classgrad.workers.engines import build_engine, choices, dense_engine, per_class_gradients
 from tests.support.engine_cases import (
     BATCH_SIZE,
     MODEL_CASES,
@@ -81,11 +81,11 @@ def test_dense_single_row_vjps_use_autograd_graphs_and_match_the_reference(model
     # The float64 reference's contract (see test_engines): a few float32 roundoffs.
     assert max_relative_error(rows, reference_rows(model_case, "custom_dense")[0]) <= 1e-6
     with eng.selected_grads():
-        assert isinstance(eng._graph(next(eng.probe.micro_batches())), dense._AutogradGraph)
+        assert isinstance(eng._graph(next(eng.probe.micro_batches())), dense_engine._AutogradGraph)
 
 
 def test_a_measured_block_size_of_one_is_reused_with_autograd_graphs(monkeypatch):
-    monkeypatch.setattr(dense, "BLOCK_CANDIDATES", (1,))  # the measurement can only pick 1
+    monkeypatch.setattr(dense_engine, "BLOCK_CANDIDATES", (1,))  # the measurement can only pick 1
     monkeypatch.setattr(choices, "BLOCK_ROWS", {})
     first = engine_for("mlp", "custom_dense", "dense")  # VJPs through the whole model
     first.probe.batch_size = 1000
@@ -93,7 +93,7 @@ def test_a_measured_block_size_of_one_is_reused_with_autograd_graphs(monkeypatch
     assert first.block_rows == 1
     later = build_engine(first.model, first.probe, num_classes=NUM_CLASSES, loss=log_softmax_mean, engine="dense")
     with later.selected_grads():
-        assert isinstance(later._graph(next(later.probe.micro_batches())), dense._AutogradGraph)
+        assert isinstance(later._graph(next(later.probe.micro_batches())), dense_engine._AutogradGraph)
     assert later.block_rows == 1
     assert any("measured earlier" in note for note in later.stats.notes)
 

@@ -6,8 +6,8 @@
   has the GPUs and CPUs the config asks for.
 - One Ray version everywhere: requirements/lock.txt, the Dockerfile, ``rayVersion`` and image tags.
 - Every ``configs/*.yaml`` and ``classgrad`` subcommand that the deployment guide names exists.
-- ``classgrad.service.runtime.submit``: the entrypoint and runtime env it builds, what it refuses before uploading
-  anything, how it finds the job server address and the auth token, and how it tells the job
+- ``classgrad.service.driver_runtime.submit``: the entrypoint and runtime env it builds, what it
+  refuses before uploading anything, how it finds the job server address and the auth token, and how it tells the job
   server's "no such job" from its other errors.
 """
 
@@ -25,7 +25,7 @@ from ray.dashboard.modules.dashboard_sdk import SubmissionClient
 from classgrad.config import load_config
 from classgrad.errors import ConfigError
 from classgrad.service.commands.cli import COMMANDS
-from classgrad.service.runtime.submit import (
+from classgrad.service.driver_runtime.submit import (
     DEFAULT_EXCLUDES,
     STOP_ENV,
     JobSubmitError,

@@ -1,4 +1,4 @@
-"""The dispatcher's promises (``service/runtime/dispatch.py``), on simulated actors and a virtual
+"""The dispatcher's promises (``service/driver_runtime/dispatch.py``), on simulated actors and a virtual
 clock (``tests/support/simulated_actors.py``): never a hang on a lost node with no spare
 capacity, a start with the actors that are up, one line when no actor is left, a memory pause
 that does not stop the loop, retries and user errors as before. The same loop on real Ray nodes:
@@ -12,8 +12,8 @@ import re
 import pytest
 
 from classgrad.errors import ClassgradError, InputError, ShardFailedError, StoreUnavailableError
-from classgrad.service.runtime.dispatch import DispatchPolicy, ShardDispatcher
-from classgrad.service.runtime.plan import Shard, plan_shards
+from classgrad.service.driver_runtime.dispatch import DispatchPolicy, ShardDispatcher
+from classgrad.service.driver_runtime.plan import Shard, plan_shards
 from tests.support.simulated_actors import SimulatedActors, SimulatedShardError, VirtualClock
 
 TIMEOUT_S = 300.0
@@ -228,7 +228,7 @@ def test_an_actor_whose_constructor_raised_a_user_error_fails_the_run_at_once():
 
     def outcome(call):
         if call.shard is None:
-            from classgrad.service.runtime.dispatch import Outcome
+            from classgrad.service.driver_runtime.dispatch import Outcome
 
             return Outcome.LOST, creation_failed(InputError("model.factory 'x:y' raised ValueError: boom"))
         return original(call)

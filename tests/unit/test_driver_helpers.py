@@ -5,7 +5,7 @@ replacement can fix, and whether a shard's error is retried."""
 from __future__ import annotations
 
 from classgrad.errors import InputError
-from classgrad.service.runtime.actor_deaths import cause_line, creation_error
+from classgrad.service.driver_runtime.actor_deaths import cause_line, creation_error
 from tests.support.ray_errors import actor_died, creation_failed
 
 BOOM = "model.factory 'x:y' raised ValueError: boom"

@@ -1,4 +1,4 @@
-"""Building a job from its config (``classgrad.workers.runtime.factory``): model by import path
+"""Building a job from its config (``classgrad.workers.actor_runtime.factory``): model by import path
 (checkpoint loaded without pickle, mode), probe set, engine, the preflight check, and one-line
 errors for bad factory paths."""
 
@@ -13,7 +13,13 @@ import torch
 from classgrad.config import JobConfig
 from classgrad.errors import InputError
 from classgrad.workers import zoo
-from classgrad.workers.runtime.factory import build_job_engine, build_model, build_probe, load_checkpoint, preflight
+from classgrad.workers.actor_runtime.factory import (
+    build_job_engine,
+    build_model,
+    build_probe,
+    load_checkpoint,
+    preflight,
+)
 from tests.support.engine_cases import NUM_CLASSES
 
 MLP = {"factory": "classgrad.workers.zoo:mlp", "kwargs": {"num_classes": NUM_CLASSES, "in_features": 8, "hidden": 16}}
@@ -87,7 +93,7 @@ def test_preflight_refuses_a_model_that_cannot_take_the_data():
 
 
 def test_preflight_leaves_train_mode_batchnorm_statistics_as_built():
-    from classgrad.workers.runtime.identity import engine_identity
+    from classgrad.workers.actor_runtime.identity import engine_identity
 
     bn = {"factory": "classgrad.workers.zoo:bn_cnn", "kwargs": {"num_classes": NUM_CLASSES}}
     images = {"kwargs": {**VECTORS["kwargs"], "kind": "image", "input_shape": [3, 8, 8]}}

@@ -14,7 +14,7 @@ import pytest
 
 from classgrad.config import FINGERPRINT_VERSION, JobConfig, load_config, recorded_fingerprint
 from classgrad.errors import StoreMismatchError
-from classgrad.service.runtime.preparation import prepare_store, resumable_fingerprint
+from classgrad.service.driver_runtime.preparation import prepare_store, resumable_fingerprint
 
 NC = "loss.num_classes=10"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stores"

@@ -96,7 +96,7 @@ def test_a_damaged_chunk_of_a_done_window_is_refused_on_every_read(log, damage):
         shutil.copy(log / "grads" / "c" / "2" / "0" / "0", chunk)
     with pytest.raises(StoreError, match=r"grads of window 1, rows 0-5, (does not match its record|cannot be read)"):
         read_log(str(log))
-    from classgrad.store.grad_log import open_log_reader
+    from classgrad.store.training_log.log_store import open_log_reader
 
     reader = open_log_reader(str(log))
     assert reader.read("grads", 0).shape == (run.C, run.DIM)  # the other windows read as before
@@ -109,7 +109,7 @@ def test_a_deleted_lr_grads_chunk_and_a_lost_record_are_refused(log):
     with pytest.raises(StoreError, match=r"lr_grads of window 0, rows 0-5, does not match its record"):
         read_log(str(log))
     (log / "window_records" / "3.json").unlink()
-    from classgrad.store.grad_log import open_log_reader
+    from classgrad.store.training_log.log_store import open_log_reader
 
     with pytest.raises(StoreError, match=r"window 3 is marked done but its record is missing"):
         open_log_reader(str(log)).read("count", 3)
@@ -198,7 +198,7 @@ def test_a_windows_chunk_files_are_the_bytes_zarr_writes(tmp_path):
     """A new log's windows are written straight as chunk files (zarr's pipeline wrote them at a
     tenth of numpy.save's speed): byte for byte what zarr writes for the same values, edge chunks
     (C = 300: rows 256-299 of 256) included."""
-    from classgrad.store.grad_log import LogSpec, open_log
+    from classgrad.store.training_log.log_store import LogSpec, open_log
 
     spec = LogSpec(num_classes=300, width=16, window=2, layout=[["w", [16]]], projection=None, model="M")
     rng = np.random.default_rng(0)

@@ -18,7 +18,7 @@ from torch import nn
 from classgrad import GradLog, per_class_gradients
 from classgrad.errors import InputError
 from classgrad.store import read_log
-from classgrad.store.grad_log import GradLogStore
+from classgrad.store.training_log.log_store import GradLogStore
 from tests.support import grad_log_run as run
 
 

@@ -1,4 +1,4 @@
-"""A run's identity (``classgrad.workers.runtime.identity``): digests of the model as built and of the
+"""A run's identity (``classgrad.workers.actor_runtime.identity``): digests of the model as built and of the
 probe set, the model's outputs on the first probe samples compared within a stated tolerance, the
 refusal of a factory that is not deterministic, and the checks the driver and an actor make with
 them (``check_identity`` in the driver, ``GradientWorker(identity=...)``)."""
@@ -13,12 +13,12 @@ import torch
 
 from classgrad.config import JobConfig
 from classgrad.errors import InputError, StoreMismatchError
-from classgrad.service.runtime.preparation import check_identity, prepare_store
+from classgrad.service.driver_runtime.preparation import check_identity, prepare_store
 from classgrad.store import open_store
 from classgrad.workers import zoo
-from classgrad.workers.runtime.actor import GradientWorker
-from classgrad.workers.runtime.factory import build_job_engine
-from classgrad.workers.runtime.identity import (
+from classgrad.workers.actor_runtime.actor import GradientWorker
+from classgrad.workers.actor_runtime.factory import build_job_engine
+from classgrad.workers.actor_runtime.identity import (
     OUTPUTS,
     PARAMS,
     PROBE,

@@ -108,9 +108,9 @@ def test_two_actors_whose_clocks_disagree_use_the_same_formats_and_kernels(monke
     and computes the same shard; where a layout was chosen by timing, actors on a busy machine
     chose differently and one store mixed both."""
     from classgrad.config import JobConfig
+    from classgrad.workers.actor_runtime.factory import build_job_engine
     from classgrad.workers.engines import base
     from classgrad.workers.engines.partitioned import hook_path
-    from classgrad.workers.runtime.factory import build_job_engine
 
     config = JobConfig.model_validate(
         {

@@ -20,13 +20,13 @@ from classgrad.errors import ConfigError
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import verify_store
-from classgrad.service.runtime.preparation import recorded_projection
+from classgrad.service.driver_runtime.preparation import recorded_projection
 from classgrad.store import open_store
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
+from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import Projector
 from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
-from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.devices import needs_cuda
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine, choices, projection_options
 from classgrad.workers.engines.layer_rules import (

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers import zoo
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture, LayerRows, rule_for, rule_io
 from tests.support.engine_cases import (

@@ -82,10 +82,10 @@ def test_the_layer_check_sees_imports_inside_functions_and_by_import_module(tmp_
     source.write_text(
         "import importlib\n"
         "def f():\n"
-        "    import classgrad.service.runtime.driver\n"
+        "    import classgrad.service.driver_runtime.driver\n"
         "    importlib.import_module('classgrad.service.commands.cli')\n"
         "    importlib.import_module(user_path)\n"  # a user's factory: not a literal, not an edge
     )
     names = graph.imported_names("classgrad.store.m", source, set())
-    assert {"classgrad.service.runtime.driver", "classgrad.service.commands.cli"} <= names
+    assert {"classgrad.service.driver_runtime.driver", "classgrad.service.commands.cli"} <= names
     assert not any(n == "user_path" for n in names)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from classgrad.errors import InputError
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers import zoo
 from classgrad.workers.engines import build_engine
 from classgrad.workers.layout import ParamLayout

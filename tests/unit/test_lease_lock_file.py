@@ -10,7 +10,7 @@ import threading
 import time
 
 from classgrad.store import store_lease
-from classgrad.store.lease_files import LocalLeaseFile
+from classgrad.store.integrity.lease_files import LocalLeaseFile
 
 
 def test_no_lock_file_is_left_once_the_lease_is_released(tmp_path):

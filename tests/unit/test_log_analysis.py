@@ -22,7 +22,7 @@ from classgrad.service.analysis.log_score import score_log
 from classgrad.service.analysis.log_similarity import window_similarity
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.store import open_store
-from classgrad.store.grad_log import SPEC_ATTR, is_log, read_log
+from classgrad.store.training_log.log_store import SPEC_ATTR, is_log, read_log
 from tests.support import grad_log_run as run
 from tests.support.harness import error_lines
 from tests.support.log_analysis import MODEL_KWARGS, query_rows64, whole_row_log

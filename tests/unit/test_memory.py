@@ -1,4 +1,4 @@
-"""``workers.memory.keep_freed_memory``: glibc keeps freed tensors' memory for the next ones.
+"""``workers.allocator.keep_freed_memory``: glibc keeps freed tensors' memory for the next ones.
 
 Each case runs in a fresh interpreter: the allocator's thresholds are process state, and the
 effect is what a fresh process's first call sees (a freed block reused without page faults)."""
@@ -14,7 +14,7 @@ import pytest
 
 PROBE = """
 import resource, torch
-from classgrad.workers.memory import keep_freed_memory
+from classgrad.workers.allocator import keep_freed_memory
 applied = keep_freed_memory()
 assert keep_freed_memory() == applied  # once per process, the same answer after
 faults = []

@@ -225,7 +225,7 @@ def test_bad_dict_inputs_through_per_class_gradients_are_one_line():
 @pytest.mark.parametrize("names", [True, False])
 def test_the_job_check_records_id2label_as_the_stores_class_names(tmp_path, names):
     from classgrad.config import JobConfig
-    from classgrad.service.runtime.preparation import check_job
+    from classgrad.service.driver_runtime.preparation import check_job
 
     C = 3
     config = JobConfig.model_validate(
@@ -288,7 +288,7 @@ def test_the_pad_id_of_input_ids_comes_from_the_tokenizer_or_the_model_and_anoth
 
 def test_a_jobs_probe_pads_input_ids_with_the_models_pad_id():
     from classgrad.config import JobConfig
-    from classgrad.workers.runtime.factory import build_job_engine
+    from classgrad.workers.actor_runtime.factory import build_job_engine
 
     C = 3
     config = JobConfig.model_validate(

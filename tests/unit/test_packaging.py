@@ -78,7 +78,7 @@ def test_a_users_own_workers_and_service_change_nothing(installed, tmp_path):
     script = (
         "import sys, classgrad\n"
         "from classgrad import per_class_gradients, open_store, JobConfig, load_config, run_job\n"
-        "import classgrad.service.commands.cli, classgrad.workers.runtime.actor\n"
+        "import classgrad.service.commands.cli, classgrad.workers.actor_runtime.actor\n"
         f"assert classgrad.__file__.startswith({str(installed)!r}), classgrad.__file__\n"
         "assert 'workers' not in sys.modules and 'service' not in sys.modules\n"
         "print(classgrad.__version__)\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from classgrad.service.runtime.plan import Shard, dispatch_order, plan_shards
+from classgrad.service.driver_runtime.plan import Shard, dispatch_order, plan_shards
 
 
 def _by_index(shards: list[Shard]) -> list[Shard]:

@@ -18,10 +18,10 @@ import zarr
 
 from classgrad.errors import ResourceError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.runtime import preflight
-from classgrad.service.runtime.footprint import RAY_ACTOR_BYTES, Footprint, Part, job_footprint
-from classgrad.service.runtime.preflight import Limits, check_resources
-from classgrad.service.runtime.preparation import check_job
+from classgrad.service.driver_runtime import preflight
+from classgrad.service.driver_runtime.footprint import RAY_ACTOR_BYTES, Footprint, Part, job_footprint
+from classgrad.service.driver_runtime.preflight import Limits, check_resources
+from classgrad.service.driver_runtime.preparation import check_job
 from tests.support.harness import error_lines, write_job
 from tests.support.jobs import mlp_job, run_without_ray, small_job
 
@@ -149,7 +149,7 @@ def test_no_preflight_skips_the_resource_checks_but_not_the_sizes(tmp_path, monk
 
 def test_no_preflight_is_an_option_of_run_and_submit():
     from classgrad.service.commands.cli import build_parser
-    from classgrad.service.runtime.submit import prepare_submission
+    from classgrad.service.driver_runtime.submit import prepare_submission
 
     parser = build_parser()
     assert parser.parse_args(["run", "job.yaml", "--no-preflight"]).no_preflight
@@ -203,7 +203,7 @@ def test_an_absurd_batch_size_is_clamped_with_a_note_and_the_hooks_keep_their_pa
     )
     store = run_without_ray(config)
     assert store.is_complete
-    from classgrad.workers.runtime.factory import build_job_engine
+    from classgrad.workers.actor_runtime.factory import build_job_engine
 
     engine = build_job_engine(config)
     assert engine.probe.batch_size == 72
@@ -214,7 +214,7 @@ def test_an_absurd_batch_size_is_clamped_with_a_note_and_the_hooks_keep_their_pa
 def test_the_store_size_is_exact(tmp_path):
     config = mlp_job(tmp_path, store={"dtype": "float16", "row_chunk": 4, "col_chunk": 100})
     store = run_without_ray(config)
-    from classgrad.workers.runtime.actor import checked_engine
+    from classgrad.workers.actor_runtime.actor import checked_engine
 
     engine, projector, dim = checked_engine(config, device="cpu")
     fp = job_footprint(config, engine, projector, dim, build_bytes=0)
@@ -291,8 +291,8 @@ def test_the_estimate_is_within_1_5x_of_the_measured_peak_rss(tmp_path):
 
 
 def test_the_run_summary_says_each_fallback_once_and_the_estimate_beside_the_peaks():
-    from classgrad.service.runtime.driver import RunSummary
-    from classgrad.service.runtime.run_record import estimate_record, record_peak
+    from classgrad.service.driver_runtime.driver import RunSummary
+    from classgrad.service.driver_runtime.run_record import estimate_record, record_peak
 
     summary = RunSummary(run_id="r")
     why = "fallback: hooks abandoned: ValueError: Overflow when unpacking long long"
@@ -313,8 +313,8 @@ def test_the_run_summary_says_each_fallback_once_and_the_estimate_beside_the_pea
 def test_a_real_fallback_reaches_the_run_summary_once(tmp_path):
     from torch import nn
 
-    from classgrad.service.runtime.driver import RunSummary
-    from classgrad.workers.runtime.factory import build_job_engine
+    from classgrad.service.driver_runtime.driver import RunSummary
+    from classgrad.workers.actor_runtime.factory import build_job_engine
 
     config = mlp_job(tmp_path)
     handle = nn.modules.module.register_module_forward_hook(lambda m, args, out: None)  # rules the hooks out
@@ -333,7 +333,7 @@ def test_a_real_fallback_reaches_the_run_summary_once(tmp_path):
 
 
 def test_estimate_and_the_preflight_are_one_model_and_refuse_alike(tmp_path, monkeypatch):
-    from classgrad.service.runtime.estimate import estimate_job
+    from classgrad.service.driver_runtime.estimate import estimate_job
 
     config = mlp_job(tmp_path, store={"dtype": "float16"})
     result = estimate_job(config, sample_rows=8)
@@ -353,9 +353,9 @@ def test_estimate_and_the_preflight_are_one_model_and_refuse_alike(tmp_path, mon
 
 
 def test_measuring_the_saved_bytes_leaves_the_model_as_built(tmp_path):
-    from classgrad.service.runtime.footprint import saved_bytes_per_sample
-    from classgrad.workers.runtime.factory import build_job_engine
-    from classgrad.workers.runtime.identity import model_digest
+    from classgrad.service.driver_runtime.footprint import saved_bytes_per_sample
+    from classgrad.workers.actor_runtime.factory import build_job_engine
+    from classgrad.workers.actor_runtime.identity import model_digest
 
     job = small_job(str(tmp_path / "s.zarr"), model={"factory": "classgrad.workers.zoo:bn_cnn", "mode": "train"})
     from classgrad.config import JobConfig

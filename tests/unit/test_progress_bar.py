@@ -76,7 +76,7 @@ def test_outside_a_notebook_a_bar_shows_on_a_terminal_or_when_asked_for(monkeypa
 
 
 def test_a_jobs_progress_is_a_bar_in_a_notebook(notebook, monkeypatch):
-    from classgrad.service.runtime.progress import Progress
+    from classgrad.service.driver_runtime.progress import Progress
 
     err = stderr_of(monkeypatch)
     progress = Progress(4, label="run r")

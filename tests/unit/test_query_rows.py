@@ -1,4 +1,4 @@
-"""``classgrad.workers.runtime.query``: query rows in a store's space. Rows of the store's own
+"""``classgrad.workers.actor_runtime.query``: query rows in a store's space. Rows of the store's own
 probe examples (one per class) come out as the store's rows under every projection structure,
 and as ``per_class_gradients``' rows of one-example classes; groups are their examples' mean;
 the margin is the gradient of TRAK's margin; ``classgrad.score`` over each structure's store
@@ -13,8 +13,8 @@ import torch
 
 from classgrad.errors import InputError, StoreError
 from classgrad.service.analysis.score_api import score
+from classgrad.workers.actor_runtime.query import query_rows
 from classgrad.workers.engines import per_class_gradients
-from classgrad.workers.runtime.query import query_rows
 from classgrad.workers.zoo import mlp, synthetic_probe
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 
@@ -232,7 +232,7 @@ def test_the_command_prints_a_sample_resumes_and_refuses_another_request(stores,
 
 def test_the_command_refuses_bad_requests_in_one_line_before_any_model_runs(stores, tmp_path, capsys, monkeypatch):
     from classgrad.service.commands.cli import main as cli_main
-    from classgrad.workers.runtime import query
+    from classgrad.workers.actor_runtime import query
 
     monkeypatch.setattr(query, "engine_from_parts", lambda *a, **k: pytest.fail("a model ran"))
     queries = tmp_path / "queries.yaml"

@@ -10,8 +10,8 @@ import socket
 import pytest
 
 from classgrad.errors import ClassgradError
-from classgrad.service.runtime.ray_session import check_reachable, ray_session, resolve_ray_address
-from classgrad.service.runtime.run_ids import new_run_id
+from classgrad.service.driver_runtime.ray_session import check_reachable, ray_session, resolve_ray_address
+from classgrad.service.driver_runtime.run_ids import new_run_id
 
 
 def _closed_port() -> int:

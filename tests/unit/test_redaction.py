@@ -19,7 +19,7 @@ import pytest
 from classgrad.config import JobConfig, load_config
 from classgrad.config.redaction import REDACTED, RedactingFilter, is_secret_key, redact, redact_text
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.runtime.preparation import prepare_store
+from classgrad.service.driver_runtime.preparation import prepare_store
 from tests.support.harness import write_job
 from tests.support.jobs import small_job
 
@@ -240,7 +240,7 @@ def test_an_error_line_is_redacted(capsys) -> None:
 
 
 def test_submit_refuses_a_secret_in_an_override(tmp_path: Path) -> None:
-    from classgrad.service.runtime.submit import JobSubmitError, prepare_submission
+    from classgrad.service.driver_runtime.submit import JobSubmitError, prepare_submission
 
     path = write_job(tmp_path / "job.yaml", small_job("/shared/x.zarr"))
     for override in (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from classgrad.service.runtime.driver import MAX_ENGINE_NOTES, RunSummary
+from classgrad.service.driver_runtime.driver import MAX_ENGINE_NOTES, RunSummary
 
 
 def test_rate_is_over_compute_and_startup_is_reported_apart():

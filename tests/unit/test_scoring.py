@@ -240,7 +240,7 @@ def test_weights_whose_scores_overflow_float32_are_refused_before_any_score_is_w
     """Weights within float32's range whose products with the scores leave it (issue 60, item 11):
     before, inf and NaN scores ranked as the best. The output is made before the tasks run (it
     is what a resume continues); no block of it is written or marked done."""
-    from classgrad.store.score_output import ScoreOutput
+    from classgrad.store.analysis.score_output import ScoreOutput
 
     store, _ = _store(tmp_path / "s", num_classes=40, dim=96, col_chunk=16, shard_rows=16)
     out = tmp_path / "scores.zarr"
@@ -264,7 +264,7 @@ def test_a_changed_or_copied_chunk_of_a_score_output_is_refused(tmp_path):
     import shutil
 
     from classgrad.errors import CorruptChunkError
-    from classgrad.store.score_output import ScoreOutput
+    from classgrad.store.analysis.score_output import ScoreOutput
 
     store, _ = _store(tmp_path / "s", num_classes=40, dim=24, col_chunk=8, shard_rows=16)
     out = str(tmp_path / "scores.zarr")

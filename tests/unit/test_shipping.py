@@ -1,5 +1,5 @@
 """The user's own module beside the job file (``classgrad.workers.imports`` fallback and
-``classgrad.service.runtime.shipping``): imported from the working directory when nothing else
+``classgrad.service.driver_runtime.shipping``): imported from the working directory when nothing else
 finds it, remembered, shipped as Ray's ``working_dir``, with the actors' local paths absolute.
 The real job through Ray is tests/integration/test_hf_job.py."""
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from classgrad.errors import InputError
-from classgrad.service.runtime import shipping
-from classgrad.service.runtime.submit import DEFAULT_EXCLUDES
+from classgrad.service.driver_runtime import shipping
+from classgrad.service.driver_runtime.submit import DEFAULT_EXCLUDES
 from classgrad.workers import imports
 
 

@@ -16,13 +16,13 @@ from classgrad.config import ProjectionConfig
 from classgrad.errors import ConfigError
 from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
+from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.projection import mix32_int, stream_keys
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
 from classgrad.workers.projection.sketch import SKETCH_GROUP, RowSketch, SparseSignSketch, sketch_blocks
-from classgrad.workers.runtime.factory import build_model, build_probe
 from tests.support.devices import needs_cuda
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray

@@ -1,4 +1,4 @@
-"""``classgrad.service.runtime.stopping``: SIGINT and SIGTERM stop a run like Ctrl-C, also in a
+"""``classgrad.service.driver_runtime.stopping``: SIGINT and SIGTERM stop a run like Ctrl-C, also in a
 process that started with SIGINT ignored and blocked (what a Ray head started in the background
 by a script hands to a job's driver); a second signal while stopping does not cut the cleanup
 short, a third does. Each case runs in a fresh interpreter started that way."""
@@ -15,7 +15,7 @@ from tests.support.harness import REPO
 
 _CHILD = """
 import os, signal, sys
-from classgrad.service.runtime.stopping import install_stop_handlers
+from classgrad.service.driver_runtime.stopping import install_stop_handlers
 
 sig = getattr(signal, sys.argv[1])
 assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # started that way

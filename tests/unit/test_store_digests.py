@@ -1,4 +1,4 @@
-"""Digests checked on read (``classgrad.store.verified``, issue 45, item 2): a valid chunk
+"""Digests checked on read (``classgrad.store.integrity.verified``, issue 45, item 2): a valid chunk
 copied over another of a done shard (its crc32c is valid) is refused by every reader in one line
 naming the chunk and its shard, plain and Zarr-sharded; rows of other shards still read; a saved
 TRAK preconditioner is not reused over it (item 3); ``verify --repair`` unmarks the shard and drops

@@ -25,9 +25,9 @@ import zarr
 from classgrad.config import JobConfig
 from classgrad.errors import LeaseHeldError
 from classgrad.service.commands.cli import main as cli_main
-from classgrad.service.runtime.driver import JobDriver
+from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import StoreSpec, create_store, store_lease
-from classgrad.store.lease_files import LocalLeaseFile
+from classgrad.store.integrity.lease_files import LocalLeaseFile
 from tests.support.jobs import small_job
 from tests.support.stores import write_all
 

@@ -188,7 +188,7 @@ def test_done_marks_are_read_raw_and_agree_with_zarr_whatever_each_mark_holds(tm
     """The raw reader of the marks (``done_marks``: one plain read each, not zarr's pipeline per
     chunk) gives zarr's flags for a done, a missing, a zero and a corrupt mark, and never runs
     zarr's read of ``shard_done`` on a store laid out as classgrad writes it."""
-    from classgrad.store.done_marks import read_done_marks
+    from classgrad.store.rows.done_marks import read_done_marks
 
     store, _ = _store(tmp_path)
     marks = tmp_path / "s" / "shard_done" / "c"
@@ -218,9 +218,9 @@ def test_a_hand_edited_mark_layout_is_refused_and_never_read_raw(tmp_path):
     import zarr
 
     from classgrad.errors import StoreError
-    from classgrad.store.arrays import StoreArrays
-    from classgrad.store.done_marks import read_done_marks
-    from classgrad.store.location import Location
+    from classgrad.store.core.location import Location
+    from classgrad.store.rows.arrays import StoreArrays
+    from classgrad.store.rows.done_marks import read_done_marks
 
     _store(tmp_path)
     meta_path = tmp_path / "s" / "shard_done" / "zarr.json"
@@ -243,9 +243,9 @@ def test_verify_reads_each_recorded_object_once(tmp_path, monkeypatch):
     read twice: once for the completeness line, once by the scan, which checks their values."""
     import collections
 
-    from classgrad.store.location import Location
-    from classgrad.store.records import ShardRecord, record_key
-    from classgrad.store.verified import DigestCheckingStore
+    from classgrad.store.core.location import Location
+    from classgrad.store.integrity.shard_records import ShardRecord, record_key
+    from classgrad.store.integrity.verified import DigestCheckingStore
 
     _store(tmp_path)
     root = tmp_path / "s"
@@ -278,7 +278,7 @@ def test_a_record_that_covers_less_than_its_shard_vouches_for_nothing(tmp_path):
     and ``verify --repair`` said OK. Now the read is refused in one line, a resume unmarks the
     shard, verify reports it and ``--repair`` unmarks it."""
     from classgrad.errors import CorruptChunkError
-    from classgrad.store.records import record_key
+    from classgrad.store.integrity.shard_records import record_key
 
     _store(tmp_path)
     root = tmp_path / "s"

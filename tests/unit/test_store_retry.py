@@ -1,4 +1,4 @@
-"""Retries of store I/O (``classgrad.store.retry``): which errors are sent again, how
+"""Retries of store I/O (``classgrad.store.core.retry``): which errors are sent again, how
 long the backoff waits, what is raised once the tries are spent, and the row writer's use of it."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from aiohttp import ServerDisconnectedError
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
 from classgrad.errors import LeaseHeldError, StoreError, StoreUnavailableError
-from classgrad.store import StoreSpec, create_store, writer
-from classgrad.store.retry import STORE_RETRY, RetryPolicy, io_error, is_transient, retry_transient
+from classgrad.store import StoreSpec, create_store
+from classgrad.store.core.retry import STORE_RETRY, RetryPolicy, io_error, is_transient, retry_transient
+from classgrad.store.rows import writer
 
 URL = "http://127.0.0.1:9/b/x.zarr/grads/c/0/0"
 

@@ -21,9 +21,9 @@ import classgrad
 from classgrad.service.analysis.similarity import compute_similarity
 from classgrad.service.analysis.verify import METADATA, verify_store
 from classgrad.store import StoreSpec, create_store, open_store
-from classgrad.store.coords import consolidated_root
-from classgrad.store.format import spec_from_meta
-from classgrad.store.location import Location
+from classgrad.store.core.coords import consolidated_root
+from classgrad.store.core.format import spec_from_meta
+from classgrad.store.core.location import Location
 from classgrad.store.store_keys import is_store_key, list_keys
 from tests.support.stores import model_store, synthetic_store
 from tests.support.xarray_checks import assert_consolidated_fresh, open_zarr_strict

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from classgrad.service.analysis import fmt_bytes as analysis_fmt_bytes
-from classgrad.service.runtime.footprint import mb
+from classgrad.service.driver_runtime.footprint import mb
 from classgrad.units import fmt_bytes, fmt_mib
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The row writer (``classgrad.workers.runtime.writer``): blocks of any size go into the store in
+"""The row writer (``classgrad.workers.actor_runtime.shard_writer``): blocks of any size go into the store in
 whole-chunk runs, in order, off the compute thread; too many or too few rows and failed writes
 are errors; marking the shard done is left to its caller."""
 
@@ -10,8 +10,8 @@ import torch
 
 from classgrad.errors import StoreError
 from classgrad.store import StoreSpec, create_store
+from classgrad.workers.actor_runtime.shard_writer import ShardWriter
 from classgrad.workers.engines import RowBlock
-from classgrad.workers.runtime.writer import ShardWriter
 
 DIM = 3
 

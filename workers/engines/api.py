@@ -27,6 +27,7 @@ from torch import nn
 from classgrad.config import ProjectionConfig
 from classgrad.errors import ConfigError, InputError
 from classgrad.progress_bar import progress_bar
+from classgrad.workers.allocator import keep_freed_memory
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import GradientEngine
@@ -35,7 +36,6 @@ from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngi
 from classgrad.workers.engines.registry import create_engine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
-from classgrad.workers.memory import keep_freed_memory
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.structures.base import ProjectionOptions, RowProjector

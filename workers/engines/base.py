@@ -194,9 +194,9 @@ def rnns_ready_for_backward(model: nn.Module) -> Iterator[None]:
 def seed_forward(device: torch.device, seed: int) -> None:
     """Seed the generators a forward on ``device`` draws from (the CPU's and, on CUDA, that
     device's), the ones ``fork_rng`` restores. Not ``torch.manual_seed``: on a machine whose CUDA,
-    XPU and MTIA are not initialised it queues a seed for each with the caller's formatted stack,
-    about 1 ms a call (a third of a 3 ms training step on a CPU), and it moves the other devices'
-    generators, which ``fork_rng`` does not give back."""
+    XPU and MTIA are not initialised it queues a seed for each with the caller's formatted stack
+    (0.06 ms a call from a shallow stack, 0.28 ms from 40 frames deep: a tenth of a 3 ms training
+    step), and it moves the other devices' generators, which ``fork_rng`` does not give back."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         with torch.cuda.device(device):

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.base import reaches_any
 from classgrad.workers.layout import ParamLayout
 

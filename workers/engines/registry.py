@@ -17,14 +17,14 @@ from torch import nn
 
 from classgrad.config.choices import ENGINE_KINDS
 from classgrad.errors import ConfigError, InputError
+from classgrad.workers.allocator import keep_freed_memory
 from classgrad.workers.engines.base import GradientEngine, samples_independent
-from classgrad.workers.engines.dense import DenseEngine
+from classgrad.workers.engines.dense_engine import DenseEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine, ProjectionRefused, refusal
-from classgrad.workers.engines.reference import ReferenceEngine
+from classgrad.workers.engines.reference_engine import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
-from classgrad.workers.memory import keep_freed_memory
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.projection import check_width
 from classgrad.workers.structures.base import FALLBACK_STRUCTURE, ProjectionOptions

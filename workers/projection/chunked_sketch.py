@@ -57,8 +57,8 @@ from typing import Any
 
 import torch
 
-from classgrad.store.params import ParamSlot
-from classgrad.workers.projection.dense import stream_keys, stream_words
+from classgrad.store.core.params import ParamSlot
+from classgrad.workers.projection.dense_projector import stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap
 

@@ -76,8 +76,8 @@ import torch
 from torch import nn
 
 from classgrad.errors import ConfigError
-from classgrad.store.params import ParamSlot
-from classgrad.workers.projection.dense import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
+from classgrad.store.core.params import ParamSlot
+from classgrad.workers.projection.dense_projector import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import OuterMatrix
 from classgrad.workers.projection.sketch import SparseSignSketch
 from classgrad.workers.projection.width import check_width

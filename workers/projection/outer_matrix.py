@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 
 
 class OuterMatrix:

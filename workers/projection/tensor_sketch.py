@@ -51,10 +51,10 @@ import torch
 from torch import nn
 
 from classgrad.errors import ConfigError
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.projection import chunked_sketch
 from classgrad.workers.projection.chunked_sketch import HASHED, PLACEMENT, ChunkedSketchUnit
-from classgrad.workers.projection.dense import HASH_NAME
+from classgrad.workers.projection.dense_projector import HASH_NAME
 from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
 from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index

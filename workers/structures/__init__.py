@@ -1,6 +1,6 @@
 """Projection structures: one module per structure, each one registration (``base`` says what a
 structure implements, ``registration`` registers one). Importing the package registers the
-built-ins: ``dense`` and ``sketch`` (finished rows), ``kronecker`` and ``tensorsketch`` (the
+built-ins: ``dense_structure`` and ``sketch`` (finished rows), ``kronecker`` and ``tensorsketch`` (the
 default; inside the backward).
 """
 
@@ -14,7 +14,7 @@ from classgrad.workers.structures.base import (
     get_structure,
     recorded_structure,
 )
-from classgrad.workers.structures.dense import DenseStructure
+from classgrad.workers.structures.dense_structure import DenseStructure
 from classgrad.workers.structures.kronecker import KroneckerStructure
 from classgrad.workers.structures.records import neighbour_caveat, structure_label, summary_lines
 from classgrad.workers.structures.registration import register_structure

@@ -32,7 +32,7 @@ import torch
 
 from classgrad.config import ProjectionConfig
 from classgrad.errors import ConfigError
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 
 if TYPE_CHECKING:
     from torch import nn

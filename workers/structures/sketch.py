@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.projection.sketch import RowSketch
 from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
 from classgrad.workers.structures.registration import register_structure

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.layer_rules import sketch_sums
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 from classgrad.workers.projection.chunked_sketch import HASHED

@@ -9,7 +9,7 @@ planned once: the same for every step and every way in, so a window's sum is the
 summed rows; logs made before 2026-12-05 resume with ``structure="sketch"``, a sparse sign
 sketch of whole rows). Rows go into one ``C x dim`` accumulator on the model's device, with their
 learning-rate-weighted copy, the classes' sample counts and loss sums. When a step falls in the
-next window the finished window is copied to the host, written (``classgrad.store.grad_log``) and
+next window the finished window is copied to the host, written (``classgrad.store.training_log.log_store``) and
 only then marked done (``window_sums``: on a GPU behind the next window's steps, on a writer
 thread).
 Memory stays one accumulator pair (two with the writer thread) whatever the number of steps. A
@@ -41,7 +41,7 @@ from torch import nn
 
 from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
-from classgrad.store.grad_log import LOG_DTYPES, GradLogStore, LogSpec, is_log, open_log, open_log_reader
+from classgrad.store.training_log.log_store import LOG_DTYPES, GradLogStore, LogSpec, is_log, open_log, open_log_reader
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector, recorded_structure
 from classgrad.workers.training.batch_rows import batch_loss_vector

@@ -7,7 +7,8 @@ pattern of timm's ``NativeScaler``) whose loss is a vector of per-class losses:
   vector with its graph (``classgrad.workers.training.loss_rows``: VJPs in blocks);
 - ``rows, class_ids = scaler.step_batch(model, inputs, labels, optimizer)``: the rows of the
   classes present in a batch for the mean cross-entropy per class, by the partitioned engine's
-  hook path when the model treats samples independently in its current mode, else by one
+  hook path when the model treats samples independently in its current mode (train-mode
+  dropout included: its masks drawn as each sample is forwarded, once), else by one
   forward of the batch and the VJP blocks (``classgrad.workers.training.batch_rows``);
 
 then, with ``update_grad=True``, the rows aggregated into ``.grad`` and the ``GradScaler``
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from classgrad.errors import InputError
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.base import draws_only, samples_independent
 from classgrad.workers.engines.partitioned.engine import OneForwardRefused
 from classgrad.workers.layout import ParamLayout
@@ -255,7 +256,9 @@ class PerClassGradScaler:
 
         Runs in the model's current mode and under the caller's autocast. ``route``: ``"fast"``
         (the partitioned engine's hook path: about one forward+backward; needs a model that treats
-        samples independently in its current mode), ``"general"`` (one forward of the batch as
+        samples independently in its current mode, train-mode dropout aside: each sample is
+        forwarded once, its masks drawn from the caller's RNG as the run reaches it),
+        ``"general"`` (one forward of the batch as
         given, then VJPs in blocks: dropout masks from the caller's RNG, train-mode BatchNorm with
         the batch's statistics, running statistics updated once) or ``"auto"`` (fast when it
         applies). ``inputs``: a tensor, or a dict of tensors passed as keyword arguments (a

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from classgrad.store.grad_log import GradLogStore
+from classgrad.store.training_log.log_store import GradLogStore
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import zarr
 from zarr.codecs import BytesCodec
 
 from classgrad.errors import ClassgradError, StoreError, StoreMismatchError, first_line
-from classgrad.store.coords import array_attributes, consolidate, coordinates_attr, write_coordinates
-from classgrad.store.encoding import BF16_NAN
-from classgrad.store.format import (
+from classgrad.store.core.coords import array_attributes, consolidate, coordinates_attr, write_coordinates
+from classgrad.store.core.encoding import BF16_NAN
+from classgrad.store.core.format import (
     ARRAY_DIMS,
     ATTR_KEY,
     COORDINATES_ATTR,
@@ -35,10 +35,10 @@ from classgrad.store.format import (
     codecs,
     spec_to_meta,
 )
+from classgrad.store.core.location import Location, probe
 from classgrad.store.grad_store import GradStore
-from classgrad.store.lease import HeldLease, StoreLease
-from classgrad.store.location import Location, probe
-from classgrad.store.records import RECORDS_DIR
+from classgrad.store.integrity.lease import HeldLease, StoreLease
+from classgrad.store.integrity.shard_records import RECORDS_DIR
 from classgrad.store.store_keys import delete_store_keys, list_keys
 
 log = logging.getLogger(__name__)
@@ -192,14 +192,14 @@ def open_store(url: str, *, storage_options: dict | None = None, mode: Literal["
 def open_dataset(url: str, *, storage_options: dict | None = None):  # -> xarray.Dataset (xarray is optional)
     """The store at ``url`` as a lazy xarray Dataset (dask-backed) of float32 true values
     whatever the stored dtype, with coordinates (class ids and names, parameters); stores of
-    every format are read. See ``classgrad.store.dataset.store_dataset``."""
+    every format are read. See ``classgrad.store.rows.dataset.store_dataset``."""
     return open_store(url, storage_options=storage_options).to_xarray()
 
 
 def _create(loc: Location, spec: StoreSpec) -> None:
     meta = spec_to_meta(spec)
     # Each creation of a store at this location its own: records and run entries of a run that
-    # opened an earlier one (and lost it) are told apart from this one's (``records.foreign``).
+    # opened an earlier one (and lost it) are told apart from this one's (``shard_records.foreign``).
     meta["generation"] = uuid.uuid4().hex
     fills = {
         "grads": BF16_NAN if spec.dtype == "bfloat16" else np.nan,

@@ -29,9 +29,10 @@ import numpy as np
 import zarr
 
 from classgrad.errors import ClassgradError, StoreError, first_line
-from classgrad.store.arrays import StoreArrays
-from classgrad.store.coords import consolidated_problems, recorded_names
-from classgrad.store.format import (
+from classgrad.store.analysis.preconditioner import Preconditioners, rows_digest
+from classgrad.store.analysis.similarity_arrays import SimilarityArrays
+from classgrad.store.core.coords import consolidated_problems, recorded_names
+from classgrad.store.core.format import (
     ARRAYS,
     ATTR_KEY,
     CLASS_NAME,
@@ -42,19 +43,18 @@ from classgrad.store.format import (
     array_problems,
     spec_from_meta,
 )
-from classgrad.store.grad_log import SPEC_ATTR as LOG_SPEC_ATTR
-from classgrad.store.indexing import col_range, row_ids
-from classgrad.store.lease import StoreLease
-from classgrad.store.location import Location, unreadable
-from classgrad.store.params import ParamSlot
-from classgrad.store.preconditioner import Preconditioners, rows_digest
-from classgrad.store.reader import RowReader
-from classgrad.store.records import ShardRecord, list_sizes, record_key, record_problems, shard_keys
-from classgrad.store.retry import io_error, retry_transient
+from classgrad.store.core.indexing import col_range, row_ids
+from classgrad.store.core.location import Location, unreadable
+from classgrad.store.core.params import ParamSlot
+from classgrad.store.core.retry import io_error, retry_transient
+from classgrad.store.integrity.lease import StoreLease
+from classgrad.store.integrity.shard_records import ShardRecord, list_sizes, record_key, record_problems, shard_keys
+from classgrad.store.integrity.verified import DigestCheckingStore, RecordedDigests, object_rows
+from classgrad.store.rows.arrays import StoreArrays
+from classgrad.store.rows.reader import RowReader
+from classgrad.store.rows.writer import RowWriter
 from classgrad.store.scan import ChunkProblem, scan_chunks
-from classgrad.store.similarity_arrays import SimilarityArrays
-from classgrad.store.verified import DigestCheckingStore, RecordedDigests, object_rows
-from classgrad.store.writer import RowWriter
+from classgrad.store.training_log.log_store import SPEC_ATTR as LOG_SPEC_ATTR
 
 log = logging.getLogger(__name__)
 
@@ -538,7 +538,7 @@ class GradStore:
     def to_xarray(self):  # -> xarray.Dataset (xarray is optional)
         """Lazy xarray Dataset of true float32 values whatever the stored dtype, with the
         coordinates of format 3 (also for older stores): see ``classgrad.open_dataset``."""
-        from classgrad.store.dataset import store_dataset
+        from classgrad.store.rows.dataset import store_dataset
 
         done = self.shard_done  # one read: the rows' NaNs and the shard_done variable agree
         return store_dataset(

@@ -16,12 +16,10 @@ import zarr
 
 from classgrad.errors import CorruptChunkError, first_line
 from classgrad.progress_bar import progress_bar
-from classgrad.store.arrays import StoreArrays, is_corruption
-from classgrad.store.done_marks import read_done_marks
-from classgrad.store.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
-from classgrad.store.indexing import fmt_ranges, row_ranges
-from classgrad.store.raw_chunks import raw_layout, read_block
-from classgrad.store.records import (
+from classgrad.store.analysis.similarity_arrays import SimilarityArrays
+from classgrad.store.core.format import ARRAYS, RESULT_ARRAYS, SIM_INDEX, StoreSpec
+from classgrad.store.core.indexing import fmt_ranges, row_ranges
+from classgrad.store.integrity.shard_records import (
     DIGEST,
     FOREIGN,
     ShardRecord,
@@ -31,7 +29,9 @@ from classgrad.store.records import (
     shard_keys,
     uncovered,
 )
-from classgrad.store.similarity_arrays import SimilarityArrays
+from classgrad.store.rows.arrays import StoreArrays, is_corruption
+from classgrad.store.rows.done_marks import read_done_marks
+from classgrad.store.rows.raw_chunks import raw_layout, read_block
 
 # scan_chunks reads this many elements per request at most (64 MiB of float32).
 _SCAN_ELEMS = 1 << 24

@@ -17,7 +17,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from classgrad.store.format import (
+from classgrad.store.analysis.result_records import RECORDS_DIR as RESULT_RECORDS_DIR
+from classgrad.store.core.format import (
     ARRAYS,
     COORD_ARRAYS,
     DELETING_SUFFIX,
@@ -29,9 +30,8 @@ from classgrad.store.format import (
     SIM_INDEX,
     SIM_VALUE,
 )
-from classgrad.store.location import Location
-from classgrad.store.records import RECORDS_DIR
-from classgrad.store.result_records import RECORDS_DIR as RESULT_RECORDS_DIR
+from classgrad.store.core.location import Location
+from classgrad.store.integrity.shard_records import RECORDS_DIR
 
 _ARRAY_NAMES = "|".join(re.escape(name) for name in (*ARRAYS, SIM, SIM_INDEX, SIM_VALUE, *COORD_ARRAYS))
 _CHUNK = rf"(?:{_ARRAY_NAMES})/c(?:/\d+)+"  # Zarr v3 default chunk key encoding, "/" separated

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines import host_device
 
 # Device types that take the CPU's routes: a loop over a run's classes on unpadded samples, and

@@ -45,7 +45,7 @@ from classgrad.workers.engines.base import (
     samples_independent,
     without_draws,
 )
-from classgrad.workers.engines.dense import ROW_BYTES_BUDGET
+from classgrad.workers.engines.dense_engine import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.hook_path import HookPath, HookPlan
 from classgrad.workers.engines.partitioned.loop_path import LoopPath
 from classgrad.workers.engines.partitioned.packing import ClassSamples, plan_packs, plan_runs

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from classgrad.errors import ClassgradError, first_line
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines import choices, host_device
 from classgrad.workers.engines.base import GradientEngine, NormInFloat32
 from classgrad.workers.engines.layer_rules import ClassGrid, ClassRows, LayerCapture

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.modules import module as module_state  # where global forward hooks are kept
 
-from classgrad.store.params import ParamSlot
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.choices import VMAP_REFUSED
 from classgrad.workers.engines.layer_rules import LayerRule, rule_for
 from classgrad.workers.engines.layer_rules.module_vjp import WHOLE_UNIT_TYPES, UnitComputer, unit_computer_for

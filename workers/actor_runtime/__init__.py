@@ -1,0 +1,6 @@
+"""The actor's runtime: the Ray actor, the row writer and the job's model/data/engine factory.
+
+Holds nothing itself; its modules are ``actor``, ``shard_writer``, ``factory``, ``identity`` and
+``query``. Imports the compute layer (``classgrad.workers``) and the bottom layer (errors, config,
+store); never the driver.
+"""
