@@ -227,6 +227,35 @@ def test_train_mode_dropouts_masks_come_from_the_callers_generator(monkeypatch):
             scaler.step_batch(model, x, y, opt, update_grad=False, route="fast")
     finally:
         hook.remove()
+    # Refused once, the model's later batches go straight to the general route (no failed
+    # attempt every step), also once the hook path could take them again.
+    tried = []
+    fast = scaler_module.fast_rows
+    monkeypatch.setattr(scaler_module, "fast_rows", lambda *a, **k: tried.append(1) or fast(*a, **k))
+    scaler.step_batch(model, x, y, opt, update_grad=False)
+    assert tried == [] and general == [1, 1]
+
+
+class FunctionalDropoutMLP(nn.Module):
+    """Dropout by the module's own mode, no dropout layer (as an attention's functional dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 12), nn.Linear(12, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.dropout(torch.tanh(self.a(x)), 0.5, self.training))
+
+
+def test_a_layers_own_dropout_draws_from_the_callers_generator_too():
+    torch.manual_seed(0)
+    model, (x, y) = FunctionalDropoutMLP().train(), batch()
+    scaler, opt = PerClassGradScaler(num_classes=C), torch.optim.SGD(model.parameters(), lr=0.1)
+    found = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        found.append(scaler.step_batch(model, x, y, opt, update_grad=False)[0])
+    assert torch.equal(found[0], found[1]) and not torch.equal(found[0], found[2])
 
 
 # --- the training loop ----------------------------------------------------------------------------

@@ -155,16 +155,18 @@ class EngineStats:
 
 @contextlib.contextmanager
 def without_draws(model: nn.Module) -> Iterator[None]:
-    """The model's dropout layers in eval mode for the block (each back as it was after): the
-    spot check of a training batch's hook path, which forwards its classes twice."""
-    flipped = [m for m in model.modules() if isinstance(m, DROPOUT_TYPES) and m.training]
-    for m in flipped:
-        m.training = False
+    """The model in eval mode for the block, each module's mode back as it was after: the spot
+    check of a training batch's hook path, which forwards its classes twice. The whole model, not
+    its dropout layers alone: a layer may draw by its own mode (an attention's functional
+    dropout). For a model whose only coupling is dropout (``draws_only``) eval mode changes
+    nothing else: its BatchNorm layers, if any, already run on their running statistics."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
     try:
         yield
     finally:
-        for m in flipped:
-            m.training = True
+        for m, mode in modes:
+            m.training = mode
 
 
 @contextlib.contextmanager

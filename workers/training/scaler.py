@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -102,6 +103,9 @@ class PerClassGradScaler:
         self._pending_state: dict[str, Any] | None = None
         self._rows = LossRows(block_rows)
         self._forward_checked: set[tuple] = set()  # input signatures the fast route checked a forward of
+        # Models with dropout whose batches the hook path could not take (OneForwardRefused): the
+        # general route from then on, without a failed attempt every step.
+        self._draws_refused: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Whether the last call with update_grad found a non-finite row (and so skipped its step).
         self.found_inf = False
 
@@ -288,7 +292,7 @@ class PerClassGradScaler:
                 "route='fast' needs a model that treats samples independently in its current mode "
                 "(BatchNorm in train mode couples them): use route='general' or 'auto'"
             )
-        if route != "general" and independent:
+        if route != "general" and independent and not (route == "auto" and model in self._draws_refused):
             try:
                 return self._fast_step(
                     model, inputs, labels, optimizer, classes, layout, tensors, precision, scaler, scale,
@@ -297,7 +301,8 @@ class PerClassGradScaler:
             except OneForwardRefused as exc:  # dropout whose hook path failed: nothing touched yet
                 if route == "fast":
                     raise
-                log.info("training: %s; the batch takes the general route", exc)
+                self._draws_refused.add(model)
+                log.info("training: %s; this model's batches take the general route", exc)
         loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=classes, output=output)
         weights = _class_weights(aggregate, class_ids)
         rows = self(

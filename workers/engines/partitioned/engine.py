@@ -94,8 +94,9 @@ class PartitionedEngine(GradientEngine):
         # A training batch (``workers.training``): dropout's masks drawn as the plain step draws
         # them, each sample forwarded once by the hook path (nothing recomputed: a second
         # forward would draw other masks), so each row is its class's gradient under the draws.
-        self.draws_from_caller = draws_from_caller and draws_only(self.model)
-        if not samples_independent(self.model) and not self.draws_from_caller:
+        # Any model in train mode, dropout layers or not: a layer may draw by its own mode.
+        self.draws_from_caller = draws_from_caller
+        if not samples_independent(self.model) and not (draws_from_caller and draws_only(self.model)):
             coupled = sorted({type(m).__name__ for m in self.model.modules() if couples_samples(m)})
             raise InputError(
                 f"engine.kind=partitioned needs a model that treats samples independently; it has "
