@@ -4,9 +4,9 @@ Holds ``Estimate`` and ``estimate_job``: the store's size and the peak memory of
 the driver from the model that the resource preflight of ``classgrad run`` checks
 (``footprint``: one code path, the same preflight run here, so a job ``run`` would refuse is
 refused here too, before anything is measured), beside the peak memory this process reached; and
-the rows/s of one actor, measured by running the job's own engine (and projection,
-batched as a worker batches it: ``classgrad.workers.actor_runtime.actor.stored_blocks``) on a sample of classes spread
-over the whole range, after a short warm-up that absorbs one-off
+the rows/s of one actor, measured by running the job's own engine (and projection, batched as
+a worker batches it: ``classgrad.workers.actor_runtime.stored_rows.stored_blocks``) on a sample of
+classes spread over the whole range, after a short warm-up that absorbs one-off
 costs (tracing, block-size measurement), with the actor's torch thread count
 (``cluster.num_cpus_per_worker``).
 
@@ -32,7 +32,7 @@ import numpy as np
 from classgrad.config import JobConfig
 from classgrad.service.driver_runtime.footprint import BuildMeter, Part, parts_text
 from classgrad.units import fmt_mib
-from classgrad.workers.actor_runtime.actor import checked_engine, project_rows_for, stored_blocks
+from classgrad.workers.actor_runtime.stored_rows import checked_engine, project_rows_for, stored_blocks
 
 # Starting a local Ray and one actor process until it answers a call (its imports included, the
 # engine build excluded: that is timed per job). Measured once, 2026-12-01, on the shared 2-core

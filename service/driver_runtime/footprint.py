@@ -49,7 +49,7 @@ from typing import Any
 
 from classgrad.config import JobConfig
 from classgrad.units import fmt_mib
-from classgrad.workers.actor_runtime.actor import project_rows_for
+from classgrad.workers.actor_runtime.stored_rows import project_rows_for
 from classgrad.workers.engines.base import rnns_ready_for_backward
 from classgrad.workers.engines.dense_engine import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.engine import GROUP_BYTES

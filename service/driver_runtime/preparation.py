@@ -28,8 +28,8 @@ from classgrad.errors import ConfigMismatchError, StoreError, StoreMismatchError
 from classgrad.service.driver_runtime.plan import Shard, plan_shards
 from classgrad.store import GradStore, HeldLease, StoreSpec, create_store, open_store
 from classgrad.store.core.format import OVERWRITE_HINT
-from classgrad.workers.actor_runtime.actor import checked_engine, projection_record
 from classgrad.workers.actor_runtime.identity import RunIdentity, engine_identity, identity_changes, listed
+from classgrad.workers.actor_runtime.stored_rows import checked_engine, projection_record
 from classgrad.workers.model_io import class_names_of
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The worker (``classgrad.workers.actor_runtime.actor``), used directly as a plain class, without Ray:
 it computes whole shards into the store, marks a shard done only once every row is stored and
-only while its run holds the lease, and gathers rows before projecting them."""
+only while its run holds the lease (how rows are gathered before a projection:
+``test_stored_rows.py``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ from classgrad.config import JobConfig
 from classgrad.errors import LeaseHeldError
 from classgrad.service.driver_runtime.preparation import prepare_store
 from classgrad.store import open_store
-from classgrad.workers.actor_runtime.actor import GradientWorker, project_rows_for, stored_blocks
+from classgrad.workers.actor_runtime.actor import GradientWorker
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import RowBlock, per_class_gradients
-from classgrad.workers.projection import Projector
+from classgrad.workers.engines import per_class_gradients
 
 C = 12
 
@@ -106,41 +106,6 @@ def test_a_run_that_lost_the_lease_does_not_mark_its_shard_done(tmp_path):
     current = GradientWorker(config.model_dump(mode="json"), run_id="run-b")
     current.compute_shard(0)
     assert open_store(config.store.url).shard_done.tolist() == [True, False, False]
-
-
-def test_rows_per_projection_fit_the_byte_budget():
-    assert project_rows_for(1000) == 256  # small rows: capped at 256
-    assert project_rows_for(1 << 22) == 64  # 64 rows of 4 Mi float32 values = 1 GiB
-    assert project_rows_for(1 << 30) == 1  # never fewer than one
-
-
-class TwoRowBlocks:
-    """Stands in for an engine: rows of any class list in blocks of two."""
-
-    def iter_blocks(self, classes):
-        for i in range(0, len(classes), 2):
-            ids = torch.tensor(classes[i : i + 2])
-            n = len(ids)
-            yield RowBlock(
-                ids,
-                torch.randn(n, 16, generator=torch.Generator().manual_seed(i)),
-                torch.zeros(n),
-                torch.ones(n, dtype=torch.long),
-                torch.ones(n),
-                torch.zeros(n, dtype=torch.bool),
-            )
-
-
-def test_blocks_are_gathered_before_each_projection():
-    engine = TwoRowBlocks()
-    plain = [(len(b), rows) for b, rows in stored_blocks(engine, None, list(range(5)), 3)]
-    assert plain == [(2, None), (2, None), (1, None)]  # unprojected: the engine's blocks as they come
-    projector = Projector(16, 4, seed=1)
-    got = list(stored_blocks(engine, projector, list(range(6)), 3))
-    assert [b.classes.tolist() for b, _ in got] == [[0, 1, 2, 3], [4, 5]]  # 2 + 2 >= 3 rows, then the rest
-    for merged, rows in got:
-        assert rows.shape == (len(merged), 4)
-        assert torch.equal(rows, projector.project(merged.rows))  # the same projection of the same rows
 
 
 def counting_config(tmp_path) -> JobConfig:

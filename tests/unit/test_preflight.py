@@ -214,7 +214,7 @@ def test_an_absurd_batch_size_is_clamped_with_a_note_and_the_hooks_keep_their_pa
 def test_the_store_size_is_exact(tmp_path):
     config = mlp_job(tmp_path, store={"dtype": "float16", "row_chunk": 4, "col_chunk": 100})
     store = run_without_ray(config)
-    from classgrad.workers.actor_runtime.actor import checked_engine
+    from classgrad.workers.actor_runtime.stored_rows import checked_engine
 
     engine, projector, dim = checked_engine(config, device="cpu")
     fp = job_footprint(config, engine, projector, dim, build_bytes=0)

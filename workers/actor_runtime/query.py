@@ -10,11 +10,11 @@ margin, signed like a loss; or ``fn(outputs, targets) -> [n]``), ``QueryRows`` a
 How. The store records the job config it was made from and what its rows' projection is
 (``projection``: structure, seed, factors, split of ``dim``). The query side builds its engine
 exactly as a worker does (``factory.engine_from_parts`` with the store's config and record,
-``actor.build_projector`` and ``actor.stored_blocks``), over the query examples with the
+``stored_rows.build_projector`` and ``stored_rows.stored_blocks``), over the query examples with the
 partitioned engine and every example its own group: about one forward and backward over the
 query set. So every projection structure is applied by the code that applies it for the store
 (dense, sketch, kronecker and any later one the engines or the row projector learn), never by
-this module; what the query engine would record (``actor.projection_record``) must equal the
+this module; what the query engine would record (``stored_rows.projection_record``) must equal the
 store's record, or nothing is computed.
 """
 
@@ -34,8 +34,13 @@ from torch import nn
 
 from classgrad.config import JobConfig
 from classgrad.errors import InputError, StoreError, first_line
-from classgrad.workers.actor_runtime.actor import build_projector, project_rows_for, projection_record, stored_blocks
 from classgrad.workers.actor_runtime.factory import build_model, engine_from_parts, preflight
+from classgrad.workers.actor_runtime.stored_rows import (
+    build_projector,
+    project_rows_for,
+    projection_record,
+    stored_blocks,
+)
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import PartitionedLoss, check_label_range, create_loss
