@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from classgrad.workers.losses import create_loss
 
 OUT_DIR = Path(__file__).resolve().parent / "out"

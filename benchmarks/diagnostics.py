@@ -42,7 +42,7 @@ OUT = common.OUT_DIR / "diagnostics.json"
 
 
 def dense_gap(reps: int, rows: int) -> dict[str, Any]:
-    from classgrad.workers.engines import build_engine
+    from classgrad.workers.gradients import build_engine
 
     # log_softmax: a dense loss that sees every output column, so the engine's VJPs run through
     # the whole model as the loops' do (logit and bce take paths through the head instead).

@@ -48,7 +48,7 @@ def child(args) -> None:
     import torch
 
     from classgrad.workers import zoo
-    from classgrad.workers.engines import build_engine
+    from classgrad.workers.gradients import build_engine
 
     torch.set_num_threads(1)
     C, shape = args.child_classes, args.child_shape

@@ -51,10 +51,10 @@ from torch import nn
 from benchmarks import common
 from benchmarks.projection_scale import REAL, _floor, build
 from classgrad import per_class_gradients
-from classgrad.workers.engines import build_engine
 from classgrad.workers.engines.layer_rules.conv import ConvFactors, patches_channels_inner
 from classgrad.workers.engines.layer_rules.recurrent_scan import GATES
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged, live_tokens
+from classgrad.workers.gradients import build_engine
 from classgrad.workers.projection.kronecker import shape_for
 
 OUT = common.OUT_DIR / "floor_bound.json"

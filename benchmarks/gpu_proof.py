@@ -191,7 +191,7 @@ def cuda_tests(args: argparse.Namespace) -> dict[str, Any]:
 
 def real_models(args: argparse.Namespace) -> list[dict[str, Any]]:
     from benchmarks.real_model_cases import CASES, build_case
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
     from tests.support.engine_cases import max_relative_error
 
     out: list[dict[str, Any]] = []
@@ -214,7 +214,7 @@ def real_models(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def projection(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.projection_scale import build
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
 
     out = []
     for name, classes in (("hf_resnet", 200 if args.quick else 2000), ("bag_text", 200 if args.quick else 2000)):
@@ -270,7 +270,7 @@ def scaler(args: argparse.Namespace) -> dict[str, Any]:
 
 def headline(args: argparse.Namespace) -> dict[str, Any]:
     from classgrad.workers import zoo
-    from classgrad.workers.engines import build_engine, projection_options
+    from classgrad.workers.gradients import build_engine, projection_options
 
     device = torch.device(args.device)
     classes, per_class, size = (40, 2, 32) if args.quick else (10000, 10, 224)
@@ -333,8 +333,8 @@ def _syncs_of(name: str, projected: bool, classes: int, device: torch.device) ->
     import warnings
     from unittest import mock
 
-    from classgrad.workers.engines import per_class_gradients
     from classgrad.workers.engines.partitioned.hook_path import HookPath
+    from classgrad.workers.gradients import per_class_gradients
     from tests.support.read_cases import MODELS, probe
 
     model = MODELS[name](classes).to(device)
@@ -445,7 +445,7 @@ def speed(args: argparse.Namespace) -> dict[str, Any]:
     import subprocess
 
     from benchmarks.projection_scale import REAL, SCALE_MODELS, _floor, build
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
 
     device = torch.device(args.device)
     classes, dim = (100, 256) if args.quick else (10000, 4096)

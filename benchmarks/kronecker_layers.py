@@ -52,7 +52,7 @@ def new_units_unregistered() -> Iterator[None]:
 
 def coverage(model: nn.Module, data: Any, classes: int, projection: dict[str, Any]) -> dict[str, Any]:
     """Parameters in units and in the rest, by ``describe()`` of an engine with these options."""
-    from classgrad.workers.engines import build_engine, projection_options
+    from classgrad.workers.gradients import build_engine, projection_options
 
     eng = build_engine(model, data, num_classes=classes, projection=projection_options(projection))
     described = eng.describe()

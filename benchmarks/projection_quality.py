@@ -135,7 +135,7 @@ def compare(
     sketch: tuple[int, ...] = (),
     sketch_nonzeros: int = 4,
 ) -> dict[str, dict]:
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
     from classgrad.workers.projection import Projector
     from classgrad.workers.projection.sketch import SparseSignSketch
 
@@ -183,7 +183,7 @@ def compare(
 
 def nonzeros_sweep(classes: int, k: int, steps: int, seeds: int, nonzeros: list[int], only: list[str] | None) -> None:
     """Cosine errors of dense Rademacher and of the sketch for each s, pooled over ``seeds``."""
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
     from classgrad.workers.projection import Projector
     from classgrad.workers.projection.sketch import SparseSignSketch
     from classgrad.workers.zoo import synthetic_probe

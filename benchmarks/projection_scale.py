@@ -195,7 +195,7 @@ def _floor(
 ) -> float:
     """One forward and backward of the summed loss over the samples, plus writing C x dim rows on
     the host: best of 2, on ``device`` (the model is moved there, as the engine under test had it)."""
-    from classgrad.workers.engines import build_engine
+    from classgrad.workers.gradients import build_engine
 
     eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size, device=device)
     params = [p for p in model.parameters() if p.requires_grad]

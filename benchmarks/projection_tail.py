@@ -100,7 +100,7 @@ def tail_stats(cos: torch.Tensor, exact: torch.Tensor, queries: torch.Tensor) ->
 def measure(
     name: str, classes: int, dims: list[int], n_queries: int, batch_size: int, second_sketch: bool = False
 ) -> list[dict[str, Any]]:
-    from classgrad.workers.engines import build_engine, projection_options
+    from classgrad.workers.gradients import build_engine, projection_options
     from classgrad.workers.projection import SketchUnit
     from classgrad.workers.projection.sketch import RowSketch
     from classgrad.workers.projection.tensor_sketch import HASHED, TensorSketchMap

@@ -36,10 +36,6 @@ LAYERS = {
     "classgrad.store": 0,
     "classgrad.workers": 1,
     "classgrad.workers.engines": 1,
-    # The engines' registry and one-call API are nodes of their own: they sit above the
-    # implementations (``partitioned``), which stand on the package's base, choices and host_device.
-    "classgrad.workers.engines.registry": 1,
-    "classgrad.workers.engines.api": 1,
     "classgrad.service": 2,
     "classgrad.service.driver_runtime": 2,
     "classgrad.workers.actor_runtime": 2,

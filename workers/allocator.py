@@ -1,7 +1,7 @@
 """How the process's C allocator treats the memory of freed tensors.
 
-Holds ``keep_freed_memory`` (called by ``engines.build_engine``, before the probe set's
-allocations, and ``engines.create_engine``, so by ``per_class_gradients`` and every actor) and
+Holds ``keep_freed_memory`` (called by ``gradients.build_engine``, before the probe set's
+allocations, and ``gradients.create_engine``, so by ``per_class_gradients`` and every actor) and
 ``OPT_OUT`` (the environment variable that turns it off).
 
 Why: torch on a CPU allocates tensors with ``malloc``. glibc serves a block above its mmap

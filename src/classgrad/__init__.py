@@ -33,14 +33,14 @@ if TYPE_CHECKING:
     from classgrad.service.analysis.score_api import score
     from classgrad.service.driver_runtime.driver import run_job
     from classgrad.store import open_dataset, open_store
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
     from classgrad.workers.training import GradLog, PerClassGradScaler
     from classgrad.workers.training.hf_callback import GradLogCallback as GradLogCallback
     from classgrad.workers.training.lightning_callback import GradLogLightningCallback as GradLogLightningCallback
 
 # public name -> the module that defines it (imported on first access: torch and Ray are slow to load)
 _EXPORTS = {
-    "per_class_gradients": "classgrad.workers.engines",
+    "per_class_gradients": "classgrad.workers.gradients",
     "open_store": "classgrad.store",
     "open_dataset": "classgrad.store",
     "JobConfig": "classgrad.config",
@@ -71,7 +71,7 @@ __all__ = [
 
 # The config's registry-backed keys (engine.kind, loss.kind, projection.structure and .kind) take
 # the names the compute side registers; it is imported the first time a config checks one.
-set_loader(lambda: importlib.import_module("classgrad.workers.engines"))
+set_loader(lambda: importlib.import_module("classgrad.workers.gradients"))
 
 
 def __getattr__(name: str) -> Any:

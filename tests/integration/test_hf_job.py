@@ -25,7 +25,7 @@ import yaml
 from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 from tests.support.engine_cases import max_relative_error
 from tests.support.harness import kill_session
 

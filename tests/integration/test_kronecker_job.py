@@ -11,7 +11,7 @@ import torch
 from classgrad.service.driver_runtime.driver import JobDriver
 from classgrad.store import open_store
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 from tests.support.engine_cases import max_relative_error
 
 pytestmark = pytest.mark.usefixtures("ray_local")

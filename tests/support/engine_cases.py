@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from classgrad.workers.losses import partitioned_loss
 
 NUM_CLASSES = 6

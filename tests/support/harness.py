@@ -198,7 +198,7 @@ def reference_rows(config_path: str | Path, overrides: list[str]) -> torch.Tenso
     root (or absolute)."""
     from classgrad.config import load_config
     from classgrad.workers.actor_runtime.factory import build_model, build_probe
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
 
     config = load_config(REPO / config_path, overrides)
     kwargs = {**config.model.kwargs, **({"delay_s": 0.0} if "delay_s" in config.model.kwargs else {})}
@@ -272,7 +272,7 @@ def trusted_state(url: str, config: JobConfig | None = None) -> str:
     if done.size:
         assert config is not None, "done shards but no config to check them against"
         from classgrad.workers.actor_runtime.factory import build_model, build_probe
-        from classgrad.workers.engines import per_class_gradients
+        from classgrad.workers.gradients import per_class_gradients
         from tests.support.engine_cases import max_relative_error
 
         model = build_model(

@@ -14,9 +14,10 @@ import torch
 
 from classgrad import PerClassGradScaler
 from classgrad.workers import zoo
-from classgrad.workers.engines import host_device, per_class_gradients
+from classgrad.workers.engines import host_device
 from classgrad.workers.engines.layer_rules.rule_io import routes_as
 from classgrad.workers.engines.partitioned.hook_path import HookPath
+from classgrad.workers.gradients import per_class_gradients
 from classgrad.workers.probe import ProbeSet
 from tests.support.hf_models import hf_probe, lstm_classifier, tiny_bert, tiny_gpt2, tiny_resnet, tiny_vit
 from tests.support.host_reads import HostReads

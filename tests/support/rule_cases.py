@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back
 
 BATCH_SIZE = 8  # several runs of classes, padded ones among them, and classes done alone

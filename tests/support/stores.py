@@ -5,7 +5,7 @@ checks that they hold what they claim).
   rows of very different norms, a zero row), in any store dtype, with a parameter layout or as
   a projected store; returns the store and the true float32 rows a reader returns.
 - ``model_store``: a real store: the per-class gradients of a small MLP on a synthetic probe
-  set, computed in-process by ``classgrad.workers.engines.per_class_gradients`` and written with
+  set, computed in-process by ``classgrad.workers.gradients.per_class_gradients`` and written with
   ``write_rows``; returns (store, model, rows).
 """
 
@@ -84,7 +84,7 @@ def synthetic_store(
 
 def model_store(path, *, num_classes: int = 500, dtype: str = "float32"):
     """(store, model, rows): per-class gradients of a small MLP (D = 4,572 for 500 classes)."""
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
     from classgrad.workers.layout import ParamLayout
     from classgrad.workers.zoo import mlp, synthetic_probe
 

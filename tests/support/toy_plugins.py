@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from classgrad.workers.engines import register_engine
 from classgrad.workers.engines.partitioned import PartitionedEngine
+from classgrad.workers.gradients import register_engine
 from classgrad.workers.losses import PartitionedLoss, register_loss
 from classgrad.workers.structures import SketchStructure, TensorSketchStructure, register_structure
 
@@ -47,7 +47,7 @@ def unregister() -> None:
     import sys
 
     from classgrad.config import choices
-    from classgrad.workers.engines import ENGINES
+    from classgrad.workers.gradients import ENGINES
     from classgrad.workers.losses import LOSSES
     from classgrad.workers.structures import STRUCTURES
 

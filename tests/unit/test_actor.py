@@ -15,7 +15,7 @@ from classgrad.service.driver_runtime.preparation import prepare_store
 from classgrad.store import open_store
 from classgrad.workers.actor_runtime.actor import GradientWorker
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 
 C = 12
 

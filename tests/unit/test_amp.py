@@ -12,7 +12,7 @@ import torch
 from classgrad.errors import InputError, RowOverflowError
 from classgrad.workers import zoo
 from classgrad.workers.amp import PrecisionPolicy, rows_with_rescale
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from classgrad.workers.losses import partitioned_loss
 from tests.support.devices import DEVICES
 from tests.support.engine_cases import NUM_CLASSES, max_relative_error

@@ -180,7 +180,7 @@ def test_in_a_real_process(build, tmp_path):
 def test_the_python_api_checks_the_device(device):
     from classgrad.errors import InputError
     from classgrad.workers import zoo
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
 
     data = zoo.synthetic_probe(**_probe())
     with pytest.raises(InputError, match=f"device '{device}': .* not available on this machine"):

@@ -8,7 +8,7 @@ import pytest
 from classgrad.errors import InputError
 from classgrad.workers import zoo
 from classgrad.workers.actor_runtime.factory import preflight
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from tests.support.engine_cases import NUM_CLASSES
 
 

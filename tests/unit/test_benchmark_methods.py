@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import common
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 
 NUM_CLASSES = 6
 

@@ -28,7 +28,7 @@ from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
+from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import SketchUnit
 from classgrad.workers.projection.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.sketch import RowSketch

@@ -12,7 +12,7 @@ import torch
 from classgrad.config import JobConfig
 from classgrad.service.driver_runtime.estimate import RAY_STARTUP_ALLOWANCE_S, estimate_job
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 from classgrad.workers.projection import Projector
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 

@@ -8,7 +8,7 @@ import typing
 
 from classgrad.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig, ProjectionConfig
 from classgrad.config.choices import Choices
-from classgrad.workers.engines import ENGINES
+from classgrad.workers.gradients import ENGINES
 from classgrad.workers.losses import LOSSES, DenseLoss, create_loss
 from classgrad.workers.projection import PROJECTIONS
 

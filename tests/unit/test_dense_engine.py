@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.workers.engines import build_engine, choices, dense_engine, per_class_gradients
+from classgrad.workers.engines import choices, dense_engine
+from classgrad.workers.gradients import build_engine, per_class_gradients
 from tests.support.engine_cases import (
     BATCH_SIZE,
     MODEL_CASES,

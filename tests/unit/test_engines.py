@@ -10,7 +10,7 @@ import torch
 
 from classgrad.errors import InputError
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, per_class_gradients
+from classgrad.workers.gradients import build_engine, per_class_gradients
 from classgrad.workers.layout import ParamLayout
 from tests.support.engine_cases import (
     EMPTY_CLASS,
@@ -183,7 +183,7 @@ def test_per_class_gradients_runs_in_eval_mode_by_default_and_restores_each_modu
 def test_per_class_gradients_in_train_mode_says_dropout_makes_rows_depend_on_the_seed(caplog):
     model = _dropout_bn_mlp().eval()
     data = zoo.synthetic_probe(NUM_CLASSES, 3, kind="vector", input_shape=(8,), seed=4)
-    with caplog.at_level("WARNING", logger="classgrad.workers.engines"):
+    with caplog.at_level("WARNING", logger="classgrad.workers.gradients"):
         per_class_gradients(model, data, num_classes=NUM_CLASSES, mode="train", engine="dense")
     assert any("dropout is active" in r.getMessage() for r in caplog.records)
     assert not any(m.training for m in model.modules())  # put back in eval

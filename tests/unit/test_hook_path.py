@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, choices, per_class_gradients
+from classgrad.workers.engines import choices
+from classgrad.workers.gradients import build_engine, per_class_gradients
 from tests.support.engine_cases import NUM_CLASSES, WeightUsedOutside, fell_back, max_relative_error
 from tests.support.hf_models import hf_probe, tiny_bert, tiny_resnet
 

@@ -17,8 +17,9 @@ import copy
 import pytest
 import torch
 
-from classgrad.workers.engines import build_engine, host_device, per_class_gradients
+from classgrad.workers.engines import host_device
 from classgrad.workers.engines.layer_rules.rule_io import routes_as
+from classgrad.workers.gradients import build_engine, per_class_gradients
 from tests.support.engine_cases import max_relative_error
 from tests.support.read_cases import MODELS, counted, probe, step_counted
 

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from classgrad.workers import zoo
-from classgrad.workers.engines import choices, per_class_gradients
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import conv
 from classgrad.workers.engines.partitioned import input_format
+from classgrad.workers.gradients import per_class_gradients
 from tests.support.engine_cases import max_relative_error
 
 C = 6

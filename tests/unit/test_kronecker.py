@@ -24,7 +24,7 @@ from classgrad.service.driver_runtime.preparation import recorded_projection
 from classgrad.store import open_store
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
+from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import Projector
 from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from tests.support.devices import needs_cuda

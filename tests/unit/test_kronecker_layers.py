@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.workers.engines import build_engine, projection_options
 from classgrad.workers.engines.layer_rules import rule_io
+from classgrad.workers.gradients import build_engine, projection_options
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import hf_probe, tiny_gpt2
 

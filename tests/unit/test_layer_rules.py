@@ -15,7 +15,7 @@ from torch import nn
 
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine, choices, projection_options
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import (
     RULES,
     ClassGrid,
@@ -31,6 +31,7 @@ from classgrad.workers.engines.layer_rules import (
 from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
 from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
+from classgrad.workers.gradients import build_engine, projection_options
 from classgrad.workers.projection import SketchUnit
 from tests.support.docs import python_blocks
 from tests.support.engine_cases import EMPTY_CLASS, NUM_CLASSES, fell_back, max_relative_error, zero_rows

@@ -10,7 +10,7 @@ from torch import nn
 from classgrad.errors import InputError
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from classgrad.workers.layout import ParamLayout
 from tests.support.engine_cases import NUM_CLASSES
 

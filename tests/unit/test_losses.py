@@ -11,7 +11,7 @@ import torch
 from classgrad.config import BUILTIN_LOSS_KINDS
 from classgrad.errors import InputError
 from classgrad.workers import zoo
-from classgrad.workers.engines import build_engine
+from classgrad.workers.gradients import build_engine
 from classgrad.workers.losses import LOSSES, DenseLoss, PartitionedLoss, create_loss, partitioned_loss, register_loss
 from tests.support.engine_cases import NUM_CLASSES
 

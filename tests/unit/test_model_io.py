@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from classgrad.errors import InputError
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 from classgrad.workers.model_io import ModelIO, class_names_of, is_device_mismatch, is_missing_pad_token, logits_of
 from tests.support import hf_jobs
 
@@ -208,7 +208,7 @@ def test_device_mismatches_and_a_missing_pad_token_are_told_by_their_text():
 
 
 def test_parameter_names_are_the_models_own():
-    from classgrad.workers.engines import build_engine
+    from classgrad.workers.gradients import build_engine
 
     eng = build_engine(hf_jobs.job_bert(3), hf_jobs.job_text_rows(3, 1, seed=0), num_classes=3, collate="pad")
     assert "classifier.weight" in eng.layout.names and "bert.embeddings.word_embeddings.weight" in eng.layout.names

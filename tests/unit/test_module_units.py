@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.workers.engines import build_engine, choices
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.layer_rules import RULES, register_rule
 from classgrad.workers.engines.layer_rules.module_vjp import (
     UNIT_COMPUTERS,
@@ -25,6 +25,7 @@ from classgrad.workers.engines.layer_rules.module_vjp import (
 )
 from classgrad.workers.engines.layer_rules.recurrent import recurrent_unit
 from classgrad.workers.engines.partitioned.engine import FALLBACK
+from classgrad.workers.gradients import build_engine
 from tests.support.engine_cases import TiedMLP, WeightUsedOutside, fell_back, max_relative_error
 from tests.support.hf_models import HF_BUILDERS, hf_probe
 from tests.support.rule_cases import Scale

@@ -83,7 +83,7 @@ def test_toy_structures_give_the_rows_of_the_structures_they_subclass(taken_back
 
     import tests.support.toy_plugins  # noqa: F401 - registers the toys
     from classgrad.workers import zoo
-    from classgrad.workers.engines import per_class_gradients
+    from classgrad.workers.gradients import per_class_gradients
 
     model = zoo.mlp(6, in_features=5, hidden=8)
     data = (torch.randn(18, 5, generator=torch.Generator().manual_seed(0)), torch.arange(6).repeat(3))

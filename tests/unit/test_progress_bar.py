@@ -13,7 +13,7 @@ import pytest
 
 from classgrad import progress_bar as bars
 from classgrad.workers import zoo
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 
 
 class NotebookStderr(io.StringIO):
@@ -46,9 +46,9 @@ def notebook(monkeypatch):
 
 
 def test_a_notebook_without_ipywidgets_gets_a_text_bar_and_no_warning(notebook, monkeypatch):
-    import classgrad.workers.engines.api as engines
+    import classgrad.workers.gradients.python_api as python_api
 
-    monkeypatch.setattr(engines, "PROGRESS_DELAY_S", 0.0)  # the default bar, without waiting 2 s for it
+    monkeypatch.setattr(python_api, "PROGRESS_DELAY_S", 0.0)  # the default bar, without waiting 2 s for it
     err = stderr_of(monkeypatch)
     assert bars.in_notebook()
     model = zoo.mlp(6, in_features=8).eval()

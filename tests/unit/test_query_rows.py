@@ -14,7 +14,7 @@ import torch
 from classgrad.errors import InputError, StoreError
 from classgrad.service.analysis.score_api import score
 from classgrad.workers.actor_runtime.query import query_rows
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 from classgrad.workers.zoo import mlp, synthetic_probe
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from classgrad import per_class_gradients
-from classgrad.workers.engines import build_engine
 from classgrad.workers.engines.partitioned import hook_plan
+from classgrad.workers.gradients import build_engine
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import REAL_MODELS, hf_probe
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from classgrad.workers.engines import per_class_gradients
 from classgrad.workers.engines.base import rnns_ready_for_backward
+from classgrad.workers.gradients import per_class_gradients
 from tests.support.devices import DEVICES
 from tests.support.engine_cases import max_relative_error
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from classgrad.workers.engines import ProjectedEngine, build_engine, projection_options
+from classgrad.workers.engines import ProjectedEngine
 from classgrad.workers.engines.layer_rules import RULES, register_rule
 from classgrad.workers.engines.layer_rules.linear import linear_sums
+from classgrad.workers.gradients import build_engine, projection_options
 from classgrad.workers.projection.kronecker import KRONECKER_SHAPES
 from tests.support.engine_cases import max_relative_error
 

@@ -18,7 +18,7 @@ from classgrad.service.analysis.inspect import format_report, inspect_store
 from classgrad.service.analysis.verify import verify_store
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import per_class_gradients
+from classgrad.workers.gradients import per_class_gradients
 from classgrad.workers.projection import mix32_int, stream_keys
 from classgrad.workers.projection import sketch as sketch_module
 from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit

@@ -31,9 +31,9 @@ from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines import build_engine, per_class_gradients, projection_options
 from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
 from classgrad.workers.engines.partitioned import projected_engine
+from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import Projector, SketchUnit, chunked_sketch
 from classgrad.workers.projection.kronecker import KroneckerMap
 from classgrad.workers.projection.sketch import RowSketch

@@ -23,7 +23,8 @@ from torch import nn
 from classgrad.errors import ClassgradError, InputError, NonFiniteError, first_line
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.devices import check_device
-from classgrad.workers.engines import GradientEngine, create_engine, projection_options
+from classgrad.workers.engines import GradientEngine
+from classgrad.workers.gradients import create_engine, projection_options
 from classgrad.workers.imports import import_object
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss

@@ -33,7 +33,7 @@ from classgrad.workers.devices import check_device
 from classgrad.workers.engines.base import GradientEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
-from classgrad.workers.engines.registry import create_engine
+from classgrad.workers.gradients.engine_registry import create_engine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.model_io import input_pad_values
