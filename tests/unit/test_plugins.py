@@ -94,3 +94,104 @@ def test_toy_structures_give_the_rows_of_the_structures_they_subclass(taken_back
         )
         # The same map and the same sums, run the same way in one process: the same numbers.
         assert torch.equal(got, want), toy
+
+
+@pytest.fixture
+def toy_structure_names():
+    """Structures a test registers by hand are taken back afterwards (names and sums)."""
+    names: list[str] = []
+    yield names
+    from classgrad.config import choices
+    from classgrad.workers.engines.layer_rules.registry import PROJECTED_SUMS
+    from classgrad.workers.structures import STRUCTURES
+
+    for name in names:
+        STRUCTURES.pop(name, None)
+        choices.STRUCTURES.discard(name)
+        PROJECTED_SUMS.pop(name, None)
+
+
+def _in_backward_structure(name: str, sums):
+    """A structure projecting in the backward by the default's map, its units naming ``name`` (so
+    they dispatch to ``sums`` alone, not to the default's)."""
+    from classgrad.workers.structures import ProjectionStructure
+    from classgrad.workers.structures.tensorsketch import plan_map
+
+    class Toy(ProjectionStructure):
+        in_backward = True
+        unit_family = name
+
+        def plan(self, engine, options, modules, covered):
+            kmap = plan_map(engine.full_layout.slots, modules, covered, options)
+            for unit in kmap.units:
+                unit.structure = name
+            return kmap
+
+        def layer_sums(self):
+            return sums
+
+    Toy.name = name
+    return Toy()
+
+
+def test_an_in_backward_structure_without_outer_sums_is_refused_at_registration_naming_it(toy_structure_names):
+    from classgrad.workers.engines.layer_rules import sketch_sums
+    from classgrad.workers.engines.layer_rules.registry import ProjectedSums
+    from classgrad.workers.structures import STRUCTURES, register_structure
+
+    toy_structure_names.append("toy_no_outer")
+    no_outer = ProjectedSums(outer=None, embedding=sketch_sums.sketched_table_sums)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^projection structure 'toy_no_outer' .*: its layer_sums\(\) gives no outer"):
+        register_structure(_in_backward_structure("toy_no_outer", no_outer))
+    # The old mapping by family name is no ProjectedSums: refused the same way.
+    old = {"outer": sketch_sums.sketched_outer_sums}
+    with pytest.raises(ValueError, match=r"'toy_no_outer' .*: its layer_sums\(\) gives dict, not a ProjectedSums"):
+        register_structure(_in_backward_structure("toy_no_outer", old))
+    assert "toy_no_outer" not in STRUCTURES
+
+
+def test_an_in_backward_structure_whose_sums_take_the_wrong_arguments_is_refused_at_registration(
+    toy_structure_names,
+):
+    from classgrad.workers.engines.layer_rules import sketch_sums
+    from classgrad.workers.engines.layer_rules.registry import PROJECTED_SUMS, ProjectedSums
+    from classgrad.workers.structures import register_structure
+
+    def two_arguments(factors, out) -> None:  # outer sums take (factors, out, unit)
+        raise AssertionError("never called")
+
+    toy_structure_names.append("toy_bad_outer")
+    with pytest.raises(
+        ValueError, match=r"'toy_bad_outer' .*: its outer sums .*two_arguments.* do not take the 3 arguments"
+    ):
+        register_structure(_in_backward_structure("toy_bad_outer", ProjectedSums(outer=two_arguments)))
+    # The same for an optional family: the table sums take (module, seen, out, unit).
+    wrong_table = ProjectedSums(outer=sketch_sums.sketched_outer_sums, embedding=sketch_sums.sketched_outer_sums)
+    with pytest.raises(ValueError, match=r"its embedding sums .* do not take the 4 arguments of embedding layers"):
+        register_structure(_in_backward_structure("toy_bad_outer", wrong_table))
+    assert "toy_bad_outer" not in PROJECTED_SUMS
+
+
+def test_a_structure_without_embedding_sums_on_an_embedding_is_one_line_naming_it_and_the_family(
+    toy_structure_names,
+):
+    import torch
+    from torch import nn
+
+    from classgrad.workers.engines.layer_rules import sketch_sums
+    from classgrad.workers.engines.layer_rules.registry import ProjectedSums
+    from classgrad.workers.gradients import per_class_gradients
+    from classgrad.workers.structures import register_structure
+
+    toy_structure_names.append("toy_outer_only")
+    register_structure(_in_backward_structure("toy_outer_only", ProjectedSums(outer=sketch_sums.sketched_outer_sums)))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 4))
+    ids = torch.randint(0, 10, (12, 3), generator=torch.Generator().manual_seed(1))
+    data = (ids, torch.arange(4).repeat(3))
+    projection = {"dim": 8, "structure": "toy_outer_only", "seed": 3}
+    with pytest.raises(ConfigError) as caught:
+        per_class_gradients(model, data, num_classes=4, projection=projection)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "projection structure 'toy_outer_only' has no sums for embedding layers" in message

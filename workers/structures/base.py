@@ -7,7 +7,8 @@ Holds:
   (and a store's record) becomes options.
 - ``ProjectionStructure``: a structure's name and whether it projects inside the backward; for
   one that does, the plan of its map (``plan``, run by ``ProjectedEngine``) and its per-layer
-  sums by layer family (``layer_sums``, registered with the layer rules); for one that does not,
+  sums by layer family (``layer_sums``: a ``layer_rules.registry.ProjectedSums``, registered with
+  the layer rules); for one that does not,
   the projector of finished rows (``finished``); and what a store's record of it says
   (``label``, ``caveat``, ``summary``).
 - ``RowProjector``: what a projector of finished rows offers (``project``, ``out_dim``, ``describe``).
@@ -24,7 +25,7 @@ under an earlier default resumes with the map it was written with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -37,6 +38,7 @@ from classgrad.store.core.params import ParamSlot
 if TYPE_CHECKING:
     from torch import nn
 
+    from classgrad.workers.engines.layer_rules.registry import ProjectedSums
     from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 
 DEFAULT_STRUCTURE = "tensorsketch"
@@ -112,11 +114,6 @@ class RowProjector(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-# A structure's sums inside the backward for one family of layers (``"outer"``: Linear-like
-# layers' ``OuterFactors``; ``"embedding"``: an embedding table's lookups), by its units.
-LayerSums = Callable[..., None]
-
-
 class ProjectionStructure:
     """One projection structure. Subclasses set ``name`` and ``in_backward`` and implement
     ``plan`` and ``layer_sums`` (in the backward) or ``finished`` (of finished rows)."""
@@ -134,9 +131,10 @@ class ProjectionStructure:
         its units for the layers the hook path covers (``covered``), the rest after."""
         raise NotImplementedError(f"projection structure {self.name!r} does not project inside the backward")
 
-    def layer_sums(self) -> Mapping[str, LayerSums]:
-        """Layer family -> the per-class sums of its projected rows (``layer_rules`` calls them)."""
-        return {}
+    def layer_sums(self) -> ProjectedSums | None:
+        """The per-class sums of its projected rows by layer family (``layer_rules`` calls them:
+        ``outer`` always, ``embedding`` and ``entries`` where its map has units for those layers)."""
+        return None
 
     def finished(self, options: ProjectionOptions, slots: Sequence[ParamSlot], dim_in: int) -> RowProjector:
         """The projector of finished rows of ``dim_in`` columns (``slots``: the row's parameters)."""

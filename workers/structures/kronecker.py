@@ -16,9 +16,10 @@ from typing import Any
 from torch import nn
 
 from classgrad.workers.engines.layer_rules import kronecker_sums
+from classgrad.workers.engines.layer_rules.registry import ProjectedSums
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 from classgrad.workers.projection.kronecker import MEASURE_CLASSES, KroneckerMap
-from classgrad.workers.structures.base import LayerSums, ProjectionOptions, ProjectionStructure
+from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
 from classgrad.workers.structures.registration import register_structure
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,10 @@ class KroneckerStructure(ProjectionStructure):
                 u.positions = positions[u.weight.name]
         return kmap.remeasured(measured) if settings["allocation"] == "norm" else kmap
 
-    def layer_sums(self) -> Mapping[str, LayerSums]:
-        return {"outer": kronecker_sums.projected_outer_sums, "embedding": kronecker_sums.projected_embedding_sums}
+    def layer_sums(self) -> ProjectedSums:
+        return ProjectedSums(
+            outer=kronecker_sums.projected_outer_sums, embedding=kronecker_sums.projected_embedding_sums
+        )
 
     def summary(self, record: Mapping[str, Any], width: int) -> list[str]:
         """Every layer's factor shapes and columns, then the rest."""

@@ -1,15 +1,16 @@
 """The one registration of a projection structure.
 
 Holds ``register_structure``: checks that the structure implements its side of the interface
-(``plan`` and ``layer_sums`` inside the backward, ``finished`` otherwise), hands its layer sums
-to the layer rules (``layer_rules.registry.register_projected_sums``), and makes its name valid
+(``plan`` and ``layer_sums`` inside the backward, ``finished`` otherwise; a ``ProjectedSums`` with
+``outer``, each callable taking its family's arguments), hands its layer sums to the layer rules
+(``layer_rules.registry.register_projected_sums``), and makes its name valid
 in a job file (``config.choices.STRUCTURES``).
 """
 
 from __future__ import annotations
 
 from classgrad.config.choices import STRUCTURES as STRUCTURE_NAMES
-from classgrad.workers.engines.layer_rules.registry import register_projected_sums
+from classgrad.workers.engines.layer_rules.registry import register_projected_sums, sums_refusal
 from classgrad.workers.structures.base import STRUCTURES, ProjectionStructure
 
 
@@ -20,12 +21,15 @@ def register_structure(structure: ProjectionStructure, *, replace: bool = False)
     if not name or (not replace and name in STRUCTURES):
         raise ValueError(f"projection structure {name!r} is empty or already registered")
     cls = type(structure)
-    if structure.in_backward and (cls.plan is ProjectionStructure.plan or not structure.layer_sums()):
+    sums = structure.layer_sums()
+    if structure.in_backward and (cls.plan is ProjectionStructure.plan or sums is None):
         raise ValueError(f"projection structure {name!r} projects in the backward: it needs plan and layer_sums")
+    if structure.in_backward and (why := sums_refusal(sums)) is not None:
+        raise ValueError(f"projection structure {name!r} projects in the backward: {why}")
     if not structure.in_backward and cls.finished is ProjectionStructure.finished:
         raise ValueError(f"projection structure {name!r} needs a projector of finished rows (finished)")
-    for family, sums in structure.layer_sums().items():
-        register_projected_sums(family, structure.unit_family or name, sums, replace=replace)
+    if structure.in_backward and sums is not None:
+        register_projected_sums(structure.unit_family or name, sums, replace=replace)
     STRUCTURES[name] = structure
     STRUCTURE_NAMES.add(name, *(("in_backward",) if structure.in_backward else ()))
     return structure

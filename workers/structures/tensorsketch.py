@@ -18,10 +18,11 @@ from torch import nn
 
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.layer_rules import sketch_sums
+from classgrad.workers.engines.layer_rules.registry import ProjectedSums
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 from classgrad.workers.projection.chunked_sketch import HASHED
 from classgrad.workers.projection.tensor_sketch import TensorSketchMap
-from classgrad.workers.structures.base import LayerSums, ProjectionOptions, ProjectionStructure
+from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
 from classgrad.workers.structures.registration import register_structure
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,12 @@ class TensorSketchStructure(ProjectionStructure):
         )
         return kmap
 
-    def layer_sums(self) -> Mapping[str, LayerSums]:
-        return {
-            "outer": sketch_sums.sketched_outer_sums,
-            "embedding": sketch_sums.sketched_table_sums,
-            "entries": sketch_sums.sketched_entry_sums,
-        }
+    def layer_sums(self) -> ProjectedSums:
+        return ProjectedSums(
+            outer=sketch_sums.sketched_outer_sums,
+            embedding=sketch_sums.sketched_table_sums,
+            entries=sketch_sums.sketched_entry_sums,
+        )
 
     def label(self, record: Mapping[str, Any]) -> str:
         return f"{self.name}, {record.get('placement', HASHED)} placement"

@@ -1,7 +1,10 @@
 """The registry of layer rules: how one layer type's per-class parameter gradients come from hooks.
 
 Holds ``LayerRule``, ``RULES`` (module type -> rule), ``register_rule`` (a decorator) and
-``rule_for`` (the lookup; exact type, since a subclass may change ``forward``).
+``rule_for`` (the lookup; exact type, since a subclass may change ``forward``); for rows projected
+inside the backward, one Protocol per layer family (``OuterSums``, ``TableSums``, ``EntrySums``),
+a structure's ``ProjectedSums`` of them (checked by ``sums_refusal``), ``register_projected_sums``
+and ``projected_sums`` (the typed lookup by a unit's structure).
 
 The partitioned engine's hook path runs a run of consecutive classes through one ordinary
 forward, capturing at every layer that owns selected parameters its input ``x`` and (after one
@@ -54,12 +57,15 @@ or output are handled there.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast, overload
 
+import torch
 from torch import nn
 
+from classgrad.errors import ConfigError
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 from classgrad.workers.projection.kronecker import KRONECKER_SHAPES, UnitShape
 
@@ -148,28 +154,114 @@ def rule_for(module: nn.Module) -> LayerRule[Any] | None:
     return RULES.get(kind)
 
 
-# (layer family, the units' structure) -> the per-class sums of projected rows inside the backward
-# (``"outer"``: ``outer.OuterFactors`` of Linear-like layers, ``(factors, out, unit)``;
-# ``"embedding"``: an ``nn.Embedding``'s lookups, ``(module, seen, out, unit)``; ``"entries"``:
-# single entries of a class's weight matrix, an ``nn.EmbeddingBag``'s, ``(out, unit, classes,
-# rows, columns or None, values)``). Filled by each structure's registration
+# The per-class sums of projected rows inside the backward, one typed call per layer family, given
+# by each structure (``ProjectedSums``, from its ``layer_sums()``) for the units it plans (``unit``:
+# its unit type, ``KroneckerUnit``, ``SketchUnit``...; the layer rules depend on these Protocols alone).
+
+
+class OuterSums(Protocol):
+    """``"outer"``: a Linear-like layer's per-class weight (and bias) rows from its factors
+    (``outer.class_outer_sums``; ``factors``: an ``outer.OuterFactors``, which imports this module)."""
+
+    def __call__(self, factors: Any, out: LayerRows, unit: Any, /) -> None: ...
+
+
+class TableSums(Protocol):
+    """``"embedding"``: an ``nn.Embedding``'s per-class table rows from its lookups (``embedding_sums``)."""
+
+    def __call__(self, module: nn.Embedding, seen: LayerCapture, out: LayerRows, unit: Any, /) -> None: ...
+
+
+class EntrySums(Protocol):
+    """``"entries"``: single entries of a class's weight matrix (an ``nn.EmbeddingBag``'s): ``values[t]``
+    at ``(rows[t], columns[t])`` (columns None: the whole row) of class ``classes[t]``'s matrix."""
+
+    def __call__(
+        self,
+        out: LayerRows,
+        unit: Any,
+        classes: torch.Tensor,
+        rows: torch.Tensor,
+        columns: torch.Tensor | None,
+        values: torch.Tensor,
+        /,
+    ) -> None: ...
+
+
+Family = Literal["outer", "embedding", "entries"]
+# How many arguments each family's call passes (the Protocols' parameters, less ``self``).
+FAMILY_ARITY: dict[str, int] = {
+    family: len(inspect.signature(proto.__call__).parameters) - 1
+    for family, proto in (("outer", OuterSums), ("embedding", TableSums), ("entries", EntrySums))
+}
+
+
+@dataclass(frozen=True)
+class ProjectedSums:
+    """A structure's sums inside the backward by layer family (``ProjectionStructure.layer_sums``):
+    ``outer`` always; ``embedding`` and ``entries`` where its map plans units for those layers."""
+
+    outer: OuterSums
+    embedding: TableSums | None = None
+    entries: EntrySums | None = None
+
+
+def sums_refusal(sums: object) -> str | None:
+    """Why ``sums`` cannot be a structure's ``layer_sums()`` (None: it can): not a
+    ``ProjectedSums``, no ``outer``, or a family's callable that does not take its call's arguments."""
+    if not isinstance(sums, ProjectedSums):
+        return f"its layer_sums() gives {type(sums).__name__}, not a ProjectedSums"
+    if sums.outer is None:
+        return "its layer_sums() gives no outer sums"
+    for family, arity in FAMILY_ARITY.items():
+        fn = getattr(sums, family)
+        if fn is None:
+            continue
+        if not callable(fn):
+            return f"its {family} sums are not callable"
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without a signature: taken on trust
+            continue
+        try:
+            signature.bind(*range(arity))
+        except TypeError:
+            name = getattr(fn, "__qualname__", repr(fn))
+            return f"its {family} sums {name}{signature} do not take the {arity} arguments of {family} layers"
+    return None
+
+
+# The units' structure -> its sums. Filled by each structure's registration
 # (``classgrad.workers.structures``), never here.
-PROJECTED_SUMS: dict[tuple[str, str], Callable[..., None]] = {}
+PROJECTED_SUMS: dict[str, ProjectedSums] = {}
 
 
-def register_projected_sums(family: str, structure: str, sums: Callable[..., None], *, replace: bool = False) -> None:
-    """``sums`` for ``family`` layers of units of ``structure``; another function already there is
-    refused (a plugin reusing a built-in's units shares its sums, it does not replace them)."""
-    held = PROJECTED_SUMS.get((family, structure))
-    if held is not None and held is not sums and not replace:
-        raise ValueError(f"projected sums of {family} layers for {structure!r} units are already registered")
-    PROJECTED_SUMS[(family, structure)] = sums
+def register_projected_sums(structure: str, sums: ProjectedSums, *, replace: bool = False) -> None:
+    """``sums`` for the layers of units of ``structure``; other sums already there are refused (a
+    plugin reusing a built-in's units shares its sums, it does not replace them)."""
+    why = sums_refusal(sums)
+    if why is not None:
+        raise ValueError(f"projected sums for {structure!r} units: {why}")
+    held = PROJECTED_SUMS.get(structure)
+    if held is not None and held != sums and not replace:
+        raise ValueError(f"projected sums for {structure!r} units are already registered")
+    PROJECTED_SUMS[structure] = sums
 
 
-def projected_sums(family: str, unit: Any) -> Callable[..., None]:
-    """The sums of ``unit``'s structure for a layer of ``family``; a structure without them raises
-    (the engine then takes another path, or refuses the projection, in one line)."""
-    try:
-        return PROJECTED_SUMS[(family, unit.structure)]
-    except KeyError:
-        raise RuntimeError(f"projection structure {unit.structure!r} has no sums for {family} layers") from None
+@overload
+def projected_sums(family: Literal["outer"], unit: Any) -> OuterSums: ...
+@overload
+def projected_sums(family: Literal["embedding"], unit: Any) -> TableSums: ...
+@overload
+def projected_sums(family: Literal["entries"], unit: Any) -> EntrySums: ...
+def projected_sums(family: Family, unit: Any) -> OuterSums | TableSums | EntrySums:
+    """The sums of ``unit``'s structure for a layer of ``family``; a structure without them is one
+    line naming it and the family (a ``ConfigError``: the job's structure cannot take this layer)."""
+    sums = PROJECTED_SUMS.get(unit.structure)
+    fn = None if sums is None else getattr(sums, family)
+    if fn is None:
+        raise ConfigError(
+            f"projection structure {unit.structure!r} has no sums for {family} layers (its layer_sums() "
+            f"gives no {family}): use projection.structure=dense"
+        )
+    return cast("OuterSums | TableSums | EntrySums", fn)
