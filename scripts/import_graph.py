@@ -32,6 +32,7 @@ LAYERS = {
     "classgrad.units": 0,
     "classgrad.progress_bar": 0,
     "classgrad.version": 0,
+    "classgrad.registry": 0,
     "classgrad.config": 0,
     "classgrad.store": 0,
     "classgrad.workers": 1,

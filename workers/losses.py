@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from classgrad.config.choices import LOSS_KINDS
 from classgrad.errors import InputError
+from classgrad.registry import Registry
 from classgrad.workers.imports import import_object
 
 
@@ -220,7 +221,12 @@ def partitioned_loss(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
 
 
 LossFactory = Callable[[int], LossKind]
-LOSSES: dict[str, LossFactory] = {}
+LOSSES: Registry[LossFactory] = Registry(
+    "loss kind",
+    unknown="loss.kind {name!r} is unknown (choices: {choices}, or 'module:function')",
+    error=InputError,
+    choices=LOSS_KINDS,
+)
 
 
 def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
@@ -230,9 +236,7 @@ def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
         # A job file may name it; "dense" when every sample contributes to every class (asked of
         # the kind it builds for 2 classes, before anything is registered).
         dense = not factory(2).partitioned
-        LOSSES[name] = factory
-        LOSS_KINDS.add(name, *(("dense",) if dense else ()))
-        return factory
+        return LOSSES.register(name, factory, traits=("dense",) if dense else ())
 
     return wrap
 
@@ -251,12 +255,7 @@ def create_loss(kind: str | Callable | LossKind, num_classes: int) -> LossKind:
     if isinstance(kind, LossKind):
         return kind
     if isinstance(kind, str) and ":" not in kind:
-        try:
-            return LOSSES[kind](num_classes)
-        except KeyError:
-            raise InputError(
-                f"loss.kind {kind!r} is unknown (choices: {', '.join(sorted(LOSSES))}, or 'module:function')"
-            ) from None
+        return LOSSES.get(kind)(num_classes)
     fn = import_object(kind, what="loss.kind") if isinstance(kind, str) else kind
     if not callable(fn):
         raise InputError(f"loss.kind {kind!r} is not callable")

@@ -46,17 +46,12 @@ def unregister() -> None:
     """Take the names back (tests: a process's other tests see the built-in names only)."""
     import sys
 
-    from classgrad.config import choices
     from classgrad.workers.gradients import ENGINES
     from classgrad.workers.losses import LOSSES
     from classgrad.workers.structures import STRUCTURES
 
-    for registry, names, name in (
-        (ENGINES, choices.ENGINE_KINDS, "toy_partitioned"),
-        (LOSSES, choices.LOSS_KINDS, "toy_ce"),
-        (STRUCTURES, choices.STRUCTURES, "toy_sketch"),
-        (STRUCTURES, choices.STRUCTURES, "toy_tensorsketch"),
-    ):
-        registry.pop(name, None)
-        names.discard(name)
+    ENGINES.unregister("toy_partitioned")  # each also takes the name out of config.choices
+    LOSSES.unregister("toy_ce")
+    STRUCTURES.unregister("toy_sketch")
+    STRUCTURES.unregister("toy_tensorsketch")
     sys.modules.pop(__name__, None)

@@ -101,14 +101,12 @@ def toy_structure_names():
     """Structures a test registers by hand are taken back afterwards (names and sums)."""
     names: list[str] = []
     yield names
-    from classgrad.config import choices
     from classgrad.workers.engines.layer_rules.registry import PROJECTED_SUMS
     from classgrad.workers.structures import STRUCTURES
 
     for name in names:
-        STRUCTURES.pop(name, None)
-        choices.STRUCTURES.discard(name)
-        PROJECTED_SUMS.pop(name, None)
+        STRUCTURES.unregister(name)  # and from config.choices
+        PROJECTED_SUMS.unregister(name)
 
 
 def _in_backward_structure(name: str, sums):

@@ -524,4 +524,4 @@ def test_describe_and_registry() -> None:
         q = create_projection("test-ones", 10, 4)
         assert torch.allclose(q.project(torch.ones(2, 10)), torch.full((2, 4), 10 / 2.0))
     finally:
-        del PROJECTIONS["test-ones"]
+        PROJECTIONS.unregister("test-ones")

@@ -1,8 +1,8 @@
 """The engine registry: names to engine classes, ``auto``, and the build of one engine.
 
-Holds ``ENGINES`` with ``register_engine``/``create_engine`` (an unknown name lists the
-choices; every engine has the constructor of ``GradientEngine`` and one method,
-``iter_blocks``; with a projection structure that projects inside the backward, a
+Holds ``ENGINES`` (a ``classgrad.registry.Registry``) with ``register_engine``/``create_engine``
+(an unknown name lists the choices; every engine has the constructor of ``GradientEngine`` and
+one method, ``iter_blocks``; with a projection structure that projects inside the backward, a
 ``ProjectedEngine`` planned by that structure) and ``resolve_engine_kind`` (``auto``:
 partitioned when the loss is class-partitioned and the model treats samples independently,
 dense otherwise).
@@ -17,6 +17,7 @@ from torch import nn
 
 from classgrad.config.choices import ENGINE_KINDS
 from classgrad.errors import ConfigError, InputError
+from classgrad.registry import Registry
 from classgrad.workers.allocator import keep_freed_memory
 from classgrad.workers.engines.base import GradientEngine, samples_independent
 from classgrad.workers.engines.dense_engine import DenseEngine
@@ -31,16 +32,18 @@ from classgrad.workers.structures.base import FALLBACK_STRUCTURE, ProjectionOpti
 
 log = logging.getLogger(__name__)
 
-ENGINES: dict[str, type[GradientEngine]] = {}
+ENGINES: Registry[type[GradientEngine]] = Registry(
+    "engine name",
+    unknown="engine.kind {name!r} is unknown (choices: auto, {choices})",
+    error=InputError,
+    choices=ENGINE_KINDS,
+)
 
 
 def register_engine(cls: type[GradientEngine]) -> type[GradientEngine]:
     if not cls.name or cls.name in ENGINES or cls.name == "auto":
         raise ValueError(f"engine name {cls.name!r} is empty, reserved or already registered")
-    ENGINES[cls.name] = cls
-    traits = ("partitioned",) if issubclass(cls, PartitionedEngine) else ()
-    ENGINE_KINDS.add(cls.name, *traits)  # a job file may name it
-    return cls
+    return ENGINES.register(cls.name, cls, traits=("partitioned",) if issubclass(cls, PartitionedEngine) else ())
 
 
 for _cls in (PartitionedEngine, DenseEngine, ReferenceEngine):
@@ -51,8 +54,7 @@ def resolve_engine_kind(kind: str, model: nn.Module, loss: LossKind) -> str:
     """The engine ``auto`` stands for, or ``kind`` itself once checked."""
     if kind == "auto":
         return "partitioned" if loss.partitioned and samples_independent(model) else "dense"
-    if kind not in ENGINES:
-        raise InputError(f"engine.kind {kind!r} is unknown (choices: auto, {', '.join(sorted(ENGINES))})")
+    ENGINES.get(kind)  # an unknown name: one line with the choices
     return kind
 
 

@@ -6,8 +6,8 @@ Holds:
   (``[D, k]`` per parameter group) that is never held whole: blocks of ``R``'s rows are
   generated on the rows' device and applied to all ``b`` rows at once (one ``addmm`` per block).
 - ``ProjectionKind`` and the two built-in kinds, ``rademacher`` (entries ±1/sqrt(k)) and
-  ``gaussian`` (entries N(0, 1/k)); the registry ``PROJECTIONS`` with ``register_projection``
-  and ``create_projection``.
+  ``gaussian`` (entries N(0, 1/k)); the registry ``PROJECTIONS`` (a ``classgrad.registry.Registry``)
+  with ``register_projection`` and ``create_projection``.
 - ``mix32`` (the integer hash on tensors), ``stream_keys`` and ``stream_words`` (the counter-based
   word stream every kind draws from), ``HASH_NAME`` (recorded in store attributes).
 
@@ -86,6 +86,7 @@ import torch
 
 from classgrad.config.choices import PROJECTION_KINDS
 from classgrad.errors import ConfigError, InputError
+from classgrad.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -356,7 +357,12 @@ class Gaussian(ProjectionKind):
         torch.mul(rad.mul_(sign), cos_x, out=pair_view[:, :, 0])
 
 
-PROJECTIONS: dict[str, ProjectionKind] = {}
+PROJECTIONS: Registry[ProjectionKind] = Registry(
+    "projection kind",
+    unknown="projection.kind {name!r} is unknown (choices: {choices})",
+    error=ConfigError,
+    choices=PROJECTION_KINDS,
+)
 
 
 def register_projection(name: str, kind: ProjectionKind, *, replace: bool = False) -> None:
@@ -365,10 +371,7 @@ def register_projection(name: str, kind: ProjectionKind, *, replace: bool = Fals
         raise ValueError(f"projection kind name must be a non-empty string, got {name!r}")
     if not isinstance(kind, ProjectionKind):
         raise TypeError(f"projection kind {name!r} must be a ProjectionKind, got {type(kind).__name__}")
-    if not replace and name in PROJECTIONS:
-        raise ValueError(f"projection kind {name!r} is already registered")
-    PROJECTIONS[name] = kind
-    PROJECTION_KINDS.add(name)  # a job file may name it
+    PROJECTIONS.register(name, kind, replace=replace)
 
 
 register_projection("rademacher", Rademacher())
@@ -376,11 +379,7 @@ register_projection("gaussian", Gaussian())
 
 
 def _get_kind(name: str) -> ProjectionKind:
-    try:
-        return PROJECTIONS[name]
-    except (KeyError, TypeError):
-        choices = ", ".join(sorted(PROJECTIONS))
-        raise ConfigError(f"projection.kind {name!r} is unknown (choices: {choices})") from None
+    return PROJECTIONS.get(name)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ Holds:
   the projector of finished rows (``finished``); and what a store's record of it says
   (``label``, ``caveat``, ``summary``).
 - ``RowProjector``: what a projector of finished rows offers (``project``, ``out_dim``, ``describe``).
-- ``STRUCTURES`` with ``get_structure`` (``registration.register_structure`` fills it: this
+- ``STRUCTURES`` (a ``classgrad.registry.Registry``, publishing each name in
+  ``config.choices.STRUCTURES``) with ``get_structure`` (``registration.register_structure`` fills it: this
   module imports nothing of the engines, which import it); ``DEFAULT_STRUCTURE`` (what a
   ``projection`` section with only ``dim`` means for a new store) and ``FALLBACK_STRUCTURE`` (its
   stand-in where the hook path cannot take a job); ``recorded_structure``.
@@ -32,7 +33,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from classgrad.config import ProjectionConfig
+from classgrad.config.choices import STRUCTURES as STRUCTURE_NAMES
 from classgrad.errors import ConfigError
+from classgrad.registry import Registry
 from classgrad.store.core.params import ParamSlot
 
 if TYPE_CHECKING:
@@ -155,16 +158,16 @@ class ProjectionStructure:
         ]
 
 
-STRUCTURES: dict[str, ProjectionStructure] = {}
+STRUCTURES: Registry[ProjectionStructure] = Registry(
+    "projection structure",
+    unknown="projection.structure {name!r} is unknown (choices: {choices})",
+    error=ConfigError,
+    choices=STRUCTURE_NAMES,
+)
 
 
 def get_structure(name: str) -> ProjectionStructure:
-    try:
-        return STRUCTURES[name]
-    except KeyError:
-        raise ConfigError(
-            f"projection.structure {name!r} is unknown (choices: {', '.join(sorted(STRUCTURES))})"
-        ) from None
+    return STRUCTURES.get(name)
 
 
 def recorded_structure(record: Any) -> str | None:

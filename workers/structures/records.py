@@ -16,14 +16,14 @@ def structure_label(record: Any) -> str:
     name = recorded_structure(record)
     if name is None:
         return "full rows"
-    spec = STRUCTURES.get(name)
+    spec = STRUCTURES.find(name)
     return spec.label(record) if spec else name
 
 
 def neighbour_caveat(record: Any) -> str | None:
     """What to tell a user who ranks the classes of a store whose rows may hold false neighbours."""
     name = recorded_structure(record)
-    spec = STRUCTURES.get(name) if name else None
+    spec = STRUCTURES.find(name) if name else None
     return spec.caveat(record) if spec else None
 
 
@@ -32,7 +32,7 @@ def summary_lines(record: Any, width: int) -> list[str]:
     name = recorded_structure(record) if record else None
     if name is None:
         return []
-    spec = STRUCTURES.get(name)
+    spec = STRUCTURES.find(name)
     if spec is None:
         return [f"projection  {name} to {width} dims (seed {record.get('seed')}); not registered in this process"]
     return spec.summary(record, width)

@@ -3,13 +3,12 @@
 Holds ``register_structure``: checks that the structure implements its side of the interface
 (``plan`` and ``layer_sums`` inside the backward, ``finished`` otherwise; a ``ProjectedSums`` with
 ``outer``, each callable taking its family's arguments), hands its layer sums to the layer rules
-(``layer_rules.registry.register_projected_sums``), and makes its name valid
-in a job file (``config.choices.STRUCTURES``).
+(``layer_rules.registry.register_projected_sums``), and adds it to ``STRUCTURES``,
+which makes its name valid in a job file (``config.choices.STRUCTURES``).
 """
 
 from __future__ import annotations
 
-from classgrad.config.choices import STRUCTURES as STRUCTURE_NAMES
 from classgrad.workers.engines.layer_rules.registry import register_projected_sums, sums_refusal
 from classgrad.workers.structures.base import STRUCTURES, ProjectionStructure
 
@@ -30,6 +29,5 @@ def register_structure(structure: ProjectionStructure, *, replace: bool = False)
         raise ValueError(f"projection structure {name!r} needs a projector of finished rows (finished)")
     if structure.in_backward and sums is not None:
         register_projected_sums(structure.unit_family or name, sums, replace=replace)
-    STRUCTURES[name] = structure
-    STRUCTURE_NAMES.add(name, *(("in_backward",) if structure.in_backward else ()))
-    return structure
+    traits = ("in_backward",) if structure.in_backward else ()
+    return STRUCTURES.register(name, structure, replace=replace, traits=traits)

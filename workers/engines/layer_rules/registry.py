@@ -4,7 +4,8 @@ Holds ``LayerRule``, ``RULES`` (module type -> rule), ``register_rule`` (a decor
 ``rule_for`` (the lookup; exact type, since a subclass may change ``forward``); for rows projected
 inside the backward, one Protocol per layer family (``OuterSums``, ``TableSums``, ``EntrySums``),
 a structure's ``ProjectedSums`` of them (checked by ``sums_refusal``), ``register_projected_sums``
-and ``projected_sums`` (the typed lookup by a unit's structure).
+(into ``PROJECTED_SUMS``, a ``classgrad.registry.Registry`` keyed by the units' structure) and
+``projected_sums`` (the typed lookup by a unit's structure).
 
 The partitioned engine's hook path runs a run of consecutive classes through one ordinary
 forward, capturing at every layer that owns selected parameters its input ``x`` and (after one
@@ -66,6 +67,7 @@ import torch
 from torch import nn
 
 from classgrad.errors import ConfigError
+from classgrad.registry import Registry
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
 from classgrad.workers.projection.kronecker import KRONECKER_SHAPES, UnitShape
 
@@ -233,7 +235,7 @@ def sums_refusal(sums: object) -> str | None:
 
 # The units' structure -> its sums. Filled by each structure's registration
 # (``classgrad.workers.structures``), never here.
-PROJECTED_SUMS: dict[str, ProjectedSums] = {}
+PROJECTED_SUMS: Registry[ProjectedSums] = Registry("projected sums")
 
 
 def register_projected_sums(structure: str, sums: ProjectedSums, *, replace: bool = False) -> None:
@@ -242,10 +244,10 @@ def register_projected_sums(structure: str, sums: ProjectedSums, *, replace: boo
     why = sums_refusal(sums)
     if why is not None:
         raise ValueError(f"projected sums for {structure!r} units: {why}")
-    held = PROJECTED_SUMS.get(structure)
+    held = PROJECTED_SUMS.find(structure)
     if held is not None and held != sums and not replace:
         raise ValueError(f"projected sums for {structure!r} units are already registered")
-    PROJECTED_SUMS[structure] = sums
+    PROJECTED_SUMS.register(structure, sums, replace=True)  # the same sums again: taken as they are
 
 
 @overload
@@ -257,7 +259,7 @@ def projected_sums(family: Literal["entries"], unit: Any) -> EntrySums: ...
 def projected_sums(family: Family, unit: Any) -> OuterSums | TableSums | EntrySums:
     """The sums of ``unit``'s structure for a layer of ``family``; a structure without them is one
     line naming it and the family (a ``ConfigError``: the job's structure cannot take this layer)."""
-    sums = PROJECTED_SUMS.get(unit.structure)
+    sums = PROJECTED_SUMS.find(unit.structure)
     fn = None if sums is None else getattr(sums, family)
     if fn is None:
         raise ConfigError(
