@@ -22,6 +22,10 @@ the kernel of a convolution's per-class sums are fixed rules (``partitioned.inpu
   samples (``[1, ...]``: class tokens, position embeddings), with whether giving each sample its
   own copy as a leaf (one VJP over the run, summed by class) matched the vmapped VJP on the
   module's first run. Weak keys.
+- ``DRAWS_REFUSED``: models whose training batches the hook path could not take with the
+  caller's draws (``PartitionedEngine(draws_from_caller=True)``), with the first line of why:
+  the training routes send their batches to the general route from then on, without a failed
+  attempt every step. Weak keys.
 - ``NO_HEAD``: why dense rows cannot go through the model's final Linear layer, per model
   (weak keys) and ``(path, loss, classes, parameters, precision, device)``: found once (it may
   take a forward pass), not once per engine.
@@ -37,6 +41,7 @@ HOOKS_CHECKED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKe
 BLOCK_ROWS: dict[tuple, int] = {}
 NO_HEAD: weakref.WeakKeyDictionary[nn.Module, dict[tuple, str]] = weakref.WeakKeyDictionary()
 VMAP_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+DRAWS_REFUSED: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 PER_SAMPLE_LEAVES: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 UNIT_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, dict[str, list[int | None]]] = weakref.WeakKeyDictionary()
 
@@ -48,6 +53,7 @@ def clear() -> None:
         BLOCK_ROWS,
         NO_HEAD,
         VMAP_REFUSED,
+        DRAWS_REFUSED,
         UNIT_LAYOUTS,
         PER_SAMPLE_LEAVES,
     ):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ from torch import nn
 from classgrad.errors import InputError
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.base import draws_only, samples_independent
-from classgrad.workers.engines.partitioned.engine import OneForwardRefused
+from classgrad.workers.engines.partitioned.engine import OneForwardRefused, draws_refused
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.training.batch_rows import (
     ambient_precision,
@@ -103,9 +102,6 @@ class PerClassGradScaler:
         self._pending_state: dict[str, Any] | None = None
         self._rows = LossRows(block_rows)
         self._forward_checked: set[tuple] = set()  # input signatures the fast route checked a forward of
-        # Models with dropout whose batches the hook path could not take (OneForwardRefused): the
-        # general route from then on, without a failed attempt every step.
-        self._draws_refused: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Whether the last call with update_grad found a non-finite row (and so skipped its step).
         self.found_inf = False
 
@@ -292,17 +288,32 @@ class PerClassGradScaler:
                 "route='fast' needs a model that treats samples independently in its current mode "
                 "(BatchNorm in train mode couples them): use route='general' or 'auto'"
             )
-        if route != "general" and independent and not (route == "auto" and model in self._draws_refused):
+        if route != "general" and independent and not (route == "auto" and draws_refused(model)):
+            signature = input_signature(inputs)
+            if signature not in self._forward_checked:  # once per input shape: a forward of two samples
+                check_forward(model, inputs, num_classes=classes, output=output)
+                self._forward_checked.add(signature)
+            k = int(torch.unique(labels).numel())
+            buf = None if out is None else _rows_buffer(out, k, layout.dim, device)
             try:
-                return self._fast_step(
-                    model, inputs, labels, optimizer, classes, layout, tensors, precision, scaler, scale,
-                    aggregate=aggregate, clip_grad=clip_grad, update_grad=update_grad, output=output, out=out,
-                )  # fmt: skip
-            except OneForwardRefused as exc:  # dropout whose hook path failed: nothing touched yet
+                rows, class_ids, found = fast_rows(
+                    model,
+                    inputs,
+                    labels,
+                    num_classes=classes,
+                    layout=layout,
+                    precision=precision,
+                    scale=scale,
+                    output=output,
+                    out=buf,
+                )
+            except OneForwardRefused:  # dropout whose hook path failed (said once): nothing touched yet
                 if route == "fast":
                     raise
-                self._draws_refused.add(model)
-                log.info("training: %s; this model's batches take the general route", exc)
+            else:
+                weights = _class_weights(aggregate, class_ids)
+                self._finish(rows, class_ids, optimizer, tensors, weights, clip_grad, update_grad, found, scaler)
+                return rows, class_ids
         loss, class_ids = batch_loss_vector(model, inputs, labels, num_classes=classes, output=output)
         weights = _class_weights(aggregate, class_ids)
         rows = self(
@@ -316,47 +327,6 @@ class PerClassGradScaler:
             out=out,
             class_ids=class_ids,
         )
-        return rows, class_ids
-
-    def _fast_step(
-        self,
-        model: nn.Module,
-        inputs: Any,
-        labels: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
-        classes: int,
-        layout: ParamLayout,
-        tensors: Sequence[torch.Tensor],
-        precision: str,
-        scaler: torch.amp.GradScaler,
-        scale: float,
-        *,
-        aggregate: Aggregate,
-        clip_grad: float | None,
-        update_grad: bool,
-        output: str | int | None,
-        out: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``step_batch``'s fast route: the rows by ``fast_rows``, then the step on their aggregate."""
-        signature = input_signature(inputs)
-        if signature not in self._forward_checked:  # once per input shape: a forward of two samples
-            check_forward(model, inputs, num_classes=classes, output=output)
-            self._forward_checked.add(signature)
-        k = int(torch.unique(labels).numel())
-        buf = None if out is None else _rows_buffer(out, k, layout.dim, tensors[0].device)
-        rows, class_ids, found = fast_rows(
-            model,
-            inputs,
-            labels,
-            num_classes=classes,
-            layout=layout,
-            precision=precision,
-            scale=scale,
-            output=output,
-            out=buf,
-        )
-        weights = _class_weights(aggregate, class_ids)
-        self._finish(rows, class_ids, optimizer, tensors, weights, clip_grad, update_grad, found, scaler)
         return rows, class_ids
 
     # --- the step ---------------------------------------------------------------------------------

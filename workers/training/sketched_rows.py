@@ -23,7 +23,6 @@ map.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch import nn
 from classgrad.errors import ClassgradError, NonFiniteError
 from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.base import StepGrads, draws_only, samples_independent
-from classgrad.workers.engines.partitioned.engine import OneForwardRefused
+from classgrad.workers.engines.partitioned.engine import draws_refused
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
 from classgrad.workers.layout import ParamLayout
@@ -76,8 +75,6 @@ class LogMap:
         self.covered = set() if plan is None else {names[m] for m in plan.layers}
         self.kmap: TensorSketchMap = plan_map(layout.slots, dict(model.named_modules()), self.covered, options)
         self.layout = layout
-        # Models with dropout whose batches the hook path could not take: no attempt every step.
-        self._refused: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     @property
     def dim(self) -> int:
@@ -110,7 +107,7 @@ class LogMap:
         then touched)."""
         device = next(model.parameters()).device
         precision = ambient_precision(device)
-        if precision == "fp16" or not (samples_independent(model) or draws_only(model)) or model in self._refused:
+        if precision == "fp16" or not (samples_independent(model) or draws_only(model)) or draws_refused(model):
             return None  # fp16 needs a loss scale per step; coupled samples need the general route
         labels = check_labels(labels, num_classes, None)
         class_ids, counts = torch.unique(labels, return_counts=True)
@@ -147,10 +144,6 @@ class LogMap:
                     done += len(block)
             except NonFiniteError:  # a non-finite loss or row: the step is skipped, as GradScaler would
                 finite = False
-            except OneForwardRefused as exc:  # dropout's draws need the hook path: not this model's
-                self._refused.add(model)
-                log.info("training log: %s; this model's steps take the general route", exc)
-                return None
             except ClassgradError as exc:  # the hook path failed on this batch (ProjectionRefused)
                 log.debug("training log: the hook path does not take this batch (%s)", exc)
                 return None

@@ -34,9 +34,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from classgrad.errors import ClassgradError, InputError, first_line
 from classgrad.workers.amp import rows_with_rescale
+from classgrad.workers.engines import choices
 from classgrad.workers.engines.base import (
     GradientEngine,
     RowBlock,
@@ -71,7 +73,23 @@ VMAP_SLOWER = 2.5
 class OneForwardRefused(InputError):
     """A training batch whose dropout draws come from the caller (``draws_from_caller``) needs
     every sample forwarded once, by the hook path; it could not take this batch (the message
-    says why). The training routes then take their general route."""
+    says why). The training routes then take their general route, for this model from then on
+    (``draws_refused``)."""
+
+
+NEEDS_HOOKS = "the batch's dropout draws need the hook path"
+
+
+def draws_refused(model: nn.Module) -> bool:
+    """Whether an engine with the caller's draws was refused on ``model`` (``choices.DRAWS_REFUSED``)."""
+    return model in choices.DRAWS_REFUSED
+
+
+def _refuse_draws(model: nn.Module, why: str) -> OneForwardRefused:
+    """The refusal, recorded for ``model`` and said once."""
+    choices.DRAWS_REFUSED[model] = why
+    log.info("training: %s; this model's batches take the general route", why)
+    return OneForwardRefused(why)
 
 
 class PartitionedEngine(GradientEngine):
@@ -116,7 +134,7 @@ class PartitionedEngine(GradientEngine):
         if self.draws_from_caller:
             self._vmap = None  # both would forward a sample again: never taken with the caller's draws
             if plan is None:
-                raise OneForwardRefused("the batch's dropout draws need the hook path, which this model does not take")
+                raise _refuse_draws(self.model, f"{NEEDS_HOOKS}, which this model does not take")
         if plan is None:
             self._abandoned.append("hooks abandoned (forward hooks on every module, or on the model)")
             self._say_fallback("hooks abandoned: forward hooks on every module, or on the model")
@@ -237,22 +255,19 @@ class PartitionedEngine(GradientEngine):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of ``classes`` at loss scales ``scales`` into ``dest[where]``: (losses, finite)."""
         self._pack = len(classes)
-        if self.draws_from_caller:
-            return self._one_forward(classes, scales, dest, where)
         if self._hooked is not None and isinstance(where, slice):
             try:
-                result = self._hooked.rows(classes, scales, dest, where)
-                if not self._hooked.checked:
-                    self._hooked.check(classes, scales, dest, where)
-                self._describe("hooks")
-                if bool(result[1].all()):  # bounded by the run's rules (and, once, checked)
-                    self.stats.bounded_rows += len(classes)
-                return result
+                return self._hook_rows(classes, scales, dest, where)
             except ClassgradError:
                 raise
             except Exception as exc:  # noqa: BLE001 - anything hooks cannot do exactly: vmap, same rows
+                if self.draws_from_caller:  # no other path forwards each sample once
+                    why = f"{NEEDS_HOOKS}, which failed here ({first_line(exc, with_type=True, limit=120)})"
+                    raise _refuse_draws(self.model, why) from exc
                 self._hooked = None
                 self._fallback("hooks", exc)
+        if self.draws_from_caller:
+            raise _refuse_draws(self.model, f"{NEEDS_HOOKS} over the batch in one run")
         if self._vmap is not None and len(classes) > 1:
             try:
                 result = self._vmap.rows(classes, scales, dest, where)
@@ -274,36 +289,29 @@ class PartitionedEngine(GradientEngine):
         pairs = [self._single(c, scales[i : i + 1], dest, spot) for i, (c, spot) in enumerate(zip(classes, spots))]
         return torch.cat([v for v, _ in pairs]), torch.cat([f for _, f in pairs])
 
-    def _one_forward(
-        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
+    def _hook_rows(
+        self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``_rows_into`` with the caller's draws: the hook path only, its samples forwarded once.
-        The once-per-model spot check runs first on two classes with dropout off (its plain path
-        forwards them again), the step's gradient set aside meanwhile."""
+        """The hook path's rows, spot-checked once per model. With the caller's draws the check
+        runs first, on two classes with the model in eval mode (its plain path forwards them
+        again), the step's gradient set aside meanwhile; else after, on the rows themselves."""
         hooked = self._hooked
-        if hooked is None or not isinstance(where, slice):
-            raise OneForwardRefused("the batch's dropout draws need one run of the hook path over the batch")
-        try:
-            if not hooked.checked:
-                picks = sorted({0, len(classes) - 1})
-                spare = torch.empty(len(picks), dest.shape[1], dtype=dest.dtype, device=dest.device)
-                step, self.step = self.step, None
-                try:
-                    with without_draws(self.model):
-                        hooked.rows([classes[i] for i in picks], scales[picks], spare, slice(0, len(picks)))
-                        hooked.check([classes[i] for i in picks], scales[picks], spare, slice(0, len(picks)))
-                finally:
-                    self.step = step
-            result = hooked.rows(classes, scales, dest, where)
-        except ClassgradError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the hook path cannot take it: the caller's general route
-            raise OneForwardRefused(
-                f"the batch's dropout draws need the hook path, which failed here "
-                f"({first_line(exc, with_type=True, limit=120)})"
-            ) from exc
+        assert hooked is not None
+        if self.draws_from_caller and not hooked.checked:
+            picks = sorted({0, len(classes) - 1})
+            spare = torch.empty(len(picks), dest.shape[1], dtype=dest.dtype, device=dest.device)
+            step, self.step = self.step, None
+            try:
+                with without_draws(self.model):
+                    hooked.rows([classes[i] for i in picks], scales[picks], spare, slice(0, len(picks)))
+                    hooked.check([classes[i] for i in picks], scales[picks], spare, slice(0, len(picks)))
+            finally:
+                self.step = step
+        result = hooked.rows(classes, scales, dest, where)
+        if not hooked.checked:
+            hooked.check(classes, scales, dest, where)
         self._describe("hooks")
-        if bool(result[1].all()):
+        if bool(result[1].all()):  # bounded by the run's rules (and, once, checked)
             self.stats.bounded_rows += len(classes)
         return result
 
@@ -326,7 +334,8 @@ class PartitionedEngine(GradientEngine):
             if pending:  # the first call asks for every row at the first scale: already computed
                 return pending.pop()
             if self.draws_from_caller:  # a recomputed row would be of other draws than the step's
-                raise OneForwardRefused("fp16 rows that overflowed would be recomputed under other dropout draws")
+                why = "fp16 rows that overflowed would be recomputed under other dropout draws"
+                raise _refuse_draws(self.model, why)
             sub = [classes[i] for i in which.tolist()]
             buf = torch.empty(len(sub), self.layout.dim, dtype=self.row_dtype, device=self.device)
             vals, _ = self._rows_into(sub, sc.cpu(), buf, slice(0, len(sub)))
