@@ -239,11 +239,10 @@ PROJECTED_SUMS: Registry[ProjectedSums] = Registry("projected sums")
 
 
 def register_projected_sums(structure: str, sums: ProjectedSums, *, replace: bool = False) -> None:
-    """``sums`` for the layers of units of ``structure``; other sums already there are refused (a
-    plugin reusing a built-in's units shares its sums, it does not replace them)."""
-    why = sums_refusal(sums)
-    if why is not None:
-        raise ValueError(f"projected sums for {structure!r} units: {why}")
+    """``sums`` for the layers of units of ``structure`` (``sums_refusal`` checked by the one
+    caller, ``structures.register_structure``, whose refusal names the structure); other sums
+    already there are refused (a plugin reusing a built-in's units shares its sums, it does not
+    replace them)."""
     held = PROJECTED_SUMS.find(structure)
     if held is not None and held != sums and not replace:
         raise ValueError(f"projected sums for {structure!r} units are already registered")
