@@ -111,10 +111,13 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
     timings = interleaved(methods, reps=args.reps)
     tmp.cleanup()
     base = timings["plain"].best
-    # What a logged method writes a step: a window's two C x dim arrays, once per window.
+    # What a logged method writes a step: a window's two C x dim arrays, once per window (the
+    # window is its partial's first argument).
     itemsize = 2 if args.log_dtype == "bfloat16" else 4
-    written = {name: 2 * classes * args.dim * itemsize / int(name.split("window ")[1].split(",")[0]) / 2**20
-               for name in timings if "window" in name}  # fmt: skip
+    window_bytes = 2 * classes * args.dim * itemsize
+    written = {
+        name: window_bytes / fn.args[0] / 2**20 for name, fn in methods.items() if isinstance(fn, functools.partial)
+    }
     return [
         [f"{classes:,}", name, f"{t.best / args.steps * 1e3:.1f}", f"{t.best / base:.2f}",
          f"{written[name]:.1f}" if name in written else "-"]
