@@ -52,15 +52,15 @@ from benchmarks import common
 from benchmarks.projection_scale import REAL, _floor, build
 from classgrad import per_class_gradients
 from classgrad.workers.engines.layer_rules.conv import ConvFactors, patches_channels_inner
+from classgrad.workers.engines.layer_rules.layer_shapes import shape_for
 from classgrad.workers.engines.layer_rules.recurrent_scan import GATES
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged, live_tokens
 from classgrad.workers.gradients import build_engine
-from classgrad.workers.projection.kronecker import shape_for
 
 OUT = common.OUT_DIR / "floor_bound.json"
 
 
-# Of the layers the default sketches as units (``kronecker.shape_for``), those whose per-class
+# Of the layers the default sketches as units (``layer_shapes.shape_for``), those whose per-class
 # products are not timed here: embeddings (lookups) count zero.
 UNBOUNDED = (nn.Embedding,)
 CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

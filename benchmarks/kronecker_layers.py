@@ -39,15 +39,15 @@ CONV1D = ("transformers.pytorch_utils", "Conv1D")
 @contextlib.contextmanager
 def new_units_unregistered() -> Iterator[None]:
     """The unit selection of the code before Conv1D and Embedding units (Linear, Conv2d only)."""
-    from classgrad.workers import kronecker
+    from classgrad.workers.engines.layer_rules import layer_shapes
 
-    embedding = kronecker.KRONECKER_SHAPES.pop(nn.Embedding)
-    conv1d = kronecker.LAZY_SHAPES.pop(CONV1D)
+    embedding = layer_shapes.OUTER_SHAPES.pop(nn.Embedding)
+    conv1d = layer_shapes.LAZY_SHAPES.pop(CONV1D)
     try:
         yield
     finally:
-        kronecker.KRONECKER_SHAPES[nn.Embedding] = embedding
-        kronecker.LAZY_SHAPES[CONV1D] = conv1d
+        layer_shapes.OUTER_SHAPES[nn.Embedding] = embedding
+        layer_shapes.LAZY_SHAPES[CONV1D] = conv1d
 
 
 def coverage(model: nn.Module, data: Any, classes: int, projection: dict[str, Any]) -> dict[str, Any]:

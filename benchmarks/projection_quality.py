@@ -137,7 +137,7 @@ def compare(
 ) -> dict[str, dict]:
     from classgrad.workers.gradients import per_class_gradients
     from classgrad.workers.projection import Projector
-    from classgrad.workers.projection.sketch import SparseSignSketch
+    from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
 
     t0 = time.perf_counter()
     exact = per_class_gradients(model, data, num_classes=classes, params=chosen)
@@ -185,7 +185,7 @@ def nonzeros_sweep(classes: int, k: int, steps: int, seeds: int, nonzeros: list[
     """Cosine errors of dense Rademacher and of the sketch for each s, pooled over ``seeds``."""
     from classgrad.workers.gradients import per_class_gradients
     from classgrad.workers.projection import Projector
-    from classgrad.workers.projection.sketch import SparseSignSketch
+    from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
     from classgrad.workers.zoo import synthetic_probe
 
     table, results = [], []

@@ -102,8 +102,8 @@ def measure(
 ) -> list[dict[str, Any]]:
     from classgrad.workers.gradients import build_engine, projection_options
     from classgrad.workers.projection import SketchUnit
-    from classgrad.workers.projection.sketch import RowSketch
-    from classgrad.workers.projection.tensor_sketch import HASHED, TensorSketchMap
+    from classgrad.workers.projection.sketch.row_sketch import RowSketch
+    from classgrad.workers.projection.tensorsketch.tensorsketch_map import HASHED, TensorSketchMap
 
     model, samples = build(name, classes)
     queries = torch.linspace(0, classes - 1, n_queries).round().long().unique()

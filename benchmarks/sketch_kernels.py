@@ -52,9 +52,9 @@ from classgrad.workers.engines.layer_rules.conv import (
     patches_channels_inner,
 )
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged
-from classgrad.workers.engines.layer_rules.sketch_sums import ROUTE_COST
-from classgrad.workers.projection import sketch as sketch_module
-from classgrad.workers.projection.sketch import SparseSignSketch
+from classgrad.workers.projection.sketch import row_sketch as sketch_module
+from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
+from classgrad.workers.projection.tensorsketch.tensorsketch_sums import ROUTE_COST
 
 SIGN_CASES = [
     (1, 8, 300_000), (1, 128, 300_000), (1, 8, 2_000_000), (4, 64, 300_000), (4, 256, 20_000),

@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from classgrad.workers.projection import Projector
-    from classgrad.workers.projection.sketch import SparseSignSketch
+    from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
 
     x = torch.randn(args.rows, args.dim_in, generator=torch.Generator().manual_seed(0))
     results = {}

@@ -30,7 +30,7 @@ from classgrad.config.fields import MemoryMiB
 from classgrad.errors import ClassgradError, ConfigError, InputError, StoreError, StoreIncompleteError
 from classgrad.service.analysis import DEFAULT_BLOCK_MB, done_ranges, iter_tiles, plan_blocks, validated
 from classgrad.store import open_store
-from classgrad.workers.structures import structure_label
+from classgrad.workers.projection import structure_label
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from classgrad.service.analysis import (
     plan_blocks,
 )
 from classgrad.units import fmt_bytes
-from classgrad.workers.structures import neighbour_caveat, summary_lines
+from classgrad.workers.projection import neighbour_caveat, summary_lines
 
 # What an older store lacks, beside its format version in the report.
 _FORMAT_NOTES = {

@@ -41,7 +41,7 @@ from classgrad.service.analysis.similarity import (
     wants_dense,
 )
 from classgrad.store.training_log.log_store import open_log_reader
-from classgrad.workers.structures import neighbour_caveat
+from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
 

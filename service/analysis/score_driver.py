@@ -29,7 +29,7 @@ from classgrad.service.analysis.score_precondition import damping_for, ensure_gr
 from classgrad.service.analysis.scoring import ScoreConfig, ScorePlan, plan_scores, score_task
 from classgrad.store import fmt_ranges
 from classgrad.store.analysis.score_output import ScoreOutput
-from classgrad.workers.structures import neighbour_caveat
+from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
 

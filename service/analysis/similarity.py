@@ -65,7 +65,7 @@ from classgrad.service.driver_runtime.ray_session import ray_session
 from classgrad.service.driver_runtime.run_ids import new_run_id
 from classgrad.store import fmt_ranges, open_store
 from classgrad.units import fmt_bytes
-from classgrad.workers.structures import neighbour_caveat
+from classgrad.workers.projection import neighbour_caveat
 
 log = logging.getLogger(__name__)
 

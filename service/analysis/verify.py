@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from classgrad.errors import StoreError
 from classgrad.store import check_metadata, fmt_ranges, open_store
-from classgrad.workers.structures import neighbour_caveat, structure_label
+from classgrad.workers.projection import neighbour_caveat, structure_label
 
 INCOMPLETE = 4
 CORRUPT = 8

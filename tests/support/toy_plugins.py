@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from classgrad.workers.engines.partitioned import PartitionedEngine
 from classgrad.workers.gradients import register_engine
 from classgrad.workers.losses import PartitionedLoss, register_loss
-from classgrad.workers.structures import SketchStructure, TensorSketchStructure, register_structure
+from classgrad.workers.projection import SketchStructure, TensorSketchStructure, register_structure
 
 
 def _ce(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def unregister() -> None:
 
     from classgrad.workers.gradients import ENGINES
     from classgrad.workers.losses import LOSSES
-    from classgrad.workers.structures import STRUCTURES
+    from classgrad.workers.projection import STRUCTURES
 
     ENGINES.unregister("toy_partitioned")  # each also takes the name out of config.choices
     LOSSES.unregister("toy_ce")

@@ -30,9 +30,9 @@ from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import SketchUnit
-from classgrad.workers.projection.chunked_sketch import ChunkedSketchUnit
-from classgrad.workers.projection.sketch import RowSketch
-from classgrad.workers.projection.tensor_sketch import HASHED, TensorSketchMap
+from classgrad.workers.projection.sketch.row_sketch import RowSketch
+from classgrad.workers.projection.tensorsketch.chunked_sketch import ChunkedSketchUnit
+from classgrad.workers.projection.tensorsketch.tensorsketch_map import HASHED, TensorSketchMap
 from tests.support.jobs import mlp_job, run_without_ray
 
 

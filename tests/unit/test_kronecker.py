@@ -26,7 +26,7 @@ from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import Projector
-from classgrad.workers.projection.kronecker import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
+from classgrad.workers.projection.kronecker.kronecker_map import GROUP_BASE, KroneckerUnit, allocate, kronecker_factor
 from tests.support.devices import needs_cuda
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray

@@ -60,7 +60,7 @@ def test_a_failed_load_of_the_built_in_names_fails_again_not_short(monkeypatch):
 
 
 def test_an_in_backward_structure_without_its_plan_and_sums_is_refused_at_registration():
-    from classgrad.workers.structures import ProjectionStructure, register_structure
+    from classgrad.workers.projection import ProjectionStructure, register_structure
 
     class Half(ProjectionStructure):
         name = "toy_in_backward"
@@ -102,7 +102,7 @@ def toy_structure_names():
     names: list[str] = []
     yield names
     from classgrad.workers.engines.layer_rules.registry import PROJECTED_SUMS
-    from classgrad.workers.structures import STRUCTURES
+    from classgrad.workers.projection import STRUCTURES
 
     for name in names:
         STRUCTURES.unregister(name)  # and from config.choices
@@ -112,8 +112,8 @@ def toy_structure_names():
 def _in_backward_structure(name: str, sums):
     """A structure projecting in the backward by the default's map, its units naming ``name`` (so
     they dispatch to ``sums`` alone, not to the default's)."""
-    from classgrad.workers.structures import ProjectionStructure
-    from classgrad.workers.structures.tensorsketch import plan_map
+    from classgrad.workers.projection import ProjectionStructure
+    from classgrad.workers.projection.tensorsketch.tensorsketch_structure import plan_map
 
     class Toy(ProjectionStructure):
         in_backward = True
@@ -133,9 +133,9 @@ def _in_backward_structure(name: str, sums):
 
 
 def test_an_in_backward_structure_without_outer_sums_is_refused_at_registration_naming_it(toy_structure_names):
-    from classgrad.workers.engines.layer_rules import sketch_sums
     from classgrad.workers.engines.layer_rules.registry import ProjectedSums
-    from classgrad.workers.structures import STRUCTURES, register_structure
+    from classgrad.workers.projection import STRUCTURES, register_structure
+    from classgrad.workers.projection.tensorsketch import tensorsketch_sums as sketch_sums
 
     toy_structure_names.append("toy_no_outer")
     no_outer = ProjectedSums(outer=None, embedding=sketch_sums.sketched_table_sums)  # type: ignore[arg-type]
@@ -151,9 +151,9 @@ def test_an_in_backward_structure_without_outer_sums_is_refused_at_registration_
 def test_an_in_backward_structure_whose_sums_take_the_wrong_arguments_is_refused_at_registration(
     toy_structure_names,
 ):
-    from classgrad.workers.engines.layer_rules import sketch_sums
     from classgrad.workers.engines.layer_rules.registry import PROJECTED_SUMS, ProjectedSums
-    from classgrad.workers.structures import register_structure
+    from classgrad.workers.projection import register_structure
+    from classgrad.workers.projection.tensorsketch import tensorsketch_sums as sketch_sums
 
     def two_arguments(factors, out) -> None:  # outer sums take (factors, out, unit)
         raise AssertionError("never called")
@@ -176,10 +176,10 @@ def test_a_structure_without_embedding_sums_on_an_embedding_is_one_line_naming_i
     import torch
     from torch import nn
 
-    from classgrad.workers.engines.layer_rules import sketch_sums
     from classgrad.workers.engines.layer_rules.registry import ProjectedSums
     from classgrad.workers.gradients import per_class_gradients
-    from classgrad.workers.structures import register_structure
+    from classgrad.workers.projection import register_structure
+    from classgrad.workers.projection.tensorsketch import tensorsketch_sums as sketch_sums
 
     toy_structure_names.append("toy_outer_only")
     register_structure(_in_backward_structure("toy_outer_only", ProjectedSums(outer=sketch_sums.sketched_outer_sums)))

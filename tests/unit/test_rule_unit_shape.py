@@ -14,9 +14,9 @@ from torch import nn
 
 from classgrad.workers.engines import ProjectedEngine
 from classgrad.workers.engines.layer_rules import RULES, register_rule
+from classgrad.workers.engines.layer_rules.layer_shapes import OUTER_SHAPES
 from classgrad.workers.engines.layer_rules.linear import linear_sums
 from classgrad.workers.gradients import build_engine, projection_options
-from classgrad.workers.projection.kronecker import KRONECKER_SHAPES
 from tests.support.engine_cases import max_relative_error
 
 C = 5
@@ -39,7 +39,7 @@ def dense_rule():
     register_rule(Dense, live_tokens=True, unit_shape=lambda m: (*m.weight.shape, False))(linear_sums)
     yield
     RULES.pop(Dense)
-    KRONECKER_SHAPES.pop(Dense)
+    OUTER_SHAPES.pop(Dense)
 
 
 def test_a_layer_registered_with_its_unit_shape_is_sketched_inside_the_backward(dense_rule):
@@ -69,12 +69,12 @@ class Scaled(nn.Module):
 
 
 def test_a_unit_registered_with_its_matrices_is_sketched_as_one(dense_rule):
+    from classgrad.workers.engines.layer_rules.layer_shapes import UNIT_MATRICES
     from classgrad.workers.engines.layer_rules.module_vjp import (
         UNIT_COMPUTERS,
         module_class_grads,
         register_unit_computer,
     )
-    from classgrad.workers.projection.tensor_sketch import UNIT_MATRICES
 
     register_unit_computer(Scaled, unit_matrices=lambda m: [("weight", "bias")])(module_class_grads)
     try:

@@ -20,9 +20,9 @@ from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
 from classgrad.workers.gradients import per_class_gradients
 from classgrad.workers.projection import mix32_int, stream_keys
-from classgrad.workers.projection import sketch as sketch_module
-from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
-from classgrad.workers.projection.sketch import SKETCH_GROUP, RowSketch, SparseSignSketch, sketch_blocks
+from classgrad.workers.projection.kronecker.kronecker_map import KroneckerMap, KroneckerUnit
+from classgrad.workers.projection.sketch import row_sketch as sketch_module
+from classgrad.workers.projection.sketch.row_sketch import SKETCH_GROUP, RowSketch, SparseSignSketch, sketch_blocks
 from tests.support.devices import needs_cuda
 from tests.support.engine_cases import max_relative_error
 from tests.support.jobs import MLP_JOB_CLASSES, mlp_job, run_without_ray

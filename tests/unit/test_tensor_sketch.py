@@ -31,13 +31,15 @@ from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
-from classgrad.workers.engines.layer_rules import rule_io, sketch_sums
+from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.engines.partitioned import projected_engine
 from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
-from classgrad.workers.projection import Projector, SketchUnit, chunked_sketch
-from classgrad.workers.projection.kronecker import KroneckerMap
-from classgrad.workers.projection.sketch import RowSketch
-from classgrad.workers.projection.tensor_sketch import TensorSketchMap
+from classgrad.workers.projection import Projector, SketchUnit
+from classgrad.workers.projection.kronecker.kronecker_map import KroneckerMap
+from classgrad.workers.projection.sketch.row_sketch import RowSketch
+from classgrad.workers.projection.tensorsketch import chunked_sketch
+from classgrad.workers.projection.tensorsketch import tensorsketch_sums as sketch_sums
+from classgrad.workers.projection.tensorsketch.tensorsketch_map import TensorSketchMap
 from tests.support.engine_cases import fell_back, max_relative_error
 from tests.support.hf_models import hf_probe, tiny_gpt2
 from tests.support.jobs import mlp_job, run_without_ray

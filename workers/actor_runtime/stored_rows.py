@@ -26,7 +26,7 @@ from classgrad.config import JobConfig
 from classgrad.workers.actor_runtime.factory import build_job_engine, preflight
 from classgrad.workers.engines import GradientEngine, ProjectedEngine, RowBlock
 from classgrad.workers.gradients import finished_projector, projection_options, stored_width
-from classgrad.workers.structures import RowProjector
+from classgrad.workers.projection import RowProjector
 
 PROJECT_BYTES = 1 << 30
 

@@ -1,6 +1,6 @@
 """Per-class gradients from a model: the engine registry and the one-call Python API, on top of
 the engines (``classgrad.workers.engines``) and the projection structures
-(``classgrad.workers.structures``), which both stand below it.
+(``classgrad.workers.projection``), which both stand below it.
 
 Holds nothing of its own; re-exports what other packages use: ``ENGINES``/``register_engine``/
 ``create_engine``/``resolve_engine_kind`` (``engine_registry``: importing the package registers the

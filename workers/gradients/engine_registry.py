@@ -28,7 +28,7 @@ from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.projection import check_width
-from classgrad.workers.structures.base import FALLBACK_STRUCTURE, ProjectionOptions
+from classgrad.workers.projection.base import FALLBACK_STRUCTURE, ProjectionOptions
 
 log = logging.getLogger(__name__)
 

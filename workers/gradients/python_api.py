@@ -38,7 +38,7 @@ from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.structures.base import ProjectionOptions, RowProjector
+from classgrad.workers.projection.base import ProjectionOptions, RowProjector
 
 log = logging.getLogger(__name__)
 

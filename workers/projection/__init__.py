@@ -1,15 +1,30 @@
-"""Projections of gradient rows to ``projection.dim`` columns: the maps, one module each.
+"""Projection of gradient rows to ``projection.dim`` columns: the interface every structure
+implements, and one package per structure.
 
-Holds the re-exports of ``dense_projector`` (the counter-based hash and the dense Johnson-Lindenstrauss
-``Projector``), ``sketch`` (sparse sign sketches), ``kronecker`` (``P_a M P_b^T`` per layer),
-``tensor_sketch`` (the default: one sketch of the row along each layer's outer product; its
-units in ``chunked_sketch``) and ``width`` (the one refusal of a ``dim`` wider than the row). The
-maps only: which structure uses which, and how, is ``classgrad.workers.structures``.
+Holds the interface (``base``: ``ProjectionStructure``, ``RowProjector``, the ``STRUCTURES``
+registry; ``registration.register_structure``; ``records``: what a store's record says, whatever
+its structure), the pieces several structures share (``outer_matrix``, ``width``), and the
+built-in structures, each a package that owns its map, its sums inside the backward, its options
+and its memory: ``dense`` (the counter-based hash and the dense Johnson-Lindenstrauss
+``Projector``), ``sketch`` (sparse sign sketches of finished rows), ``kronecker`` (``P_a M P_b^T``
+per layer) and ``tensorsketch`` (the default: one sketch of the row along each layer's outer
+product). Importing the package registers the built-ins.
 """
 
-from classgrad.workers.projection.dense_projector import (
+from classgrad.workers.projection.base import (
+    DEFAULT_STRUCTURE,
+    FALLBACK_STRUCTURE,
+    STRUCTURES,
+    ProjectionOptions,
+    ProjectionStructure,
+    RowProjector,
+    get_structure,
+    recorded_structure,
+)
+from classgrad.workers.projection.dense import (
     HASH_NAME,
     PROJECTIONS,
+    DenseStructure,
     ProjectionKind,
     Projector,
     create_projection,
@@ -20,28 +35,46 @@ from classgrad.workers.projection.dense_projector import (
     stream_keys,
     stream_words,
 )
-from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerUnit
-from classgrad.workers.projection.sketch import RowSketch, SparseSignSketch
-from classgrad.workers.projection.tensor_sketch import SketchUnit, TensorSketchMap
+from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerStructure, KroneckerUnit
+from classgrad.workers.projection.records import neighbour_caveat, structure_label, summary_lines
+from classgrad.workers.projection.registration import register_structure
+from classgrad.workers.projection.sketch import RowSketch, SketchStructure, SparseSignSketch
+from classgrad.workers.projection.tensorsketch import SketchUnit, TensorSketchMap, TensorSketchStructure
 from classgrad.workers.projection.width import check_width
 
 __all__ = [
+    "DEFAULT_STRUCTURE",
+    "FALLBACK_STRUCTURE",
     "HASH_NAME",
     "PROJECTIONS",
+    "STRUCTURES",
+    "DenseStructure",
     "KroneckerMap",
+    "KroneckerStructure",
     "KroneckerUnit",
     "ProjectionKind",
+    "ProjectionOptions",
+    "ProjectionStructure",
     "Projector",
+    "RowProjector",
     "RowSketch",
+    "SketchStructure",
     "SketchUnit",
     "SparseSignSketch",
-    "check_width",
     "TensorSketchMap",
+    "TensorSketchStructure",
+    "check_width",
     "create_projection",
+    "get_structure",
     "mix32",
     "mix32_",
     "mix32_int",
+    "neighbour_caveat",
+    "recorded_structure",
     "register_projection",
+    "register_structure",
     "stream_keys",
     "stream_words",
+    "structure_label",
+    "summary_lines",
 ]

@@ -43,7 +43,7 @@ from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
 from classgrad.store.training_log.log_store import LOG_DTYPES, GradLogStore, LogSpec, is_log, open_log, open_log_reader
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.structures import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector, recorded_structure
+from classgrad.workers.projection import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector, recorded_structure
 from classgrad.workers.training.batch_rows import batch_loss_vector
 from classgrad.workers.training.scaler import PerClassGradScaler
 from classgrad.workers.training.sketched_rows import STRUCTURE as LOG_STRUCTURE

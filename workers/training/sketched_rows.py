@@ -38,9 +38,9 @@ from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngi
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import create_loss
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.projection.tensor_sketch import TensorSketchMap
-from classgrad.workers.structures import ProjectionOptions
-from classgrad.workers.structures.tensorsketch import plan_map
+from classgrad.workers.projection import ProjectionOptions
+from classgrad.workers.projection.tensorsketch.tensorsketch_map import TensorSketchMap
+from classgrad.workers.projection.tensorsketch.tensorsketch_structure import plan_map
 from classgrad.workers.training.batch_rows import ambient_precision, check_labels
 
 log = logging.getLogger(__name__)

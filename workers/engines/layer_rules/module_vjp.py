@@ -49,8 +49,8 @@ from torch.utils import _pytree as pytree
 
 from classgrad.errors import first_line
 from classgrad.workers.engines import choices
+from classgrad.workers.engines.layer_rules.layer_shapes import UNIT_MATRICES
 from classgrad.workers.engines.layer_rules.rule_io import ClassGrid
-from classgrad.workers.projection.tensor_sketch import UNIT_MATRICES
 
 UnitComputer = Callable[[nn.Module, tuple, dict, Any, ClassGrid, tuple[str, ...]], dict[str, torch.Tensor]]
 
@@ -71,7 +71,7 @@ def register_unit_computer(
     """Register the decorated function as the unit computer for ``module_type`` (and subclasses);
     ``unit_matrices(module)``: how the TensorSketch structure treats its parameters, the names
     under the module of each weight matrix and its bias (None: none) that it sketches as one
-    ``[W | b]`` unit (the built-in types' table is ``projection.tensor_sketch.UNIT_MATRICES``)."""
+    ``[W | b]`` unit (the built-in types' table is ``layer_shapes.UNIT_MATRICES``)."""
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"register_unit_computer needs an nn.Module subclass, got {module_type!r}")
 
@@ -79,7 +79,7 @@ def register_unit_computer(
         if module_type in UNIT_COMPUTERS and not replace:
             raise ValueError(f"a unit computer for {module_type.__name__} is already registered; pass replace=True")
         UNIT_COMPUTERS[module_type] = fn
-        if unit_matrices is not None:  # the map's table (projection sits below the rules)
+        if unit_matrices is not None:  # the layer knowledge every structure's plan reads
             UNIT_MATRICES[module_type] = unit_matrices
         return fn
 

@@ -68,8 +68,8 @@ from torch import nn
 
 from classgrad.errors import ConfigError
 from classgrad.registry import Registry
+from classgrad.workers.engines.layer_rules.layer_shapes import OUTER_SHAPES, UnitShape
 from classgrad.workers.engines.layer_rules.rule_io import LayerCapture, LayerRows
-from classgrad.workers.projection.kronecker import KRONECKER_SHAPES, UnitShape
 
 # A rule's functions take modules of its own type (``LayerRule.module_type``).
 M = TypeVar("M", bound=nn.Module)
@@ -95,7 +95,7 @@ class LayerRule(Generic[M]):
     # How the projection structures treat its weight: ``unit_shape(module) -> (a, b, input_first)``,
     # the weight as ``[a, b]`` sums of outer products (a Kronecker or TensorSketch unit: its
     # rule's sums go through ``outer.class_outer_sums``), or None for a layer that is not one
-    # (for the built-in types the table is ``projection.kronecker.KRONECKER_SHAPES``).
+    # (for the built-in types the table is ``layer_shapes.OUTER_SHAPES``).
     unit_shape: Callable[[Any], UnitShape | None] | None = None
 
 
@@ -135,7 +135,7 @@ def register_rule(
             )
         RULES[module_type] = LayerRule(module_type, sums, applies or _always, tuple(kinds), live_tokens, unit_shape)
         if unit_shape is not None:  # the maps' table of weight shapes (projection sits below the rules)
-            KRONECKER_SHAPES[module_type] = unit_shape
+            OUTER_SHAPES[module_type] = unit_shape
         return sums
 
     return decorate
@@ -234,7 +234,7 @@ def sums_refusal(sums: object) -> str | None:
 
 
 # The units' structure -> its sums. Filled by each structure's registration
-# (``classgrad.workers.structures``), never here.
+# (``classgrad.workers.projection``), never here.
 PROJECTED_SUMS: Registry[ProjectedSums] = Registry("projected sums")
 
 

@@ -330,7 +330,7 @@ class ClassRows:
 
     def __init__(self, rows: torch.Tensor, projections: dict[str, Any] | None = None):
         self.rows = rows
-        # Weight name -> its Kronecker unit (``classgrad.workers.projection.kronecker``) when rows are projected.
+        # Weight name -> its projection unit (the structure's map's) when rows are projected.
         self.projections = projections or {}
         self.k = rows.shape[0]
         self.written: set[tuple[int, int]] = set()  # (offset, size) of the columns written

@@ -7,7 +7,7 @@ block's rest is projected into the stored row by the structure's map
 (``classgrad.workers.projection``: ``KroneckerMap``, ``TensorSketchMap``). No full row is formed,
 except the two rows of the hook path's one-off spot check (computed whole by the plain
 single-class path and mapped the same way). The structure plans the map (``plan``, given by
-``classgrad.workers.structures``: this package never imports a structure).
+``classgrad.workers.projection``: this package never imports a structure).
 
 Only the hook path projects inside the backward. A job whose rows would come from elsewhere (a
 dense loss, a model that couples samples, a hook path that fails) is refused with one line

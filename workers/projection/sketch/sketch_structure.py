@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from classgrad.store.core.params import ParamSlot
-from classgrad.workers.projection.sketch import RowSketch
-from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
-from classgrad.workers.structures.registration import register_structure
+from classgrad.workers.projection.base import ProjectionOptions, ProjectionStructure
+from classgrad.workers.projection.registration import register_structure
+from classgrad.workers.projection.sketch.row_sketch import RowSketch
 
 
 class SketchStructure(ProjectionStructure):

@@ -58,9 +58,9 @@ from typing import Any
 import torch
 
 from classgrad.store.core.params import ParamSlot
-from classgrad.workers.projection.dense_projector import stream_keys, stream_words
+from classgrad.workers.projection.dense.dense_projector import stream_keys, stream_words
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
-from classgrad.workers.projection.sketch import SignedMap
+from classgrad.workers.projection.sketch.row_sketch import SignedMap
 
 PLACEMENT = "chunked"
 HASHED = "hashed"  # the placement of stores made before this one (their record has none)

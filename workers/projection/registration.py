@@ -10,7 +10,7 @@ which makes its name valid in a job file (``config.choices.STRUCTURES``).
 from __future__ import annotations
 
 from classgrad.workers.engines.layer_rules.registry import register_projected_sums, sums_refusal
-from classgrad.workers.structures.base import STRUCTURES, ProjectionStructure
+from classgrad.workers.projection.base import STRUCTURES, ProjectionStructure
 
 
 def register_structure(structure: ProjectionStructure, *, replace: bool = False) -> ProjectionStructure:

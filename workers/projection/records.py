@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from classgrad.workers.structures.base import STRUCTURES, recorded_structure
+from classgrad.workers.projection.base import STRUCTURES, recorded_structure
 
 
 def structure_label(record: Any) -> str:

@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from classgrad.store.core.params import ParamSlot
-from classgrad.workers.projection.dense_projector import Projector
-from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
-from classgrad.workers.structures.registration import register_structure
+from classgrad.workers.projection.base import ProjectionOptions, ProjectionStructure
+from classgrad.workers.projection.dense.dense_projector import Projector
+from classgrad.workers.projection.registration import register_structure
 
 
 class DenseStructure(ProjectionStructure):

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from classgrad.errors import ConfigError, InputError
-from classgrad.workers.projection.dense_projector import HASH_NAME, stream_keys, stream_words
+from classgrad.workers.projection.dense.dense_projector import HASH_NAME, stream_keys, stream_words
 
 SKETCH_GROUP = 1 << 30  # stream group of the sketch: far from a dense projection's 0, 1, ... and GROUP_BASE
 # Coordinates hashed and added at once when the index is not kept (measured on a 2-core CPU: 64k

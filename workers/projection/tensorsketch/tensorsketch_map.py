@@ -15,10 +15,9 @@ Holds:
 - ``SketchUnit`` — the ``hashed`` placement of stores made before ``chunked`` (issue 44): a
   unit with the two hashes of its axes, ``sketch(M)`` and ``entry_index``, and the interface the
   layer rules apply (``outer_matrix.SketchedMatrix``). Kept so that those stores resume with the map they hold.
-- ``SKETCH_SHAPES`` (``kronecker.shape_for`` plus ``nn.EmbeddingBag``), ``UNIT_MATRICES`` and
-  ``unit_matrices`` (the weight matrices of module-VJP units, ``nn.LSTM``/``GRU``/``RNN`` and
-  ``nn.MultiheadAttention``, units too: a store that recorded them in the rest, as stores made
-  before them did, resumes so), ``HASHED`` and ``TS_GROUP_BASE``.
+- ``SKETCH_SHAPES`` (``layer_shapes.shape_for`` plus ``nn.EmbeddingBag``; the weight matrices of
+  module-VJP units, ``layer_shapes.unit_matrices``, are units too: a store that recorded them in
+  the rest, as stores made before them did, resumes so), ``HASHED`` and ``TS_GROUP_BASE``.
 
 The hashed map. The ``dim`` columns are split into ``s`` blocks (``sketch.sketch_blocks``; for a
 unit ``s = UNIT_NONZEROS``, one block of all ``dim`` columns). For unit ``u`` and block ``b``
@@ -43,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +51,12 @@ from torch import nn
 
 from classgrad.errors import ConfigError
 from classgrad.store.core.params import ParamSlot
-from classgrad.workers.projection import chunked_sketch
-from classgrad.workers.projection.chunked_sketch import HASHED, PLACEMENT, ChunkedSketchUnit
-from classgrad.workers.projection.dense_projector import HASH_NAME
-from classgrad.workers.projection.kronecker import UnitShape, outer_layers, shape_for
+from classgrad.workers.engines.layer_rules.layer_shapes import UnitShape, outer_layers, shape_for, unit_matrices
+from classgrad.workers.projection.dense.dense_projector import HASH_NAME
 from classgrad.workers.projection.outer_matrix import SketchedMatrix
-from classgrad.workers.projection.sketch import SignedMap, SparseSignSketch, folded_index
+from classgrad.workers.projection.sketch.row_sketch import SignedMap, SparseSignSketch, folded_index
+from classgrad.workers.projection.tensorsketch import chunked_sketch
+from classgrad.workers.projection.tensorsketch.chunked_sketch import HASHED, PLACEMENT, ChunkedSketchUnit
 from classgrad.workers.projection.width import check_width
 
 STRUCTURE = "tensorsketch"
@@ -83,57 +82,6 @@ SKETCH_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {nn.Em
 def sketch_shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
     """The ``UnitShape`` function of ``module``'s type for a sketch unit, or None."""
     return SKETCH_SHAPES.get(type(module)) or shape_for(module)
-
-
-def _recurrent_matrices(m: nn.RNNBase) -> list[tuple[str, str | None]]:
-    bias = {"weight_ih": "bias_ih", "weight_hh": "bias_hh", "weight_hr": None}
-    pairs: list[tuple[str, str | None]] = []
-    for name in m._flat_weights_names:
-        base, _, suffix = name.partition("_l")
-        if base in bias:
-            b = bias[base]
-            pairs.append((name, f"{b}_l{suffix}" if b is not None and m.bias else None))
-    return pairs
-
-
-def _attention_matrices(m: nn.MultiheadAttention) -> list[tuple[str, str | None]]:
-    if m.in_proj_weight is not None:
-        pairs = [("in_proj_weight", "in_proj_bias" if m.in_proj_bias is not None else None)]
-    else:  # separate q/k/v weights; their one in_proj_bias stays in the rest
-        pairs = [("q_proj_weight", None), ("k_proj_weight", None), ("v_proj_weight", None)]
-    return [*pairs, ("out_proj.weight", "out_proj.bias" if m.out_proj.bias is not None else None)]
-
-
-# Module-VJP units (exactly these types) whose weight matrices are sketch units: the names, under
-# the module, of each matrix and its bias (None: none). Such a unit hands over each class's whole
-# gradients, and any matrix of them is sketched like a Linear's ``[W | b]`` (the map hashes its
-# entries; nothing needs an outer product): for a recurrent layer each is also a sum of outer
-# products over a class's samples and steps, for attention over its tokens.
-UNIT_MATRICES: dict[type[nn.Module], Callable[[Any], list[tuple[str, str | None]]]] = {
-    nn.LSTM: _recurrent_matrices,
-    nn.GRU: _recurrent_matrices,
-    nn.RNN: _recurrent_matrices,
-    nn.MultiheadAttention: _attention_matrices,
-}
-
-
-def unit_matrices(
-    slots: Sequence[ParamSlot], modules: dict[str, nn.Module], hooked: set[str]
-) -> Iterator[tuple[int, ParamSlot, ParamSlot | None, UnitShape]]:
-    """``(index, weight, bias, shape)`` of every selected weight matrix of a hooked module of an
-    ``UNIT_MATRICES`` type (an LSTM's ``weight_hh_l1_reverse``, attention's ``in_proj_weight``,
-    ...), as ``outer_layers`` (a bias that is not selected is left to the rest)."""
-    index = {s.name: (i, s) for i, s in enumerate(slots)}
-    for owner in sorted(hooked):
-        module = modules.get(owner)
-        pairs_of = UNIT_MATRICES.get(type(module)) if module is not None else None
-        for weight, bias in pairs_of(module) if pairs_of is not None else ():
-            found = index.get(f"{owner}.{weight}" if owner else weight)
-            if found is None or len(found[1].shape) != 2:
-                continue
-            i, slot = found
-            b = index.get(f"{owner}.{bias}" if owner else bias) if bias is not None else None
-            yield i, slot, (b[1] if b is not None else None), (int(slot.shape[0]), int(slot.shape[1]), False)
 
 
 @dataclass

@@ -17,13 +17,13 @@ from typing import Any
 from torch import nn
 
 from classgrad.store.core.params import ParamSlot
-from classgrad.workers.engines.layer_rules import sketch_sums
 from classgrad.workers.engines.layer_rules.registry import ProjectedSums
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
-from classgrad.workers.projection.chunked_sketch import HASHED
-from classgrad.workers.projection.tensor_sketch import TensorSketchMap
-from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
-from classgrad.workers.structures.registration import register_structure
+from classgrad.workers.projection.base import ProjectionOptions, ProjectionStructure
+from classgrad.workers.projection.registration import register_structure
+from classgrad.workers.projection.tensorsketch import tensorsketch_sums as sketch_sums
+from classgrad.workers.projection.tensorsketch.chunked_sketch import HASHED
+from classgrad.workers.projection.tensorsketch.tensorsketch_map import TensorSketchMap
 
 log = logging.getLogger(__name__)
 

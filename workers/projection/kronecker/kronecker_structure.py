@@ -15,12 +15,12 @@ from typing import Any
 
 from torch import nn
 
-from classgrad.workers.engines.layer_rules import kronecker_sums
 from classgrad.workers.engines.layer_rules.registry import ProjectedSums
 from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
-from classgrad.workers.projection.kronecker import MEASURE_CLASSES, KroneckerMap
-from classgrad.workers.structures.base import ProjectionOptions, ProjectionStructure
-from classgrad.workers.structures.registration import register_structure
+from classgrad.workers.projection.base import ProjectionOptions, ProjectionStructure
+from classgrad.workers.projection.kronecker import kronecker_sums
+from classgrad.workers.projection.kronecker.kronecker_map import MEASURE_CLASSES, KroneckerMap
+from classgrad.workers.projection.registration import register_structure
 
 log = logging.getLogger(__name__)
 

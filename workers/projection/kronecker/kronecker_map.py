@@ -13,11 +13,8 @@ Holds:
   ``work_rows`` / ``stored_rows`` / ``project_full`` (full rows to stored rows: the reference the
   tests compare with; ``unit_rows`` and ``add_rest``, ``stored_rows`` in two steps) and
   ``describe`` (what the store records).
-- ``allocate`` — the rule that splits ``dim`` among units and rest; ``KRONECKER_SHAPES`` and
-  ``LAZY_SHAPES`` (module types with a Kronecker structure and the ``[a, b]`` view of their
-  weight; the second for types of optional libraries, by name, so nothing is imported for them),
-  ``shape_for`` and ``outer_layers`` (the selected, hooked layers of such types: every structure's
-  units, found one way).
+- ``allocate`` — the rule that splits ``dim`` among units and rest. The layers with units are
+  the layer rules' outer-product layers (``layer_rules.layer_shapes.outer_layers``).
 
 The factors. For a weight of stored shape ``[a, b]`` (Linear ``[out, in]``; Conv1d/2d/3d ``[cout,
 cin * prod(kernel)]``) with a bias, the layer's matrix is ``M = [W | bias]`` (``a x (b + 1)``). Where the
@@ -68,7 +65,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,9 +74,16 @@ from torch import nn
 
 from classgrad.errors import ConfigError
 from classgrad.store.core.params import ParamSlot
-from classgrad.workers.projection.dense_projector import HASH_NAME, PROJECTIONS, Projector, stream_keys, stream_words
+from classgrad.workers.engines.layer_rules.layer_shapes import outer_layers
+from classgrad.workers.projection.dense.dense_projector import (
+    HASH_NAME,
+    PROJECTIONS,
+    Projector,
+    stream_keys,
+    stream_words,
+)
 from classgrad.workers.projection.outer_matrix import OuterMatrix
-from classgrad.workers.projection.sketch import SparseSignSketch
+from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
 from classgrad.workers.projection.width import check_width
 
 GROUP_BASE = 1 << 31  # stream groups of the factors: far above the dense projection's 0, 1, ...
@@ -98,73 +102,6 @@ def kronecker_factor(
     words = stream_words(stream_keys(seed, group), 0, n, spec.words_per_row(k), device)
     spec.entries(words, k, out)
     return out[:, :k].contiguous()
-
-
-# [a, b] of a weight as the outer-product sums form it, and whether its first axis is the layer's
-# input (then a bias is a constant-1 row of the matrix, and the gradient is the second factor).
-UnitShape = tuple[int, int, bool]
-
-
-def _conv_shape(m: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> UnitShape | None:
-    if m.groups != 1:
-        return None  # grouped/depthwise: no useful Kronecker structure (dense rest)
-    return m.out_channels, m.weight[0].numel(), False
-
-
-def _embedding_shape(m: nn.Embedding) -> UnitShape | None:
-    if m.sparse or m.max_norm is not None or m.scale_grad_by_freq:
-        return None  # refused by the embedding rule: the layer is not on the hook path anyway
-    return m.num_embeddings, m.embedding_dim, True
-
-
-def _hf_conv1d_shape(m: Any) -> UnitShape | None:
-    rows, cols = m.weight.shape  # stored [in, out]
-    return int(rows), int(cols), True
-
-
-# Module type -> its UnitShape (None: not for this layer).
-KRONECKER_SHAPES: dict[type[nn.Module], Callable[[Any], UnitShape | None]] = {
-    nn.Linear: lambda m: (m.out_features, m.in_features, False),
-    nn.Conv1d: _conv_shape,
-    nn.Conv2d: _conv_shape,
-    nn.Conv3d: _conv_shape,
-    nn.Embedding: _embedding_shape,
-}
-# The same for types of optional libraries, by (module, class name): nothing is imported for them.
-LAZY_SHAPES: dict[tuple[str, str], Callable[[Any], UnitShape | None]] = {
-    ("transformers.pytorch_utils", "Conv1D"): _hf_conv1d_shape,
-}
-
-
-def shape_for(module: nn.Module) -> Callable[[Any], UnitShape | None] | None:
-    """The ``UnitShape`` function for ``module``'s exact type, or None."""
-    kind = type(module)
-    return KRONECKER_SHAPES.get(kind) or LAZY_SHAPES.get((kind.__module__, kind.__qualname__))
-
-
-ShapeLookup = Callable[[nn.Module], Callable[[Any], UnitShape | None] | None]
-
-
-def outer_layers(
-    slots: Sequence[ParamSlot],
-    modules: dict[str, nn.Module],
-    hooked: set[str],
-    lookup: ShapeLookup = shape_for,
-    skip: Callable[[str], bool] = lambda owner: False,
-) -> Iterator[tuple[int, ParamSlot, ParamSlot | None, UnitShape]]:
-    """``(index, weight, bias, shape)`` of every selected weight of a hooked module (``hooked``:
-    the modules the hook path covers) whose type ``lookup`` gives a shape for, in layout order:
-    the units of a structure's map (``skip``: module names left to the rest)."""
-    by_name = {s.name: s for s in slots}
-    for i, slot in enumerate(slots):
-        owner, _, kind = slot.name.rpartition(".")
-        module = modules.get(owner)
-        if kind != "weight" or owner not in hooked or module is None or skip(owner):
-            continue
-        shape_of = lookup(module)
-        shape = shape_of(module) if shape_of is not None else None
-        if shape is not None:
-            yield i, slot, by_name.get(f"{owner}.bias" if owner else "bias"), shape
 
 
 @dataclass
@@ -400,7 +337,7 @@ class KroneckerMap:
         dense_layers: Sequence[str] = (),
         **options: Any,
     ) -> KroneckerMap:
-        """Units for every hooked layer of a ``KRONECKER_SHAPES`` type whose weight is selected
+        """Units for every hooked layer of a ``layer_shapes.OUTER_SHAPES`` type whose weight is selected
         (``hooked``: names of the modules the hook path covers), except the layers whose module
         name matches a pattern of ``dense_layers`` (they join the rest)."""
 
