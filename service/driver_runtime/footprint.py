@@ -53,6 +53,7 @@ from classgrad.workers.actor_runtime.stored_rows import project_rows_for
 from classgrad.workers.engines.base import rnns_ready_for_backward
 from classgrad.workers.engines.dense_engine import ROW_BYTES_BUDGET
 from classgrad.workers.engines.partitioned.engine import GROUP_BYTES
+from classgrad.workers.projection import RowProjector
 
 log = logging.getLogger(__name__)
 
@@ -281,10 +282,12 @@ def _batch_samples(engine: Any, batch_size: int, group: int) -> int:
     return max(1, min(batch, int(largest.sum())))
 
 
-def _projection_parts(projector: Any, dim_in: int, group: int, shard_rows: int, rows_key: str) -> list[Part]:
+def _projection_parts(
+    projector: RowProjector | None, dim_in: int, group: int, shard_rows: int, rows_key: str
+) -> list[Part]:
     """Finished rows gathered before a projection (the engine's blocks, beyond the group in the rows
-    part, and their merged copy), the projected rows, and the projector's own buffers (a dense
-    projector's block of R; a sketch's indices)."""
+    part, and their merged copy), the projected rows, and the projector's own buffers (its
+    ``buffers()``: a dense projector's block of R; a sketch's indices)."""
 
     if projector is None:
         return []
@@ -295,14 +298,7 @@ def _projection_parts(projector: Any, dim_in: int, group: int, shard_rows: int, 
         Part("gathered rows", (2 * gathered - group) * dim_in * 4, rows_key, f"{gathered} rows and their copy"),
         Part("projected rows", gathered * k * 4, "projection.dim", f"{gathered} rows of {k}"),
     ]
-    if hasattr(projector, "block_rows_for"):  # dense: a block of R at a time
-        cols = projector._kind.buffer_cols(projector.dim) if hasattr(projector, "_kind") else k
-        parts.append(Part("projection matrix block", projector.block_rows_for("cpu") * cols * 4, "projection.dim"))
-    elif hasattr(projector, "nonzeros"):  # a sketch: int32 indices, cached up to 32M entries
-        parts.append(
-            Part("sketch indices", min(dim_in * projector.nonzeros, 1 << 25) * 4, "projection.sketch_nonzeros")
-        )
-    return parts
+    return parts + [Part(what, nbytes, key) for what, nbytes, key in projector.buffers()]
 
 
 def job_footprint(

@@ -177,7 +177,8 @@ _SECTION_KEYS = {
     "store": "codec, col_chunk, dtype, overwrite, recompute, row_chunk, sharded, storage_options, url",
     "cluster": "address, inflight_per_worker, min_workers, num_cpus_per_worker, num_gpus_per_worker, num_workers, "
     "runtime_env",
-    "projection": "allocation, dense_layers, dim, kind, low_rank, per_param, rest, seed, sketch_nonzeros, structure",
+    # structure unset: the keys of dense, sketch and tensorsketch (each structure has its own)
+    "projection": "dim, kind, per_param, seed, sketch_nonzeros, structure",
     "run": "actor_start_timeout_s, lease_ttl_s, log_every_s, progress",
 }
 _SECTIONS = "cluster, data, engine, loss, model, params, precision, projection, run, sharding, store"
@@ -196,9 +197,27 @@ def test_unknown_key_in_file_lists_the_section_keys(tmp_path: Path, section: str
 
 @pytest.mark.parametrize("section", sorted(_SECTION_KEYS))
 def test_unknown_key_in_set_lists_the_section_keys(section: str) -> None:
-    assert _error(NC, f"{section}.bogus=1") == (
-        f"config error: --set {section}.bogus: unknown key (choices: {_SECTION_KEYS[section]})"
+    # A --set is checked before the section's structure is known: every structure's keys.
+    keys = _EVERY_PROJECTION_KEY if section == "projection" else _SECTION_KEYS[section]
+    assert _error(NC, f"{section}.bogus=1") == f"config error: --set {section}.bogus: unknown key (choices: {keys})"
+
+
+_EVERY_PROJECTION_KEY = (
+    "allocation, dense_layers, dim, kind, low_rank, per_param, rest, seed, sketch_nonzeros, structure"
+)
+
+
+def test_a_key_of_another_structure_is_one_line_naming_the_structure() -> None:
+    assert _error(NC, "projection.dim=8", "projection.structure=tensorsketch", "projection.rest=dense") == (
+        "config error: projection.rest: unknown key (choices: dim, seed, sketch_nonzeros, structure) "
+        "of structure tensorsketch"
     )
+    # The structure's own keys pass; another structure's key at its default is inert (a config
+    # recorded before each structure had its own options holds every key at its default).
+    cfg = load_config(overrides=[NC, "projection.dim=8", "projection.structure=kronecker", "projection.rest=dense"])
+    assert cfg.projection.rest == "dense"  # type: ignore[attr-defined]
+    cfg = load_config(overrides=[NC, "projection.dim=8", "projection.structure=sketch", "projection.rest=sketch"])
+    assert "rest" not in cfg.model_dump()["projection"]
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import typing
 
-from classgrad.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig, ProjectionConfig
+from classgrad.config import BUILTIN_LOSS_KINDS, DENSE_LOSS_KINDS, EngineConfig
 from classgrad.config.choices import Choices
 from classgrad.workers.gradients import ENGINES
 from classgrad.workers.losses import LOSSES, DenseLoss, create_loss
 from classgrad.workers.projection import PROJECTIONS
+from classgrad.workers.projection.dense.dense_structure import DenseOptions
 
 
 def _choices(section: type, key: str) -> set[str]:
@@ -29,7 +30,7 @@ def test_engine_kinds_are_the_engine_registry_and_auto() -> None:
 
 
 def test_projection_kinds_are_the_projection_registry() -> None:
-    assert _choices(ProjectionConfig, "kind") == set(PROJECTIONS)
+    assert _choices(DenseOptions, "kind") == set(PROJECTIONS)
 
 
 def test_loss_kinds_are_the_loss_registry() -> None:

@@ -29,12 +29,14 @@ def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torc
     return per_class_gradients(m, (x.double(), y), num_classes=run.C, classes=ids.tolist(), engine="reference"), ids
 
 
-def _logged_run(url: str, model: nn.Module, steps: int) -> tuple[dict[int, torch.Tensor], list[float], GradLog]:
+def _logged_run(
+    url: str, model: nn.Module, steps: int, structure: str | None = None
+) -> tuple[dict[int, torch.Tensor], list[float], GradLog]:
     """``steps`` steps of ``GradLog.step``; the float64 rows each window should hold, summed."""
     opt = torch.optim.SGD(model.parameters(), lr=run.LR)
     want: dict[int, torch.Tensor] = {}
     losses = []
-    with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM) as log:
+    with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, structure=structure) as log:
         for step in range(steps):
             x, y = run.batch(step)
             ref, ids = _reference(model, x, y)
@@ -86,6 +88,24 @@ def test_a_logged_step_trains_as_a_plain_step_and_logs_its_rows(tmp_path, monkey
         counts[step // run.WINDOW] += np.bincount(run.batch(step)[1].numpy(), minlength=run.C)
     np.testing.assert_array_equal(stored["count"], counts)
     assert general == []
+
+
+def test_a_log_takes_any_structure_that_projects_inside_the_backward(tmp_path, monkeypatch):
+    """kronecker: its map planned from the model alone (the split by size: nothing measured), the
+    rows projected inside the one backward, the windows the map of the float64 rows."""
+    general = []
+    route = GradLog._general
+    monkeypatch.setattr(GradLog, "_general", lambda self, *a, **k: general.append(a[0]) or route(self, *a, **k))
+    url = str(tmp_path / "log.zarr")
+    want, _, log = _logged_run(url, run.fresh()[0], 3, structure="kronecker")
+    assert log.projector.describe()["structure"] == "kronecker" and log.projector.describe()["allocation"] == "size"
+    stored = read_log(url)
+    for w, rows in want.items():
+        # float32 rows (roundoff ~1e-7 relative) summed over 2 steps and projected.
+        np.testing.assert_allclose(stored["grads"][w], log.projector.project(rows).numpy(), rtol=1e-5, atol=1e-6)
+    assert general == []
+    with pytest.raises(InputError, match="structure must be one of"):
+        GradLog(str(tmp_path / "other.zarr"), run.fresh()[0], run.C, dim=run.DIM, structure="nope")
 
 
 def test_add_batch_logs_the_rows_and_leaves_the_gradients(tmp_path):

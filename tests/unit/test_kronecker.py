@@ -318,10 +318,10 @@ def test_a_store_made_when_the_rest_was_dense_by_default_is_refused_naming_the_k
     """``rest``'s default moved from dense to sketch without a new fingerprint version: such a
     store has the fingerprint of a config that leaves rest out, and is refused (not resumed with
     rows projected another way) by its recorded projection, with the setting that resumes it."""
-    from classgrad.config import ProjectionConfig
     from classgrad.errors import StoreMismatchError
+    from classgrad.workers.projection.kronecker.kronecker_structure import KroneckerOptions
 
-    field = ProjectionConfig.model_fields["rest"]
+    field = KroneckerOptions.model_fields["rest"]
     proj = {"structure": "kronecker", "dim": 40}
     with monkeypatch.context() as m:
         m.setattr(field, "default", "dense")  # as before: the key is then not hashed
@@ -339,7 +339,7 @@ def test_a_store_made_when_the_rest_was_dense_by_default_is_refused_naming_the_k
 def test_refusals_name_the_dense_structure(tmp_path):
     with pytest.raises(ValueError, match="projection.structure 'dense'"):
         mlp_job(tmp_path, projection={"structure": "kronecker", "dim": 8}, loss={"kind": "logit"})
-    with pytest.raises(ValueError, match="per_param applies to structure=dense"):
+    with pytest.raises(ValueError, match="of structure kronecker"):
         JobConfig.model_validate(
             {
                 **mlp_job(tmp_path).model_dump(mode="json"),

@@ -113,14 +113,15 @@ def _in_backward_structure(name: str, sums):
     """A structure projecting in the backward by the default's map, its units naming ``name`` (so
     they dispatch to ``sums`` alone, not to the default's)."""
     from classgrad.workers.projection import ProjectionStructure
-    from classgrad.workers.projection.tensorsketch.tensorsketch_structure import plan_map
+    from classgrad.workers.projection.tensorsketch.tensorsketch_structure import TensorSketchOptions, plan_map
 
     class Toy(ProjectionStructure):
         in_backward = True
+        options = TensorSketchOptions
         unit_family = name
 
-        def plan(self, engine, options, modules, covered):
-            kmap = plan_map(engine.full_layout.slots, modules, covered, options)
+        def plan(self, projection, slots, modules, covered, measure):
+            kmap = plan_map(slots, modules, covered, projection)
             for unit in kmap.units:
                 unit.structure = name
             return kmap

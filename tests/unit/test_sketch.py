@@ -235,5 +235,5 @@ def test_a_job_sketching_whole_rows_stores_the_sketch_of_the_exact_rows(tmp_path
     assert max_relative_error(api, want) <= 1e-5
     assert "projection  sketch (sparse signs, 3 per entry)" in format_report(inspect_store(store))
     assert verify_store(config.store.url).code == 0
-    with pytest.raises(ValueError, match="per_param applies to structure=dense only"):
+    with pytest.raises(ValueError, match="of structure sketch"):
         ProjectionConfig.model_validate({"dim": 8, "structure": "sketch", "per_param": True})

@@ -22,13 +22,18 @@ from classgrad.workers.allocator import keep_freed_memory
 from classgrad.workers.engines.base import GradientEngine, samples_independent
 from classgrad.workers.engines.dense_engine import DenseEngine
 from classgrad.workers.engines.partitioned import PartitionedEngine
-from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine, ProjectionRefused, refusal
+from classgrad.workers.engines.partitioned.projected_engine import (
+    ProjectedEngine,
+    ProjectedMap,
+    ProjectionRefused,
+    refusal,
+)
 from classgrad.workers.engines.reference_engine import ReferenceEngine
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind
 from classgrad.workers.probe import ProbeSet
 from classgrad.workers.projection import check_width
-from classgrad.workers.projection.base import FALLBACK_STRUCTURE, ProjectionOptions
+from classgrad.workers.projection.base import FALLBACK_STRUCTURE, ResolvedProjection
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +69,14 @@ def create_engine(
     probe: ProbeSet,
     loss: LossKind,
     layout: ParamLayout,
-    projection: ProjectionOptions | None = None,
+    projection: ResolvedProjection[Any] | None = None,
     **options: Any,
 ) -> GradientEngine:
     """Build the engine ``kind`` (``auto`` resolved) with the shared constructor; with a
     ``projection`` whose structure projects inside the backward, a ``ProjectedEngine`` planned by
     that structure, or a one-line refusal when the job cannot take it. For the default structure
     (``projection.fallback``) such a job gets the plain engine instead, with a note saying so: its
-    finished rows are then sketched (``ProjectionOptions.finished_projector``). Any other
+    finished rows are then sketched (``ResolvedProjection.finished_projector``). Any other
     structure projects finished rows: the plain engine."""
     keep_freed_memory()  # a fresh process's first call otherwise faults its memory in again and again
     resolved = resolve_engine_kind(kind, model, loss)
@@ -88,8 +93,8 @@ def create_engine(
     else:
         spec = projection.spec
 
-        def plan(engine: ProjectedEngine, modules: dict[str, nn.Module], covered: set[str]) -> Any:
-            return spec.plan(engine, projection, modules, covered)
+        def plan(engine: ProjectedEngine, modules: dict[str, nn.Module], covered: set[str]) -> ProjectedMap:
+            return spec.plan(projection, engine.full_layout.slots, modules, covered, engine.measure_rows)
 
         try:
             return ProjectedEngine(model, probe, loss, layout, plan=plan, structure=structure, **options)

@@ -3,7 +3,7 @@
 Holds ``per_class_gradients`` (with an optional progress bar, terminal or notebook, counting rows
 as blocks finish), ``build_engine`` (everything it needs, as an engine that can be asked again)
 and the job's ``projection``: ``projection_options`` (a mapping or a ``ProjectionConfig``, with a
-store's record, to ``structures.ProjectionOptions``), ``finished_projector`` (the projector of an
+store's record, to a ``projection.ResolvedProjection``), ``finished_projector`` (the projector of an
 engine's finished rows, when its structure does not project inside the backward) and
 ``stored_width`` (the columns of a stored row).
 """
@@ -38,7 +38,7 @@ from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import LossKind, create_loss
 from classgrad.workers.model_io import input_pad_values
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.projection.base import ProjectionOptions, RowProjector
+from classgrad.workers.projection.base import ResolvedProjection, RowProjector, resolve_projection
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def build_engine(
     label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
-    projection: ProjectionOptions | None = None,
+    projection: ResolvedProjection[Any] | None = None,
     tokenizer: Any = None,
 ) -> GradientEngine:
     """Everything ``per_class_gradients`` needs, as an engine that can be asked for rows again.
@@ -100,21 +100,23 @@ def build_engine(
     )
 
 
-def projection_options(projection: Any, record: Mapping[str, Any] | None = None) -> ProjectionOptions | None:
+def projection_options(
+    projection: ProjectionConfig | Mapping[str, Any] | None, record: Mapping[str, Any] | None = None
+) -> ResolvedProjection[Any] | None:
     """The options of ``per_class_gradients``' or a job's ``projection`` (a mapping, a
     ``ProjectionConfig`` or None), resolved against ``record`` (a store's ``projection``
     attribute: an unset structure resumes with the store's); None: full rows."""
     if projection is not None and not isinstance(projection, ProjectionConfig):
-        if not isinstance(projection, dict):
+        if not isinstance(projection, Mapping):
             raise InputError(f"projection must be a mapping like {{'dim': 1024}}, got {type(projection).__name__}")
         try:
-            projection = ProjectionConfig.model_validate(projection)
+            projection = ProjectionConfig.model_validate(dict(projection))
         except ValueError as exc:
             raise ConfigError(f"projection: {exc}".splitlines()[0] + f" ({projection!r})") from None
-    return ProjectionOptions.resolve(projection, record)
+    return resolve_projection(projection, record)
 
 
-def finished_projector(options: ProjectionOptions | None, engine: GradientEngine) -> RowProjector | None:
+def finished_projector(options: ResolvedProjection[Any] | None, engine: GradientEngine) -> RowProjector | None:
     """The projector of ``engine``'s finished rows (None: stored whole, or projected by the engine)."""
     if options is None or isinstance(engine, ProjectedEngine):
         return None
@@ -146,7 +148,7 @@ def per_class_gradients(
     label_field: str | None = None,
     collate: str | Callable[[list[Any]], Any] | None = None,
     pad_values: Mapping[str, float] | None = None,
-    projection: dict[str, Any] | None = None,
+    projection: ProjectionConfig | Mapping[str, Any] | None = None,
     tokenizer: Any = None,
 ) -> torch.Tensor:
     """Rows ``dL_c/dtheta`` for ``classes`` (default: all), as float32 ``[len(classes), D]``.

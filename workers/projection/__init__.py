@@ -8,18 +8,20 @@ built-in structures, each a package that owns its map, its sums inside the backw
 and its memory: ``dense`` (the counter-based hash and the dense Johnson-Lindenstrauss
 ``Projector``), ``sketch`` (sparse sign sketches of finished rows), ``kronecker`` (``P_a M P_b^T``
 per layer) and ``tensorsketch`` (the default: one sketch of the row along each layer's outer
-product). Importing the package registers the built-ins.
+product). ``tensorsketch.unset_options`` says which keys a section without ``structure`` takes. Importing
+the package registers the built-ins.
 """
 
 from classgrad.workers.projection.base import (
     DEFAULT_STRUCTURE,
     FALLBACK_STRUCTURE,
     STRUCTURES,
-    ProjectionOptions,
     ProjectionStructure,
+    ResolvedProjection,
     RowProjector,
     get_structure,
     recorded_structure,
+    resolve_projection,
 )
 from classgrad.workers.projection.dense import (
     HASH_NAME,
@@ -39,7 +41,7 @@ from classgrad.workers.projection.kronecker import KroneckerMap, KroneckerStruct
 from classgrad.workers.projection.records import neighbour_caveat, structure_label, summary_lines
 from classgrad.workers.projection.registration import register_structure
 from classgrad.workers.projection.sketch import RowSketch, SketchStructure, SparseSignSketch
-from classgrad.workers.projection.tensorsketch import SketchUnit, TensorSketchMap, TensorSketchStructure
+from classgrad.workers.projection.tensorsketch import SketchUnit, TensorSketchMap, TensorSketchStructure, UnsetOptions
 from classgrad.workers.projection.width import check_width
 
 __all__ = [
@@ -53,8 +55,8 @@ __all__ = [
     "KroneckerStructure",
     "KroneckerUnit",
     "ProjectionKind",
-    "ProjectionOptions",
     "ProjectionStructure",
+    "ResolvedProjection",
     "Projector",
     "RowProjector",
     "RowSketch",
@@ -63,6 +65,7 @@ __all__ = [
     "SparseSignSketch",
     "TensorSketchMap",
     "TensorSketchStructure",
+    "UnsetOptions",
     "check_width",
     "create_projection",
     "get_structure",
@@ -73,6 +76,7 @@ __all__ = [
     "recorded_structure",
     "register_projection",
     "register_structure",
+    "resolve_projection",
     "stream_keys",
     "stream_words",
     "structure_label",

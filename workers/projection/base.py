@@ -1,25 +1,27 @@
-"""The projection structure interface: what every structure implements, its typed options, and the
+"""The projection structure interface: what every structure implements, its options, and the
 registry.
 
 Holds:
-- ``ProjectionOptions``: a job's ``projection`` section resolved for one structure (typed, with a
-  store's record of it); ``ProjectionOptions.resolve`` is the one place a ``ProjectionConfig``
-  (and a store's record) becomes options.
-- ``ProjectionStructure``: a structure's name and whether it projects inside the backward; for
-  one that does, the plan of its map (``plan``, run by ``ProjectedEngine``) and its per-layer
-  sums by layer family (``layer_sums``: a ``layer_rules.registry.ProjectedSums``, registered with
-  the layer rules); for one that does not,
-  the projector of finished rows (``finished``); and what a store's record of it says
-  (``label``, ``caveat``, ``summary``).
-- ``RowProjector``: what a projector of finished rows offers (``project``, ``out_dim``, ``describe``).
+- ``ResolvedProjection``: a job's ``projection`` section resolved for one structure: the
+  structure's own options (a ``ProjectionConfig`` subclass, validated by the config), whether an
+  unset structure may still give way to ``FALLBACK_STRUCTURE``, and a store's record of it;
+  ``resolve_projection`` is the one place a section (and a store's record) becomes one.
+- ``ProjectionStructure``: a structure's name, its options model (``options``: the job file
+  checks its keys) and whether it projects inside the backward; for one that does, the plan of
+  its map (``plan``, run by ``ProjectedEngine``) and its per-layer sums by layer family
+  (``layer_sums``: a ``layer_rules.registry.ProjectedSums``, registered with the layer rules); for
+  one that does not, the projector of finished rows (``finished``); and what a store's record of
+  it says (``label``, ``caveat``, ``summary``).
+- ``RowProjector``: what a projector of finished rows offers (``project``, ``out_dim``,
+  ``describe``, and its own buffers for the footprint, ``buffers``).
 - ``STRUCTURES`` (a ``classgrad.registry.Registry``, publishing each name in
   ``config.choices.STRUCTURES``) with ``get_structure`` (``registration.register_structure`` fills it: this
   module imports nothing of the engines, which import it); ``DEFAULT_STRUCTURE`` (what a
   ``projection`` section with only ``dim`` means for a new store) and ``FALLBACK_STRUCTURE`` (its
   stand-in where the hook path cannot take a job); ``recorded_structure``.
 
-Adding a structure: one module with a subclass and one ``register_structure`` call (its tests
-beside). Old stores: ``projection.structure`` unset resolves to what the store recorded (a dense
+Adding a structure: one module with its options, a subclass and one ``register_structure`` call
+(its tests beside). Old stores: ``projection.structure`` unset resolves to what the store recorded (a dense
 store's record has no ``structure`` key: it was made before structures existed), so a store made
 under an earlier default resumes with the map it was written with.
 """
@@ -28,13 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
+from pydantic import ValidationError
 
 from classgrad.config import ProjectionConfig
 from classgrad.config.choices import STRUCTURES as STRUCTURE_NAMES
-from classgrad.errors import ConfigError
+from classgrad.errors import ConfigError, first_line
 from classgrad.registry import Registry
 from classgrad.store.core.params import ParamSlot
 
@@ -42,68 +45,77 @@ if TYPE_CHECKING:
     from torch import nn
 
     from classgrad.workers.engines.layer_rules.registry import ProjectedSums
-    from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
+    from classgrad.workers.engines.partitioned.projected_engine import MeasureRows, ProjectedMap
 
 DEFAULT_STRUCTURE = "tensorsketch"
 FALLBACK_STRUCTURE = "sketch"
 
 
+# A structure's options model (its ``ProjectionStructure.options``).
+OptionsT = TypeVar("OptionsT", bound=ProjectionConfig)
+
+
 @dataclass(frozen=True)
-class ProjectionOptions:
-    """The settings a structure reads (``ProjectionConfig``'s fields, defaults stated once there).
+class ResolvedProjection(Generic[OptionsT]):
+    """A ``projection`` section resolved for one structure.
 
-    ``fallback``: a new store's default structure, which may give way to ``FALLBACK_STRUCTURE``
-    where the hook path cannot take the job; ``record``: the store's record of this structure
-    (reused or checked, so every worker projects the same way)."""
+    ``options``: the structure's options (its ``ProjectionStructure.options`` model, ``structure``
+    set); ``fallback``: a new store's default structure, which may give way to
+    ``FALLBACK_STRUCTURE`` where the hook path cannot take the job; ``record``: the store's record
+    of this structure (reused or checked, so every worker projects the same way)."""
 
-    structure: str
-    dim: int
-    seed: int
-    kind: str
-    sketch_nonzeros: int
-    rest: str
-    allocation: str
-    low_rank: str
-    dense_layers: tuple[str, ...]
-    per_param: bool
+    options: OptionsT
     fallback: bool = False
     record: dict[str, Any] | None = field(default=None, hash=False)  # a dict: not part of the hash
 
-    @classmethod
-    def resolve(cls, config: ProjectionConfig | None, record: Any = None) -> ProjectionOptions | None:
-        """The options of ``config`` (None: rows stored whole); ``record``: a store's
-        ``projection`` attribute, whose structure an unset ``projection.structure`` resumes with."""
-        if config is None or config.dim is None:
-            return None
-        structure = (
-            config.structure or recorded_structure(record) or ("dense" if config.per_param else DEFAULT_STRUCTURE)
-        )
-        get_structure(structure)  # unknown: one line
-        return cls(
-            structure=structure,
-            dim=config.dim,
-            seed=config.seed,
-            kind=config.kind,
-            sketch_nonzeros=config.sketch_nonzeros,
-            rest=config.rest,
-            allocation=config.allocation,
-            low_rank=config.low_rank,
-            dense_layers=tuple(config.dense_layers),
-            per_param=config.per_param,
-            fallback=config.structure is None and record is None,
-            record=record if recorded_structure(record) == structure else None,
-        )
+    @property
+    def structure(self) -> str:
+        return str(self.options.structure)
 
     @property
-    def spec(self) -> ProjectionStructure:
+    def dim(self) -> int:
+        return int(self.options.dim or 0)
+
+    @property
+    def spec(self) -> ProjectionStructure[OptionsT]:
         return get_structure(self.structure)
 
     def finished_projector(self, slots: Sequence[ParamSlot], dim_in: int) -> RowProjector:
         """The projector of finished rows (``slots``: the row's parameters, ``dim_in`` wide): the
         structure's own, or for one that projects inside the backward and could not (the default
-        on a job its engine cannot take), its stand-in's."""
+        on a job its engine cannot take), its stand-in's, with these options' shared keys."""
         spec = self.spec
-        return (get_structure(FALLBACK_STRUCTURE) if spec.in_backward else spec).finished(self, slots, dim_in)
+        if not spec.in_backward:
+            return spec.finished(self, slots, dim_in)
+        stand_in = resolve_projection(
+            self.options.model_copy(update={"structure": FALLBACK_STRUCTURE}), None, fallback=False
+        )
+        assert stand_in is not None
+        return stand_in.spec.finished(stand_in, slots, dim_in)
+
+
+def resolve_projection(
+    config: ProjectionConfig | None, record: Any = None, *, fallback: bool | None = None
+) -> ResolvedProjection[Any] | None:
+    """The projection ``config`` names (None: rows stored whole); ``record``: a store's
+    ``projection`` attribute, whose structure an unset ``projection.structure`` resumes with. The
+    section is validated again by the resolved structure's options model: a key it lacks, set
+    where the structure was unset, is one line."""
+    if config is None or config.dim is None:
+        return None
+    per_param = bool(getattr(config, "per_param", False))
+    structure = config.structure or recorded_structure(record) or ("dense" if per_param else DEFAULT_STRUCTURE)
+    spec = get_structure(structure)  # unknown: one line
+    given = config.model_dump(exclude_unset=True) | {"dim": config.dim, "seed": config.seed, "structure": structure}
+    try:
+        options = spec.options.model_validate(given)
+    except ValidationError as exc:
+        raise ConfigError(f"projection: {first_line(exc)}") from None
+    return ResolvedProjection(
+        options=options,
+        fallback=(config.structure is None and record is None) if fallback is None else fallback,
+        record=record if recorded_structure(record) == structure else None,
+    )
 
 
 class RowProjector(Protocol):
@@ -116,22 +128,37 @@ class RowProjector(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def buffers(self) -> list[tuple[str, int, str]]:
+        """What it holds while it projects, for the footprint: ``(what, bytes, the job file key
+        that sizes it)`` each."""
+        ...
 
-class ProjectionStructure:
-    """One projection structure. Subclasses set ``name`` and ``in_backward`` and implement
-    ``plan`` and ``layer_sums`` (in the backward) or ``finished`` (of finished rows)."""
+
+class ProjectionStructure(Generic[OptionsT]):
+    """One projection structure. Subclasses set ``name``, ``options`` (the model of their keys in
+    a job file: a ``ProjectionConfig`` subclass) and ``in_backward``, and implement ``plan`` and
+    ``layer_sums`` (in the backward) or ``finished`` (of finished rows)."""
 
     name: ClassVar[str] = ""
+    options: ClassVar[type[ProjectionConfig]] = ProjectionConfig
     in_backward: ClassVar[bool] = False
     # The ``structure`` its units name (``KroneckerUnit.structure``...): the key of its
     # ``layer_sums`` with the layer rules (a structure reusing another's units shares its sums).
     unit_family: ClassVar[str] = ""
 
     def plan(
-        self, engine: ProjectedEngine, options: ProjectionOptions, modules: dict[str, nn.Module], covered: set[str]
-    ) -> Any:
-        """The map of rows projected inside the backward (``KroneckerMap``, ``TensorSketchMap``):
-        its units for the layers the hook path covers (``covered``), the rest after."""
+        self,
+        projection: ResolvedProjection[OptionsT],
+        slots: Sequence[ParamSlot],
+        modules: dict[str, nn.Module],
+        covered: set[str],
+        measure: MeasureRows | None,
+    ) -> ProjectedMap:
+        """The map of rows of ``slots`` projected inside the backward (``KroneckerMap``,
+        ``TensorSketchMap``): its units for the layers the hook path covers (``covered``: names in
+        ``modules``), the rest after. ``measure``: work rows of a job's first classes through a
+        draft map, for a map that measures them (the Kronecker split); None in a training log,
+        which plans from the model alone."""
         raise NotImplementedError(f"projection structure {self.name!r} does not project inside the backward")
 
     def layer_sums(self) -> ProjectedSums | None:
@@ -139,7 +166,9 @@ class ProjectionStructure:
         ``outer`` always, ``embedding`` and ``entries`` where its map has units for those layers)."""
         return None
 
-    def finished(self, options: ProjectionOptions, slots: Sequence[ParamSlot], dim_in: int) -> RowProjector:
+    def finished(
+        self, projection: ResolvedProjection[OptionsT], slots: Sequence[ParamSlot], dim_in: int
+    ) -> RowProjector:
         """The projector of finished rows of ``dim_in`` columns (``slots``: the row's parameters)."""
         raise NotImplementedError(f"projection structure {self.name!r} projects inside the backward")
 
@@ -158,7 +187,7 @@ class ProjectionStructure:
         ]
 
 
-STRUCTURES: Registry[ProjectionStructure] = Registry(
+STRUCTURES: Registry[ProjectionStructure[Any]] = Registry(
     "projection structure",
     unknown="projection.structure {name!r} is unknown (choices: {choices})",
     error=ConfigError,
@@ -166,7 +195,7 @@ STRUCTURES: Registry[ProjectionStructure] = Registry(
 )
 
 
-def get_structure(name: str) -> ProjectionStructure:
+def get_structure(name: str) -> ProjectionStructure[Any]:
     return STRUCTURES.get(name)
 
 

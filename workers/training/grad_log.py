@@ -43,10 +43,15 @@ from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
 from classgrad.store.training_log.log_store import LOG_DTYPES, GradLogStore, LogSpec, is_log, open_log, open_log_reader
 from classgrad.workers.layout import ParamLayout
-from classgrad.workers.projection import FALLBACK_STRUCTURE, ProjectionOptions, RowProjector, recorded_structure
+from classgrad.workers.projection import (
+    DEFAULT_STRUCTURE,
+    STRUCTURES,
+    RowProjector,
+    recorded_structure,
+    resolve_projection,
+)
 from classgrad.workers.training.batch_rows import batch_loss_vector
 from classgrad.workers.training.scaler import PerClassGradScaler
-from classgrad.workers.training.sketched_rows import STRUCTURE as LOG_STRUCTURE
 from classgrad.workers.training.sketched_rows import BatchRows, LogMap
 from classgrad.workers.training.window_sums import WindowSums
 
@@ -56,9 +61,10 @@ log = logging.getLogger(__name__)
 class GradLog:
     """Per-class rows of every step, summed over windows of ``window`` steps into ``url``.
 
-    ``dim``: the stored width (a sketch of each row; None: whole rows); ``structure``: the map
-    (``tensorsketch``, or ``sketch``, a log made before it; None: a resumed log's own, else
-    ``tensorsketch``); ``params``: the name patterns of
+    ``dim``: the stored width (a sketch of each row; None: whole rows); ``structure``: the map,
+    any registered projection structure (None: a resumed log's own, else ``tensorsketch``; logs
+    made before 2026-12-05 hold ``sketch``); one that projects inside the backward plans its map
+    from the model alone, nothing measured (``kronecker``: the split by size); ``params``: the name patterns of
     the parameters in a row (as ``per_class_gradients``); ``start_step``: the step a resumed run
     starts at (a multiple of ``window``; windows from there on are recomputed; needed to reopen a
     log that holds windows, and refused when a window before it was never written); ``background``:
@@ -103,18 +109,19 @@ class GradLog:
         self.map: LogMap | None = None  # rows sketched inside a backward (``step``, ``add_batch``)
         if dim is not None:
             # A log being resumed keeps its map; ``sketch``: logs made before 2026-12-05.
-            structure = structure or (None if overwrite else _recorded_structure(url, storage_options)) or LOG_STRUCTURE
-            if structure not in (LOG_STRUCTURE, FALLBACK_STRUCTURE):
+            structure = structure or (None if overwrite else _recorded_structure(url, storage_options))
+            structure = structure or DEFAULT_STRUCTURE
+            if structure not in STRUCTURES:
                 raise InputError(
-                    f"GradLog: structure must be {LOG_STRUCTURE} or {FALLBACK_STRUCTURE}, got {structure!r}"
+                    f"GradLog: structure must be one of {', '.join(STRUCTURES.names())}, got {structure!r}"
                 )
             config = ProjectionConfig.model_validate({"dim": dim, "seed": seed, "structure": structure})
-            options = ProjectionOptions.resolve(config)
-            assert options is not None  # a dim is given
-            if structure == LOG_STRUCTURE:
-                self.projector = self.map = LogMap(model, self.layout, options)
+            projection = resolve_projection(config)
+            assert projection is not None  # a dim is given
+            if projection.spec.in_backward:
+                self.projector = self.map = LogMap(model, self.layout, projection)
             else:
-                self.projector = options.finished_projector(self.layout.slots, self.layout.dim)
+                self.projector = projection.finished_projector(self.layout.slots, self.layout.dim)
         record = None if self.projector is None else self.projector.describe()
         width = self.layout.dim if self.projector is None else self.projector.out_dim
         spec = LogSpec(

@@ -1,8 +1,8 @@
 """A training batch's per-class rows sketched inside a backward, and the step served by that backward.
 
-Holds ``LogMap`` (a training log's TensorSketch map, planned once from the model's layout: the
-same map a job's ``tensorsketch`` projection plans) and ``BatchRows`` (one batch's sketched rows
-with their classes, sample counts, mean losses and whether all are finite).
+Holds ``LogMap`` (a training log's map, of any structure that projects inside the backward,
+planned once from the model's layout: the map a job's projection plans, nothing measured) and
+``BatchRows`` (one batch's sketched rows with their classes, sample counts, mean losses and whether all are finite).
 
 ``LogMap.rows(model, inputs, labels)`` runs the partitioned engine's projected hook path over the
 batch: one forward, one backward, each class's row (the mean cross-entropy of its samples in the
@@ -34,18 +34,15 @@ from classgrad.workers.amp import PrecisionPolicy
 from classgrad.workers.engines.base import StepGrads, draws_only, samples_independent
 from classgrad.workers.engines.partitioned.engine import draws_refused
 from classgrad.workers.engines.partitioned.hook_plan import HookPlan
-from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
+from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine, ProjectedMap
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.losses import create_loss
 from classgrad.workers.probe import ProbeSet
-from classgrad.workers.projection import ProjectionOptions
-from classgrad.workers.projection.tensorsketch.tensorsketch_map import TensorSketchMap
-from classgrad.workers.projection.tensorsketch.tensorsketch_structure import plan_map
+from classgrad.workers.projection import ResolvedProjection
 from classgrad.workers.training.batch_rows import ambient_precision, check_labels
 
 log = logging.getLogger(__name__)
 
-STRUCTURE = "tensorsketch"
 # A batch's run may pad its classes to this many batches (the engines' own micro-batches: 2), so
 # that a batch of many small classes (256 samples, 223 classes of up to 3) is one run: one
 # forward and one backward, not two half-batches.
@@ -65,15 +62,17 @@ class BatchRows:
 
 
 class LogMap:
-    """A log's TensorSketch map of ``model``'s rows (``layout``): ``options``' ``dim`` columns
-    from its ``seed``."""
+    """A log's map of ``model``'s rows (``layout``): ``projection``'s structure planned from the
+    model alone (its ``dim`` columns from its ``seed``)."""
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, options: ProjectionOptions):
+    def __init__(self, model: nn.Module, layout: ParamLayout, projection: ResolvedProjection[Any]):
         plan = HookPlan.plan(model, layout)
         names = {m: n for n, m in model.named_modules()}
         # The modules the hook path handles get units; every other parameter is in the rest.
         self.covered = set() if plan is None else {names[m] for m in plan.layers}
-        self.kmap: TensorSketchMap = plan_map(layout.slots, dict(model.named_modules()), self.covered, options)
+        self.structure = projection.structure
+        modules = dict(model.named_modules())
+        self.kmap: ProjectedMap = projection.spec.plan(projection, layout.slots, modules, self.covered, None)
         self.layout = layout
 
     @property
@@ -85,7 +84,10 @@ class LogMap:
         return self.dim
 
     def describe(self) -> dict[str, Any]:
-        return {**self.kmap.describe(), "structure": STRUCTURE}
+        return {**self.kmap.describe(), "structure": self.structure}
+
+    def buffers(self) -> list[tuple[str, int, str]]:
+        return []  # the map's own state is the units' (small); rows are the log's
 
     def project(self, full: torch.Tensor) -> torch.Tensor:
         """Whole rows ``[n, D]`` -> ``[n, dim]`` by the same map (the rows of another route)."""
@@ -119,7 +121,7 @@ class LogMap:
                 create_loss("cross_entropy", num_classes),
                 self.layout,
                 plan=self._plan,
-                structure=STRUCTURE,
+                structure=self.structure,
                 precision=PrecisionPolicy(precision),
                 device=device,
                 group_rows=len(class_ids),
@@ -156,7 +158,7 @@ class LogMap:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return BatchRows(rows, class_ids, counts, losses, finite)
 
-    def _plan(self, engine: ProjectedEngine, modules: dict[str, nn.Module], covered: set[str]) -> TensorSketchMap:
+    def _plan(self, engine: ProjectedEngine, modules: dict[str, nn.Module], covered: set[str]) -> ProjectedMap:
         """The engine's map: the log's own, planned once (the engine's covered layers must be the
         log's: the same model and parameters)."""
         if covered != self.covered:

@@ -3,7 +3,8 @@
 Holds only re-exports; the parts live in:
 
 - ``fields``: the section base, bounded number types, import-path/device/address syntax;
-- ``inputs`` (model, data, loss), ``compute`` (precision, params, engine, projection) and
+- ``inputs`` (model, data, loss), ``compute`` (precision, params, engine), ``projection`` (the
+  keys every structure shares, and the table of each structure's options model) and
   ``placement`` (sharding, store, cluster, run): one pydantic model per section, with the
   defaults (here and nowhere else) and a description per field;
 - ``job``: ``JobConfig``, which holds every section and does the cross-field checks;
@@ -19,7 +20,7 @@ paths included) before anything heavy is loaded, and the CLI can reject a bad fi
 
 from __future__ import annotations
 
-from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
+from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig
 from classgrad.config.fields import canonical_import_path
 from classgrad.config.fingerprint import FINGERPRINT_VERSION, recorded_fingerprint
 from classgrad.config.inputs import (
@@ -33,6 +34,7 @@ from classgrad.config.inputs import (
 from classgrad.config.job import JobConfig
 from classgrad.config.loading import load_config
 from classgrad.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
+from classgrad.config.projection import ProjectionConfig
 from classgrad.config.reference import config_reference_markdown
 
 __all__ = [

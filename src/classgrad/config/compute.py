@@ -1,6 +1,7 @@
-"""The sections that say how rows are computed: precision, parameter selection, engine, projection.
+"""The sections that say how rows are computed: precision, parameter selection, engine (projection:
+``classgrad.config.projection``).
 
-Holds ``PrecisionConfig``, ``ParamsConfig``, ``EngineConfig`` and ``ProjectionConfig``; and
+Holds ``PrecisionConfig``, ``ParamsConfig`` and ``EngineConfig``; and
 precision's choices, defaults and scale check (``PRECISION_DTYPES``, ``DEFAULT_*``,
 ``scales_in_order``), which ``classgrad.workers.amp.PrecisionPolicy`` shares.
 """
@@ -9,15 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from classgrad.config.choices import ENGINE_KINDS, PROJECTION_KINDS, STRUCTURES
+from classgrad.config.choices import ENGINE_KINDS
 from classgrad.config.fields import (
     DEVICE_RE,
     PositiveFloat32,
     Section,
-    StrictNonNegativeInt,
     StrictPositiveInt,
 )
 
@@ -30,7 +30,6 @@ __all__ = [
     "ParamsConfig",
     "PrecisionConfig",
     "PrecisionDtype",
-    "ProjectionConfig",
     "scales_in_order",
 ]
 
@@ -130,95 +129,3 @@ class EngineConfig(Section):
                 {"value": repr(value)},
             )
         return value
-
-
-class ProjectionConfig(Section):
-    """Optional random projection of each row to `dim` columns (Johnson–Lindenstrauss)."""
-
-    dim: StrictPositiveInt | None = Field(
-        None, description="k, the stored row length; null = store full rows (no projection)."
-    )
-    kind: Annotated[str, PROJECTION_KINDS] = Field(
-        "rademacher",
-        description="Distribution of the random matrix's entries: random signs or Gaussian.",
-    )
-    seed: StrictNonNegativeInt = Field(
-        0,
-        description="Seed of the projection; the matrix is regenerated block by block from it, "
-        "identically on every worker.",
-    )
-    per_param: bool = Field(
-        False,
-        description="Use a separate projection for each selected parameter instead of one over the whole row.",
-    )
-    structure: Annotated[str, STRUCTURES] | None = Field(
-        None,
-        description="null (the default): tensorsketch for a new store where the partitioned engine's "
-        "hook path takes the job (else sketch, said in the run's notes), and what the store recorded "
-        "when it resumes one (a store made before this default, with only `dim`, is dense). "
-        "tensorsketch: one sketch of the whole row that follows each layer's outer product, formed "
-        "inside the backward: Linear, Conv1d/2d/3d, Embedding, EmbeddingBag and transformers' Conv1D "
-        "layers (the classifier head above all) never form a full row; each layer's rows and columns "
-        "are placed without collisions in chunks of dim, chunks mixed by random-phase filters, so no "
-        "two classes' head rows share their columns; the other parameters sketched into the same "
-        "columns (`sketch_nonzeros` per entry); over all C classes its nearest neighbours and worst "
-        "pairs are those of a CountSketch of the exact rows (stores made before 2026-12-04 hold a "
-        "hashed placement whose neighbours may be collisions: `classgrad inspect` says which). "
-        "dense: each finished row times a k-column random matrix (2 D k flops per row). kronecker: "
-        "those layers projected as P_out W P_in^T inside the "
-        "backward, the other parameters as `rest` says (fast, but far noisier where a class's "
-        "gradient has low rank: heads, few samples). sketch: each finished row by a sparse sign "
-        "sketch (s D additions per row; `kind` does not apply to it).",
-    )
-    rest: Literal["dense", "keep", "sketch"] = Field(
-        "sketch",
-        description="structure=kronecker: parameters outside the Kronecker layers (norms, position "
-        "embeddings, grouped convolutions, low-rank layers) projected by a sparse sign sketch (sketch: each "
-        "parameter added with a random sign to `sketch_nonzeros` columns, one per block of the "
-        "rest's columns; `kind` does not apply to it), densely (dense: 2 k flops per parameter, "
-        "a thinner error tail where a head's bias dominates the rows), or stored whole (keep). "
-        "Stores made before sketch was the default (dense) resume with rest: dense set.",
-    )
-    sketch_nonzeros: StrictPositiveInt = Field(
-        4,
-        description="structure=sketch, rest=sketch, or the parameters structure=tensorsketch sketches after the "
-        "backward (norms, raw parameters; its layers' entries are placed, not hashed): columns each entry is "
-        "sent to (s; at most the width it is sketched to). Cost grows as s, the error's tail for rows "
-        "concentrated on few parameters shrinks with it.",
-    )
-    allocation: Literal["norm", "size"] = Field(
-        "norm",
-        description="structure=kronecker: how dim is split among layers: in proportion to each layer's "
-        "squared gradient norm measured on the first 32 classes (norm, recorded in the store) or to "
-        "its parameter count (size).",
-    )
-
-    low_rank: Literal["dense", "kronecker"] = Field(
-        "dense",
-        description="structure=kronecker: layers that see one token per sample (a classifier head, a "
-        "pooler: per-class gradients of rank at most the class's sample count, where a Kronecker "
-        "projection is far noisier than a dense one) join the rest (dense), found on the first 32 "
-        "classes and recorded; or are projected like the others (kronecker).",
-    )
-    dense_layers: list[str] = Field(
-        default_factory=list,
-        description="structure=kronecker: module name patterns (fnmatch) of more layers left to the rest.",
-    )
-
-    @field_validator("kind")
-    @classmethod
-    def _registered_projection_kind(cls, value: str) -> str:
-        return PROJECTION_KINDS.check(value)
-
-    @field_validator("structure")
-    @classmethod
-    def _registered_structure(cls, value: str | None) -> str | None:
-        return None if value is None else STRUCTURES.check(value)
-
-    @model_validator(mode="after")
-    def _kronecker(self) -> ProjectionConfig:
-        if self.structure not in ("dense", None) and self.per_param:
-            raise ValueError(
-                f"projection.per_param applies to structure=dense only ({self.structure} is not per parameter)"
-            )
-        return self

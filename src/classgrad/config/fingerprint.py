@@ -31,10 +31,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig
+from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig
 from classgrad.config.fields import Section, canonical_import_path
 from classgrad.config.inputs import DataConfig, LossConfig, ModelConfig
 from classgrad.config.placement import ShardingConfig, StoreConfig
+from classgrad.config.projection import ProjectionConfig
 
 __all__ = ["FINGERPRINT_FIELDS", "FINGERPRINT_VERSION", "differing_keys", "fingerprint", "recorded_fingerprint"]
 

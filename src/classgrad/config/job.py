@@ -11,14 +11,15 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
 from pydantic_core import PydanticCustomError
 
 from classgrad.config.choices import DENSE_LOSS_KINDS, IN_BACKWARD_STRUCTURES, PARTITIONED_ENGINES
-from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, ProjectionConfig, scales_in_order
+from classgrad.config.compute import EngineConfig, ParamsConfig, PrecisionConfig, scales_in_order
 from classgrad.config.fingerprint import FINGERPRINT_FIELDS, differing_keys, fingerprint, recorded_fingerprint
 from classgrad.config.inputs import DataConfig, LossConfig, ModelConfig
 from classgrad.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
+from classgrad.config.projection import ProjectionConfig
 from classgrad.config.redaction import redact
 
 __all__ = ["JobConfig"]
@@ -56,7 +57,8 @@ class JobConfig(BaseModel):
     sharding: ShardingConfig = Field(description="Work shards.")
     store: StoreConfig = Field(description="The Zarr store.")
     cluster: ClusterConfig = Field(description="Ray cluster and actors.")
-    projection: ProjectionConfig = Field(description="Random projection.")
+    # Its structure's options model (a subclass): dumped as that, with its own keys.
+    projection: SerializeAsAny[ProjectionConfig] = Field(description="Random projection.")
     run: RunConfig = Field(description="Driver behaviour.")
 
     @model_validator(mode="before")

@@ -19,6 +19,12 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from classgrad.config.job import JobConfig
+from classgrad.config.projection import (
+    STRUCTURE_KEY_ERROR,
+    ProjectionConfig,
+    projection_keys,
+    projection_options_models,
+)
 from classgrad.errors import ConfigError
 
 __all__ = ["MAX_YAML_NODES", "load_config"]
@@ -163,7 +169,13 @@ def _field_annotation_kind(annotation: Any) -> type[BaseModel] | str:
 
 
 def _section_keys(model: type[BaseModel]) -> str:
-    return ", ".join(sorted(model.model_fields))
+    return ", ".join(sorted(_keys_of(model)))
+
+
+def _keys_of(model: type[BaseModel]) -> set[str]:
+    """The keys a section takes (``projection``: those of every structure; which of them apply is
+    checked against the structure once the section is validated)."""
+    return projection_keys() if model is ProjectionConfig else set(model.model_fields)
 
 
 def _check_override_path(parts: list[str], raw_key: str) -> None:
@@ -176,10 +188,16 @@ def _check_override_path(parts: list[str], raw_key: str) -> None:
             parent = ".".join(parts[:depth])
             raise ConfigError(f"config error: --set {raw_key}: {parent} is not a mapping")
         assert isinstance(node, type)
-        if part not in node.model_fields:
+        if part not in _keys_of(node):
             what = "unknown section" if node is JobConfig else "unknown key"
             raise ConfigError(f"config error: --set {raw_key}: {what} (choices: {_section_keys(node)})")
-        node = _field_annotation_kind(node.model_fields[part].annotation)
+        node = _field_annotation_kind(_field_of(node, part).annotation)
+
+
+def _field_of(model: type[BaseModel], key: str) -> Any:
+    if model is ProjectionConfig:  # the first structure's options that declare it
+        return next(m.model_fields[key] for m in projection_options_models().values() if key in m.model_fields)
+    return model.model_fields[key]
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:
@@ -247,6 +265,8 @@ def _error_line(err: Mapping[str, Any]) -> str:
         parent = _model_at(loc[:-1])
         what = "unknown section" if parent is JobConfig else "unknown key"
         msg = f"{what} (choices: {_section_keys(parent)})" if parent else "unknown key"
+    elif kind == STRUCTURE_KEY_ERROR:
+        loc = (*loc, err["ctx"]["key"])
     elif kind in ("model_type", "model_attributes_type", "dict_type"):
         msg = f"expected a mapping, got {_type_word(err.get('input'))}"
     elif kind == "literal_error" or kind.endswith("_parsing"):

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from classgrad.config.choices import Choices
 from classgrad.config.job import JobConfig
+from classgrad.config.projection import ProjectionConfig, projection_options_models
 
 __all__ = ["config_reference_markdown"]
 
@@ -63,18 +64,36 @@ def _describe_default(info: Any) -> str:
     return f"`{value}`"
 
 
+def _table(title: str, model: type[BaseModel], keys: Sequence[str]) -> list[str]:
+    doc = " ".join((model.__doc__ or "").split())
+    lines = [title, "", doc, "", "| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for key in keys:
+        info = model.model_fields[key]
+        type_text = _describe_type(info.annotation, info.metadata)
+        description = (info.description or "").replace("|", "\\|")
+        lines.append(f"| `{key}` | {type_text} | {_describe_default(info)} | {description} |")
+    return [*lines, ""]
+
+
 def config_reference_markdown() -> str:
-    """The job file reference (one table per section) rendered from the field descriptions."""
+    """The job file reference (one table per section, and per projection structure its own keys)
+    rendered from the field descriptions. A structure registered from outside classgrad (a
+    plugin's) is left out: the reference is the package's."""
     lines: list[str] = []
     for section, section_info in JobConfig.model_fields.items():
-        model = section_info.annotation
-        assert isinstance(model, type) and issubclass(model, BaseModel)
-        doc = " ".join((model.__doc__ or "").split())
-        lines += [f"### `{section}`", "", doc, "", "| key | type | default | description |"]
-        lines.append("| --- | --- | --- | --- |")
-        for key, info in model.model_fields.items():
-            type_text = _describe_type(info.annotation, info.metadata)
-            description = (info.description or "").replace("|", "\\|")
-            lines.append(f"| `{key}` | {type_text} | {_describe_default(info)} | {description} |")
-        lines.append("")
+        model = _section_model(section_info.annotation)
+        lines += _table(f"### `{section}`", model, list(model.model_fields))
+        if model is ProjectionConfig:
+            for structure, options in projection_options_models().items():
+                if structure is None or not options.__module__.startswith("classgrad."):
+                    continue
+                own = [k for k in options.model_fields if k not in ProjectionConfig.model_fields]
+                lines += _table(f"#### `projection` with `structure: {structure}`", options, own)
     return "\n".join(lines)
+
+
+def _section_model(annotation: Any) -> type[BaseModel]:
+    if typing.get_origin(annotation) is Annotated:  # SerializeAsAny[...]
+        annotation = typing.get_args(annotation)[0]
+    assert isinstance(annotation, type) and issubclass(annotation, BaseModel)
+    return annotation

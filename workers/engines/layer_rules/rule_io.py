@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -317,6 +317,30 @@ def _key(slot: ParamSlot) -> tuple[int, int]:
     return slot.offset, slot.size
 
 
+class ProjectionUnit(Protocol):
+    """One projected layer of a structure's map, as the hook path sees it: the weight (and bias)
+    it stands for, the ``width`` work columns at ``offset`` its sums write, the structure whose
+    sums those are, and the map of a whole per-class gradient another path formed (``map_part``:
+    the weight's or the bias's ``[k, size]``; ``map_matrix`` of ``joined(w, b)``: both at once)."""
+
+    @property
+    def structure(self) -> str: ...
+    @property
+    def weight(self) -> ParamSlot: ...
+    @property
+    def bias(self) -> ParamSlot | None: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+
+    def map_part(self, part: str, value: torch.Tensor) -> torch.Tensor: ...
+
+    def map_matrix(self, m: torch.Tensor) -> torch.Tensor: ...
+
+    def joined(self, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor: ...
+
+
 class ClassRows:
     """A run's rows ``[k, D]`` (a view of the group's buffer), written parameter by parameter.
 
@@ -328,7 +352,7 @@ class ClassRows:
     reads it all in one synchronisation instead of a pass over the rows.
     """
 
-    def __init__(self, rows: torch.Tensor, projections: dict[str, Any] | None = None):
+    def __init__(self, rows: torch.Tensor, projections: dict[str, ProjectionUnit] | None = None):
         self.rows = rows
         # Weight name -> its projection unit (the structure's map's) when rows are projected.
         self.projections = projections or {}

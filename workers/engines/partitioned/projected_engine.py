@@ -20,13 +20,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from classgrad.errors import ConfigError, first_line
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.base import RowBlock
+from classgrad.workers.engines.layer_rules.rule_io import ProjectionUnit
 from classgrad.workers.engines.partitioned.engine import PartitionedEngine
 from classgrad.workers.layout import ParamLayout
 
@@ -49,8 +51,50 @@ class ProjectionRefused(ConfigError):
         super().__init__(f"{why}: use projection.structure=dense")
 
 
+class ProjectedMap(Protocol):
+    """What the engine asks of a structure's map (``KroneckerMap``, ``TensorSketchMap``, a
+    plugin's): its ``units`` (one per projected layer, each a ``layer_rules.ProjectionUnit``, the
+    hook path's sums write them), the ``work_slots`` the hook path writes (the units' columns,
+    then every other parameter whole: the rest), and the steps from work rows to stored rows."""
+
+    @property
+    def dim(self) -> int: ...  # stored columns
+    @property
+    def units(self) -> Sequence[ProjectionUnit]: ...
+    @property
+    def units_width(self) -> int: ...  # work columns of the units, first in a work row
+    @property
+    def rest_size(self) -> int: ...  # work columns of the rest, after the units
+    @property
+    def rest_projector(self) -> object | None: ...  # None: the rest is stored as it is (or there is none)
+
+    def work_slots(self) -> list[ParamSlot]: ...
+
+    def unit_rows(self, work: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored rows ``[n, dim]`` holding the units' part of work rows (``into``: written there)."""
+        ...
+
+    def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """``out`` with the rest's columns ``rest`` ``[n, rest_size]`` projected and added in."""
+        ...
+
+    def work_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """Full rows ``[n, D]`` to work rows (the spot check's rows, formed whole)."""
+        ...
+
+    def project_full(self, full: torch.Tensor) -> torch.Tensor:
+        """Full rows ``[n, D]`` to stored rows: the reference of the rows projected in the backward."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the store records of the map (its structure's ``plan`` reuses it on a resume)."""
+        ...
+
+
+# (draft map, classes) -> work rows of the job's first ``classes`` classes through it.
+MeasureRows = Callable[[ProjectedMap, int], torch.Tensor]
 # (engine, modules by name, names of the modules the hook path covers) -> the structure's map.
-MapPlan = Callable[["ProjectedEngine", dict[str, nn.Module], set[str]], Any]
+MapPlan = Callable[["ProjectedEngine", dict[str, nn.Module], set[str]], ProjectedMap]
 
 
 class ProjectedEngine(PartitionedEngine):
@@ -74,15 +118,16 @@ class ProjectedEngine(PartitionedEngine):
         covered = {names[m] for m in self._hooked.plan.layers}
         self._install(plan(self, modules, covered))
 
-    def work_rows(self, kmap: Any, classes: Sequence[int]) -> torch.Tensor:
-        """Work rows of ``classes`` through ``kmap`` (a plan measuring its first block: the
-        Kronecker split); not counted as rows asked for."""
+    def measure_rows(self, kmap: ProjectedMap, classes: int) -> torch.Tensor:
+        """Work rows of the first ``classes`` classes (fewer in a smaller job) through ``kmap``: a
+        plan measuring its first block (the Kronecker split); not counted as rows asked for."""
         self._install(kmap)
-        rows = RowBlock.concat(list(PartitionedEngine.iter_blocks(self, classes))).rows
+        first = range(min(classes, self.loss.num_classes))
+        rows = RowBlock.concat(list(PartitionedEngine.iter_blocks(self, first))).rows
         self.stats.rows = 0
         return rows
 
-    def _install(self, kmap: Any) -> None:
+    def _install(self, kmap: ProjectedMap) -> None:
         """Point the hook path at ``kmap``'s work row."""
         assert self._hooked is not None
         self.kmap = kmap

@@ -446,6 +446,16 @@ class Projector:
         entries = _DEFAULT_BLOCK_ENTRIES.get(torch.device(device).type, _FALLBACK_BLOCK_ENTRIES)
         return max(1, entries // self._kind.buffer_cols(self.dim))
 
+    def buffers(self) -> list[tuple[str, int, str]]:
+        """A block of R at a time (float32), for the footprint."""
+        return [
+            (
+                "projection matrix block",
+                self.block_rows_for("cpu") * self._kind.buffer_cols(self.dim) * 4,
+                "projection.dim",
+            )
+        ]
+
     def _check_groups(self, groups: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
         if groups is None:
             groups = [(0, self.dim_in)]

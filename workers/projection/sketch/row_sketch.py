@@ -236,6 +236,10 @@ class RowSketch(SparseSignSketch):
     def out_dim(self) -> int:
         return self.dim
 
+    def buffers(self) -> list[tuple[str, int, str]]:
+        """Its int32 indices, cached up to ``CACHE_ENTRIES``, for the footprint."""
+        return [("sketch indices", min(self.dim_in * self.nonzeros, CACHE_ENTRIES) * 4, "projection.sketch_nonzeros")]
+
     def describe(self) -> dict[str, Any]:
         return {
             "structure": "sketch",

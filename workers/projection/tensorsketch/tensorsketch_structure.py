@@ -1,12 +1,11 @@
 """``projection.structure: tensorsketch`` (the default): every outer-product layer sketched inside
 the backward into one shared ``dim``-wide sketch of the row, the rest sketched after.
 
-Holds ``TensorSketchStructure``: the plan of its map (``plan_map``, a ``projection.TensorSketchMap``:
-fixed by the layout and the seed, nothing measured; a store's record checked to match), its layer sums
-(``layer_rules.sketch_sums``: Linear-like layers' factors, an embedding table's lookups), and
-what a store's record says: the placement, the caveat of the old hashed placement (issue 44),
-``classgrad inspect``'s line.
-"""
+Holds ``TensorSketchOptions`` (its keys) and ``TensorSketchStructure``: the plan of its map
+(``plan_map``, a ``projection.TensorSketchMap``: fixed by the layout and the seed, nothing measured;
+a store's record checked to match), its layer sums (``layer_rules.sketch_sums``: Linear-like layers'
+factors, an embedding table's lookups), and what a store's record says: the placement, the caveat of
+the old hashed placement (issue 44), ``classgrad inspect``'s line."""
 
 from __future__ import annotations
 
@@ -14,12 +13,15 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pydantic import Field
 from torch import nn
 
+from classgrad.config.fields import StrictPositiveInt
+from classgrad.config.projection import DEFAULT_SKETCH_NONZEROS, ProjectionConfig
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.layer_rules.registry import ProjectedSums
-from classgrad.workers.engines.partitioned.projected_engine import ProjectedEngine
-from classgrad.workers.projection.base import ProjectionOptions, ProjectionStructure
+from classgrad.workers.engines.partitioned.projected_engine import MeasureRows
+from classgrad.workers.projection.base import ProjectionStructure, ResolvedProjection
 from classgrad.workers.projection.registration import register_structure
 from classgrad.workers.projection.tensorsketch import tensorsketch_sums as sketch_sums
 from classgrad.workers.projection.tensorsketch.chunked_sketch import HASHED
@@ -28,8 +30,28 @@ from classgrad.workers.projection.tensorsketch.tensorsketch_map import TensorSke
 log = logging.getLogger(__name__)
 
 
+class TensorSketchOptions(ProjectionConfig):
+    """`structure: tensorsketch` (the default for a new store): one sketch of the whole row that
+    follows each layer's outer product, formed inside the backward: Linear, Conv1d/2d/3d, Embedding,
+    EmbeddingBag and transformers' Conv1D layers (the classifier head above all) never form a full
+    row; each layer's rows and columns are placed without collisions in chunks of dim, chunks mixed
+    by random-phase filters, so no two classes' head rows share their columns; the other parameters
+    sketched into the same columns. Over all C classes its nearest neighbours and worst pairs are
+    those of a CountSketch of the exact rows (stores made before 2026-12-04 hold a hashed placement
+    whose neighbours may be collisions: `classgrad inspect` says which)."""
+
+    sketch_nonzeros: StrictPositiveInt = Field(
+        DEFAULT_SKETCH_NONZEROS,
+        description="Columns each entry of the parameters sketched after the backward (norms, raw parameters; its "
+        "layers' entries are placed, not hashed) is sent to (s; at most dim).",
+    )
+
+
 def plan_map(
-    slots: Sequence[ParamSlot], modules: dict[str, nn.Module], covered: set[str], options: ProjectionOptions
+    slots: Sequence[ParamSlot],
+    modules: dict[str, nn.Module],
+    covered: set[str],
+    projection: ResolvedProjection[TensorSketchOptions],
 ) -> TensorSketchMap:
     """The map of rows of ``slots``, ``covered``: the modules the hook path handles (units for
     those of a sketchable type). Fixed by the layout and the seed: a training log plans it once
@@ -38,22 +60,28 @@ def plan_map(
         slots,
         modules,
         covered,
-        dim=options.dim,
-        seed=options.seed,
-        nonzeros=options.sketch_nonzeros,
-        record=options.record,
+        dim=projection.dim,
+        seed=projection.options.seed,
+        nonzeros=projection.options.sketch_nonzeros,
+        record=projection.record,
     )
 
 
-class TensorSketchStructure(ProjectionStructure):
+class TensorSketchStructure(ProjectionStructure[TensorSketchOptions]):
     name = "tensorsketch"
+    options = TensorSketchOptions
     in_backward = True
     unit_family = "tensorsketch"
 
     def plan(
-        self, engine: ProjectedEngine, options: ProjectionOptions, modules: dict[str, nn.Module], covered: set[str]
+        self,
+        projection: ResolvedProjection[TensorSketchOptions],
+        slots: Sequence[ParamSlot],
+        modules: dict[str, nn.Module],
+        covered: set[str],
+        measure: MeasureRows | None,
     ) -> TensorSketchMap:
-        kmap = plan_map(engine.full_layout.slots, modules, covered, options)
+        kmap = plan_map(slots, modules, covered, projection)
         log.info(
             "tensorsketch projection: %d layers sketched in the backward, rest of %d parameters, into %d columns",
             len(kmap.units),
