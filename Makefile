@@ -15,18 +15,20 @@ lint: setup
 	.venv/bin/ruff format --check .
 	$(PY) scripts/typecheck.py
 
-# The integration tests in two processes (CI's 2 cores), a file per process at a time (module
-# fixtures such as a local Ray stay in one process): they wait on Ray and subprocesses much of
-# the time (measured on 2 cores: 21 min in one process, 16 min in two). The unit tests are
-# CPU-bound and run in one (3 min; 5 min in two, their torch threads contending).
+# Both suites in two processes (CI's 2 cores), each process with one torch thread
+# (tests/conftest.py): the unit tests take 1 min 37 s so, 3 min in one process (and 5 min in two
+# with two threads each, contending). The integration tests go a file per process at a time
+# (module fixtures such as a local Ray stay in one process): they wait on Ray and subprocesses
+# much of the time. benchmarks/RESULTS.md, "The suite under load", has the figures.
+UNIT := $(PY) -m pytest -q -n 2 tests/unit
 INTEGRATION := $(PY) -m pytest -q -n 2 --dist loadfile tests/integration
 
 test: setup lint
-	$(PY) -m pytest -q tests/unit
+	$(UNIT)
 	$(INTEGRATION)
 
 unit: setup
-	$(PY) -m pytest -q tests/unit
+	$(UNIT)
 
 integration: setup
 	$(INTEGRATION)

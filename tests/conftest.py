@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +27,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import free_port  # stdlib only: cheap to import here
+
+# One OpenMP (and MKL) thread in every test process and in every process it starts (CLI drivers;
+# Ray actors run one already), set before torch is imported (nothing above imports it). On a
+# busy machine two threads of the tests' small tensors spend their time spinning at barriers for
+# a descheduled peer: on 2 cores under a load of 10-12, a unit subset took over 400 s with two
+# threads and 78 s with one (quiet: 11.9 s and 10.7 s); benchmarks/RESULTS.md, "The suite under load".
+for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
 
 _MOTO_START_TIMEOUT_S = 60.0
 _MOTO_LOGS: dict[str, Path] = {}  # endpoint -> its server's log (every request it answered, a line each)

@@ -93,7 +93,15 @@ def write_job(path: Path, job: dict) -> str:
     return str(path)
 
 
+def load_scale() -> float:
+    """How many times its quiet time a wait may take now: the machine's load per core (1-minute
+    average), at least 1. The tests' timeouts are for a quiet machine; under a load of 10-12 on 2
+    cores a test runs about 7 times slower (benchmarks/RESULTS.md, "The suite under load")."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def classgrad_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The CLI run to its end; ``timeout`` (a quiet machine's) stretched by ``load_scale``."""
     proc = subprocess.Popen(
         [*CLI, *args],
         cwd=REPO,
@@ -104,7 +112,7 @@ def classgrad_cli(*args: str, env: dict[str, str] | None = None, timeout: float 
         start_new_session=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout * load_scale())
     finally:
         kill_session(proc)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -156,8 +164,10 @@ def wait_for(
     every_s: float = 0.1,
     alive: subprocess.Popen | None = None,
 ):
-    """Poll ``predicate`` until it returns a true value (returned); fail after ``timeout_s``.
-    With ``alive``, also fail as soon as that process has exited."""
+    """Poll ``predicate`` until it returns a true value (returned); fail after ``timeout_s`` (a
+    quiet machine's, stretched by ``load_scale``). With ``alive``, also fail as soon as that
+    process has exited."""
+    timeout_s *= load_scale()
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
