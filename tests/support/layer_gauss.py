@@ -32,7 +32,7 @@ from classgrad.workers.engines.layer_rules.registry import ProjectedSums
 from classgrad.workers.engines.layer_rules.rule_io import LayerRows
 from classgrad.workers.engines.partitioned.projected_engine import MeasureRows
 from classgrad.workers.projection import ProjectionStructure, ResolvedProjection, register_structure
-from classgrad.workers.projection.outer_matrix import OuterMatrix
+from classgrad.workers.projection.outer_matrix import OuterMatrix, work_slots
 
 NAME = "layer_gauss"
 
@@ -138,16 +138,7 @@ class GaussMap:
             raise ConfigError(f"the store's {NAME} map is not the one this model and these options give")
 
     def work_slots(self) -> list[ParamSlot]:
-        place = {}
-        for u in self.units:
-            place[u.weight.name] = ParamSlot(u.weight.name, (u.width,), u.offset, u.width)
-            if u.bias is not None:  # joined the weight: no columns of its own
-                place[u.bias.name] = ParamSlot(u.bias.name, (0,), u.offset + u.width, 0)
-        offset = self.units_width
-        for s in self.rest:
-            place[s.name] = ParamSlot(s.name, s.shape, offset, s.size)
-            offset += s.size
-        return [place[s.name] for s in self.slots]
+        return work_slots(self.slots, self.units, self.rest, self.units_width)
 
     def unit_rows(self, work: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         out = work.new_zeros(work.shape[0], self.dim) if into is None else into.zero_()

@@ -4,16 +4,39 @@ Holds ``OuterMatrix`` — a unit's matrix ``M`` (weight and bias) from full rows
 per-class gradients (``part_matrix``) or both (``joined``), and its projection (``map_matrix``,
 ``map_part``), shared by every structure's units (``kronecker.KroneckerUnit``, the sketch
 units); and ``SketchedMatrix`` — what ``layer_rules.sketch_sums`` applies of a TensorSketch unit
-(``chunked_sketch.ChunkedSketchUnit``, ``tensor_sketch.SketchUnit``), whatever its placement.
+(``chunked_sketch.ChunkedSketchUnit``, ``tensor_sketch.SketchUnit``), whatever its placement;
+and ``work_slots`` — where the hook path writes the parameters of a map with units, the layout
+every such map shares.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from classgrad.store.core.params import ParamSlot
+
+
+def work_slots(
+    slots: Sequence[ParamSlot], units: Sequence[Any], rest: Sequence[ParamSlot], units_width: int
+) -> list[ParamSlot]:
+    """Where the hook path writes each of ``slots`` for a map with ``units`` (each with
+    ``weight``, ``bias``, ``offset`` and ``width``: a ``layer_rules.rule_io.ProjectionUnit``): a
+    unit's weight its ``width`` columns at its ``offset`` (a TensorSketch's units all the same
+    columns, into which each adds), its bias none (it joined the weight), every other parameter
+    (``rest``) its full columns after the units' ``units_width``."""
+    place: dict[str, ParamSlot] = {}
+    for u in units:
+        place[u.weight.name] = ParamSlot(u.weight.name, (u.width,), u.offset, u.width)
+        if u.bias is not None:
+            place[u.bias.name] = ParamSlot(u.bias.name, (0,), u.offset + u.width, 0)
+    offset = units_width
+    for s in rest:
+        place[s.name] = ParamSlot(s.name, s.shape, offset, s.size)
+        offset += s.size
+    return [place[s.name] for s in slots]
 
 
 class OuterMatrix:

@@ -82,7 +82,7 @@ from classgrad.workers.projection.dense.dense_projector import (
     stream_keys,
     stream_words,
 )
-from classgrad.workers.projection.outer_matrix import OuterMatrix
+from classgrad.workers.projection.outer_matrix import OuterMatrix, work_slots
 from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
 from classgrad.workers.projection.width import check_width
 
@@ -401,16 +401,7 @@ class KroneckerMap:
         """Where the hook path writes each selected parameter: a unit's weight gets its projected
         columns, its bias none (it joined the weight), every other parameter its full columns
         after the units."""
-        place: dict[str, ParamSlot] = {}
-        for u in self.units:
-            place[u.weight.name] = ParamSlot(u.weight.name, (u.width,), u.offset, u.width)
-            if u.bias is not None:
-                place[u.bias.name] = ParamSlot(u.bias.name, (0,), u.offset + u.width, 0)
-        offset = self.units_width
-        for s in self.rest:
-            place[s.name] = ParamSlot(s.name, s.shape, offset, s.size)
-            offset += s.size
-        return [place[s.name] for s in self.slots]
+        return work_slots(self.slots, self.units, self.rest, self.units_width)
 
     def measure(self, work: torch.Tensor) -> list[float]:
         """Mean squared norm of each unit's columns, then of the rest's, over rows ``work``."""

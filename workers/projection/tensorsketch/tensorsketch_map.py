@@ -53,7 +53,7 @@ from classgrad.errors import ConfigError
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.layer_rules.layer_shapes import UnitShape, outer_layers, shape_for, unit_matrices
 from classgrad.workers.projection.dense.dense_projector import HASH_NAME
-from classgrad.workers.projection.outer_matrix import SketchedMatrix
+from classgrad.workers.projection.outer_matrix import SketchedMatrix, work_slots
 from classgrad.workers.projection.sketch.row_sketch import SignedMap, SparseSignSketch, folded_index
 from classgrad.workers.projection.tensorsketch import chunked_sketch
 from classgrad.workers.projection.tensorsketch.chunked_sketch import HASHED, PLACEMENT, ChunkedSketchUnit
@@ -304,16 +304,7 @@ class TensorSketchMap:
         """Where the hook path writes: every unit's weight the same ``dim`` columns (the first value
         written there is copied, later ones added: ``layer_rules.rule_io.ClassRows``), its bias none
         (it joined the weight), every other parameter its full columns after them."""
-        place: dict[str, ParamSlot] = {}
-        for u in self.units:
-            place[u.weight.name] = ParamSlot(u.weight.name, (self.dim,), u.offset, self.dim)
-            if u.bias is not None:
-                place[u.bias.name] = ParamSlot(u.bias.name, (0,), u.offset + self.dim, 0)
-        offset = self.units_width
-        for s in self.rest:
-            place[s.name] = ParamSlot(s.name, s.shape, offset, s.size)
-            offset += s.size
-        return [place[s.name] for s in self.slots]
+        return work_slots(self.slots, self.units, self.rest, self.units_width)
 
     def unit_rows(self, work: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
         """Work rows ``[n, work_dim]`` -> ``[n, dim]`` (into ``into`` when given, else a copy): the
