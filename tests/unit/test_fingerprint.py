@@ -100,6 +100,40 @@ def test_recorded_config_missing_keys_added_since_takes_their_defaults() -> None
     assert recorded_fingerprint(recorded) == _fp("precision.dtype=bf16")
 
 
+# The one projection section every store recorded before each structure had its own options: every
+# structure's key, at its default where the job left it.
+_FLAT_PROJECTION = {
+    "dim": 16,
+    "kind": "rademacher",
+    "seed": 0,
+    "per_param": False,
+    "structure": None,
+    "rest": "sketch",
+    "sketch_nonzeros": 4,
+    "allocation": "norm",
+    "low_rank": "dense",
+    "dense_layers": [],
+}
+
+
+@pytest.mark.parametrize(
+    ("structure", "set_key"),
+    [
+        (None, {}),
+        ("tensorsketch", {}),
+        ("sketch", {"sketch_nonzeros": 2}),
+        ("dense", {"kind": "gaussian"}),
+        ("kronecker", {"rest": "dense", "dense_layers": ["fc"]}),
+    ],
+)
+def test_a_projection_recorded_with_every_structure_s_keys_is_the_same_job(structure, set_key) -> None:
+    overrides = [f"projection.{k}={json.dumps(v)}" for k, v in {"dim": 16, **set_key}.items()]
+    overrides += [f"projection.structure={structure}"] if structure else []
+    recorded = load_config(overrides=[NC, *overrides]).redacted()
+    recorded["projection"] = {**_FLAT_PROJECTION, "structure": structure, **set_key}
+    assert recorded_fingerprint(recorded) == _fp(*overrides)
+
+
 def test_recorded_config_ignores_what_is_not_hashed() -> None:
     recorded = load_config(overrides=[NC, "store.storage_options={key: abc}"]).redacted()
     assert recorded["store"]["storage_options"] == {"key": "***"}

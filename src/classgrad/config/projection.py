@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, ModelWrapValidatorHandler, field_validator, model_validator
-from pydantic_core import PydanticCustomError, PydanticUndefined
+from pydantic_core import PydanticCustomError
 
 from classgrad.config.choices import PROJECTION_KINDS, STRUCTURES
 from classgrad.config.fields import Section, StrictNonNegativeInt, StrictPositiveInt
@@ -110,7 +110,7 @@ def _without_inert_keys(data: dict[str, Any], model: type[ProjectionConfig]) -> 
     inert: dict[str, list[Any]] = {}
     for other in _OPTIONS.values():
         for key, info in other.model_fields.items():
-            if key not in model.model_fields and info.default is not PydanticUndefined:
+            if key not in model.model_fields and not info.is_required():  # a default_factory's too
                 inert.setdefault(key, []).append(info.get_default(call_default_factory=True))
     return {k: v for k, v in data.items() if not (k in inert and v in inert[k])}
 
