@@ -134,6 +134,7 @@ class GaussMap:
         self.units_width = offset
         self.rest_width = self.dim - offset
         self.rest_projector: object | None = self if self.rest_size else None
+        self._rest_matrix: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if record is not None and dict(record) != {**self.describe(), "structure": NAME}:
             raise ConfigError(f"the store's {NAME} map is not the one this model and these options give")
 
@@ -147,8 +148,10 @@ class GaussMap:
 
     def add_rest(self, out: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
         if self.rest_size:
-            matrix = gaussian(self.seed, 0, self.rest_size, self.rest_width).to(rest.device, rest.dtype)
-            out[:, self.units_width :] += (rest @ matrix).to(out.dtype)
+            key = (rest.device, rest.dtype)
+            if key not in self._rest_matrix:  # generated once per device and dtype, as a unit's
+                self._rest_matrix[key] = gaussian(self.seed, 0, self.rest_size, self.rest_width).to(*key)
+            out[:, self.units_width :] += (rest @ self._rest_matrix[key]).to(out.dtype)
         return out
 
     def work_rows(self, full: torch.Tensor) -> torch.Tensor:
