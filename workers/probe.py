@@ -316,12 +316,6 @@ class ProbeSet:
     def num_micro_batches(self) -> int:
         return -(-len(self) // self.batch_size)
 
-    def samples_by_class(self, labels: torch.Tensor, num_classes: int) -> list[torch.Tensor]:
-        """Sample indices of each class (in probe order), for integer labels ``[N]``."""
-        order = torch.argsort(labels, stable=True)
-        counts = torch.bincount(labels, minlength=num_classes)
-        return list(torch.split(order, counts.tolist()))
-
 
 _DIFFERENT_DATA = (
     "data: the data factory gives another probe set here than on the driver (it must give the same "

@@ -23,13 +23,6 @@ def test_micro_batches_cover_the_probe_set_in_order_with_a_short_last_one():
     assert [b.indices.tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
 
 
-def test_samples_are_grouped_by_class_in_probe_order():
-    labels = torch.tensor([2, 0, 2, 3, 0, 2])
-    probe = ProbeSet((torch.randn(6, 2), labels))
-    groups = probe.samples_by_class(labels, num_classes=5)
-    assert [g.tolist() for g in groups] == [[1, 4], [], [0, 2, 5], [3], []]  # classes 1 and 4: none
-
-
 def test_a_dataset_and_a_tensor_pair_give_the_same_batches():
     x, y = zoo.synthetic_probe(NUM_CLASSES, 2, kind="vector", input_shape=(3,), seed=4)
     pair, dataset = ProbeSet((x, y)), ProbeSet(TensorDataset(x, y))

@@ -43,6 +43,12 @@ class OuterFactors(ABC):
     def input_tokens(self) -> torch.Tensor:
         """``[k * blocks, T, in]``: the input factor per token (Conv: the patch it sees)."""
 
+    def grid_tokens(self) -> int:
+        """``k * blocks * T`` of ``grad_tokens()``, for a route chosen before (or instead of)
+        forming them: a convolution's exact kernel never needs its tokens."""
+        G = self.grad_tokens()
+        return G.shape[0] * G.shape[1]
+
     def input_tokens_any_order(self) -> tuple[torch.Tensor, int | None]:
         """``input_tokens()`` with the features in whatever order is cheapest to form, and how
         they are ordered: None (the weight's), or ``cin`` (a convolution's kernel-offset-major

@@ -121,8 +121,7 @@ class PartitionedEngine(GradientEngine):
                 f"{', '.join(coupled)} in train mode: use model.mode=eval, or engine.kind=dense or auto"
             )
         labels = self.loss.labels(self.probe.targets)
-        self.by_class = self.probe.samples_by_class(labels, self.loss.num_classes)
-        samples = ClassSamples.from_labels(labels, self.counts)
+        samples = self.samples = ClassSamples.from_labels(labels, self.counts)
         self._vmap: VmapPath | None = VmapPath(self, samples, self._write)
         self._loop = LoopPath(self, samples, self._write)
         plan = HookPlan.plan(self.model, self.layout)
@@ -181,7 +180,7 @@ class PartitionedEngine(GradientEngine):
         self, c: int, scale: torch.Tensor, dest: torch.Tensor, where: slice | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row of class ``c`` at loss scale ``scale`` into ``dest[where]``: (loss, finite)."""
-        idx = self.by_class[c]
+        idx = self.samples.of(c)
         n = len(idx)
         if n == 0:  # no samples: a zero row
             dest[where] = 0

@@ -87,6 +87,12 @@ class ClassSamples:
     def from_labels(cls, labels: torch.Tensor, counts: torch.Tensor) -> ClassSamples:
         return cls(torch.argsort(labels, stable=True), torch.cumsum(counts, 0) - counts, counts)
 
+    def of(self, c: int) -> torch.Tensor:
+        """Class ``c``'s sample indices, in probe order (a view: nothing is split per class, as a
+        list of C views would be: 36 ms a training step at C = 10,000)."""
+        start = int(self.start[c])
+        return self.order[start : start + int(self.counts[c])]
+
     def consecutive(self, classes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The samples of ``classes``, class after class, no padding: ``(indices, local, within)``
         with each sample's position in ``classes`` and its position within its class."""

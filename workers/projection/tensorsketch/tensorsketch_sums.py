@@ -124,33 +124,31 @@ def sketched_outer_sums(factors: Any, out: LayerRows, unit: Any) -> None:
             matrices = f.new_empty(k, unit.rows, unit.cols_in)
             ragged.per_class_mm(f, s, matrices)
             rows = unit.sketch(matrices, target)
+    elif route_for(unit, factors.grid_tokens(), k, device) == "fft":
+        # [k, T, rows]: one block (units are never grouped layers)
+        f, s = _with_bias(factors.grad_tokens(), factors.input_tokens(), unit)
+        rows = _fft_sketch(f.reshape(-1, f.shape[-1]), s.reshape(-1, s.shape[-1]), None, k, unit, target)
     else:
-        G = factors.grad_tokens()  # [k, T, rows]: one block (units are never grouped layers)
-        if route_for(unit, G.shape[0] * G.shape[1], k, device) == "fft":
-            f, s = _with_bias(G, factors.input_tokens(), unit)
-            rows = _fft_sketch(f.reshape(-1, f.shape[-1]), s.reshape(-1, s.shape[-1]), None, k, unit, target)
-        else:
-            matrices, channels = _formed(factors, G, unit)
-            rows = unit.sketch(matrices, target, channels_inner=channels)
+        matrices, channels = _formed(factors, k, unit)
+        rows = unit.sketch(matrices, target, channels_inner=channels)
     out.bound_by_values(rows)
     if target is None:
         out.put("weight", rows)
 
 
-def _formed(factors: Any, G: torch.Tensor, unit: Any) -> tuple[torch.Tensor, int | None]:
+def _formed(factors: Any, k: int, unit: Any) -> tuple[torch.Tensor, int | None]:
     """``[k, rows, cols_in]``: each class's ``M_i`` exactly (a convolution's grouped backward, or
     the batched product of the token factors), and the order of its columns (``channels_inner``
     of ``SketchUnit.sketch``: the patches' cheapest order, which the sketch's hash follows)."""
-    k = G.shape[0]
     if not unit.input_first:
         direct = factors.direct_sums(True, unit.bias is not None)
-        if direct is not None:
+        if direct is not None:  # in the grid's dtype, as the tokens would be
             gw, gb = direct
             assert gw is not None
-            m = gw.reshape(k, unit.a, unit.b).to(G.dtype)
-            return (m if gb is None else torch.cat([m, gb.reshape(k, unit.a, 1).to(G.dtype)], dim=2)), None
+            m = gw.reshape(k, unit.a, unit.b)
+            return (m if gb is None else torch.cat([m, gb.reshape(k, unit.a, 1)], dim=2)), None
     tokens, channels = factors.input_tokens_any_order()
-    f, s = _with_bias(G, tokens, unit)
+    f, s = _with_bias(factors.grad_tokens(), tokens, unit)
     return torch.bmm(f.transpose(1, 2), s), channels
 
 
