@@ -30,6 +30,8 @@ from classgrad.workers.engines.layer_rules import (
 )
 from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import ConvFactors
+from classgrad.workers.engines.layer_rules.hf_conv1d import TransposedLinearFactors
+from classgrad.workers.engines.layer_rules.linear import LinearFactors
 from classgrad.workers.engines.layer_rules.rule_io import Ragged, live_tokens
 from classgrad.workers.gradients import build_engine, projection_options
 from classgrad.workers.projection import SketchUnit
@@ -311,6 +313,35 @@ def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, channels, 
     grid = ClassGrid.of_counts(torch.tensor(counts), torch.float32)
     assert (grid.spots is None) == (counts[0] == counts[1])  # equal classes: the plain grid
     assert conv_module.conv_route(conv, LayerCapture(x, g, grid)) == route
+
+
+@pytest.mark.parametrize("counts", [[2, 2], [3, 0, 1]])  # the plain grid, and one with padding
+@pytest.mark.parametrize(
+    "layer,token_shape",
+    [
+        (nn.Linear(5, 3), ()),
+        (nn.Linear(5, 3), (4, 2)),  # tokens per sample: every dimension between batch and features
+        (nn.Conv2d(4, 6, 3, stride=2, padding=1), (9, 9)),
+        (nn.Conv1d(4, 6, 3, groups=2), (11,)),
+    ],
+)
+def test_grid_tokens_count_the_formed_tokens_from_shapes(layer, token_shape, counts):
+    """``grid_tokens`` is what a sketch's route is chosen by, before any token is formed (a
+    convolution's exact kernel never forms them): the count of ``grad_tokens()``'s token rows."""
+    n = sum(counts)
+    if isinstance(layer, nn.Linear):
+        x = torch.randn(n, *token_shape, 5)
+        kinds = [LinearFactors, TransposedLinearFactors]
+    else:
+        x = torch.randn(n, 4, *token_shape)
+        kinds = [ConvFactors]
+    with torch.no_grad():
+        g = torch.randn_like(layer(x))
+    seen = LayerCapture(x, g, ClassGrid.of_counts(torch.tensor(counts), torch.float32))
+    for kind in kinds:
+        factors = kind(layer, seen) if kind is ConvFactors else kind(seen)
+        tokens = factors.grad_tokens()
+        assert factors.grid_tokens() == tokens.shape[0] * tokens.shape[1]
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ sequence input, is a token) and ``linear_sums``, registered for ``nn.Linear``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -62,6 +64,10 @@ class LinearFactors(OuterFactors):
     def _pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The first and second factor as captured (``[total, ..., features]``)."""
         return self.seen.grads, self.seen.inputs
+
+    def grid_tokens(self) -> int:
+        seen = self.seen  # each sample's tokens: the dimensions between the batch and the features
+        return seen.k * seen.grid.width * math.prod(seen.grads.shape[1:-1])
 
     def grad_tokens(self) -> torch.Tensor:
         return self._tokens(self.seen.grads)

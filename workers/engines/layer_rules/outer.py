@@ -45,7 +45,8 @@ class OuterFactors(ABC):
 
     def grid_tokens(self) -> int:
         """``k * blocks * T`` of ``grad_tokens()``, for a route chosen before (or instead of)
-        forming them: a convolution's exact kernel never needs its tokens."""
+        forming them: a convolution's exact kernel never needs its tokens. Override it from
+        shapes: this default forms the tokens once more."""
         G = self.grad_tokens()
         return G.shape[0] * G.shape[1]
 
