@@ -1,6 +1,6 @@
 """Run every benchmark script in ``benchmarks/``, in quick mode unless ``--full``.
 
-Every ``benchmarks/*.py`` with a ``__main__`` block is a benchmark (``common.py`` is a helper).
+Every ``benchmarks/*.py`` with a ``__main__`` block is a benchmark (``common.py`` and ``before_after.py`` are helpers).
 Each runs as ``python -m benchmarks.NAME`` in its own process (one after another: they time
 things, so they must not share the cores), prints its own tables and writes its JSON under
 ``benchmarks/out/``. This script prints a summary (exit status and minutes of each) and writes
@@ -27,8 +27,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out" / "run_all.json"
-# Helpers, not benchmarks.
-NOT_BENCHMARKS = {"run_all.py", "common.py"}
+# Helpers, not benchmarks (before_after runs one on two checkouts).
+NOT_BENCHMARKS = {"run_all.py", "common.py", "before_after.py"}
 # Order: the engine comparisons first; anything else found in benchmarks/ runs after these.
 FIRST = ["alternatives", "engine_memory", "end_to_end", "store_write", "projection", "similarity", "gpu_resnet18"]
 

@@ -108,3 +108,20 @@ def test_the_floor_bound_times_convolutions_and_recurrent_layers(monkeypatch: py
         batches = len(floor_bound.class_batches(y, 8))
         assert sorted(set(timed)) == sorted({type(m).__name__ for m in floor_bound.bounded_layers(model)})
         assert len(timed) == 2 * batches  # both layers, every batch
+
+
+def test_a_benchmark_runs_on_another_checkout_s_code(tmp_path, capfd) -> None:
+    """``before_after`` runs a benchmark module with classgrad's folders taken from ``--tree``: a
+    tree of this checkout's folders runs it; with its ``workers`` folder empty the run fails."""
+    from benchmarks import before_after
+
+    broken = tmp_path / "tree"
+    broken.mkdir()
+    for folder in ("src", "service", "workers"):
+        (broken / folder).symlink_to(before_after.ROOT / folder)
+    args = ["--classes", "50", "--reps", "1"]
+    assert before_after.run_module(broken, "benchmarks.engine_build", args) == 0  # the same code, by the tree
+    assert "build_engine, C = 50" in capfd.readouterr().out
+    (broken / "workers").unlink()
+    (broken / "workers").mkdir()  # classgrad.workers empty there: nothing to import
+    assert before_after.run_module(broken, "benchmarks.engine_build", args) != 0
