@@ -16,6 +16,7 @@ model, projected or not; ops per run not growing with C (compare ``--classes 500
 
     .venv/bin/python -m benchmarks.host_reads                    # C = 500, every model
     .venv/bin/python -m benchmarks.host_reads --classes 4000 --models mlp,bert
+    .venv/bin/python -m benchmarks.host_reads --classes 20000 --models mlp --projections default  # 79 row chunks
 """
 
 from __future__ import annotations
@@ -59,12 +60,15 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--models", default=",".join(sorted(MODELS)))
+    parser.add_argument(
+        "--projections", default="none,default", help="none (full rows), default: only default past a few thousand C"
+    )
     args = parser.parse_args()
     rows = []
     names = args.models.split(",")
     for name in names:
         floor = floor_ops(name, args.classes, args.batch_size)
-        for projected in (False, True):
+        for projected in (p == "default" for p in args.projections.split(",")):
             gpu = engine_counts(name, args.classes, args.batch_size, projected, "cuda")
             cpu = engine_counts(name, args.classes, args.batch_size, projected, None)
             rows.append(
@@ -82,6 +86,8 @@ def main() -> None:
     print(f"C = {args.classes}, micro-batches of {args.batch_size}, classes of 1-4 samples")
     header = ["model", "projection", "reads/run gpu", "reads/run cpu", "model's own", "ops/run gpu"]
     print_table(header + ["ops/floor op gpu", "ops/floor op cpu"], rows)
+    if "none" not in args.projections.split(","):
+        return  # step_batch's full rows: C x D
     steps = [[name, *(f"{step_counted(name, args.classes, r).count}" for r in ("cuda", None))] for name in names]
     print("\nPerClassGradScaler.step_batch, 64 samples: reads per step")
     print_table(["model", "reads/step gpu", "reads/step cpu"], steps)

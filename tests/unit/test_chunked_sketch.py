@@ -11,6 +11,7 @@ route against the float64 reference, and old stores resuming, are in ``test_tens
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -28,9 +29,11 @@ from classgrad.service.analysis.verify import verify_store
 from classgrad.store import open_store
 from classgrad.store.core.params import ParamSlot
 from classgrad.workers.actor_runtime.factory import build_model, build_probe
+from classgrad.workers.engines.layer_rules import rule_io
 from classgrad.workers.gradients import build_engine, per_class_gradients, projection_options
 from classgrad.workers.projection import SketchUnit
 from classgrad.workers.projection.sketch.row_sketch import RowSketch
+from classgrad.workers.projection.tensorsketch import chunked_sketch
 from classgrad.workers.projection.tensorsketch.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.tensorsketch.tensorsketch_map import HASHED, TensorSketchMap
 from tests.support.jobs import mlp_job, run_without_ray
@@ -75,11 +78,18 @@ def test_rows_of_a_wide_head_never_share_their_image():
     assert (himg @ himg.t()).fill_diagonal_(0).abs().max() == 1
 
 
-def test_the_fft_route_is_the_map_of_an_outer_product():
-    u = unit(rows=9, cols=13, dim=4)  # 3 row chunks, 4 column chunks
-    g, x = torch.randn(2, 9, dtype=torch.float64), torch.randn(2, 13, dtype=torch.float64)
+# The CPU's routes (a row chunk at a time), and a GPU's with work-buffer budgets of token_spectra
+# (2 tokens x dim 4 x (8 + 8 x 4 column chunks) = 320 bytes a row chunk): every row chunk at
+# once, one at a time, two and two, three and the last alone.
+@pytest.mark.parametrize("budget", ["cpu", None, 1, 640, 960])
+def test_the_fft_route_is_the_map_of_an_outer_product(budget, monkeypatch):
+    if budget not in ("cpu", None):
+        monkeypatch.setattr(chunked_sketch, "SPECTRA_BYTES", budget)
+    u = unit(rows=13, cols=13, dim=4)  # 4 row chunks (the last of one row), 4 column chunks
+    g, x = torch.randn(2, 13, dtype=torch.float64), torch.randn(2, 13, dtype=torch.float64)
     direct = u.sketch(torch.einsum("ti,tj->tij", g, x))
-    spectra = u.from_spectra(u.token_spectra(g, x))
+    with contextlib.nullcontext() if budget == "cpu" else rule_io.routes_as("cuda"):
+        spectra = u.from_spectra(u.token_spectra(g, x))
     torch.testing.assert_close(spectra, direct, rtol=1e-10, atol=1e-12)  # float64: roundoff only
 
 
