@@ -29,7 +29,10 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=1_000_000)
     parser.add_argument("--per-class", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="C = 100,000 (run_all's quick mode)")
     args = parser.parse_args()
+    if args.quick:
+        args.classes = min(args.classes, 100_000)
     torch.set_num_threads(2)
     C = args.classes
     model = nn.Linear(8, C)

@@ -64,6 +64,8 @@ def main() -> None:
         "--projections", default="none,default", help="none (full rows), default: only default past a few thousand C"
     )
     args = parser.parse_args()
+    if not set(args.projections.split(",")) <= {"none", "default"}:
+        parser.error(f"--projections: none, default or both, got {args.projections!r}")
     rows = []
     names = args.models.split(",")
     for name in names:

@@ -79,9 +79,9 @@ def test_rows_of_a_wide_head_never_share_their_image():
 
 
 # The CPU's routes (a row chunk at a time), and a GPU's with work-buffer budgets of token_spectra
-# (2 tokens x dim 4 x (8 + 8 x 4 column chunks) = 320 bytes a row chunk): every row chunk at
-# once, one at a time, two and two, three and the last alone.
-@pytest.mark.parametrize("budget", ["cpu", None, 1, 640, 960])
+# (2 tokens x 8 bytes x (2 x dim 4 + 3 x 16 columns placed + 13) = 1,104 bytes a row chunk): every
+# row chunk at once, one at a time, two and two, three and the last alone.
+@pytest.mark.parametrize("budget", ["cpu", None, 1, 2208, 3312])
 def test_the_fft_route_is_the_map_of_an_outer_product(budget, monkeypatch):
     if budget not in ("cpu", None):
         monkeypatch.setattr(chunked_sketch, "SPECTRA_BYTES", budget)

@@ -2,7 +2,8 @@
 
 Holds ``plan_packs`` (classes of similar size, padded to a common width, for the vmap path) and
 ``plan_runs`` (consecutive classes, unpadded, for the hook path); classes bigger than half a
-batch go alone in both. ``ClassSamples`` finds the samples of a run or a pack.
+batch go alone in both. ``ClassSamples`` finds the samples of a run, a pack or one class
+(one sorted index for all C classes: nothing is held per class).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ rules apply it (``outer_matrix.SketchedMatrix``): per token in the frequency dom
 (``token_spectra``: ``layer_rules.sketch_sums``' fft route), from each class's formed matrix
 (``sketch``) and from single entries (``entry_columns`` / ``entry_index`` then ``combine``: an
 embedding's lookups); ``PLACEMENT`` (the name a store records), ``HASHED`` (the placement of
-stores that record none) and ``GROUPS_PER_UNIT``.
+stores that record none), ``GROUPS_PER_UNIT``, ``ENTRY_TABLE_ENTRIES`` (the largest matrix whose
+entries' columns are kept as one table) and ``SPECTRA_BYTES`` (how many row chunks a GPU's fft
+route takes at once).
 
 Why not a hash per axis (``tensor_sketch.SketchUnit``, the ``hashed`` placement of stores made
 before this one): entry ``(i, j)`` went to column ``h1(i) + h2(j) mod dim``, so two rows with the
@@ -73,7 +75,7 @@ TS_GROUP_BASE = 3 << 29  # as tensor_sketch's: clear of 0.., SKETCH_GROUP (2^30)
 # per call.
 ENTRY_TABLE_ENTRIES = 1 << 24
 # Work buffers of one batched step of ``token_spectra`` off the CPU's routes: how many row chunks
-# of a wide head go at once (256 tokens, dim 4,096: 16 chunks; launches are what a GPU pays
+# of a wide head go at once (256 tokens, dim 4,096, float32: 12 chunks; launches are what a GPU pays
 # for). A CPU takes one chunk at a time: batched, its blocks fall out of cache, 1.1x the time
 # at 2 chunks and 2.3x at 25 (a scratch timing of both, 256 tokens, 2 threads).
 SPECTRA_BYTES = 256 << 20
@@ -189,7 +191,9 @@ class ChunkedSketchUnit(SketchedMatrix):
         places, signs = self._cache[key], self._on("neg2", device, dtype)
         phi, psi = self._on("phi", device, dtype), self._on("psi", device, dtype)
         tokens, dim, width = g.shape[0], self.dim, self.col_chunks * self.dim
-        per_chunk = max(tokens, 1) * dim * (8 + 8 * self.col_chunks)  # g's and x's blocks and spectra
+        # A row chunk's buffers, in g's elements a token: g's block and its spectra (2 dim), x
+        # placed, its spectra and their product with psi (3 width), the signed copy of x.
+        per_chunk = max(tokens, 1) * g.element_size() * (2 * dim + 3 * width + self.cols_in)
         step = 1 if rule_io.cpu_routes(device) else max(1, SPECTRA_BYTES // per_chunk)
         out = None
         for a0 in range(0, self.row_chunks, step):
