@@ -63,8 +63,10 @@ def route_for(unit: Any, tokens: int, classes: int, device: torch.device) -> str
         return FORCED_ROUTE
     c = _costs(device)
     s, dim = unit.nonzeros, unit.dim
-    # fft: per token both factors placed, one rfft per chunk of each, their product; per class an irfft.
-    ffts = unit.row_chunks + unit.col_chunks + 1
+    # fft: per token both factors placed; an rfft per row chunk of the first and, for each row
+    # chunk, one per column chunk of the second (placed anew for each: ``token_spectra``), their
+    # product; per class an irfft.
+    ffts = unit.row_chunks * (1 + unit.col_chunks) + 1
     fft = tokens * ((unit.rows + unit.cols_in) * s * c["scatter"] + ffts * dim * c["fft_column"])
     fft += classes * dim * c["fft_column"]
     # form: per class its matrix's entries added at their places, then each chunk pair filtered.
