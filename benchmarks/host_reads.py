@@ -64,13 +64,14 @@ def main() -> None:
         "--projections", default="none,default", help="none (full rows), default: only default past a few thousand C"
     )
     args = parser.parse_args()
-    if not set(args.projections.split(",")) <= {"none", "default"}:
+    projections = args.projections.split(",")
+    if not set(projections) <= {"none", "default"}:
         parser.error(f"--projections: none, default or both, got {args.projections!r}")
     rows = []
     names = args.models.split(",")
     for name in names:
         floor = floor_ops(name, args.classes, args.batch_size)
-        for projected in (p == "default" for p in args.projections.split(",")):
+        for projected in (p == "default" for p in projections):
             gpu = engine_counts(name, args.classes, args.batch_size, projected, "cuda")
             cpu = engine_counts(name, args.classes, args.batch_size, projected, None)
             rows.append(
@@ -88,7 +89,7 @@ def main() -> None:
     print(f"C = {args.classes}, micro-batches of {args.batch_size}, classes of 1-4 samples")
     header = ["model", "projection", "reads/run gpu", "reads/run cpu", "model's own", "ops/run gpu"]
     print_table(header + ["ops/floor op gpu", "ops/floor op cpu"], rows)
-    if "none" not in args.projections.split(","):
+    if "none" not in projections:
         return  # step_batch's full rows: C x D
     steps = [[name, *(f"{step_counted(name, args.classes, r).count}" for r in ("cuda", None))] for name in names]
     print("\nPerClassGradScaler.step_batch, 64 samples: reads per step")

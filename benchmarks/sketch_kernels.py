@@ -21,6 +21,9 @@
 - ``--section route``: the three unit costs of ``sketch_sums.ROUTE_COST`` measured here (seconds
   per rfft column at k = 4,096, per signed addition of a sparse sign map, per multiply-add of a
   batched product) beside the table's.
+- ``--section spectra``: ``ChunkedSketchUnit.token_spectra`` of 256 tokens of a head of several
+  row chunks of ``dim`` 4,096, one chunk at a time (the CPU's route) against the chunks batched
+  (a GPU's route, ``chunked_sketch.SPECTRA_BYTES``), both on this CPU.
 
     .venv/bin/python -m benchmarks.sketch_kernels --section sign
     .venv/bin/python -m benchmarks.sketch_kernels --section conv
@@ -28,6 +31,7 @@
     .venv/bin/python -m benchmarks.sketch_kernels --section patches
     .venv/bin/python -m benchmarks.sketch_kernels --section mm
     .venv/bin/python -m benchmarks.sketch_kernels --section route
+    .venv/bin/python -m benchmarks.sketch_kernels --section spectra
 
 Prints tables (2 threads unless ``--threads``).
 """
@@ -44,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import print_table
+from classgrad.store.core.params import ParamSlot
 from classgrad.workers.engines.layer_rules import conv as conv_module
 from classgrad.workers.engines.layer_rules.conv import (
     ConvFactors,
@@ -51,9 +56,10 @@ from classgrad.workers.engines.layer_rules.conv import (
     patches,
     patches_channels_inner,
 )
-from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged
+from classgrad.workers.engines.layer_rules.rule_io import ClassGrid, LayerCapture, Ragged, routes_as
 from classgrad.workers.projection.sketch import row_sketch as sketch_module
 from classgrad.workers.projection.sketch.row_sketch import SparseSignSketch
+from classgrad.workers.projection.tensorsketch.chunked_sketch import ChunkedSketchUnit
 from classgrad.workers.projection.tensorsketch.tensorsketch_sums import ROUTE_COST
 
 SIGN_CASES = [
@@ -84,6 +90,8 @@ PATCH_CASES = [
 ]  # fmt: skip
 # (classes, tokens per sample, rows, cols): BERT-sized layers, classes of 1 to 4 samples
 MM_CASES = [(62, 16, 64, 65), (62, 16, 128, 65), (62, 17, 64, 129), (200, 16, 64, 65)]
+# (head rows, its input features with the bias): 2, 3 and 25 row chunks of dim 4,096
+SPECTRA_CASES = [(8_000, 257), (10_000, 129), (100_000, 257)]
 
 
 def best_ms(fn: Callable[[], object], reps: int) -> float:
@@ -231,9 +239,22 @@ def route_costs(reps: int) -> dict[str, float]:
     return {"fft_column": fft_column, "scatter": scatter, "mac": mac}
 
 
+def spectra_times(rows: int, cols: int, reps: int) -> tuple[float, float]:
+    """(ms one row chunk at a time, ms batched) of ``token_spectra`` for 256 tokens."""
+    unit = ChunkedSketchUnit(0, ParamSlot("w", (rows, cols), 0, rows * cols), None, rows, cols, False, 4096, 3)
+    g, x = torch.randn(256, rows), torch.randn(256, cols)
+
+    def batched() -> None:
+        with routes_as("cuda"):  # the chunks' grouping a GPU takes, on these CPU tensors
+            unit.token_spectra(g, x)
+
+    return best_ms(lambda: unit.token_spectra(g, x), reps), best_ms(batched, reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--section", choices=["sign", "conv", "sizes", "patches", "mm", "route"], required=True)
+    sections = ["sign", "conv", "sizes", "patches", "mm", "route", "spectra"]
+    parser.add_argument("--section", choices=sections, required=True)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -268,6 +289,12 @@ def main() -> None:
         found = route_costs(args.reps)
         rows = [[k, f"{table[k]:.2e}", f"{found[k]:.2e}", f"{found[k] / table[k]:.2f}"] for k in table]
         print_table(["unit cost", "ROUTE_COST s", "measured s", "measured / table"], rows)
+    elif args.section == "spectra":
+        rows = []
+        for r, c in SPECTRA_CASES:
+            one, batched = spectra_times(r, c, args.reps)
+            rows.append([f"{r:,} x {c}", -(-r // 4096), f"{one:.2f}", f"{batched:.2f}", f"{batched / one:.2f}"])
+        print_table(["head", "row chunks", "a chunk at a time ms", "batched ms", "batched / one"], rows)
     elif args.section == "mm":
         rows = []
         for k, per_sample, r, c in MM_CASES:

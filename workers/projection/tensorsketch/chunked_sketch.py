@@ -76,8 +76,8 @@ TS_GROUP_BASE = 3 << 29  # as tensor_sketch's: clear of 0.., SKETCH_GROUP (2^30)
 ENTRY_TABLE_ENTRIES = 1 << 24
 # Work buffers of one batched step of ``token_spectra`` off the CPU's routes: how many row chunks
 # of a wide head go at once (256 tokens, dim 4,096, float32: 12 chunks; launches are what a GPU pays
-# for). A CPU takes one chunk at a time: batched, its blocks fall out of cache, 1.1x the time
-# at 2 chunks and 2.3x at 25 (a scratch timing of both, 256 tokens, 2 threads).
+# for). A CPU takes one chunk at a time: batched, its blocks fall out of cache, 1.3-3.0x the
+# time at 2 to 25 chunks (``python -m benchmarks.sketch_kernels --section spectra``).
 SPECTRA_BYTES = 256 << 20
 
 
