@@ -21,6 +21,9 @@
 - ``--section route``: the three unit costs of ``sketch_sums.ROUTE_COST`` measured here (seconds
   per rfft column at k = 4,096, per signed addition of a sparse sign map, per multiply-add of a
   batched product) beside the table's.
+- ``--section layout``: ``ConvFactors._grouped`` over 248 classes of one sample (channels-last
+  inputs, adjacent as a run ordered by size hands them) in NCHW and in channels-last layout, 3x3
+  layers of 8x8 to 32x32 positions: where ``conv.LAYOUT_POSITIONS`` comes from; ms, best of ``--reps``.
 - ``--section spectra``: ``ChunkedSketchUnit.token_spectra`` of 256 tokens of a head of several
   row chunks of ``dim`` 4,096, one chunk at a time (the CPU's route) against the chunks batched
   (a GPU's route, ``chunked_sketch.SPECTRA_BYTES``), both on this CPU.
@@ -32,6 +35,7 @@
     .venv/bin/python -m benchmarks.sketch_kernels --section mm
     .venv/bin/python -m benchmarks.sketch_kernels --section route
     .venv/bin/python -m benchmarks.sketch_kernels --section spectra
+    .venv/bin/python -m benchmarks.sketch_kernels --section layout
 
 Prints tables (2 threads unless ``--threads``).
 """
@@ -239,6 +243,36 @@ def route_costs(reps: int) -> dict[str, float]:
     return {"fft_column": fft_column, "scatter": scatter, "mac": mac}
 
 
+# (cin, cout, side) for --section layout: 3x3, padding 1
+LAYOUT_CASES = [
+    (3, 32, 32),
+    (8, 32, 32),
+    (16, 32, 32),
+    (32, 32, 32),
+    (8, 8, 32),
+    (3, 32, 16),
+    (16, 64, 16),
+    (32, 64, 16),
+    (64, 64, 8),
+]
+
+
+def layout_times(cin: int, cout: int, side: int, reps: int) -> tuple[float, float]:
+    """(ms NCHW, ms channels-last) of ``ConvFactors._grouped`` for 248 classes of one sample."""
+    conv = torch.nn.Conv2d(cin, cout, 3, padding=1)
+    last = torch.channels_last
+    x = torch.randn(248, cin, side, side).contiguous(memory_format=last)
+    g = torch.randn(248, cout, side, side).contiguous(memory_format=last)
+    factors = ConvFactors(
+        conv, LayerCapture(x, g, ClassGrid.of_counts(torch.ones(248, dtype=torch.long), torch.float32))
+    )
+    G, A = g.view(248, 1, *g.shape[1:]), x.view(248, 1, *x.shape[1:])
+    return tuple(
+        best_ms(lambda lay=lay: factors._grouped(lay, G, A, True, True), reps)
+        for lay in ("contiguous", "channels_last")
+    )  # type: ignore[return-value]
+
+
 def spectra_times(rows: int, cols: int, reps: int) -> tuple[float, float]:
     """(ms one row chunk at a time, ms batched) of ``token_spectra`` for 256 tokens."""
     unit = ChunkedSketchUnit(0, ParamSlot("w", (rows, cols), 0, rows * cols), None, rows, cols, False, 4096, 3)
@@ -253,7 +287,7 @@ def spectra_times(rows: int, cols: int, reps: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sections = ["sign", "conv", "sizes", "patches", "mm", "route", "spectra"]
+    sections = ["sign", "conv", "sizes", "patches", "mm", "route", "spectra", "layout"]
     parser.add_argument("--section", choices=sections, required=True)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -295,6 +329,12 @@ def main() -> None:
             one, batched = spectra_times(r, c, args.reps)
             rows.append([f"{r:,} x {c}", -(-r // 4096), f"{one:.2f}", f"{batched:.2f}", f"{batched / one:.2f}"])
         print_table(["head", "row chunks", "a chunk at a time ms", "batched ms", "batched / one"], rows)
+    elif args.section == "layout":
+        rows = []
+        for cin, cout, side in LAYOUT_CASES:
+            nchw, cl = layout_times(cin, cout, side, args.reps)
+            rows.append([f"{cin} -> {cout}, {side}x{side}", f"{nchw:.1f}", f"{cl:.1f}", f"{cl / nchw:.2f}"])
+        print_table(["3x3 layer, 248 classes of 1 sample", "NCHW ms", "channels-last ms", "channels-last / NCHW"], rows)
     elif args.section == "mm":
         rows = []
         for k, per_sample, r, c in MM_CASES:

@@ -108,6 +108,66 @@ def test_a_log_takes_any_structure_that_projects_inside_the_backward(tmp_path, m
         GradLog(str(tmp_path / "other.zarr"), run.fresh()[0], run.C, dim=run.DIM, structure="nope")
 
 
+class _ChannelScale(nn.Module):
+    """A layer with no rule: the hook path takes it as a module-VJP unit."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, channels).view(channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+@pytest.mark.parametrize("sizes", ["unequal", "equal"])
+def test_a_step_sums_the_per_class_gradients_its_rules_formed(tmp_path, monkeypatch, sizes):
+    """Convolutions whose per-class gradients are formed whole (a grouped backward per class size,
+    or one for all classes) and a module-VJP unit: the step's gradient of those layers is the sum
+    of their per-class gradients over the classes, not a second pass of each layer; the Linear
+    layer, whose rows are sketched from its factors, still forms its own. Trains as a plain step."""
+    from classgrad.workers.engines.partitioned.hook_path import HookPath
+
+    step_pass = []  # (layer type) of every layer a step's gradient formed again
+    for name, at in (("_rule_sums", 5), ("_unit_grads", 4)):  # where each takes ``layers``
+        original = getattr(HookPath, name)
+
+        def spy(self, c, *args, _original=original, _at=at, **kwargs):
+            if len(args) > _at and args[_at] is not None:  # the step's full columns
+                step_pass.append(type(c.module).__name__)
+            return _original(self, c, *args, **kwargs)
+
+        monkeypatch.setattr(HookPath, name, spy)
+    torch.manual_seed(6)
+    classes = 10
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), _ChannelScale(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, classes),
+    ).eval()  # fmt: skip
+    plain = copy.deepcopy(model)
+    opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=run.LR) for m in (model, plain))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(12, 3, 6, 6, generator=g)
+    if sizes == "equal":
+        y = torch.arange(6).repeat(2)  # 6 classes of 2 samples
+    else:
+        y = torch.tensor([0, 1, 1, 2, 2, 2, 3, 5, 5, 7, 7, 7])  # classes of 1 to 3 samples
+    with GradLog(str(tmp_path / "log.zarr"), model, classes, window=2, dim=run.DIM) as log:
+        for step in range(3):
+            opt.zero_grad()
+            loss = log.step(step, model, x, y, opt)
+            plain_opt.zero_grad()
+            want = F.cross_entropy(plain(x), y)
+            want.backward()
+            plain_opt.step()
+            # The batch's mean as the classes' means weighted by their counts: fp32 roundings.
+            assert loss == pytest.approx(want.item(), rel=1e-6)
+    assert step_pass == ["Linear"] * 3
+    for a, b in zip(model.parameters(), plain.parameters()):
+        # Sums over the classes of per-class gradients against autograd's one sum over the
+        # batch: fp32 roundings in another order, 3 steps of SGD at lr 0.1.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_add_batch_logs_the_rows_and_leaves_the_gradients(tmp_path):
     model = run.fresh()[0]
     opt = torch.optim.SGD(model.parameters(), lr=run.LR)

@@ -315,6 +315,37 @@ def test_the_conv_kernel_is_a_rule_of_positions_and_class_sizes(side, channels, 
     assert conv_module.conv_route(conv, LayerCapture(x, g, grid)) == route
 
 
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [1] * 12 + [2] * 5,  # ordered by size: views, padded with the next samples or, for 2, the ones before
+        [2, 1, 1, 3, 1, 2, 1, 1, 1, 1, 1, 1],  # not ordered: gathers, padded with the last class again
+    ],
+)
+@pytest.mark.parametrize("side,fmt", [(8, "contiguous"), (32, "contiguous"), (32, "channels_last")])
+def test_by_size_sums_each_class_from_views_or_gathers(counts, side, fmt):
+    """``ConvFactors._by_size`` (a grouped backward per class size, group counts padded to
+    ``GROUPS_STEP``) against each class's own backward, with its samples taken as views of the
+    run's (classes of a size adjacent) or gathered, in the layout ``by_size_layout`` picks."""
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+    memory = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
+    x = torch.randn(sum(counts), 2, side, side, dtype=torch.float64).contiguous(memory_format=memory)
+    with torch.no_grad():
+        g = torch.randn_like(conv(x)).contiguous(memory_format=memory)
+    seen = LayerCapture(x, g, ClassGrid.of_counts(torch.tensor(counts), torch.float64))
+    want_layout = (
+        "channels_last" if fmt == "channels_last" and side * side >= conv_module.LAYOUT_POSITIONS else "contiguous"
+    )
+    assert conv_module.by_size_layout(x, g) == want_layout
+    gw, gb = ConvFactors(conv, seen)._by_size(True, True)
+    local = seen.grid.sample_class(x.device)
+    for i in range(len(counts)):
+        w, b = torch.autograd.grad((conv(x[local == i]) * g[local == i]).sum(), [conv.weight, conv.bias])
+        # float64 sums over a few samples' positions, in different orders.
+        torch.testing.assert_close(gw[i], w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gb[i], b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("counts", [[2, 2], [3, 0, 1]])  # the plain grid, and one with padding
 @pytest.mark.parametrize(
     "layer,token_shape",

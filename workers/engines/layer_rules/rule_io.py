@@ -75,6 +75,22 @@ def consecutive(firsts: Sequence[int], n: int) -> torch.Tensor:
     return (torch.tensor(firsts, dtype=torch.long).unsqueeze(1) + torch.arange(n)).reshape(-1)
 
 
+def take_groups(t: torch.Tensor, firsts: Sequence[int], n: int, groups: int) -> tuple[torch.Tensor, int]:
+    """``([groups * n, ...], at)``: ``n`` rows of ``t`` from each of ``firsts`` (one size's classes,
+    class after class), padded to ``groups`` classes, and where the first class is among them. A
+    view of ``t`` when the classes are adjacent (a run ordered by size: ``hook_path.size_order``),
+    padded with their neighbours, whose sums the caller drops; else a gather, padded with copies
+    of the last class (``at`` 0)."""
+    k = len(firsts)
+    if list(firsts) == list(range(firsts[0], firsts[0] + k * n, n)):
+        borrowed = max(0, -(-(firsts[0] + groups * n - t.shape[0]) // n))  # classes before the first
+        start = firsts[0] - borrowed * n
+        if start >= 0:
+            return t[start : start + groups * n], borrowed
+    take = host_device.to_device(consecutive([*firsts, *[firsts[-1]] * (groups - k)], n), t.device)
+    return t.index_select(0, take), 0
+
+
 # A row whose entries are all bounded by this is finite, with room for the sums that form it and
 # for a sum of up to 3e8 such rows (a training step's aggregate over its classes, ``sum_is_finite``):
 # a real gradient entry is never near it, so a lower bound costs no exact check in practice.
@@ -241,11 +257,10 @@ class Ragged:
             if n == 0:
                 out.index_fill_(0, classes, 0.0)
                 continue
-            take = host_device.to_device(consecutive(firsts, n), device)
-            a = first.index_select(0, take).view(len(picked), n, first.shape[1])
-            b = second.index_select(0, take).view(len(picked), n, second.shape[1])
-            if len(picked) == out.shape[0]:
-                torch.bmm(a.transpose(1, 2), b, out=out)
+            a = take_groups(first, firsts, n, len(picked))[0].view(len(picked), n, first.shape[1])
+            b = take_groups(second, firsts, n, len(picked))[0].view(len(picked), n, second.shape[1])
+            if picked == list(range(picked[0], picked[0] + len(picked))):  # adjacent: a slice of out
+                torch.bmm(a.transpose(1, 2), b, out=out[picked[0] : picked[0] + len(picked)])
             else:
                 out.index_copy_(0, classes, torch.bmm(a.transpose(1, 2), b))
 
@@ -285,14 +300,26 @@ class TokenSums:
 @dataclass(frozen=True)
 class LayerCapture:
     """One layer in one run: its input and the gradient at its output, ``[total, ...]`` each,
-    class after class (the gradient already divided by the fp16 loss scale); ``live``: which of
+    class after class (the gradient already divided by the fp16 loss scale; a training step's
+    class weights, ``n_c / N``, are divided out of the finished rows instead); ``live``: which of
     its tokens (``[total * positions]``, host bool) have an output gradient not all zero, for a
-    rule registered with ``live_tokens`` on the CPU's routes (None: not known, keep them all)."""
+    rule registered with ``live_tokens`` on the CPU's routes (None: not known, keep them all).
+    ``totals``: where the caller asks for them, by kind, the sum over the run's classes of the
+    whole per-class gradients a route formed on its way (``keep_totals``): the hook path takes
+    them as a training step's gradient instead of forming that again (a CNN's convolutions: 17 ms
+    of a logged step)."""
 
     inputs: torch.Tensor
     grads: torch.Tensor
     grid: ClassGrid
     live: torch.Tensor | None = None
+    totals: dict[str, torch.Tensor] | None = None
+
+    def keep_totals(self, **values: torch.Tensor | None) -> None:
+        """Whole per-class gradients ``[k, *shape]`` by kind (``weight=``, ``bias=``): their sum
+        over the classes kept when asked for (one parameter's size, not ``k`` of them)."""
+        if self.totals is not None:
+            self.totals.update({kind: v.sum(dim=0) for kind, v in values.items() if v is not None})
 
     @property
     def k(self) -> int:
@@ -390,6 +417,14 @@ class ClassRows:
         for slot in slots:
             if _key(slot) not in self.written:
                 self.columns(slot).zero_()
+
+    def scale_rows(self, factors: torch.Tensor) -> None:
+        """Row i times ``factors[i]`` (``[k]``, on the rows' device), after every layer wrote its
+        part; each bound grows by the largest factor, so the evidence still covers the rows."""
+        self.rows.mul_(factors.to(self.rows.dtype).unsqueeze(1))
+        if self.bounds:
+            top = factors.abs().max()
+            self.bounds = [b * top for b in self.bounds]
 
     def certainly_finite(self) -> torch.Tensor:
         """bool scalar on the rows' device, not read here: whether every row is finite for sure
