@@ -134,7 +134,7 @@ class LogMap:
         engine.padded_batches = PADDED_BATCHES
         total = len(labels)
         if step:
-            engine.step = StepGrads({int(c): int(n) / total for c, n in zip(class_ids, counts)})
+            engine.step = StepGrads({c: n / total for c, n in zip(class_ids.tolist(), counts.tolist())})
         rows = torch.empty(len(class_ids), self.dim, device=device, dtype=engine.row_dtype)  # float64 models: float64
         losses = torch.empty(len(class_ids))
         finite = True

@@ -246,8 +246,7 @@ class ConvFactors(OuterFactors):
             sums = self._per_class(want_weight, want_bias)
         else:
             sums = self._grouped(route, self.G, self.A, want_weight, want_bias)
-        k = self.seen.k  # a grouped backward's are [k * cout, ...]: one row a class for the totals
-        self.seen.keep_totals(**{kind: t.reshape(k, -1) for kind, t in zip(("weight", "bias"), sums) if t is not None})
+        self.seen.keep_totals(weight=sums[0], bias=sums[1])
         return sums
 
     def _grouped(

@@ -316,10 +316,11 @@ class LayerCapture:
     totals: dict[str, torch.Tensor] | None = None
 
     def keep_totals(self, **values: torch.Tensor | None) -> None:
-        """Whole per-class gradients ``[k, *shape]`` by kind (``weight=``, ``bias=``): their sum
-        over the classes kept when asked for (one parameter's size, not ``k`` of them)."""
+        """Whole per-class gradients by kind (``weight=``, ``bias=``), class after class (``[k, *shape]``,
+        or a grouped backward's ``[k * cout, ...]``): their sum over the classes kept when asked for
+        (one parameter's size, not ``k`` of them)."""
         if self.totals is not None:
-            self.totals.update({kind: v.sum(dim=0) for kind, v in values.items() if v is not None})
+            self.totals.update({kind: v.reshape(self.k, -1).sum(dim=0) for kind, v in values.items() if v is not None})
 
     @property
     def k(self) -> int:

@@ -66,8 +66,8 @@ class RunPlan:
     inv_on_rows: bool = False
 
 
-# A run's classes in ascending order of their sample counts make each count's classes one slice of
-# the run's samples, so the rules take them as views, not gathers (on a CNN's logged step at
+# On the CPU's routes, a run's classes in ascending order of their sample counts make each count's
+# classes one slice of the run's samples, so the rules take them as views, not gathers (on a CNN's logged step at
 # C = 10,000, 248 of 256 samples gathered per layer: 15 ms of 165). The rows then go back to the
 # caller's order, one copy of ``[k, width]``: done only where rows are narrow (a projected map's).
 ORDER_MAX_WIDTH = 1 << 16
@@ -166,7 +166,9 @@ class HookPath:
         self, classes: list[int], scales: torch.Tensor, dest: torch.Tensor, where: slice
     ) -> tuple[torch.Tensor, torch.Tensor]:
         eng = self.engine
-        order = size_order(eng.counts[torch.tensor(classes, dtype=torch.long)].tolist(), dest.shape[1])
+        order = None
+        if cpu_routes(dest.device):  # a GPU's routes pad every class to one grid: no gathers by size
+            order = size_order(eng.counts[torch.tensor(classes, dtype=torch.long)].tolist(), dest.shape[1])
         if order is not None:  # the run by class size, its rows put back in the caller's order
             k = len(classes)
             back = torch.empty_like(order)
