@@ -235,3 +235,28 @@ def test_image_inputs_inside_a_dict_take_the_image_format_too():
     want = per_class_gradients(model, data, num_classes=NUM_CLASSES, engine="reference")
     # fp32 engines against the fp32 reference on a tiny model: summation order only.
     assert max_relative_error(got, want) <= 1e-5
+
+
+def test_a_step_weighted_run_keeps_an_empty_class_row_zero():
+    """A training step's class weights are divided out of the finished rows: a class with no
+    samples in the run (weight 0 here) keeps its zero row, not 0 x inf; the others are their
+    own rows, and the step's gradient is the weighted objective's."""
+    from classgrad.workers.engines.base import StepGrads
+
+    torch.manual_seed(2)
+    y = torch.tensor([0, 0, 1, 2, 2, 2, 4, 5])  # class 3 has no samples
+    x = torch.randn(len(y), 8)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, NUM_CLASSES)).eval()
+    classes = list(range(6))
+    counts = torch.bincount(y, minlength=6).tolist()
+    eng = build_engine(model, (x, y), num_classes=NUM_CLASSES, engine="partitioned")
+    eng.step = StepGrads({c: counts[c] / len(y) for c in classes})
+    got = torch.cat([b.rows for b in eng.iter_blocks(classes)])
+    want = per_class_gradients(model, (x, y), num_classes=NUM_CLASSES, classes=classes, engine="reference")
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # fp32 engines against the fp32 reference on a tiny model: summation order only.
+    assert max_relative_error(got, want) <= 1e-5
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    grads = torch.cat([g.flatten() for g in torch.autograd.grad(loss, list(model.parameters()))])
+    # The rules' sums against autograd's: fp32 roundings.
+    torch.testing.assert_close(eng.step.grads, grads, rtol=1e-5, atol=1e-6)

@@ -575,3 +575,14 @@ def test_choices_clear_forgets_every_choice():
     choices.VMAP_REFUSED[model] = "why"
     choices.clear()
     assert not choices.BLOCK_ROWS and model not in choices.HOOKS_CHECKED and model not in choices.VMAP_REFUSED
+
+
+def test_rows_scaled_after_their_sums_keep_their_finiteness_evidence():
+    """``ClassRows.scale_rows``: each row times its factor, and every bound by the largest one,
+    so ``certainly_finite`` still covers the scaled rows."""
+    for factors, certain in ((torch.tensor([1.0, 2.0]), True), (torch.tensor([1.0, 100.0]), False)):
+        run = ClassRows(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        run.bounds.append(torch.tensor(1e29))  # below FINITE_BOUND (1e30) until scaled past it
+        run.scale_rows(factors)
+        assert torch.equal(run.rows, torch.tensor([[1.0, 2.0], [3.0, 4.0]]) * factors.unsqueeze(1))
+        assert bool(run.certainly_finite()) == certain

@@ -14,7 +14,8 @@ kernels of other layouts may differ in more than rounding: TF32 or not), and a f
 measures nothing. On a CPU, a layer with few output positions per sample (``FEW_POSITIONS``)
 forms its sums from patches (``tokens``: one batched product); else, with classes of unequal
 size in the run, unpadded (no products of padded zeros): a small layer (``SMALL_WORK``) by one
-grouped backward per class size, a larger one by a plain backward per class (like the other
+grouped backward per class size (channels-last from ``LAYOUT_POSITIONS`` output positions a
+sample, NCHW below: ``by_size_layout``), a larger one by a plain backward per class (like the other
 outer-product layers' CPU route); else one grouped backward in
 the memory format the layer's input comes in (channels-last inputs, the partitioned engine's
 for convolutional models: what tensor cores take, and measured about twice as fast on a CPU as
@@ -206,9 +207,11 @@ class ConvFactors(OuterFactors):
         """Classes of unequal size (a CPU's route for small layers, ``SMALL_WORK``): one grouped
         backward per class size, over the classes with that many samples, unpadded (a few kernel
         calls a run, where one per class pays a call's overhead a class). Each call's group count
-        is rounded up to ``GROUPS_STEP`` (the last class repeated, its copies' sums dropped) so
-        that runs share a few kernel shapes: a CPU's convolution library builds a kernel for each
-        new shape, about 0.5 ms on a first call."""
+        is rounded up to ``GROUPS_STEP`` (padding groups, their sums dropped: the neighbours of a
+        size's classes where those are adjacent, else the last class repeated; ``rule_io.take_groups``)
+        so that runs share a few kernel shapes: a CPU's convolution library builds a kernel for
+        each new shape, about 0.5 ms on a first call. In channels-last or NCHW by
+        ``by_size_layout``."""
         module, seen = self.module, self.seen
         dtype = seen.grid.dtype
         G, A = seen.grads.to(dtype), seen.inputs.to(dtype)  # [total, ...], class after class

@@ -50,7 +50,7 @@ def hf_conv1d_sums(module: nn.Module, seen: LayerCapture, out: LayerRows) -> Non
         # Only the weight through class_outer_sums: its bias sums would be of the inputs here.
         class_outer_sums(TransposedLinearFactors(seen), LayerRows(out.run, {"weight": out.slots["weight"]}))
     if out.wants("bias"):
-        g = seen.grads
+        g = seen.grads.to(seen.grid.dtype)  # summed in the rows' dtype, as the other rules do
         gb = seen.by_class(g.reshape(seen.total, -1, g.shape[-1]).sum(dim=1)).sum(dim=1)
         out.bound_by_values(gb)
         out.put("bias", gb)

@@ -9,8 +9,9 @@ Holds:
   ``TokenSums``: per-class sums of a unit's ``[N, T, ...]`` tensors (outer products, totals).
 - ``ClassRows``: a run's rows ``[k, D]``, filled parameter by parameter, with the evidence that
   they are finite; ``LayerRows``: its part for one layer, addressed by parameter kind.
-- ``equal_size_groups`` and ``consecutive``: the host's plan of a run's classes by size, and
-  the samples each group takes (for products per distinct size).
+- ``equal_size_groups``, ``consecutive`` and ``take_groups``: the host's plan of a run's classes
+  by size, the samples each group takes (for products per distinct size), and those samples
+  themselves (a view where the size's classes are adjacent).
 - ``peak``: max ``|t|`` in one pass (for finiteness bounds); ``token_liveness``: the tokens whose
   output gradient is not all zero; ``CPU_ROUTE_DEVICES``.
 """
@@ -300,8 +301,9 @@ class TokenSums:
 @dataclass(frozen=True)
 class LayerCapture:
     """One layer in one run: its input and the gradient at its output, ``[total, ...]`` each,
-    class after class (the gradient already divided by the fp16 loss scale; a training step's
-    class weights, ``n_c / N``, are divided out of the finished rows instead); ``live``: which of
+    class after class (the gradient already divided by the fp16 loss scale, and in fp16 by a
+    training step's class weights too; in other precisions those weights, ``n_c / N``, are
+    divided out of the finished rows instead); ``live``: which of
     its tokens (``[total * positions]``, host bool) have an output gradient not all zero, for a
     rule registered with ``live_tokens`` on the CPU's routes (None: not known, keep them all).
     ``totals``: where the caller asks for them, by kind, the sum over the run's classes of the

@@ -1,8 +1,9 @@
 """The hook path: a run of consecutive classes from one forward and one backward, split by class.
 
 Holds ``HookPath`` (a run's rows, and the one-off spot check against the plain single-class
-path); the plan it follows (which module handles each selected parameter, and how) is
-``hook_plan.HookPlan``, re-exported here.
+path) and ``size_order`` (the order a CPU's run takes its classes in); the plan it follows
+(which module handles each selected parameter, and how) is ``hook_plan.HookPlan``, re-exported
+here.
 
 A run's samples go through one ordinary forward (``capture.forward_capturing``) and one backward
 that stops at the outputs of the handling modules. A module with a layer rule
@@ -10,7 +11,8 @@ that stops at the outputs of the handling modules. A module with a layer rule
 gradients written straight into the row buffer; a module-VJP unit
 (``layer_rules.module_vjp``) gets its per-class gradients from a VJP of that module alone on its
 captured inputs, vmapped over the run's classes. No padding in the model's forward, no
-per-sample gradients, no extra copy of the rows. A module found not to be local on a run (a
+per-sample gradients, no extra copy of the rows (but one of narrow rows on a CPU, whose runs take
+their classes in order of size: ``size_order``). A module found not to be local on a run (a
 parameter used outside it, an output with no sample dimension) hands its parameters to its
 parent, and the run is done again. The first run on a model (per process, see
 ``choices.HOOKS_CHECKED``) is checked against the plain single-class path; any failure makes the
@@ -157,7 +159,9 @@ class HookPath:
         scaled = inv = None
         if bool((scales != 1).any()):
             scaled = host_device.to_device(scales.float(), eng.device)
-            inv = host_device.to_device((1.0 / scales.double()).to(eng.row_dtype), eng.device)
+            # A class with no samples in the run has a zero row whatever its scale (0 * inf: NaN).
+            inverse = torch.where(counts > 0, 1.0 / scales.double(), 1.0)
+            inv = host_device.to_device(inverse.to(eng.row_dtype), eng.device)
         plan = RunPlan(cls, counts, indices, grid, scaled, inv, eng.precision.dtype != "fp16")
         self._last_plan = plan
         return plan
@@ -276,7 +280,7 @@ class HookPath:
         classes, by kind) gives those sums instead."""
         eng = self.engine
         full = getattr(eng, "full_layout", eng.layout)  # a projected engine's rows are its work row
-        if self._full_layers is None:
+        if self._full_layers is None or self._full_layers.keys() != self.plan.layers.keys():  # new, or lifted
             by_name = {s.name: s for s in full.slots}
             self._full_layers = {
                 m: {kind: by_name[s.name] for kind, s in slots.items()} for m, slots in self.plan.layers.items()
