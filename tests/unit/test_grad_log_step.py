@@ -119,12 +119,17 @@ class _ChannelScale(nn.Module):
         return x * self.scale
 
 
+@pytest.mark.parametrize("routes", ["cpu", "cuda"])
 @pytest.mark.parametrize("sizes", ["unequal", "equal"])
-def test_a_step_sums_the_per_class_gradients_its_rules_formed(tmp_path, monkeypatch, sizes):
+def test_a_step_sums_the_per_class_gradients_its_rules_formed(tmp_path, monkeypatch, sizes, routes):
     """Convolutions whose per-class gradients are formed whole (a grouped backward per class size,
-    or one for all classes) and a module-VJP unit: the step's gradient of those layers is the sum
-    of their per-class gradients over the classes, not a second pass of each layer; the Linear
-    layer, whose rows are sketched from its factors, still forms its own. Trains as a plain step."""
+    or one for all classes; on a GPU's routes one over the zero-padded grid) and a module-VJP
+    unit: the step's gradient of those layers is the sum of their per-class gradients over the
+    classes, not a second pass of each layer; the Linear layer, whose rows are sketched from its
+    factors, still forms its own. Trains as a plain step."""
+    import contextlib
+
+    from classgrad.workers.engines.layer_rules.rule_io import routes_as
     from classgrad.workers.engines.partitioned.hook_path import HookPath
 
     step_pass = []  # (layer type) of every layer a step's gradient formed again
@@ -151,7 +156,8 @@ def test_a_step_sums_the_per_class_gradients_its_rules_formed(tmp_path, monkeypa
         y = torch.arange(6).repeat(2)  # 6 classes of 2 samples
     else:
         y = torch.tensor([0, 1, 1, 2, 2, 2, 3, 5, 5, 7, 7, 7])  # classes of 1 to 3 samples
-    with GradLog(str(tmp_path / "log.zarr"), model, classes, window=2, dim=run.DIM) as log:
+    gpu = routes_as("cuda") if routes == "cuda" else contextlib.nullcontext()
+    with gpu, GradLog(str(tmp_path / "log.zarr"), model, classes, window=2, dim=run.DIM) as log:
         for step in range(3):
             opt.zero_grad()
             loss = log.step(step, model, x, y, opt)
