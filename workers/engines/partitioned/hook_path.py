@@ -69,9 +69,10 @@ class RunPlan:
 
 
 # On the CPU's routes, a run's classes in ascending order of their sample counts make each count's
-# classes one slice of the run's samples, so the rules take them as views, not gathers (on a CNN's logged step at
-# C = 10,000, 248 of 256 samples gathered per layer: 15 ms of 165). The rows then go back to the
-# caller's order, one copy of ``[k, width]``: done only where rows are narrow (a projected map's).
+# classes one slice of the run's samples, so the rules take them as views, not gathers (on a CNN's
+# logged step at C = 10,000, 248 of 256 samples gathered per layer: 15 ms of 165). The rows then
+# go back to the caller's order, one copy of ``[k, width]``: done only where rows are narrow (a
+# projected map's).
 ORDER_MAX_WIDTH = 1 << 16
 
 
