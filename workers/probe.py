@@ -4,12 +4,12 @@ Holds ``ProbeSet``: the probe data as given (a ``Dataset`` of ``(input, target)`
 inputs with a label key, a Hugging Face ``datasets.Dataset`` (duck-typed: ``len`` and ``[i]``), a
 ``DataLoader`` (its dataset and collate_fn), a dict of batched tensors with a label key, or a pair
 of tensors), its targets gathered once on the CPU, the micro-batches every engine walks in the
-same order, and the digest of the
-probe set as built (``digest``; a Dataset's is taken while its targets are gathered, the one pass
-over it) with the check that its first samples read the same twice (``reads_repeat``); and
-``tree_map_tensors``, which maps a function over the tensors of a batch (inputs may be nests of
-tuples, lists and dicts), ``digest_into``, which hashes such a nest, and ``has_image`` /
-``in_memory_format`` (its 4-D floating tensors, found and put in a memory format).
+same order, and the digest of the probe set as built (``digest``; a Dataset's is taken while its
+targets are gathered, the one pass over it) with the check that its first samples read the same
+twice (``reads_repeat``); and ``tree_map_tensors``, which maps a function over the tensors of a
+batch (inputs may be nests of tuples, lists and dicts), ``digest_into``, which hashes such a
+nest, and ``has_image`` / ``in_memory_format`` (its 4-D floating tensors, found and put in a
+memory format).
 
 Inputs stay where the user put them and are fetched per batch; only targets (small) are held
 whole. Tensor pairs are indexed directly; other datasets go through ``__getitem__`` and the
