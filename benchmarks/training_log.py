@@ -16,8 +16,12 @@ default on a GPU). ``--parts`` prints instead where a logged step's time goes, p
 forward and backward, the sketched rows with the step's gradient (``LogMap.rows(step=True)``:
 one forward and one backward), and one window's write (its two ``C x dim`` arrays, a quarter of
 the classes non-zero, as 10 steps of 256 samples leave them at C = 10,000), the same window in
-zstd-compressed chunks, and ``numpy.save`` of the same bytes into the same folder (issue 57's
-target: a window written at least at 70% of its speed), best of ``--reps``.
+zstd-compressed chunks, and ``numpy.save`` of the same arrays into the same folder (issue 57's
+target: a window written at least at 70% of its speed); then a window's ``grads`` read back by
+the log's reader (each block checked against its record), the zstd log's the same way, and
+through zarr as numpy, dask and xarray read it; and the MiB a window stores (only the rows of the
+classes it saw), best of ``--reps``. The table's last column is what each logged method's log
+holds over the steps, measured from its files.
 
 Targets (issue 48): a logged step at most 1.5x ``plain`` with windows of 1 step, at most 1.1x
 amortised with windows of 10 (CPU). Prints ratios; asserts nothing. Each logged method opens its
@@ -35,15 +39,17 @@ from __future__ import annotations
 import argparse
 import functools
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+import zarr
 from torch import nn
 
 from benchmarks.common import interleaved, print_table
 from classgrad import GradLog, PerClassGradScaler
-from classgrad.store.training_log.log_store import open_log
+from classgrad.store.training_log.log_store import open_log, open_log_reader
 from classgrad.workers import zoo
 
 
@@ -87,7 +93,7 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
             scaler.step_batch(model, x, y, opt)
 
     def logged(window: int) -> None:
-        path = f"{tmp.name}/log.zarr"
+        path = f"{tmp.name}/add{window}.zarr"
         with GradLog(path, model, classes, window=window, dim=args.dim, overwrite=True, dtype=args.log_dtype) as log:
             for step, (x, y) in enumerate(batches):
                 opt.zero_grad()
@@ -95,7 +101,7 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
                 log.add(step, rows, ids, lr=1e-3, counts=torch.bincount(y, minlength=classes)[ids])
 
     def one_backward(window: int, background: bool | None = None) -> None:
-        path = f"{tmp.name}/log.zarr"
+        path = f"{tmp.name}/step{window}{'b' if background else ''}.zarr"
         kw = {"overwrite": True, "background": background, "dtype": args.log_dtype}
         with GradLog(path, model, classes, window=window, dim=args.dim, **kw) as log:
             for step, (x, y) in enumerate(batches):
@@ -109,15 +115,16 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
         if args.background:
             methods[f"GradLog.step, window {w}, writer thread"] = functools.partial(one_backward, w, True)
     timings = interleaved(methods, reps=args.reps)
+    # What a logged method wrote a step: its log's chunk files (the last run's) over the steps.
+    written = {}
+    for name, fn in methods.items():
+        if isinstance(fn, functools.partial):
+            kind = "add" if fn.func is logged else "step"
+            path = Path(tmp.name) / f"{kind}{fn.args[0]}{'b' if fn.args[1:] == (True,) else ''}.zarr"
+            files = [f for f in path.glob("*/c/**/*") if f.is_file()]
+            written[name] = sum(f.stat().st_size for f in files) / args.steps / 2**20
     tmp.cleanup()
     base = timings["plain"].best
-    # What a logged method writes a step: a window's two C x dim arrays, once per window (the
-    # window is its partial's first argument).
-    itemsize = 2 if args.log_dtype == "bfloat16" else 4
-    window_bytes = 2 * classes * args.dim * itemsize
-    written = {
-        name: window_bytes / fn.args[0] / 2**20 for name, fn in methods.items() if isinstance(fn, functools.partial)
-    }
     return [
         [f"{classes:,}", name, f"{t.best / args.steps * 1e3:.1f}", f"{t.best / base:.2f}",
          f"{written[name]:.1f}" if name in written else "-"]
@@ -135,7 +142,8 @@ def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
     assert log.map is not None and log.store is not None
     g = torch.Generator().manual_seed(2)
     present = torch.rand(classes, generator=g) < 0.25
-    sums = torch.randn(classes, args.dim, generator=g) * present.unsqueeze(1)
+    sums = torch.randn(classes, args.dim, generator=g)
+    sums[~present] = 0  # +0.0, as a window's sums leave the classes it did not see
     arrays = (sums.numpy(), sums.numpy(), present.long().numpy(), present.double().numpy())
 
     def plain() -> None:
@@ -171,6 +179,17 @@ def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
         for i, a in enumerate(arrays):
             np.save(f"{tmp.name}/window{w}_part{i}.npy", a)
 
+    # Reading a window's grads back: by the log's reader (each block checked against its record),
+    # the zstd log's the same way, and through zarr as numpy, dask and xarray read it.
+    write()
+    write_zstd()
+
+    def read(name: str) -> None:  # the window written last
+        open_log_reader(f"{tmp.name}/{'log' if name == 'plain' else name}.zarr").read("grads", written[name])
+
+    def read_zarr() -> None:
+        np.asarray(zarr.open_array(f"{tmp.name}/log.zarr/grads", mode="r")[written["plain"]])
+
     timings = interleaved(
         {
             "plain forward + backward": plain,
@@ -178,13 +197,19 @@ def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
             "window write": write,
             "window write, zstd": write_zstd,
             "numpy.save of the same bytes": numpy_save,
+            "window read (grads), the log's reader": functools.partial(read, "plain"),
+            "window read (grads), zstd log, the log's reader": functools.partial(read, "zstd"),
+            "window read (grads), through zarr": read_zarr,
         },
         args.reps,
     )
     log.close()
+    stored = [f for f in Path(tmp.name, "log.zarr").glob(f"*/c/{written['plain']}/**/*") if f.is_file()]
+    stored_mib = sum(f.stat().st_size for f in stored) / 2**20
     tmp.cleanup()
     nbytes = sum(a.nbytes for a in arrays)
     out = [[f"{classes:,}", name, f"{t.best * 1e3:.1f}"] for name, t in timings.items()]
+    out.append([f"{classes:,}", f"MiB a window stores (its arrays: {nbytes / 2**20:.0f} MiB)", f"{stored_mib:.1f}"])
     floor = timings["numpy.save of the same bytes"].best
     for name in ("window write", "window write, zstd"):
         out.append(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import fsspec
 import numpy as np
 import pytest
 import zarr
@@ -194,35 +195,141 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_log(log):
     assert read_log(str(log))["window"].tolist() == [0, 1, 2, 3]
 
 
-def test_a_windows_chunk_files_are_the_bytes_zarr_writes(tmp_path):
-    """A new log's windows are written straight as chunk files (zarr's pipeline wrote them at a
-    tenth of numpy.save's speed): byte for byte what zarr writes for the same values, edge chunks
-    (C = 300: rows 256-299 of 256) included."""
-    from classgrad.store.training_log.log_store import LogSpec, open_log
+@pytest.mark.parametrize("where", ["local", "object storage"])
+def test_a_windows_files_are_the_bytes_zarr_writes_and_keep_only_the_rows_it_saw(tmp_path, where, monkeypatch):
+    """A new log's windows are written straight as files (zarr's pipeline wrote them at a tenth
+    of numpy.save's speed), locally and on object storage (fsspec's memory filesystem here): byte
+    for byte what zarr writes for the same values. The sums are shards of one-row chunks holding
+    only rows with a bit set (issue 57, item 3): a -0.0 or NaN row is stored, a zero row is not,
+    a block of zero rows leaves no object (and a rewrite of the window removes the one there), an
+    edge shard (C = 600: rows 512-599 of 256) has the full index. The log reads back the values
+    bit for bit, through zarr and through the reader's own path, and the stored sums take the
+    bytes of the rows kept."""
+    from classgrad.store.training_log import row_shards
+    from classgrad.store.training_log.log_store import LogSpec, open_log, open_log_reader
+    from classgrad.store.training_log.row_shards import stored_rows
 
-    spec = LogSpec(num_classes=300, width=16, window=2, layout=[["w", [16]]], projection=None, model="M")
+    local = where == "local"
+    base = str(tmp_path) if local else f"memory://{tmp_path.name}"
+    fs = fsspec.filesystem("file" if local else "memory")
+    C, k = 600, 16
+    spec = LogSpec(num_classes=C, width=k, window=2, layout=[["w", [k]]], projection=None, model="M")
     rng = np.random.default_rng(0)
-    values = (
-        rng.standard_normal((300, 16)).astype(np.float32),
-        rng.standard_normal((300, 16)).astype(np.float32),
-        rng.integers(0, 5, 300),
-        rng.standard_normal(300),
-    )
-    direct = open_log(str(tmp_path / "direct.zarr"), spec)
-    direct.write_window(1, *values, (2, 4))
-    by_zarr = open_log(str(tmp_path / "zarr.zarr"), spec)
+    sums = rng.standard_normal((2, C, k)).astype(np.float32)
+    sums[:, rng.random(C) < 0.7] = 0  # classes the window did not see
+    sums[:, 256:512] = 0  # a whole shard of them: no object
+    sums[0, 3] = -0.0  # equal to the fill value, not its bits: stored
+    sums[1, 5, 2] = np.nan
+    values = (sums[0], sums[1], rng.integers(0, 5, C), rng.standard_normal(C))
+    shards = []  # the blocks the log's own writer made shards of (not zarr's pipeline)
+    monkeypatch.setattr(row_shards, "stored_rows", lambda block: shards.append(block) or stored_rows(block))
+    direct = open_log(f"{base}/direct.zarr", spec)
+    direct.write_window(1, *(np.ones_like(v) for v in values), (2, 4))  # every row stored, then
+    direct.write_window(1, *values, (2, 4))  # rewritten: shard 1's object goes
+    direct.mark_done(1)
+    assert len(shards) == 2 * 2 * 3  # two writes of grads and lr_grads, three shards each
+    monkeypatch.undo()
+    by_zarr = open_log(f"{base}/zarr.zarr", spec)
     for name, value in zip(
         ("grads", "lr_grads", "count", "loss_sum", "steps"), (*values, np.array([2, 4])), strict=True
     ):
         array = by_zarr.group[name]
         array.resize((2, *array.shape[1:]))
         array[1] = value
-    files = sorted(
-        p.relative_to(tmp_path / "direct.zarr") for p in (tmp_path / "direct.zarr").rglob("c/*/**/*") if p.is_file()
-    )
-    assert len(files) == 2 * 2 + 3  # grads and lr_grads: two row chunks each; count, loss_sum, steps
-    for rel in files:
-        assert (tmp_path / "direct.zarr" / rel).read_bytes() == (tmp_path / "zarr.zarr" / rel).read_bytes(), rel
+    roots = {kind: direct.loc.path.replace("direct.zarr", f"{kind}.zarr") for kind in ("direct", "zarr")}
+
+    def chunk_objects(kind: str) -> dict[str, bytes]:
+        found = [p for p in fs.find(roots[kind]) if "/c/" in p and not p.endswith(".partial")]
+        return {p[len(roots[kind]) :]: fs.cat_file(p) for p in found}
+
+    objects = chunk_objects("direct")
+    assert len(objects) == 2 * 2 + 3  # grads and lr_grads: shards 0 and 2 each; count, loss_sum, steps
+    assert objects == chunk_objects("zarr")
+    kept = int((sums[0].view(np.uint32) != 0).any(axis=1).sum())
+    index = 2 * (256 * 16 + 4)  # shards 0 and 2: an (offset, size) pair per row, and its crc32c
+    assert sum(len(b) for key, b in objects.items() if key.startswith("/grads/")) == kept * k * 4 + index
+    reader = open_log_reader(f"{base}/direct.zarr")
+    for name, value in zip(("grads", "lr_grads"), values[:2], strict=True):
+        assert reader._direct(reader.group[name], name, 1) is not None  # the reader's own path
+        got = reader.read(name, 1)
+        through_zarr = np.asarray(reader.group[name][1])
+        assert got.view(np.uint32).tolist() == value.view(np.uint32).tolist() == through_zarr.view(np.uint32).tolist()
+        rows = np.array([599, 3, 256, 5])
+        assert reader.read(name, 1, rows).view(np.uint32).tolist() == value[rows].view(np.uint32).tolist()
+    if not local:
+        fs.rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_a_log_of_dense_chunks_made_before_keeps_them_when_reopened(tmp_path):
+    """A log made before the row shards (dense plain chunks of 256 rows) is reopened, written and
+    read in its own layout: its windows' chunk files are zarr's bytes, and read back equal."""
+    from classgrad.store.training_log.log_store import LogSpec, open_log, open_log_reader
+
+    spec = LogSpec(num_classes=300, width=8, window=1, layout=[["w", [8]]], projection=None, model="M")
+    url = str(tmp_path / "old.zarr")
+    group = open_log(url, spec).group
+    for name in ("grads", "lr_grads"):  # the layout logs had before
+        group.create_array(
+            name, shape=(0, 300, 8), chunks=(1, 256, 8), dtype="float32", fill_value=0, compressors=None,
+            dimension_names=("window", "class_id", "column"), overwrite=True,
+        )  # fmt: skip
+    rng = np.random.default_rng(3)
+    sums = rng.standard_normal((300, 8)).astype(np.float32)
+    sums[rng.random(300) < 0.5] = 0
+    log = open_log(url, spec)  # reopened
+    log.write_window(0, sums, 2 * sums, np.ones(300, np.int64), np.zeros(300), (0, 1))
+    log.mark_done(0)
+    assert zarr.open_array(url + "/grads", mode="r").shards is None
+    chunk = tmp_path / "old.zarr" / "grads" / "c" / "0" / "0" / "0"
+    assert chunk.stat().st_size == 256 * 8 * 4  # a dense chunk, its zero rows in it
+    reader = open_log_reader(url)
+    assert reader._direct(reader.group["grads"], "grads", 0) is None  # through zarr
+    assert np.array_equal(reader.read("grads", 0), sums) and np.array_equal(reader.read("lr_grads", 0), 2 * sums)
+
+
+def test_a_zstd_log_holds_dense_compressed_chunks_and_the_same_windows(tmp_path):
+    """``GradLog(codec="zstd")``: dense chunks of 256 rows, compressed (what zarr's own pipeline
+    reads fastest), holding the same windows as the default's row shards; another codec is
+    refused in one line."""
+
+    def logged(url: str, codec: str) -> dict:
+        model, opt = run.fresh()
+        with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, codec=codec) as glog:
+            for step in range(4):
+                x, y = run.batch(step)
+                opt.zero_grad()
+                glog.step(step, model, x, y, opt)
+        return read_log(url)
+
+    shards, dense = logged(str(tmp_path / "s.zarr"), "none"), logged(str(tmp_path / "z.zarr"), "zstd")
+    grads = zarr.open_array(str(tmp_path / "z.zarr" / "grads"), mode="r")
+    assert grads.shards is None and [type(c).__name__ for c in grads.compressors] == ["ZstdCodec"]
+    assert zarr.open_array(str(tmp_path / "s.zarr" / "grads"), mode="r").shards is not None
+    assert shards.keys() == dense.keys() and all(np.array_equal(shards[k], dense[k]) for k in shards)
+    model, _ = run.fresh()
+    with pytest.raises(InputError, match="codec must be one of none, zstd, got 'lz4'"):
+        GradLog(str(tmp_path / "x.zarr"), model, run.C, window=run.WINDOW, dim=run.DIM, codec="lz4")
+
+
+def test_a_damaged_shard_index_is_one_line_naming_the_rows(tmp_path):
+    """A shard whose index fails its crc32c, or a shard cut short, is refused in one line naming
+    the log, the array, the window and the rows, on the reader's own path."""
+    from classgrad.store.training_log.log_store import LogSpec, open_log, open_log_reader
+
+    spec = LogSpec(num_classes=300, width=8, window=1, layout=[["w", [8]]], projection=None, model="M")
+    log = open_log(str(tmp_path / "log.zarr"), spec)
+    ones = np.ones((300, 8), np.float32)
+    log.write_window(0, ones, ones, np.ones(300, np.int64), np.zeros(300), (0, 1))
+    log.mark_done(0)
+    shard = tmp_path / "log.zarr" / "grads" / "c" / "0" / "1" / "0"
+    blob = bytearray(shard.read_bytes())
+    blob[-10] ^= 1  # a bit of the index
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(StoreError, match=r"grads of window 0, rows 256-299, cannot be read \(ValueError: .*crc32c"):
+        open_log_reader(str(tmp_path / "log.zarr")).read("grads", 0)
+    shard.write_bytes(bytes(blob[:100]))
+    with pytest.raises(StoreError, match=r"rows 256-299, cannot be read \(ValueError: .*shorter than its index"):
+        open_log_reader(str(tmp_path / "log.zarr")).read("grads", 0)
 
 
 def test_a_bfloat16_log_holds_the_float32_sums_rounded_to_8_bits(tmp_path):
@@ -251,9 +358,12 @@ def test_a_bfloat16_log_holds_the_float32_sums_rounded_to_8_bits(tmp_path):
         assert (np.abs(b - a) <= 2.0**-8 * np.abs(a)).all(), name
         assert (b != a).any()  # rounded, not float32 in disguise
     assert np.array_equal(f32["count"], bf16["count"]) and np.array_equal(f32["steps"], bf16["steps"])
-    stored = sum(p.stat().st_size for p in (tmp_path / "bf16.zarr" / "grads" / "c").rglob("*") if p.is_file())
-    full = sum(p.stat().st_size for p in (tmp_path / "f32.zarr" / "grads" / "c").rglob("*") if p.is_file())
-    assert 2 * stored == full  # the chunks: half the bytes
+    # The rows stored: half the bytes (each shard also holds an index of the same size in both).
+    shards = list((tmp_path / "bf16.zarr" / "grads" / "c").rglob("*"))
+    index = sum(p.is_file() for p in shards) * (min(run.C, 256) * 16 + 4)
+    stored = sum(p.stat().st_size for p in shards if p.is_file()) - index
+    full = sum(p.stat().st_size for p in (tmp_path / "f32.zarr" / "grads" / "c").rglob("*") if p.is_file()) - index
+    assert 2 * stored == full > 0
     model, _ = run.fresh()
     with pytest.raises(StoreMismatchError, match=r"dtype: the log's \"bfloat16\", this run's \"float32\""):
         GradLog(str(tmp_path / "bf16.zarr"), model, run.C, window=run.WINDOW, dim=run.DIM, start_step=4)

@@ -41,7 +41,15 @@ from torch import nn
 
 from classgrad.config import ProjectionConfig
 from classgrad.errors import InputError
-from classgrad.store.training_log.log_store import LOG_DTYPES, GradLogStore, LogSpec, is_log, open_log, open_log_reader
+from classgrad.store.training_log.log_store import (
+    LOG_CODECS,
+    LOG_DTYPES,
+    GradLogStore,
+    LogSpec,
+    is_log,
+    open_log,
+    open_log_reader,
+)
 from classgrad.workers.layout import ParamLayout
 from classgrad.workers.projection import (
     DEFAULT_STRUCTURE,
@@ -72,7 +80,10 @@ class GradLog:
     sums in memory), else the step that ends a window waits for its write (default: in the
     background when the model is on a GPU); ``dtype``: how the windows' sums are stored,
     ``float32`` or ``bfloat16`` (half the bytes, 8 significant bits: benchmarks/RESULTS.md has
-    its error against float32); readers get float32 either way."""
+    its error against float32); readers get float32 either way; ``codec``: how a new log stores
+    them, ``none`` (only the rows of the classes a window saw, in shards of one-row chunks: the
+    fewest bytes, and the fastest write and read through this log's reader) or ``zstd`` (dense
+    compressed chunks: what zarr's own pipeline, and so xarray and dask, reads fastest)."""
 
     def __init__(
         self,
@@ -90,11 +101,14 @@ class GradLog:
         overwrite: bool = False,
         background: bool | None = None,
         dtype: str = "float32",
+        codec: str = "none",
     ):
         if not isinstance(window, int) or window < 1:
             raise InputError(f"GradLog: window must be an integer >= 1, got {window!r}")
         if dtype not in LOG_DTYPES:
             raise InputError(f"GradLog: dtype must be one of {', '.join(LOG_DTYPES)}, got {dtype!r}")
+        if codec not in LOG_CODECS:
+            raise InputError(f"GradLog: codec must be one of {', '.join(LOG_CODECS)}, got {codec!r}")
         if start_step is not None and (not isinstance(start_step, int) or start_step < 0 or start_step % window):
             raise InputError(
                 f"GradLog: start_step must be a multiple of window ({window}) >= 0, got {start_step!r}: resume "
@@ -139,7 +153,9 @@ class GradLog:
         if self.writer:
             # The log's lease, for this process: a second writer is refused while this one lives.
             writer_id = f"gradlog-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-            self.store = open_log(url, spec, storage_options=storage_options, overwrite=overwrite, writer_id=writer_id)
+            self.store = open_log(
+                url, spec, storage_options=storage_options, overwrite=overwrite, writer_id=writer_id, codec=codec
+            )
             try:
                 if start_step is None and self.store.done:  # start_step 0 would drop every window
                     raise InputError(

@@ -16,7 +16,7 @@ import functools
 import inspect
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -156,6 +156,15 @@ class Location:
             os.replace(tmp, self.key(name))
         else:
             self.fs.pipe_file(self.key(name), data)
+
+    def write_many(self, objects: Mapping[str, bytes]) -> None:
+        """Write each object of ``objects`` (name -> bytes) whole: locally as ``write_bytes``,
+        elsewhere in one batch of PUTs (fsspec's ``pipe``: concurrent on object storage)."""
+        if self.local:
+            for name, data in objects.items():
+                self.write_bytes(name, data)
+        elif objects:
+            self.fs.pipe({self.key(name): data for name, data in objects.items()})
 
     def list_folder(self, folder: str) -> list[str]:
         """The objects directly in ``folder`` (keys relative to the store; none when it is

@@ -17,7 +17,7 @@ naming the log, the array, the window and the rows.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -79,19 +79,30 @@ class WindowRecords:
         return self._cache[w]
 
 
-def checked_rows(array: Any, name: str, w: int, index: tuple, expected: list[str] | None, url: str) -> np.ndarray:
+def checked_rows(
+    array: Any,
+    name: str,
+    w: int,
+    index: tuple,
+    expected: list[str] | None,
+    url: str,
+    block: tuple[int, Callable[[int, int], np.ndarray]] | None = None,
+) -> np.ndarray:
     """Window ``w`` of ``array`` (``[window, rows, ...]``) at ``index`` (a slice or an integer
     array per dimension after the window's, applied each on its own), its row chunks read
-    whole and each checked against ``expected`` (None: a log without records, unchecked)."""
+    whole and each checked against ``expected`` (None: a log without records, unchecked).
+    ``block``: the rows a record's digest covers and how to read rows ``[a, b)`` of the window
+    (default: the array's row chunk, read through zarr)."""
     rows_index = index[0] if index else slice(None)
-    n, rc = int(array.shape[1]), int(array.chunks[1])
+    n = int(array.shape[1])
+    rc, read_rows = block or (int(array.chunks[1]), lambda a, b: np.asarray(array[w, a:b]))
     ids = np.arange(n)[rows_index] if isinstance(rows_index, slice) else np.asarray(rows_index, dtype=np.int64)
     if not ids.size:
         return np.asarray(array[(w, *index)])
 
     def read(j: int, a: int, b: int) -> np.ndarray:
         try:
-            piece = np.asarray(array[w, a:b])
+            piece = read_rows(a, b)
         except Exception as exc:
             raise StoreError(
                 f"grad log {url}: {name} of window {w}, rows {a}-{b - 1}, cannot be read "

@@ -13,7 +13,8 @@ Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, dims in each array's
 ``dimension_names``). Window ``w`` covers steps ``[w * window, (w + 1) * window)``:
 
 - ``grads`` ``[window, class_id, column]`` float32: the sum over the window's steps of each
-  class's row (projected to ``width`` columns, or whole);
+  class's row (projected to ``width`` columns, or whole); a new log stores it in shards of
+  ``ROW_CHUNK`` classes with a chunk per row, only the rows a window saw (``row_shards``);
 - ``lr_grads`` ``[window, class_id, column]`` float32: the same, each step's row times its
   learning rate (what a TracIn-style score sums);
 - ``count`` ``[window, class_id]`` int64: the class's samples in the window's steps;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,6 +46,7 @@ from classgrad.store.core.location import Location, local_path
 from classgrad.store.integrity.lease import HeldLease, StoreLease
 from classgrad.store.rows.direct_write import chunk_bytes, write_file
 from classgrad.store.training_log.log_records import RECORDS_ATTR, WindowRecords, checked_rows, window_digests
+from classgrad.store.training_log.row_shards import is_row_sharded, parse_shard, read_shard, shard_parts, write_shard
 
 SPEC_ATTR = "grad_log"
 DONE_ATTR = "done_windows"
@@ -54,8 +57,11 @@ LOG_LEASE_TTL_S = 300.0  # a writer renews its lease every third of it, at a ste
 # above 65,504 without per-row scales). Readers get float32 either way.
 LOG_DTYPES = ("float32", "bfloat16")
 SUM_ARRAYS = ("grads", "lr_grads")
-LOG_CODECS = ("none", "zstd")  # how a new log's chunks are stored (logs made before: zstd, kept)
-ROW_CHUNK = 256  # classes per chunk of grads: a window's chunk of 256 x 4,096 floats is 4 MiB
+# How a new log's sums are stored: "none", a Zarr shard per ROW_CHUNK classes of a window with an
+# inner chunk per class row, only the rows of classes the window saw (``row_shards``); "zstd",
+# dense chunks of ROW_CHUNK rows compressed (logs made before: zstd, or dense chunks, kept).
+LOG_CODECS = ("none", "zstd")
+ROW_CHUNK = 256  # classes per shard (or chunk) of grads: 256 x 4,096 floats is 4 MiB whole
 DIMS = {
     "grads": ("window", "class_id", "column"),
     "lr_grads": ("window", "class_id", "column"),
@@ -129,18 +135,51 @@ def _plain(array: zarr.Array) -> bool:
     )
 
 
+def _row_block(array: zarr.Array) -> int:
+    """The rows of a window one object of ``array`` holds (its shard's, or its chunk's): what a
+    window record's digest covers."""
+    return int((array.shards or array.chunks)[1])
+
+
+def _object_key(name: str, array: zarr.Array, w: int, j: int) -> str:
+    """The key of window ``w``'s ``j``-th row block of ``array`` (``name/c/w/j[/0]``)."""
+    return "/".join([name, "c", str(w), str(j), *["0"] * (array.ndim - 2)])
+
+
 def _write_plain(array: zarr.Array, root: str, name: str, w: int, value: np.ndarray) -> None:
-    """Window ``w`` of a plain local array written straight as its chunk files (the chunk's
-    little-endian bytes, edge chunks padded with the fill value, at ``name/c/w/j[/0]``), each
-    through a rename: zarr's pipeline wrote a window at about a tenth of ``numpy.save``'s speed
-    (``benchmarks/training_log.py --parts``). Reads go through zarr, and the window's record."""
-    chunk = array.chunks[1:]
-    rc = chunk[0]
+    """Window ``w`` of a plain local array (dense chunks, no codec: logs made before the row
+    shards) written straight as its chunk files, their little-endian bytes, edge chunks padded
+    with the fill value, each through a rename: zarr's pipeline wrote a window at about a tenth of
+    ``numpy.save``'s speed (``benchmarks/training_log.py --parts``)."""
+    rc = _row_block(array)
     for j, r0 in enumerate(range(0, value.shape[0], rc)):
-        leaf = [str(w), str(j)] + ["0"] * (len(chunk) - 1)
-        path = os.path.join(root, name, "c", *leaf)
+        path = os.path.join(root, _object_key(name, array, w, j))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_file(path, (chunk_bytes(value[r0 : r0 + rc], chunk, array.fill_value),))
+        write_file(path, (chunk_bytes(value[r0 : r0 + rc], array.chunks[1:], array.fill_value),))
+
+
+def _write_shards(loc: Location, array: zarr.Array, name: str, w: int, value: np.ndarray) -> None:
+    """Window ``w`` of a row-sharded array written straight as its shards, only the rows with a
+    bit set (``row_shards``): local files through a rename, on object storage one PUT each, all
+    at once (zarr's pipeline takes each one-row chunk on its own: 2.1 s against 0.18 s for a
+    window at C = 10,000, k = 4,096)."""
+    rc = _row_block(array)
+    puts: dict[str, bytes] = {}
+    for j, r0 in enumerate(range(0, value.shape[0], rc)):
+        key = _object_key(name, array, w, j)
+        if loc.local:
+            write_shard(loc.key(key), value[r0 : r0 + rc], rc)
+            continue
+        parts = shard_parts(value[r0 : r0 + rc], rc)
+        if parts is None:
+            loc.delete(key)  # one an earlier write of the window left
+        else:
+            puts[key] = b"".join(parts)
+    loc.write_many(puts)
+
+
+def _local_root(root: str) -> str:
+    return os.path.abspath(os.path.expanduser(root))
 
 
 def missing_windows(done: list[int]) -> list[int]:
@@ -163,10 +202,12 @@ class GradLogStore:
         url: str,
         records: WindowRecords | None = None,
         lease: HeldLease | None = None,
+        storage_options: dict | None = None,
     ):
         self.group = group
         self.spec = spec
         self.url = url
+        self.loc = Location(url, storage_options)  # where the sums' shards are written
         self.records = records  # None: a log made before window records
         self.lease = lease  # this writer's lease on the log: one writer at a time
         self.generation = group.attrs.get(GENERATION_ATTR)  # which creation of the log at this url
@@ -223,11 +264,13 @@ class GradLogStore:
             array = _array(self.group, name, self.url)
             if array.shape[0] <= w:
                 array.resize((w + 1, *array.shape[1:]))
-            if root is not None and _plain(array):
-                _write_plain(array, os.path.abspath(os.path.expanduser(root)), name, w, value)
+            if is_row_sharded(array):
+                _write_shards(self.loc, array, name, w, value)
+            elif root is not None and _plain(array):
+                _write_plain(array, _local_root(root), name, w, value)
             else:
                 array[w] = value
-            chunks[name] = int(array.chunks[1])
+            chunks[name] = _row_block(array)
         if self.records is not None:
             self._pending[w] = window_digests(w, values, chunks)
 
@@ -285,8 +328,10 @@ def open_log(
     ``spec`` (else one line naming each difference; ``overwrite`` replaces it). ``writer_id``:
     the writer takes the log's lease first (a second writer is refused in one line while it is
     live; see ``classgrad.store.integrity.lease``), held until ``close``. ``codec``: how a new log's
-    chunks are stored: ``none`` (the default: summed float rows do not compress, and zstd cost
-    most of a window's write, ``benchmarks/training_log.py --parts``) or ``zstd``."""
+    sums are stored: ``none`` (the default: summed float rows do not compress, and zstd cost
+    most of a window's write, ``benchmarks/training_log.py --parts``; only the rows a window saw,
+    in shards of one-row chunks) or ``zstd`` (dense chunks of ``ROW_CHUNK`` rows, compressed:
+    what zarr's own pipeline reads fastest, for logs read mostly through xarray or dask)."""
     if codec not in LOG_CODECS:
         raise StoreError(f"grad log codec must be one of {', '.join(LOG_CODECS)}, got {codec!r}")
     lease = None
@@ -332,34 +377,38 @@ def _open_log(
         for name in DIMS:  # each array's own metadata readable (one line, not a traceback later)
             _array(group, name, url)
         records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
-        return GradLogStore(group, spec, url, records, lease)
+        return GradLogStore(group, spec, url, records, lease, storage_options)
     if spec.dtype not in LOG_DTYPES:
         raise StoreError(f"grad log {url}: dtype must be one of {', '.join(LOG_DTYPES)}, got {spec.dtype!r}")
     c, k = spec.num_classes, spec.width
     stored = "uint16" if spec.dtype == "bfloat16" else "float32"
-    shapes = {
-        "grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), stored),
-        "lr_grads": ((0, c, k), (1, min(ROW_CHUNK, c), k), stored),
-        "count": ((0, c), (1, c), "int64"),
-        "loss_sum": ((0, c), (1, c), "float64"),
-        "steps": ((0, 2), (1, 2), "int64"),
+    block = (1, min(ROW_CHUNK, c), k)
+    # The sums: a shard per block of classes, a chunk per class row (only the rows a window saw
+    # are stored); with zstd, dense compressed chunks (zero rows compress).
+    sums = {"chunks": block} if codec == "zstd" else {"chunks": (1, 1, k), "shards": block}
+    layouts: dict[str, tuple[tuple[int, ...], dict[str, Any], str]] = {
+        "grads": ((0, c, k), sums, stored),
+        "lr_grads": ((0, c, k), sums, stored),
+        "count": ((0, c), {"chunks": (1, c)}, "int64"),
+        "loss_sum": ((0, c), {"chunks": (1, c)}, "float64"),
+        "steps": ((0, 2), {"chunks": (1, 2)}, "int64"),
     }
     compressors = [ZstdCodec(level=3)] if codec == "zstd" else None
-    for name, (shape, chunks, dtype) in shapes.items():
+    for name, (shape, chunking, dtype) in layouts.items():
         group.create_array(
             name,
             shape=shape,
-            chunks=chunks,
             dtype=dtype,
             fill_value=0,
             dimension_names=DIMS[name],
             compressors=compressors,
+            **chunking,
         )
     group.attrs[SPEC_ATTR] = asdict(spec)
     group.attrs[DONE_ATTR] = []
     group.attrs[RECORDS_ATTR] = True
     group.attrs[GENERATION_ATTR] = uuid.uuid4().hex
-    return GradLogStore(group, spec, url, WindowRecords(url, storage_options), lease)
+    return GradLogStore(group, spec, url, WindowRecords(url, storage_options), lease, storage_options)
 
 
 def is_log(url: str, *, storage_options: dict | None = None) -> bool:
@@ -376,14 +425,22 @@ class LogReader:
     """A log opened for reading: ``spec``, ``done`` (the windows to read), ``held`` (the windows
     the arrays hold, done or not) and ``read`` (one done window of one array, or a block of it)."""
 
-    def __init__(self, group: zarr.Group, spec: LogSpec, url: str, records: WindowRecords | None = None):
+    def __init__(
+        self,
+        group: zarr.Group,
+        spec: LogSpec,
+        url: str,
+        records: WindowRecords | None = None,
+        storage_options: dict | None = None,
+    ):
         self.group = group
         self.spec = spec
         self.url = url
+        self.loc = Location(url, storage_options)  # where the sums' shards are read
         self.records = records  # None: a log made before window records: read unchecked
         self.done = _done(group, url)  # once: the attribute a writer may be changing is read one time
         self.held = int(_array(group, "steps", url).shape[0])
-        self.row_chunk = int(_array(group, "grads", url).chunks[1])
+        self.row_chunk = _row_block(_array(group, "grads", url))
         for name in DIMS:
             _array(group, name, url)
 
@@ -408,10 +465,28 @@ class LogReader:
         expected = None if self.records is None else self.records.get(w).get(name)
         if self.records is not None and expected is None:
             raise StoreError(f"grad log {self.url}: the record of window {w} has no digests of {name}")
-        values = checked_rows(_array(self.group, name, self.url), name, w, index, expected, self.url)
+        array = _array(self.group, name, self.url)
+        values = checked_rows(array, name, w, index, expected, self.url, self._direct(array, name, w))
         if self.spec.dtype == "bfloat16" and name in SUM_ARRAYS:
             return bf16_bits_to_f32(values)  # float32 true values, whatever the stored dtype
         return values
+
+    def _direct(self, array: zarr.Array, name: str, w: int) -> tuple[int, Callable] | None:
+        """A row-sharded array's blocks read straight as their shards (zarr's pipeline takes each
+        one-row chunk on its own: ``benchmarks/training_log.py --parts``); None: through zarr."""
+        if not is_row_sharded(array):
+            return None
+        rc, n, row_shape = _row_block(array), int(array.shape[1]), tuple(array.shape[2:])
+
+        def read(a: int, b: int) -> np.ndarray:
+            key, rows = _object_key(name, array, w, a // rc), min(a + rc, n) - a
+            if self.loc.local:
+                block = read_shard(self.loc.key(key), rows, rc, row_shape, array.dtype, array.fill_value)
+            else:
+                block = parse_shard(self.loc.read_bytes(key), rows, rc, row_shape, array.dtype, array.fill_value)
+            return block[: b - a]
+
+        return rc, read
 
 
 def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogReader:
@@ -429,7 +504,8 @@ def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogRead
         raise StoreError(
             f"grad log {url}: its recorded spec is not one this classgrad reads ({_short(recorded)})"
         ) from None
-    return LogReader(group, spec, url, WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None)
+    records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
+    return LogReader(group, spec, url, records, storage_options)
 
 
 def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.ndarray]:
