@@ -311,25 +311,59 @@ def test_a_zstd_log_holds_dense_compressed_chunks_and_the_same_windows(tmp_path)
         GradLog(str(tmp_path / "x.zarr"), model, run.C, window=run.WINDOW, dim=run.DIM, codec="lz4")
 
 
-def test_a_damaged_shard_index_is_one_line_naming_the_rows(tmp_path):
-    """A shard whose index fails its crc32c, or a shard cut short, is refused in one line naming
-    the log, the array, the window and the rows, on the reader's own path."""
+@pytest.mark.parametrize("where", ["local", "object storage"])
+def test_a_damaged_shard_is_one_line_naming_the_rows(tmp_path, where):
+    """On the reader's own path, locally and on object storage (fsspec's memory filesystem): a
+    shard whose index fails its crc32c, or cut short, cannot be read; one with a stored row's
+    byte flipped, or deleted (its rows then read as zeros), does not match the window's record.
+    Each is one line naming the log, the array, the window and the rows."""
     from classgrad.store.training_log.log_store import LogSpec, open_log, open_log_reader
 
+    local = where == "local"
+    url = str(tmp_path / "log.zarr") if local else f"memory://{tmp_path.name}/log.zarr"
+    fs = fsspec.filesystem("file" if local else "memory")
     spec = LogSpec(num_classes=300, width=8, window=1, layout=[["w", [8]]], projection=None, model="M")
-    log = open_log(str(tmp_path / "log.zarr"), spec)
-    ones = np.ones((300, 8), np.float32)
-    log.write_window(0, ones, ones, np.ones(300, np.int64), np.zeros(300), (0, 1))
+    log = open_log(url, spec)
+    sums = np.ones((300, 8), np.float32)
+    sums[::2] = 0  # half the rows stored
+    log.write_window(0, sums, sums, np.ones(300, np.int64), np.zeros(300), (0, 1))
     log.mark_done(0)
-    shard = tmp_path / "log.zarr" / "grads" / "c" / "0" / "1" / "0"
-    blob = bytearray(shard.read_bytes())
-    blob[-10] ^= 1  # a bit of the index
-    shard.write_bytes(bytes(blob))
-    with pytest.raises(StoreError, match=r"grads of window 0, rows 256-299, cannot be read \(ValueError: .*crc32c"):
-        open_log_reader(str(tmp_path / "log.zarr")).read("grads", 0)
-    shard.write_bytes(bytes(blob[:100]))
-    with pytest.raises(StoreError, match=r"rows 256-299, cannot be read \(ValueError: .*shorter than its index"):
-        open_log_reader(str(tmp_path / "log.zarr")).read("grads", 0)
+    shard = f"{log.loc.path}/grads/c/0/1/0"
+    good = fs.cat_file(shard)
+    rows = "grads of window 0, rows 256-299"
+    damage = {
+        "index bit": (good[:-10] + bytes([good[-10] ^ 1]) + good[-9:], "cannot be read \\(ValueError: .*crc32c"),
+        "cut short": (good[:100], "cannot be read \\(ValueError: .*shorter than its index"),
+        "row bit": (bytes([good[0] ^ 1]) + good[1:], "does not match its record"),
+        "deleted": (None, "does not match its record"),
+    }
+    for what, (blob, message) in damage.items():
+        if blob is None:
+            fs.rm_file(shard)
+        else:
+            fs.pipe_file(shard, blob)
+        with pytest.raises(StoreError, match=f"{rows}, {message}") as err:
+            open_log_reader(url).read("grads", 0)
+        assert "\n" not in str(err.value), what
+    if not local:
+        fs.rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_only_the_log_layout_of_row_shards_is_read_straight(tmp_path):
+    """The direct paths take only shards of one window's block of whole rows with one-row
+    chunks; zarr reads anything else (a shard of two windows, of two rows' widths, a 2-D array)."""
+    from classgrad.store.training_log.row_shards import is_row_sharded
+
+    group = zarr.open_group(str(tmp_path / "g.zarr"), mode="w", zarr_format=3)
+
+    def made(name: str, shape: tuple, chunks: tuple, shards: tuple | None) -> zarr.Array:
+        return group.create_array(name, shape=shape, chunks=chunks, shards=shards, dtype="float32", compressors=None)
+
+    assert is_row_sharded(made("log", (2, 512, 8), (1, 1, 8), (1, 256, 8)))
+    assert not is_row_sharded(made("two_windows", (2, 512, 8), (1, 1, 8), (2, 256, 8)))
+    assert not is_row_sharded(made("half_rows", (2, 512, 16), (1, 1, 8), (1, 256, 16)))
+    assert not is_row_sharded(made("dense", (2, 512, 8), (1, 256, 8), None))
+    assert not is_row_sharded(made("flat", (2, 512), (1, 1), (1, 256)))
 
 
 def test_a_bfloat16_log_holds_the_float32_sums_rounded_to_8_bits(tmp_path):

@@ -1,5 +1,6 @@
-"""A training log's window records: the digest of every chunk of a window, written before the
-window is marked done and checked on every read, as a job's store checks its shard records.
+"""A training log's window records: the digest of every row block (a chunk, or a shard, of 256
+rows) of a window's values, written before the window is marked done and checked on every read,
+as a job's store checks its shard records.
 
 Holds ``RECORDS_ATTR`` (the log's group attribute saying it keeps records: logs made before it
 are read unchecked), ``window_digests`` (a window's values -> the digest of each row chunk of

@@ -23,7 +23,8 @@ Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, dims in each array's
 - group attributes: ``grad_log`` (the spec), ``done_windows`` (written only after the
   window's chunks and record are: a window not listed is absent, whatever its chunks hold) and
   ``window_records`` (true: the log keeps a record per window, ``log_records``);
-- ``window_records/<w>.json``: the digest of every chunk of window ``w``, checked on every read.
+- ``window_records/<w>.json``: the digest of every block of ``ROW_CHUNK`` rows of window ``w``
+  (of the values, whatever the layout stores), checked on every read.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def _done(group: zarr.Group, url: str = "") -> list[int]:
 
 def _plain(array: zarr.Array) -> bool:
     """Whether ``array``'s chunks are their values' little-endian bytes as they are (no codec
-    but the bytes serializer): a new log's, which ``_write_plain`` writes as files."""
+    but the bytes serializer, dense: logs made before the row shards), which ``_write_plain``
+    writes as files."""
     meta = array.metadata
     if not isinstance(meta, ArrayV3Metadata):
         return False

@@ -46,12 +46,15 @@ def is_row_sharded(array: Any) -> bool:
     chunks with no codec but the bytes serializer, the index at the end with its crc32c: the
     layout ``write_shard`` and ``read_shard`` read and write without zarr's pipeline."""
     meta = array.metadata
-    if not isinstance(meta, ArrayV3Metadata) or len(meta.codecs) != 1:
+    if not isinstance(meta, ArrayV3Metadata) or len(meta.codecs) != 1 or len(meta.shape) != 3:
         return False
-    codec = meta.codecs[0]
+    codec, shard = meta.codecs[0], tuple(array.shards or ())
     return (
         isinstance(codec, ShardingCodec)
         and tuple(codec.chunk_shape) == (1, 1, meta.shape[2])
+        and len(shard) == 3
+        and shard[0] == 1
+        and shard[2] == meta.shape[2]  # a shard: one window's block of whole rows
         and _little_bytes_only(codec.codecs)
         and len(codec.index_codecs) == 2
         and _little_bytes_only(codec.index_codecs[:1])
@@ -129,9 +132,10 @@ def parse_shard(
 ) -> np.ndarray:
     """The first ``rows`` rows of the shard ``blob`` (None: no shard, all at ``fill``);
     ``ValueError`` as ``read_shard``."""
-    stored = np.dtype(dtype).newbyteorder("<")
+    stored, native = np.dtype(dtype).newbyteorder("<"), np.dtype(dtype).newbyteorder("=")
     # np.zeros takes pages already zeroed: a shard of a quarter of its rows is not written twice.
-    out = np.zeros((rows, *row_shape), dtype=stored) if fill == 0 else np.full((rows, *row_shape), fill, dtype=stored)
+    # Native order, as the digests of the window's record were taken over the values written.
+    out = np.zeros((rows, *row_shape), dtype=native) if fill == 0 else np.full((rows, *row_shape), fill, dtype=native)
     if blob is None:
         return out
     index_bytes = rows_per_shard * 16
