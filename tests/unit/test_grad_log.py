@@ -70,6 +70,31 @@ def test_xarray_reads_the_log_with_its_dimensions(tmp_path):
     assert ds["grads"].shape == (2, run.C, run.DIM) and ds["steps"].dims == ("window", "bound")
 
 
+def test_open_log_dataset_reads_the_done_windows_lazily_and_checks_each_block(tmp_path):
+    """``open_log_dataset``: the done windows as a Dataset equal to ``read_log``'s arrays (the sums
+    dask-backed, a task per window and block), and a damaged block refused when computed."""
+    pytest.importorskip("xarray")
+    pytest.importorskip("dask")
+    from classgrad.errors import StoreError
+    from classgrad.store import open_log_dataset
+
+    url = str(tmp_path / "log.zarr")
+    run.train(url, str(tmp_path / "ckpt.pt"), 0, 4)
+    ds, want = open_log_dataset(url), read_log(url)
+    assert ds["grads"].dims == ("window", "class_id", "column") and ds["window"].values.tolist() == [0, 1]
+    assert ds["grads"].chunks is not None and len(ds["grads"].chunks[0]) == 2
+    for name in ("grads", "lr_grads", "count", "loss_sum", "steps"):
+        assert np.array_equal(ds[name].values, want[name]), name
+    shard = next(p for p in (tmp_path / "log.zarr" / "lr_grads" / "c" / "1").rglob("*") if p.is_file())
+    blob = bytearray(shard.read_bytes())
+    blob[0] ^= 1  # a stored row's first byte
+    shard.write_bytes(bytes(blob))
+    ds = open_log_dataset(url)
+    assert np.array_equal(ds["grads"].values, want["grads"])  # the other array reads as it was
+    with pytest.raises(StoreError, match="lr_grads of window 1, rows .* does not match its record"):
+        ds["lr_grads"].compute()
+
+
 def test_a_run_killed_mid_window_resumes_from_its_checkpoint_without_doubling(tmp_path):
     """The child process kills itself (SIGKILL) before step 5, inside window 2; the rerun starts
     from the checkpoint of step 4 and ends with the log an uninterrupted run writes."""

@@ -25,7 +25,9 @@ the ones listed before it:
   ``preconditioner`` (``classgrad score``'s saved Gram matrix) and ``score_output`` (the output
   of ``classgrad score --out``).
 - ``training_log`` — a training run's per-class rows summed over windows of steps (``GradLog``'s
-  store): ``log_store`` (``open_log``, ``read_log``) and ``log_records`` (its digests).
+  store): ``log_store`` (``open_log``, ``read_log``), ``log_records`` (its digests),
+  ``row_shards`` (a window's stored rows) and ``log_dataset`` (``open_log_dataset``: the lazy
+  xarray Dataset of its done windows, every block checked).
 
 It needs numpy, zarr and fsspec only (s3fs for ``s3://``; dask for ``to_dask``, xarray too for
 ``open_dataset``), never torch or Ray.
@@ -41,6 +43,7 @@ from classgrad.store.grad_store import GradStore
 from classgrad.store.integrity.checks import check_metadata
 from classgrad.store.integrity.lease import HeldLease, StoreLease, lease_state, store_lease
 from classgrad.store.scan import ChunkProblem
+from classgrad.store.training_log.log_dataset import open_log_dataset
 from classgrad.store.training_log.log_store import read_log
 
 __all__ = [
@@ -59,6 +62,7 @@ __all__ = [
     "lease_state",
     "local_path",
     "open_dataset",
+    "open_log_dataset",
     "open_store",
     "read_log",
     "store_lease",

@@ -9,8 +9,9 @@ store), ``LogReader`` with ``open_log_reader`` (the spec, the done windows, one 
 arrays read in blocks; a window not done, or past the arrays, refused in one line) and
 ``read_log`` (the done windows' arrays at once).
 
-Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, dims in each array's
-``dimension_names``). Window ``w`` covers steps ``[w * window, (w + 1) * window)``:
+Layout (a Zarr v3 group; ``xarray.open_zarr`` reads it, ``log_dataset`` faster and checked;
+dims in each array's ``dimension_names``). Window ``w`` covers steps ``[w * window, (w + 1) *
+window)``:
 
 - ``grads`` ``[window, class_id, column]`` float32: the sum over the window's steps of each
   class's row (projected to ``width`` columns, or whole); a new log stores it in shards of
@@ -425,7 +426,8 @@ def is_log(url: str, *, storage_options: dict | None = None) -> bool:
 
 class LogReader:
     """A log opened for reading: ``spec``, ``done`` (the windows to read), ``held`` (the windows
-    the arrays hold, done or not) and ``read`` (one done window of one array, or a block of it)."""
+    the arrays hold, done or not), ``read`` (one done window of one array, or a block of it) and
+    ``stacked`` (one array over the done windows)."""
 
     def __init__(
         self,
@@ -473,6 +475,13 @@ class LogReader:
             return bf16_bits_to_f32(values)  # float32 true values, whatever the stored dtype
         return values
 
+    def stacked(self, name: str) -> np.ndarray:
+        """``name``'s values of every done window, stacked along ``window`` (each checked)."""
+        values = [self.read(name, w) for w in self.done]
+        array = _array(self.group, name, self.url)
+        dtype = np.float32 if name in SUM_ARRAYS else array.dtype  # sums read as float32 (bfloat16 decoded)
+        return np.stack(values) if values else np.zeros((0, *array.shape[1:]), dtype=dtype)
+
     def _direct(self, array: zarr.Array, name: str, w: int) -> tuple[int, Callable] | None:
         """A row-sharded array's blocks read straight as their shards (zarr's pipeline takes each
         one-row chunk on its own: ``benchmarks/training_log.py --parts``); None: through zarr."""
@@ -514,10 +523,4 @@ def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.n
     """The done windows of the log at ``url``: ``window`` (their indices) and each array of the
     layout, restricted to them (a window written but not marked done is left out)."""
     reader = open_log_reader(url, storage_options=storage_options)
-    out = {"window": np.asarray(reader.done, dtype=np.int64)}
-    for name in DIMS:
-        values = [reader.read(name, w) for w in reader.done]  # each window's chunks checked
-        array = _array(reader.group, name, url)
-        dtype = np.float32 if name in SUM_ARRAYS else array.dtype  # sums read as float32 (bfloat16 decoded)
-        out[name] = np.stack(values) if values else np.zeros((0, *array.shape[1:]), dtype=dtype)
-    return out
+    return {"window": np.asarray(reader.done, dtype=np.int64), **{name: reader.stacked(name) for name in DIMS}}
