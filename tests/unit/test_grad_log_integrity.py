@@ -292,16 +292,7 @@ def test_a_zstd_log_holds_dense_compressed_chunks_and_the_same_windows(tmp_path)
     reads fastest), holding the same windows as the default's row shards; another codec is
     refused in one line."""
 
-    def logged(url: str, codec: str) -> dict:
-        model, opt = run.fresh()
-        with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, codec=codec) as glog:
-            for step in range(4):
-                x, y = run.batch(step)
-                opt.zero_grad()
-                glog.step(step, model, x, y, opt)
-        return read_log(url)
-
-    shards, dense = logged(str(tmp_path / "s.zarr"), "none"), logged(str(tmp_path / "z.zarr"), "zstd")
+    shards, dense = logged(str(tmp_path / "s.zarr"), codec="none"), logged(str(tmp_path / "z.zarr"), codec="zstd")
     grads = zarr.open_array(str(tmp_path / "z.zarr" / "grads"), mode="r")
     assert grads.shards is None and [type(c).__name__ for c in grads.compressors] == ["ZstdCodec"]
     assert zarr.open_array(str(tmp_path / "s.zarr" / "grads"), mode="r").shards is not None
@@ -366,6 +357,17 @@ def test_only_the_log_layout_of_row_shards_is_read_straight(tmp_path):
     assert not is_row_sharded(made("flat", (2, 512), (1, 1), (1, 256)))
 
 
+def logged(url: str, **options) -> dict:
+    """Four steps of ``run``'s model by ``GradLog.step`` into a log made with ``options``, read back."""
+    model, opt = run.fresh()
+    with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, **options) as glog:
+        for step in range(4):
+            x, y = run.batch(step)
+            opt.zero_grad()
+            glog.step(step, model, x, y, opt)
+    return read_log(url)
+
+
 def test_a_bfloat16_log_holds_the_float32_sums_rounded_to_8_bits(tmp_path):
     """``GradLog(dtype="bfloat16")`` (issue 57, item 3): half the bytes; every stored sum is the
     float32 one rounded to nearest even at 8 significant bits (relative error <= 2**-8 each), read
@@ -374,17 +376,8 @@ def test_a_bfloat16_log_holds_the_float32_sums_rounded_to_8_bits(tmp_path):
 
     from classgrad.errors import StoreMismatchError
 
-    def logged(url: str, dtype: str) -> dict:
-        model, opt = run.fresh()
-        with GradLog(url, model, run.C, window=run.WINDOW, dim=run.DIM, dtype=dtype) as glog:
-            for step in range(4):
-                x, y = run.batch(step)
-                opt.zero_grad()
-                glog.step(step, model, x, y, opt)
-        return read_log(url)
-
-    f32 = logged(str(tmp_path / "f32.zarr"), "float32")
-    bf16 = logged(str(tmp_path / "bf16.zarr"), "bfloat16")
+    f32 = logged(str(tmp_path / "f32.zarr"), dtype="float32")
+    bf16 = logged(str(tmp_path / "bf16.zarr"), dtype="bfloat16")
     for name in ("grads", "lr_grads"):
         a, b = f32[name], bf16[name]
         assert b.dtype == np.float32 and b.shape == a.shape

@@ -30,6 +30,7 @@ window)``:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -195,7 +196,27 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-class GradLogStore:
+class OpenedLog:
+    """What a log's writer and its readers hold: its group, spec and url, its window records
+    (None: a log made before them, read unchecked) and its location (where the sums' shards are
+    written and read straight)."""
+
+    def __init__(
+        self,
+        group: zarr.Group,
+        spec: LogSpec,
+        url: str,
+        records: WindowRecords | None = None,
+        storage_options: dict | None = None,
+    ):
+        self.group = group
+        self.spec = spec
+        self.url = url
+        self.records = records
+        self.loc = Location(url, storage_options)
+
+
+class GradLogStore(OpenedLog):
     """A log opened for writing: ``write_window`` then ``mark_done``; ``done`` lists the windows."""
 
     def __init__(
@@ -207,11 +228,7 @@ class GradLogStore:
         lease: HeldLease | None = None,
         storage_options: dict | None = None,
     ):
-        self.group = group
-        self.spec = spec
-        self.url = url
-        self.loc = Location(url, storage_options)  # where the sums' shards are written
-        self.records = records  # None: a log made before window records
+        super().__init__(group, spec, url, records, storage_options)
         self.lease = lease  # this writer's lease on the log: one writer at a time
         self.generation = group.attrs.get(GENERATION_ATTR)  # which creation of the log at this url
         self._pending: dict[int, dict[str, list[str]]] = {}  # window -> its digests, until marked done
@@ -424,29 +441,23 @@ def is_log(url: str, *, storage_options: dict | None = None) -> bool:
     return isinstance(group.attrs.get(SPEC_ATTR), dict)
 
 
-class LogReader:
+class LogReader(OpenedLog):
     """A log opened for reading: ``spec``, ``done`` (the windows to read), ``held`` (the windows
     the arrays hold, done or not), ``read`` (one done window of one array, or a block of it) and
-    ``stacked`` (one array over the done windows)."""
+    ``stacked`` (one array over the done windows). ``open_log_reader`` reads the first three
+    and every array's metadata as it opens the log (a damaged one is one line there)."""
 
-    def __init__(
-        self,
-        group: zarr.Group,
-        spec: LogSpec,
-        url: str,
-        records: WindowRecords | None = None,
-        storage_options: dict | None = None,
-    ):
-        self.group = group
-        self.spec = spec
-        self.url = url
-        self.loc = Location(url, storage_options)  # where the sums' shards are read
-        self.records = records  # None: a log made before window records: read unchecked
-        self.done = _done(group, url)  # once: the attribute a writer may be changing is read one time
-        self.held = int(_array(group, "steps", url).shape[0])
-        self.row_chunk = _row_block(_array(group, "grads", url))
-        for name in DIMS:
-            _array(group, name, url)
+    @functools.cached_property
+    def done(self) -> list[int]:
+        return _done(self.group, self.url)  # once: the attribute a writer may be changing is read one time
+
+    @functools.cached_property
+    def held(self) -> int:
+        return int(_array(self.group, "steps", self.url).shape[0])
+
+    @functools.cached_property
+    def row_chunk(self) -> int:
+        return _row_block(_array(self.group, "grads", self.url))
 
     def check_window(self, w: int) -> None:
         """One line unless window ``w`` is done: past the arrays, or not (yet) marked done."""
@@ -516,7 +527,11 @@ def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogRead
             f"grad log {url}: its recorded spec is not one this classgrad reads ({_short(recorded)})"
         ) from None
     records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
-    return LogReader(group, spec, url, records, storage_options)
+    reader = LogReader(group, spec, url, records, storage_options)
+    for name in DIMS:
+        _array(group, name, url)
+    _ = reader.done, reader.held, reader.row_chunk
+    return reader
 
 
 def read_log(url: str, *, storage_options: dict | None = None) -> dict[str, np.ndarray]:
