@@ -92,16 +92,14 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
             opt.zero_grad()
             scaler.step_batch(model, x, y, opt)
 
-    def logged(window: int) -> None:
-        path = f"{tmp.name}/add{window}.zarr"
+    def logged(path: str, window: int) -> None:
         with GradLog(path, model, classes, window=window, dim=args.dim, overwrite=True, dtype=args.log_dtype) as log:
             for step, (x, y) in enumerate(batches):
                 opt.zero_grad()
                 rows, ids = scaler.step_batch(model, x, y, opt)
                 log.add(step, rows, ids, lr=1e-3, counts=torch.bincount(y, minlength=classes)[ids])
 
-    def one_backward(window: int, background: bool | None = None) -> None:
-        path = f"{tmp.name}/step{window}{'b' if background else ''}.zarr"
+    def one_backward(path: str, window: int, background: bool | None = None) -> None:
         kw = {"overwrite": True, "background": background, "dtype": args.log_dtype}
         with GradLog(path, model, classes, window=window, dim=args.dim, **kw) as log:
             for step, (x, y) in enumerate(batches):
@@ -110,18 +108,19 @@ def _table_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
 
     methods = {"plain": plain, "step_batch": stepped}
     for w in (int(v) for v in args.window.split(",")):
-        methods[f"step_batch + add, window {w}"] = functools.partial(logged, w)
-        methods[f"GradLog.step, window {w}"] = functools.partial(one_backward, w)
+        methods[f"step_batch + add, window {w}"] = functools.partial(logged, f"{tmp.name}/add{w}.zarr", w)
+        methods[f"GradLog.step, window {w}"] = functools.partial(one_backward, f"{tmp.name}/step{w}.zarr", w)
         if args.background:
-            methods[f"GradLog.step, window {w}, writer thread"] = functools.partial(one_backward, w, True)
+            methods[f"GradLog.step, window {w}, writer thread"] = functools.partial(
+                one_backward, f"{tmp.name}/step{w}b.zarr", w, True
+            )
     timings = interleaved(methods, reps=args.reps)
-    # What a logged method wrote a step: its log's chunk files (the last run's) over the steps.
+    # What a logged method wrote a step: its log's chunk files (the last run's; the log's path is
+    # its partial's first argument) over the steps.
     written = {}
     for name, fn in methods.items():
         if isinstance(fn, functools.partial):
-            kind = "add" if fn.func is logged else "step"
-            path = Path(tmp.name) / f"{kind}{fn.args[0]}{'b' if fn.args[1:] == (True,) else ''}.zarr"
-            files = [f for f in path.glob("*/c/**/*") if f.is_file()]
+            files = [f for f in Path(fn.args[0]).glob("*/c/**/*") if f.is_file()]
             written[name] = sum(f.stat().st_size for f in files) / args.steps / 2**20
     tmp.cleanup()
     base = timings["plain"].best

@@ -87,16 +87,21 @@ def checked_rows(
     index: tuple,
     expected: list[str] | None,
     url: str,
-    block: tuple[int, Callable[[int, int], np.ndarray]] | None = None,
+    rows_per_block: int,
+    read_rows: Callable[[int, int], np.ndarray] | None = None,
 ) -> np.ndarray:
     """Window ``w`` of ``array`` (``[window, rows, ...]``) at ``index`` (a slice or an integer
     array per dimension after the window's, applied each on its own), its row chunks read
     whole and each checked against ``expected`` (None: a log without records, unchecked).
-    ``block``: the rows a record's digest covers and how to read rows ``[a, b)`` of the window
-    (default: the array's row chunk, read through zarr)."""
+    ``rows_per_block``: the rows a record's digest covers; ``read_rows``: how rows ``[a, b)`` of
+    the window are read (default: through zarr)."""
     rows_index = index[0] if index else slice(None)
-    n = int(array.shape[1])
-    rc, read_rows = block or (int(array.chunks[1]), lambda a, b: np.asarray(array[w, a:b]))
+    n, rc = int(array.shape[1]), rows_per_block
+
+    def through_zarr(a: int, b: int) -> np.ndarray:
+        return np.asarray(array[w, a:b])
+
+    read_rows = read_rows or through_zarr
     ids = np.arange(n)[rows_index] if isinstance(rows_index, slice) else np.asarray(rows_index, dtype=np.int64)
     if not ids.size:
         return np.asarray(array[(w, *index)])

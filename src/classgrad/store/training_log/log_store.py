@@ -49,7 +49,7 @@ from classgrad.store.core.location import Location
 from classgrad.store.integrity.lease import HeldLease, StoreLease
 from classgrad.store.rows.direct_write import chunk_bytes, write_file
 from classgrad.store.training_log.log_records import RECORDS_ATTR, WindowRecords, checked_rows, window_digests
-from classgrad.store.training_log.row_shards import is_row_sharded, parse_shard, read_shard, shard_parts, write_shard
+from classgrad.store.training_log.row_shards import is_row_sharded, parse_shard, shard_parts, write_shard
 
 SPEC_ATTR = "grad_log"
 DONE_ATTR = "done_windows"
@@ -440,7 +440,12 @@ class LogReader(OpenedLog):
     """A log opened for reading: ``spec``, ``done`` (the windows to read), ``held`` (the windows
     the arrays hold, done or not), ``read`` (one done window of one array, or a block of it) and
     ``stacked`` (one array over the done windows). ``open_log_reader`` reads the first three
-    and every array's metadata as it opens the log (a damaged one is one line there)."""
+    and every array's metadata (``arrays``) as it opens the log (a damaged one is one line there),
+    once: a read of a block opens no metadata again."""
+
+    @functools.cached_property
+    def arrays(self) -> dict[str, zarr.Array]:
+        return {name: _array(self.group, name, self.url) for name in DIMS}
 
     @functools.cached_property
     def done(self) -> list[int]:
@@ -448,11 +453,11 @@ class LogReader(OpenedLog):
 
     @functools.cached_property
     def held(self) -> int:
-        return int(_array(self.group, "steps", self.url).shape[0])
+        return int(self.arrays["steps"].shape[0])
 
     @functools.cached_property
     def row_chunk(self) -> int:
-        return _row_block(_array(self.group, "grads", self.url))
+        return _row_block(self.arrays["grads"])
 
     def check_window(self, w: int) -> None:
         """One line unless window ``w`` is done: past the arrays, or not (yet) marked done."""
@@ -475,8 +480,10 @@ class LogReader(OpenedLog):
         expected = None if self.records is None else self.records.get(w).get(name)
         if self.records is not None and expected is None:
             raise StoreError(f"grad log {self.url}: the record of window {w} has no digests of {name}")
-        array = _array(self.group, name, self.url)
-        values = checked_rows(array, name, w, index, expected, self.url, self._direct(array, name, w))
+        array = self.arrays[name]
+        values = checked_rows(
+            array, name, w, index, expected, self.url, _row_block(array), self._direct(array, name, w)
+        )
         if self.spec.dtype == "bfloat16" and name in SUM_ARRAYS:
             return bf16_bits_to_f32(values)  # float32 true values, whatever the stored dtype
         return values
@@ -484,11 +491,11 @@ class LogReader(OpenedLog):
     def stacked(self, name: str) -> np.ndarray:
         """``name``'s values of every done window, stacked along ``window`` (each checked)."""
         values = [self.read(name, w) for w in self.done]
-        array = _array(self.group, name, self.url)
+        array = self.arrays[name]
         dtype = np.float32 if name in SUM_ARRAYS else array.dtype  # sums read as float32 (bfloat16 decoded)
         return np.stack(values) if values else np.zeros((0, *array.shape[1:]), dtype=dtype)
 
-    def _direct(self, array: zarr.Array, name: str, w: int) -> tuple[int, Callable] | None:
+    def _direct(self, array: zarr.Array, name: str, w: int) -> Callable[[int, int], np.ndarray] | None:
         """A row-sharded array's blocks read straight as their shards (zarr's pipeline takes each
         one-row chunk on its own: ``benchmarks/training_log.py --parts``); None: through zarr."""
         if not is_row_sharded(array):
@@ -497,13 +504,10 @@ class LogReader(OpenedLog):
 
         def read(a: int, b: int) -> np.ndarray:
             key, rows = _object_key(name, array, w, a // rc), min(a + rc, n) - a
-            if self.loc.local:
-                block = read_shard(self.loc.key(key), rows, rc, row_shape, array.dtype, array.fill_value)
-            else:
-                block = parse_shard(self.loc.read_bytes(key), rows, rc, row_shape, array.dtype, array.fill_value)
+            block = parse_shard(self.loc.read_bytes(key), rows, rc, row_shape, array.dtype, array.fill_value)
             return block[: b - a]
 
-        return rc, read
+        return read
 
 
 def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogReader:
@@ -523,9 +527,7 @@ def open_log_reader(url: str, *, storage_options: dict | None = None) -> LogRead
         ) from None
     records = WindowRecords(url, storage_options) if group.attrs.get(RECORDS_ATTR) else None
     reader = LogReader(group, spec, url, records, storage_options)
-    for name in DIMS:
-        _array(group, name, url)
-    _ = reader.done, reader.held, reader.row_chunk
+    _ = reader.arrays, reader.done, reader.held, reader.row_chunk
     return reader
 
 

@@ -6,8 +6,8 @@ window, an inner chunk per class row, no compression; the direct paths below nee
 ``stored_rows`` (which rows of a block a shard stores: those with any bit set, so -0.0 and NaN
 rows are kept, and an all-zero row reads back as the fill value it equals), ``shard_parts`` (a
 block of rows as the bytes of the one shard zarr writes for it, or None where no row is stored)
-with ``write_shard`` (those written as a local file) and ``parse_shard`` (a shard's rows, the rows
-it does not store at the fill value) with ``read_shard`` (a local file's).
+with ``write_shard`` (those written as a local file), and ``parse_shard`` (a shard's rows, the
+rows it does not store at the fill value).
 
 Why: at C = 10,000 classes a window of 10 steps of 256 samples sees about a quarter of the
 classes, and the dense layout wrote the other three quarters as zeros (313 MiB a window at
@@ -44,7 +44,7 @@ _CRC_BYTES = 4
 def is_row_sharded(array: Any) -> bool:
     """Whether ``array`` (``[window, class_id, column]``) is stored in shards of one-row inner
     chunks with no codec but the bytes serializer, the index at the end with its crc32c: the
-    layout ``write_shard`` and ``read_shard`` read and write without zarr's pipeline."""
+    layout ``shard_parts`` and ``parse_shard`` write and read without zarr's pipeline."""
     meta = array.metadata
     if not isinstance(meta, ArrayV3Metadata) or len(meta.codecs) != 1 or len(meta.shape) != 3:
         return False
@@ -113,25 +113,12 @@ def write_shard(path: str, block: np.ndarray, rows_per_shard: int) -> None:
     write_file(path, tuple(parts))
 
 
-def read_shard(
-    path: str, rows: int, rows_per_shard: int, row_shape: tuple[int, ...], dtype: Any, fill: Any
-) -> np.ndarray:
-    """The first ``rows`` rows (``row_shape`` each) of the shard at ``path``; no file: all at
-    ``fill``. A file whose index fails its crc32c, or points outside the file or at chunks of
-    another size, raises ``ValueError`` (the caller names the log and the rows)."""
-    try:
-        with open(path, "rb") as fh:
-            blob = fh.read()
-    except FileNotFoundError:
-        blob = None
-    return parse_shard(blob, rows, rows_per_shard, row_shape, dtype, fill)
-
-
 def parse_shard(
     blob: bytes | None, rows: int, rows_per_shard: int, row_shape: tuple[int, ...], dtype: Any, fill: Any
 ) -> np.ndarray:
-    """The first ``rows`` rows of the shard ``blob`` (None: no shard, all at ``fill``);
-    ``ValueError`` as ``read_shard``."""
+    """The first ``rows`` rows (``row_shape`` each) of the shard ``blob`` (None: no shard, all at
+    ``fill``). A shard whose index fails its crc32c, or points outside the shard or at chunks of
+    another size, raises ``ValueError`` (the caller names the log and the rows)."""
     stored, native = np.dtype(dtype).newbyteorder("<"), np.dtype(dtype).newbyteorder("=")
     # np.zeros takes pages already zeroed: a shard of a quarter of its rows is not written twice.
     # Native order, as the digests of the window's record were taken over the values written.
