@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -171,10 +172,12 @@ def layer_bound(
     return layer_seconds(x2, g2, [n * per_sample for n in counts], dim)
 
 
-def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> dict[str, float]:
-    """Seconds of the activations pass and of the per-class work, over the whole probe set."""
-    eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size)
-    layers = bounded_layers(model)
+def batch_bound(
+    layers: list[nn.Module], batch_loss: Callable[[], torch.Tensor], counts: list[int], dim: int
+) -> dict[str, float]:
+    """Seconds of one batch's activations pass (``batch_loss()``: the forward and its loss, then
+    the backward to every output of ``layers``) and of its per-class work; the batch's samples
+    class after class, ``counts`` samples each."""
     seen: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
 
     def keep(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -182,25 +185,37 @@ def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: in
         seen.append((module, args[0].detach(), out))
 
     hooks = [m.register_forward_hook(keep) for m in layers]
-    activations = per_class = 0.0
     try:
-        for idx in class_batches(eng.probe.targets.long(), batch_size):
-            seen.clear()
-            t0 = time.perf_counter()
-            x, y = eng.probe.batch(idx, eng.device, eng.compute_dtype)
-            loss = eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
-            outputs = [o for _, _, o in seen]
-            grads = torch.autograd.grad(loss, outputs, allow_unused=True)
-            activations += time.perf_counter() - t0
-            counts = torch.bincount(y.long())
-            counts = counts[counts > 0]
-            with torch.no_grad():
-                for (module, inputs, output), g in zip(seen, grads):
-                    if g is not None:
-                        per_class += layer_bound(module, inputs, output, g, counts.tolist(), dim)
+        t0 = time.perf_counter()
+        loss = batch_loss()
+        grads = torch.autograd.grad(loss, [o for _, _, o in seen], allow_unused=True)
+        activations = time.perf_counter() - t0
     finally:
         for h in hooks:
             h.remove()
+    per_class = 0.0
+    with torch.no_grad():
+        for (module, inputs, output), g in zip(seen, grads):
+            if g is not None:
+                per_class += layer_bound(module, inputs, output, g, counts, dim)
+    return {"activations_s": activations, "per_class_s": per_class}
+
+
+def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: int) -> dict[str, float]:
+    """Seconds of the activations pass and of the per-class work, over the whole probe set."""
+    eng = build_engine(model, samples, num_classes=classes, batch_size=batch_size)
+    layers = bounded_layers(model)
+    activations = per_class = 0.0
+    for idx in class_batches(eng.probe.targets.long(), batch_size):
+        counts = torch.bincount(eng.probe.targets[idx].long())
+
+        def batch_loss(idx: torch.Tensor = idx) -> torch.Tensor:  # the batch's read counts, as in the floor
+            x, y = eng.probe.batch(idx, eng.device, eng.compute_dtype)
+            return eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
+
+        found = batch_bound(layers, batch_loss, counts[counts > 0].tolist(), dim)
+        activations += found["activations_s"]
+        per_class += found["per_class_s"]
     return {"activations_s": activations, "per_class_s": per_class}
 
 
