@@ -35,7 +35,8 @@ floor`` exceeds a target, no implementation of these kernels on this machine mee
     .venv/bin/python -m benchmarks.floor_bound --models bert,vit --classes 1000 --width 256
     .venv/bin/python -m benchmarks.floor_bound --quick      # two models at C = 200, one pass
 
-Prints a table and writes ``benchmarks/out/floor_bound.json``; asserts nothing.
+Prints a table and writes ``benchmarks/out/floor_bound.json``; asserts nothing. ``batch_bound``
+(one batch's bound) is also what ``training_log --parts`` prints beside a logged step's rows.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def bound(model: nn.Module, samples: Any, classes: int, dim: int, batch_size: in
     for idx in class_batches(eng.probe.targets.long(), batch_size):
         counts = torch.bincount(eng.probe.targets[idx].long())
 
-        def batch_loss(idx: torch.Tensor = idx) -> torch.Tensor:  # the batch's read counts, as in the floor
+        def batch_loss(idx: torch.Tensor = idx) -> torch.Tensor:  # reading the batch counts, as in the floor
             x, y = eng.probe.batch(idx, eng.device, eng.compute_dtype)
             return eng.loss.batch_losses(eng.io(x), eng.loss.labels(y), eng.norm).sum()
 
