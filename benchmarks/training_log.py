@@ -177,7 +177,8 @@ def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
 
     def rows() -> None:
         model.zero_grad()
-        log.map.rows(model, x, y, num_classes=classes, step=True)
+        found = log.map.rows(model, x, y, num_classes=classes, step=True)
+        assert found is not None, "the hook path refused the batch: these parts would time nothing"
 
     # A lower bound of the rows by any exact method with these kernels (``floor_bound``): the
     # forward and the backward to each layer's output, and each layer's cheapest per-class work;

@@ -1,4 +1,5 @@
-"""``indexing.rows_by_chunks``: rows gathered from whole row chunks, each read once, in any order."""
+"""``indexing.rows_by_chunks``: rows gathered from whole row chunks, each read once, in any order;
+a whole run of consecutive rows handed back as the chunks read, not gathered again."""
 
 from __future__ import annotations
 
@@ -8,42 +9,58 @@ import pytest
 from classgrad.store.core.indexing import rows_by_chunks
 
 ROWS, CHUNK = 23, 5  # the last chunk short (3 rows)
+DATA = np.arange(ROWS * 4, dtype=np.float32).reshape(ROWS, 4)
 
 
-def _read(calls: list[int]):
-    data = np.arange(ROWS * 4, dtype=np.float32).reshape(ROWS, 4)
-
+def _reader(pieces: dict[int, np.ndarray]):
     def read(j: int, start: int, stop: int) -> np.ndarray:
-        calls.append(j)
+        assert j not in pieces, f"chunk {j} read twice"
         assert (start, stop) == (j * CHUNK, min((j + 1) * CHUNK, ROWS))
-        return data[start:stop].copy()  # a fresh block, as a checked read gives
+        pieces[j] = DATA[start:stop].copy()  # a fresh block, as a checked read gives
+        return pieces[j]
 
-    return data, read
+    return read
 
 
 @pytest.mark.parametrize(
     "ids",
     [
-        np.arange(ROWS),  # the whole array: the chunks as read
+        np.arange(ROWS),  # the whole array
         np.arange(5, 10),  # one whole chunk
         np.arange(20, 23),  # the short last chunk
         np.arange(3, 17),  # a run over parts of chunks
         np.array([7]),
         np.array([22, 0, 7, 7, 13]),  # any order, repeats
         np.array([4, 5]),  # consecutive across a chunk boundary
+        np.array([4, 10]),  # not consecutive, though their places in the chunks read are
+        np.arange(10, 5, -1),  # descending
+        np.array(7),  # one id as a 0-d array: one row
     ],
 )
 def test_rows_equal_direct_indexing_each_chunk_read_once(ids: np.ndarray) -> None:
-    calls: list[int] = []
-    data, read = _read(calls)
-    got = rows_by_chunks(ids.astype(np.int64), CHUNK, ROWS, read)
-    np.testing.assert_array_equal(got, data[ids])
-    assert sorted(calls) == sorted(set(calls)) == sorted(set((ids // CHUNK).tolist()))
-    assert got.flags.writeable
+    pieces: dict[int, np.ndarray] = {}
+    got = rows_by_chunks(ids.astype(np.int64), CHUNK, ROWS, _reader(pieces))
+    np.testing.assert_array_equal(got, DATA[ids])
+    assert sorted(pieces) == sorted(set((ids.reshape(-1) // CHUNK).tolist()))
 
 
-def test_part_of_a_chunk_is_its_own_copy() -> None:
+def test_one_whole_chunk_comes_back_as_read() -> None:
+    pieces: dict[int, np.ndarray] = {}
+    got = rows_by_chunks(np.arange(5, 10), CHUNK, ROWS, _reader(pieces))
+    assert got is pieces[1]  # no gather, no copy
+
+
+def test_a_whole_run_of_chunks_is_their_one_concatenation() -> None:
+    pieces: dict[int, np.ndarray] = {}
+    got = rows_by_chunks(np.arange(ROWS), CHUNK, ROWS, _reader(pieces))
+    assert got.base is None and got.flags.owndata  # the concatenation itself, not a gather of it
+    assert not any(np.shares_memory(got, p) for p in pieces.values())
+
+
+@pytest.mark.parametrize("ids", [np.arange(6, 8), np.arange(3, 17)])
+def test_part_of_the_chunks_is_its_own_copy(ids: np.ndarray) -> None:
     """A run inside the chunks read is copied out: a view would keep the whole chunks alive."""
-    _, read = _read([])
-    got = rows_by_chunks(np.arange(6, 8, dtype=np.int64), CHUNK, ROWS, read)
-    assert got.base is None and got.shape == (2, 4)
+    pieces: dict[int, np.ndarray] = {}
+    got = rows_by_chunks(ids, CHUNK, ROWS, _reader(pieces))
+    assert got.base is None and got.shape == (ids.size, 4)
+    assert not any(np.shares_memory(got, p) for p in pieces.values())

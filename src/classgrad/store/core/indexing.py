@@ -72,14 +72,15 @@ def rows_by_chunks(
     chunks of ``chunk_rows``, each needed chunk read whole, once: ``read_chunk(j, start, stop)``
     returns rows [start, stop) of chunk ``j`` (checked as its caller wants).
 
-    Consecutive ids covering the chunks read (a whole window) come back as those chunks, not
-    gathered again: at C = 10,000 x 4,096 each copy of the rows is 156 MiB."""
+    1-D ids, consecutive and covering the chunks read (a whole window), come back as those
+    chunks, not gathered again (at C = 10,000 x 4,096 a copy of the rows is 156 MiB): one chunk
+    is then ``read_chunk``'s own array, as writable as it made it."""
     needed = np.unique(ids // chunk_rows)
     pieces = [read_chunk(j, j * chunk_rows, min((j + 1) * chunk_rows, num_rows)) for j in needed.tolist()]
     # The needed chunks in order (each whole but the array's last): one chunk as it was read.
     held = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
     at = np.searchsorted(needed, ids // chunk_rows) * chunk_rows + ids % chunk_rows
-    if at[-1] - at[0] == at.size - 1 and (at.size == 1 or bool((np.diff(at) == 1).all())):
-        run = held[at[0] : at[-1] + 1]  # a part is copied: its view would keep the whole chunks
-        return run if run.shape[0] == held.shape[0] else run.copy()
+    if at.ndim == 1 and at[-1] - at[0] == at.size - 1 and (at.size == 1 or bool((np.diff(at) == 1).all())):
+        # All of them: the chunks as read. A part is copied: its view would keep the whole chunks.
+        return held if at.size == held.shape[0] else held[at[0] : at[-1] + 1].copy()
     return held[at]
