@@ -158,8 +158,9 @@ def _back_to_back(step: Callable[[], float | None], calls: int = 3) -> Callable[
 
 
 def _part_rows(classes: int, args: argparse.Namespace) -> list[list[str]]:
-    """Per step: a plain forward and backward, the sketched rows with the step's gradient, and
-    one window's write (not a step's: a tenth of it a step with windows of 10)."""
+    """Per step: a plain forward and backward, the sketched rows with the step's gradient and their
+    lower bound, and one window's write (not a step's: a tenth of it a step with windows of 10)
+    and reads."""
     model, _, batches = _setup(classes, args, 1)
     x, y = batches[0]
     tmp = tempfile.TemporaryDirectory()

@@ -80,7 +80,7 @@ def rows_by_chunks(
     # The needed chunks in order (each whole but the array's last): one chunk as it was read.
     held = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
     at = np.searchsorted(needed, ids // chunk_rows) * chunk_rows + ids % chunk_rows
-    if at.ndim == 1 and at[-1] - at[0] == at.size - 1 and (at.size == 1 or bool((np.diff(at) == 1).all())):
+    if at.ndim == 1 and at[-1] - at[0] == at.size - 1 and bool((np.diff(at) == 1).all()):
         # All of them: the chunks as read. A part is copied: its view would keep the whole chunks.
         return held if at.size == held.shape[0] else held[at[0] : at[-1] + 1].copy()
     return held[at]
