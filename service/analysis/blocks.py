@@ -159,20 +159,37 @@ def spans(start: int, stop: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
-def validated(model: type[ModelT], what: str, **values: Any) -> ModelT:
+def validated(model: type[ModelT], what: str, *, flags: bool = True, **values: Any) -> ModelT:
     """``model(**values)``, a validation error turned into one ``ConfigError`` line naming the
-    option both as a field and as its command-line flag."""
+    option as a field and, with ``flags`` (a command's options), as its command-line flag; an
+    unknown key (which no flag gives) lists the keys its section takes instead."""
     try:
         return model(**values)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         err = errors[0]
-        field = ".".join(str(p) for p in err.get("loc", ())) or "options"
-        flag = "--" + field.replace("_", "-")
+        loc = tuple(str(p) for p in err.get("loc", ()))
+        field = ".".join(loc) or "options"
+        unknown = err["type"] == "extra_forbidden"
+        flag = f" (--{field.replace('_', '-')})" if flags and not unknown else ""
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if unknown:
+            section = _section_of(model, loc[:-1])
+            msg = f"unknown key (choices: {', '.join(section.model_fields)})" if section else msg
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         got = f", got {err['input']!r}" if "input" in err and err["type"] != "extra_forbidden" else ""
-        raise ConfigError(f"{what} option {field} ({flag}): {msg}{got}{more}") from None
+        raise ConfigError(f"{what} option {field}{flag}: {msg}{got}{more}") from None
+
+
+def _section_of(model: type[BaseModel], loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The model at ``loc`` below ``model`` (None when a step is no model's field)."""
+    for key in loc:
+        field = model.model_fields.get(key)
+        kind = None if field is None else field.annotation
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            return None
+        model = kind
+    return model
 
 
 __all__ = [

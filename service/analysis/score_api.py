@@ -65,8 +65,12 @@ def load_query_file(path: str | Path) -> QueryFile:
     if not isinstance(raw.get("data"), dict) or "factory" not in raw["data"]:
         # A job's data section defaults its factory; a query set's must be named (the default
         # probe would score examples the user never asked about).
-        raise ConfigError(f"--queries {str(path)!r}: data.factory is missing: name the factory of the query set")
-    return validated(QueryFile, f"--queries {path}", **raw)
+        keys = ", ".join(sorted(map(str, raw["data"]))) if isinstance(raw.get("data"), dict) else ""
+        raise ConfigError(
+            f"--queries {str(path)!r}: data.factory is missing: name the factory of the query set"
+            + (f" (data has: {keys})" if keys else "")
+        )
+    return validated(QueryFile, f"--queries {path}", flags=False, **raw)
 
 
 def query_data(spec: QueryFile) -> tuple[Any, list | None]:

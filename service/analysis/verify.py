@@ -11,7 +11,8 @@ Exit codes (bit flags, OR-ed together; 0 means every check passed)::
                     (or from a finished similarity)
     8   CORRUPT     a chunk fails its crc32c checksum, cannot be decoded, or cannot be read, or
                     (format 2) differs from its shard record's size or digest (a valid chunk
-                    copied over another)
+                    copied over another); a saved TRAK preconditioner that cannot be read or
+                    fails its checksum
     16  NONFINITE   NaN or Inf stored in the rows (or loss) of a done shard, or in a finished
                     similarity
     32  METADATA    inconsistent metadata: format/state, sizes, dtype, the parameter layout
@@ -25,7 +26,8 @@ Exit codes (bit flags, OR-ed together; 0 means every check passed)::
 1 and 2 keep the meaning they have for every ``classgrad`` command (an internal error; a usage
 error or a location that holds no classgrad store at all), so no flag uses those bits.
 An unfinished similarity (a run that did not complete) is reported as a note, not a failure:
-readers refuse it, and rerunning ``classgrad similarity`` replaces it.
+readers refuse it, and rerunning ``classgrad similarity`` replaces it. So is a preconditioner
+that is unfinished or computed from other rows: ``classgrad score`` refuses or replaces it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 from classgrad.errors import StoreError
 from classgrad.store import check_metadata, fmt_ranges, open_store
+from classgrad.store.training_log.log_store import is_log
 from classgrad.workers.projection import neighbour_caveat, structure_label
 
 INCOMPLETE = 4
@@ -109,6 +112,8 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
     recomputes them; the report still says what was found, and a note says what was unmarked."""
 
     report = VerifyReport(url)
+    if is_log(url, storage_options=storage_options):
+        open_store(url, storage_options=storage_options)  # refused in one line naming the log's reader
     for line in check_metadata(url, storage_options=storage_options):
         report.add(METADATA, line)
     try:
@@ -145,6 +150,13 @@ def verify_store(url: str, *, storage_options: dict | None = None, repair: bool 
             f"the similarity matrix is unfinished (run {info.get('run_id')!r}); "
             f"rerun `classgrad similarity` to replace it"
         )
+    found = store.preconditioner.problem()
+    if found is not None:
+        kind, line = found
+        if kind == "damaged":
+            report.add(CORRUPT, line)
+        else:
+            report.notes.append(line)
     return report
 
 

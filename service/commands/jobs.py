@@ -34,12 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status.add_argument("job_id", metavar="ID", help="job id printed by classgrad submit")
     status.add_argument("--json", action="store_true", help="print JSON instead of text")
     logs = sub.add_parser("logs", help="a job's logs (stdout and stderr of its driver)")
-    logs.add_argument("job_id", metavar="ID")
+    logs.add_argument("job_id", metavar="ID", help="job id printed by classgrad submit")
     logs.add_argument(
         "--follow", "-f", action="store_true", help="keep printing until the job ends; exit 3 if it did not succeed"
     )
     stop = sub.add_parser("stop", help="stop a running job (finished shards stay saved)")
-    stop.add_argument("job_id", metavar="ID")
+    stop.add_argument("job_id", metavar="ID", help="job id printed by classgrad submit")
     stop.add_argument("--wait", action="store_true", help="wait until the job has stopped")
     sub.add_parser("list", help="every job the cluster knows, newest first")
     for p in (status, logs, stop, sub.choices["list"]):

@@ -221,15 +221,22 @@ class JobDriver:
         import ray
 
         device = self.config.resolved_device()
-        if device == "cpu":
-            return
         wanted = self.config.cluster.num_gpus_per_worker
         gpus = ray.cluster_resources().get("GPU", 0)
-        if device.startswith("cuda") and gpus < wanted:
+        # Whatever the device: Ray would keep the actors pending until run.actor_start_timeout_s.
+        # (GPU nodes an autoscaler has not started yet count as none, as they did for cuda.)
+        if gpus < wanted:
+            fix = (
+                "use engine.device=cpu and num_gpus_per_worker=0"
+                if device.startswith("cuda")
+                else "set cluster.num_gpus_per_worker=0"
+            )
             raise ConfigError(
                 f"engine.device {device!r}: the Ray cluster has {gpus:g} GPUs, each actor asks for "
-                f"{wanted:g} (cluster.num_gpus_per_worker); use engine.device=cpu and num_gpus_per_worker=0"
+                f"{wanted:g} (cluster.num_gpus_per_worker); {fix}"
             )
+        if device == "cpu":
+            return
         here = ray.util.get_node_ip_address()
         if all(node["NodeManagerAddress"] == here for node in ray.nodes() if node.get("Alive")):
             self._check_device_here()
@@ -244,7 +251,10 @@ class JobDriver:
         try:
             check_device(self.config.resolved_device())
         except ClassgradError as exc:
-            raise ConfigError(f"engine.{exc}") from None
+            # "use cpu" alone would leave actors asking for a GPU, which would never start.
+            hint = str(exc).endswith("(use cpu)") and self.config.cluster.num_gpus_per_worker > 0
+            also = "; with engine.device=cpu, set cluster.num_gpus_per_worker=0 too" if hint else ""
+            raise ConfigError(f"engine.{exc}{also}") from None
 
     # --- the run ----------------------------------------------------------------------------
 

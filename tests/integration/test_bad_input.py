@@ -185,6 +185,15 @@ def cuda_on_a_cluster_without_gpus(t: Ctx):
     return [t.job(engine={"device": "cuda"}, cluster={"num_gpus_per_worker": 1})]
 
 
+# The CPU device with a GPU asked for each actor: refused once, where Ray would keep the actors
+# pending (0 rows/s) until run.actor_start_timeout_s.
+@case("engine.device 'cpu': the Ray cluster has 0 GPUs, each actor asks for 1 (cluster.num_gpus_per_worker); set")
+def cpu_actors_asking_for_gpus_the_cluster_lacks(t: Ctx):
+    if torch.cuda.is_available():
+        pytest.skip("checks a Ray cluster without GPUs")
+    return [t.job(engine={"device": "cpu"}, cluster={"num_gpus_per_worker": 1})]
+
+
 @case("engine.device 'mps': MPS (Apple GPU) is not available on this machine")
 def mps_on_a_cluster_of_this_machine(t: Ctx):
     if torch.backends.mps.is_available():

@@ -130,7 +130,8 @@ def memory_store(t: Ctx):
     return [t.job(), "--set", "store.url=memory://grads.zarr"]
 
 
-@case("engine.device 'cuda': CUDA is not available on this machine", NO_CUDA)
+# Its hint names the GPUs asked for: "use cpu" alone would leave the actors pending.
+@case("(use cpu); with engine.device=cpu, set cluster.num_gpus_per_worker=0 too", NO_CUDA)
 def cuda_without_cuda(t: Ctx):
     return [t.job(engine={"device": "cuda"}, cluster={"num_gpus_per_worker": 1})]
 

@@ -20,6 +20,7 @@ from classgrad.errors import InputError, StoreError, StoreIncompleteError
 from classgrad.service.analysis.log_plot import plot_log
 from classgrad.service.analysis.log_score import score_log
 from classgrad.service.analysis.log_similarity import window_similarity
+from classgrad.service.analysis.verify import verify_store
 from classgrad.service.commands.cli import main as cli_main
 from classgrad.store import open_store
 from classgrad.store.training_log.log_store import SPEC_ATTR, is_log, read_log
@@ -185,6 +186,8 @@ def test_is_log_tells_a_log_from_a_store_and_from_nothing(logged, tmp_path):
         window_similarity(str(tmp_path / "store"), 0)
     with pytest.raises(StoreError, match=r"is a training log \(GradLog\), not a job's store: read it with .*read_log"):
         open_store(logged["url"])
+    with pytest.raises(StoreError, match=r"is a training log \(GradLog\)"):  # verify says so too, as status does
+        verify_store(logged["url"])
 
 
 def test_windows_out_of_range_or_not_done_and_another_model_are_refused(logged, tmp_path):

@@ -254,10 +254,21 @@ def test_the_command_refuses_bad_requests_in_one_line_before_any_model_runs(stor
     no_factory.write_text(f"data:\n  kwargs: {ONE_PER_CLASS}\n")
     tuples = tmp_path / "tuples.yaml"
     tuples.write_text(queries.read_text() + "group_field: nope\n")
-    for path, words in ((no_factory, "data.factory is missing"), (tuples, "group_field 'nope': the query samples")):
+    # Typos in a query file: the key as written, the keys its section takes, and no command-line
+    # flag (a file's key has none).
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text(f"data:\n  factori: classgrad.workers.zoo:synthetic_probe\n  kwargs: {ONE_PER_CLASS}\n")
+    batch_typo = tmp_path / "batch_typo.yaml"
+    batch_typo.write_text(queries.read_text() + "  batch_sise: 4\n")
+    for path, words in (
+        (no_factory, "data.factory is missing"),
+        (tuples, "group_field 'nope': the query samples"),
+        (misspelt, "data.factory is missing: name the factory of the query set (data has: factori, kwargs)"),
+        (batch_typo, "option data.batch_sise: unknown key (choices: factory, kwargs, batch_size,"),
+    ):
         assert cli_main(["score", stores["full"].url, "--queries", str(path), "--local"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and words in err[0], err
+        assert len(err) == 1 and words in err[0] and "(--" not in err[0], err
 
 
 def test_a_query_file_s_group_field_gives_each_example_s_group():

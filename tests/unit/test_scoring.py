@@ -140,6 +140,41 @@ def test_the_preconditioner_is_saved_once_and_refused_once_the_rows_change(tmp_p
         score_rows([store], [q], method="trak", executor="local")
 
 
+def test_verify_reads_the_preconditioner_and_a_damaged_one_names_its_fix(tmp_path):
+    """Damaged bytes fail verify as corrupt; a chunk failing its crc32c is refused by score in one
+    line naming --recompute-preconditioner, which replaces it; other rows give a note."""
+    from classgrad.errors import StoreError
+    from classgrad.service.analysis.verify import CORRUPT, verify_store
+
+    store, phi = _store(tmp_path / "s")
+    q = _queries(10, 24)
+    score_rows([store], [q], method="trak", executor="local")
+    assert verify_store(str(tmp_path / "s")).code == 0
+    chunk = next(p for p in (tmp_path / "s" / "score_preconditioner").rglob("*") if p.is_file() and "c" in p.parts)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    report = verify_store(str(tmp_path / "s"))
+    assert report.code == CORRUPT and "--recompute-preconditioner` replaces it" in report.format(), report.format()
+    with pytest.raises(StoreError, match="cannot read the preconditioner") as info:
+        score_rows([store], [q], method="trak", executor="local")
+    assert "--recompute-preconditioner" in str(info.value) and "\n" not in str(info.value)
+    score_rows([store], [q], method="trak", recompute_preconditioner=True, executor="local")
+    assert verify_store(str(tmp_path / "s")).code == 0
+    arr = zarr.open_array(str(tmp_path / "s" / "score_preconditioner"), mode="r+")
+    arr[0, 0] = arr[0, 0] + 1.0  # valid chunks, other bytes: the checksum tells
+    report = verify_store(str(tmp_path / "s"))
+    assert report.code == CORRUPT and "does not match its checksum" in report.format(), report.format()
+    score_rows([store], [q], method="trak", recompute_preconditioner=True, executor="local")
+    write_all(store, (phi * 2).astype(np.float32), shards=[0])  # other rows: stale, not damaged
+    report = verify_store(str(tmp_path / "s"))
+    assert report.code == 0 and any("computed from other rows" in n for n in report.notes), report.notes
+    (tmp_path / "s" / "score_preconditioner" / "zarr.json").write_text("{garbled")  # reported, not raised
+    report = verify_store(str(tmp_path / "s"))
+    # CORRUPT from the preconditioner's check; the metadata check flags the same file (METADATA).
+    assert report.code & CORRUPT and "cannot read the preconditioner" in report.format(), report.format()
+
+
 def test_every_score_goes_to_a_chunked_xarray_readable_output(tmp_path):
     xr = pytest.importorskip("xarray")
     store, phi = _store(tmp_path / "s")

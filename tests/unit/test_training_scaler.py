@@ -151,6 +151,30 @@ def test_step_batch_fast_route_rows_equal_the_reference(image):
     assert torch.equal(ids, ids2) and close(general, rows, 1e-5)  # two fp32 routes, same rows
 
 
+def test_rows_alone_need_no_optimizer_and_a_step_still_does():
+    """``update_grad=False`` only returns rows, so ``None`` stands for the optimizer there (the
+    README's promise); with ``update_grad`` the missing optimizer is one line."""
+    model = mlp()
+    model.eval()
+    x, y = batch()
+    scaler = PerClassGradScaler(num_classes=C)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for route in ("fast", "general"):
+        with_opt, ids = scaler.step_batch(model, x, y, opt, update_grad=False, route=route)
+        without, ids2 = scaler.step_batch(model, x, y, None, update_grad=False, route=route)
+        assert torch.equal(ids, ids2) and torch.equal(with_opt, without), route  # same inputs, same kernels
+
+    def rows(optimizer):  # each call frees its loss's graph: a fresh forward each
+        return scaler(class_losses(model(x), y, torch.arange(C)), optimizer, model=model, update_grad=False)
+
+    assert torch.equal(rows(None), rows(opt))
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(InputError, match="optimizer must be a torch.optim.Optimizer, got NoneType"):
+        scaler.step_batch(model, x, y, None)
+    with pytest.raises(InputError, match="optimizer must be a torch.optim.Optimizer, got NoneType"):
+        scaler(class_losses(model(x), y, torch.arange(C)), None, update_grad=False)  # no model: no columns
+
+
 def test_step_batch_bf16_rows_within_the_engines_bf16_tolerance():
     model = mlp()
     x, y = batch()

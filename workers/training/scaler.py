@@ -181,7 +181,7 @@ class PerClassGradScaler:
     def __call__(
         self,
         loss: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         model: nn.Module | None = None,
         clip_grad: float | None = None,
         update_grad: bool = True,
@@ -192,7 +192,8 @@ class PerClassGradScaler:
         class_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows ``[C, D]`` (float32, unscaled, or ``out``) of the per-class loss vector ``loss``;
-        with ``update_grad`` also the optimizer step on their aggregate.
+        with ``update_grad`` also the optimizer step on their aggregate (without it, and with
+        ``model``, ``optimizer`` may be None).
 
         Columns: ``params`` (name patterns of ``model``'s parameters) or every trainable
         parameter of ``model`` in ``named_parameters()`` order, or, without ``model``, the
@@ -238,7 +239,7 @@ class PerClassGradScaler:
         model: nn.Module,
         inputs: Any,
         labels: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         *,
         num_classes: int | None = None,
         clip_grad: float | None = None,
@@ -252,7 +253,7 @@ class PerClassGradScaler:
         """``(rows, class_ids)``: rows of the mean cross-entropy of each class present in the batch
         (``class_ids``, ascending, int64), then, with ``update_grad``, the step on their aggregate
         (``"mean"`` over the classes present, ``"sum"``, weights ``[num_classes]`` indexed by class,
-        or ``fn(rows, class_ids)``).
+        or ``fn(rows, class_ids)``); without it ``optimizer`` may be None.
 
         Runs in the model's current mode and under the caller's autocast. ``route``: ``"fast"``
         (the partitioned engine's hook path: about one forward+backward; needs a model that treats
@@ -335,7 +336,7 @@ class PerClassGradScaler:
         self,
         rows: torch.Tensor,
         class_ids: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         params: Sequence[torch.Tensor],
         aggregate: Aggregate,
         clip_grad: float | None,
@@ -346,7 +347,7 @@ class PerClassGradScaler:
         """The step on the rows' ``aggregate``. ``found``: True (the rows overflowed: skip), None
         (finite rows whose sum is unknown: read it) or False (their sum is finite for sure)."""
         self.found_inf = bool(found)
-        if not update_grad:
+        if not update_grad or optimizer is None:  # None only without update_grad (_check_optimizer)
             return
         # ``found`` None: one read of the rows' sum, non-finite wherever a row is (inf + x = inf,
         # inf - inf = NaN), so it is both the check and, for "mean" and "sum", the aggregate; and
@@ -450,7 +451,7 @@ def _slots(params: Sequence[torch.Tensor]) -> list[ParamSlot]:
 
 
 def _columns(
-    model: nn.Module | None, params: Sequence[str] | None, optimizer: torch.optim.Optimizer
+    model: nn.Module | None, params: Sequence[str] | None, optimizer: torch.optim.Optimizer | None
 ) -> tuple[ParamLayout, list[torch.Tensor]]:
     """The rows' parameters and their layout: of ``model`` (all trainable, or ``params``
     patterns), or, without a model, the optimizer's trainable parameters."""
@@ -485,11 +486,11 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _check_optimizer(
-    optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor], layout: ParamLayout, update_grad: bool
+    optimizer: torch.optim.Optimizer | None, tensors: Sequence[torch.Tensor], layout: ParamLayout, update_grad: bool
 ) -> None:
-    held = {id(p) for g in _groups(optimizer) for p in g["params"]}
-    if not update_grad:
+    if not update_grad:  # rows alone: the optimizer is never read, and may be None
         return
+    held = {id(p) for g in _groups(optimizer) for p in g["params"]}
     missing = [s.name for s, p in zip(layout.slots, tensors) if id(p) not in held]
     if missing:
         raise InputError(

@@ -4,7 +4,7 @@ rows, kept beside them in the store, recorded, checksummed and tied to the rows 
 Holds ``PRECONDITIONER`` (the array's key), ``rows_digest`` (a digest of what the rows are:
 the store's fingerprint, metadata digest, ``shard_done`` marks and every shard record, so that
 any recomputed or repaired shard changes it) and ``Preconditioners``
-(``GradStore.preconditioner``): ``info``, ``save`` and ``load``.
+(``GradStore.preconditioner``): ``info``, ``save``, ``load`` and ``problem`` (for verify).
 
 The array ``score_preconditioner`` is float64 ``[n, n]`` (dimension names ``gram_row`` and
 ``gram_col``): ``Phi^T Phi`` (n = k, the row width: ``form: features``) or ``Phi Phi^T``
@@ -141,13 +141,46 @@ class Preconditioners:
                 f"the rows of store {url} changed since its preconditioner was computed; "
                 "recompute it (--recompute-preconditioner)"
             )
+        return self._matrix(arr, info), info
+
+    def problem(self) -> tuple[str, str] | None:
+        """What ``classgrad verify`` says of the saved matrix: None (none saved, or sound), or
+        ``(kind, line)``: ``unfinished``, ``stale`` (computed from other rows: ``load`` refuses
+        it) or ``damaged`` (unreadable, or its bytes unlike its checksum). Reads it a chunk of
+        rows at a time (n can be tens of thousands)."""
+        url = self._arrays.url
+        fix = "`classgrad score --method trak --recompute-preconditioner` replaces it"
+        try:
+            arr = self._arrays.result(PRECONDITIONER)
+            if arr is None:
+                return None
+            info = dict(arr.attrs)
+            if info.get("state") != "ready":
+                return "unfinished", f"the preconditioner of {url} is unfinished; {fix}"
+            if info.get("rows_digest") != self._digest():
+                return "stale", f"the preconditioner of {url} was computed from other rows; {fix}"
+            h = hashlib.sha256()
+            step = max(1, arr.chunks[0])
+            for start in range(0, arr.shape[0], step):  # C order: the digest of the whole matrix's bytes
+                h.update(np.ascontiguousarray(arr[start : start + step], dtype="<f8").tobytes())
+        except Exception as exc:  # noqa: BLE001 - a chunk failing its crc32c, garbled metadata, I/O
+            return "damaged", f"cannot read the preconditioner of {url} ({first_line(exc, with_type=True)}); {fix}"
+        if h.hexdigest() != info.get("checksum"):
+            return "damaged", f"the preconditioner of {url} does not match its checksum; {fix}"
+        return None
+
+    def _matrix(self, arr: Any, info: dict) -> np.ndarray:
+        url = self._arrays.url
         try:
             matrix = np.asarray(arr[...], dtype=np.float64)
-        except Exception as exc:
-            raise StoreError(f"cannot read the preconditioner of {url}: {first_line(exc, with_type=True)}") from None
+        except Exception as exc:  # a chunk failing its crc32c (zarr raises ValueError), or I/O
+            raise StoreError(
+                f"cannot read the preconditioner of {url} ({first_line(exc, with_type=True)}); "
+                "recompute it (--recompute-preconditioner)"
+            ) from None
         if checksum(matrix) != info.get("checksum"):
             raise StoreMismatchError(
                 f"the preconditioner of {url} does not match its checksum (damaged); "
                 "recompute it (--recompute-preconditioner)"
             )
-        return matrix, info
+        return matrix
