@@ -4,8 +4,8 @@ Holds ``Footprint`` (the store's size, and the peak memory of one actor and of t
 part, each part with the config key that changes it), ``Part``, ``job_footprint`` (the model, from
 the engine the driver builds to check the job), ``BuildMeter`` (how much the driver's own build of
 the model, probe set and engine grew its resident memory: each actor builds the same) and
-``saved_bytes_per_sample`` (what autograd keeps for the backward, per probe sample, measured on a
-forward of a few samples).
+``saved_bytes`` / ``saved_bytes_per_sample`` (what autograd keeps for the backward, per probe
+sample and once per forward, measured on forwards of a few samples and of half as many).
 
 The parts of one actor's peak resident memory (on a GPU the model, activations and rows are on the
 device instead, checked against the GPU's memory):
@@ -17,7 +17,8 @@ device instead, checked against the GPU's memory):
   parameters and buffers plus the probe set's tensors;
 - ``activations``: one forward and backward: the samples of a micro-batch (``data.batch_size``, at
   most the probe set; for the partitioned engine at most the samples of a group's largest classes)
-  x the bytes autograd saves per sample x ``ACTIVATION_FACTOR``;
+  x the bytes autograd saves per sample, plus what it saves once a forward (autocast's copies of
+  the weights), x ``ACTIVATION_FACTOR``;
 - ``rows``, ``parameter gradients``, ``spot check``: the engine's group of rows (``[group, D]``
   float32, the engines' own group sizes; up to ``WRITER_RUNS`` more groups while the writer holds
   them as views), each parameter's gradients of a group before they are written into it, and the
@@ -204,9 +205,32 @@ def _rss_now() -> int:
 def saved_bytes_per_sample(engine: Any, samples: int = SAMPLES_MEASURED) -> int:
     """Bytes autograd saves for the backward per probe sample (parameters excluded), from a
     forward of the loss on the first few samples; 0 when that forward cannot be measured."""
+    return saved_bytes(engine, samples)[0]
+
+
+def saved_bytes(engine: Any, samples: int = SAMPLES_MEASURED) -> tuple[int, int]:
+    """``(per sample, per forward)``: what autograd saves for the backward, from forwards of the
+    first ``samples`` probe samples and of half as many. Their difference is the part that grows
+    with the batch; the rest is saved once a forward (autocast's low-precision copies of the
+    weights: a ResNet-18's 10,000-class head alone is 10 MB in bf16, which divided by four
+    samples and multiplied by a batch of 1,024 made 9 GiB of "activations"). (0, 0) when a
+    forward cannot be measured."""
+    n = min(len(engine.probe), samples)
+    full = _saved_in_forward(engine, n)
+    half = _saved_in_forward(engine, n // 2) if n >= 2 and full else None
+    if not full:
+        return 0, 0
+    if half is None:  # one sample: nothing to tell the two parts apart with
+        return full, 0
+    per_sample = math.ceil(max(0, full - half) / (n - n // 2))
+    return per_sample, max(0, full - per_sample * n)
+
+
+def _saved_in_forward(engine: Any, n: int) -> int | None:
+    """Bytes autograd saves (parameters excluded) in a forward of the loss on the first ``n``
+    probe samples, as the engine's forwards run; None when that forward fails."""
     import torch
 
-    n = min(len(engine.probe), samples)
     params = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     saved: dict[int, int] = {}
 
@@ -233,12 +257,12 @@ def saved_bytes_per_sample(engine: Any, samples: int = SAMPLES_MEASURED) -> int:
                 engine.loss.batch_losses(out, y, engine.norm)
     except Exception as exc:  # noqa: BLE001 - the estimate goes without it; the job's own run will say
         log.debug("saved tensors not measured: %s", exc)
-        return 0
+        return None
     finally:
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-    return math.ceil(sum(saved.values()) / max(1, n))
+    return sum(saved.values())
 
 
 def _model_bytes(model: Any) -> int:
@@ -328,8 +352,9 @@ def job_footprint(
     disk += row_chunks * chunk_rows * PER_ROW_BYTES
     device = device or config.resolved_device()
     on_gpu = device.startswith("cuda")
+    saved_per_forward = 0
     if saved_per_sample is None:
-        saved_per_sample = saved_bytes_per_sample(engine)
+        saved_per_sample, saved_per_forward = saved_bytes(engine)
     model = _model_bytes(engine.model)
     probe = _probe_bytes(engine.probe)
     shard_rows = min(config.sharding.shard_rows, C)
@@ -338,9 +363,9 @@ def job_footprint(
     rows_key = "engine.group_rows" if group > 1 else "params.include"
     activations = Part(
         "activations",
-        int(batch * saved_per_sample * ACTIVATION_FACTOR),
+        int((batch * saved_per_sample + saved_per_forward) * ACTIVATION_FACTOR),
         "data.batch_size",
-        f"{batch} samples x {saved_per_sample} B saved x {ACTIVATION_FACTOR}",
+        f"({batch} samples x {saved_per_sample} B + {saved_per_forward} B) saved x {ACTIVATION_FACTOR}",
     )
     # Float32 rows stored as float32 from a CPU engine reach the writer as views of the engine's
     # buffers: up to WRITER_RUNS groups wait in the writer beside the one being computed.

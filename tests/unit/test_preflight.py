@@ -364,3 +364,31 @@ def test_measuring_the_saved_bytes_leaves_the_model_as_built(tmp_path):
     before = model_digest(engine.model)
     assert saved_bytes_per_sample(engine) > 0
     assert model_digest(engine.model) == before  # train-mode BatchNorm's running statistics put back
+
+
+def test_autocast_copies_of_the_weights_count_once_a_forward_not_per_sample(tmp_path):
+    """Under a bf16 autocast a forward saves a bf16 copy of each weight it casts: once a forward,
+    whatever the batch. Counted per sample (the saved bytes over four samples), a 10,000-class
+    ResNet-18's head made a batch of 1,024 need 9 GiB more than it does."""
+    from classgrad.config import JobConfig
+    from classgrad.service.driver_runtime.footprint import saved_bytes
+    from classgrad.workers.actor_runtime.factory import build_job_engine
+
+    C, hidden = 2000, 64
+    job = small_job(
+        str(tmp_path / "s.zarr"),
+        model={
+            "factory": "classgrad.workers.zoo:mlp",
+            "kwargs": {"num_classes": C, "in_features": 8, "hidden": hidden},
+        },
+        data={"kwargs": {"num_classes": C, "samples_per_class": 1, "kind": "vector", "input_shape": [8]}},
+        loss={"num_classes": C},
+        precision={"dtype": "bf16"},
+    )
+    engine = build_job_engine(JobConfig.model_validate(job))
+    per_sample, per_forward = saved_bytes(engine)
+    head_bf16 = C * hidden * 2
+    assert per_forward >= head_bf16  # the head's copy, once
+    # What grows with the batch: a sample's bf16 hidden units and logits and its float32 logits,
+    # a few tensors of C or fewer each (well under the head's 256 KB over four samples, 64 KB).
+    assert 0 < per_sample <= 4 * C * 4, per_sample
