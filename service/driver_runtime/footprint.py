@@ -212,7 +212,7 @@ def saved_bytes(engine: Any, samples: int = SAMPLES_MEASURED) -> tuple[int, int]
     """``(per sample, per forward)``: what autograd saves for the backward, from forwards of the
     first ``samples`` probe samples and of half as many. Their difference is the part that grows
     with the batch; the rest is saved once a forward (autocast's low-precision copies of the
-    weights: a ResNet-18's 10,000-class head alone is 10 MB in bf16, which divided by four
+    weights: a ResNet-18's 10,000-class head alone is 9.8 MiB in bf16, which divided by four
     samples and multiplied by a batch of 1,024 made 9 GiB of "activations"). (0, 0) when a
     forward cannot be measured."""
     n = min(len(engine.probe), samples)

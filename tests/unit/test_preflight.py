@@ -390,5 +390,5 @@ def test_autocast_copies_of_the_weights_count_once_a_forward_not_per_sample(tmp_
     head_bf16 = C * hidden * 2
     assert per_forward >= head_bf16  # the head's copy, once
     # What grows with the batch: a sample's bf16 hidden units and logits and its float32 logits,
-    # a few tensors of C or fewer each (well under the head's 256 KB over four samples, 64 KB).
+    # a few tensors of C or fewer each (well under the head's 250 KiB over four samples, 62.5 KiB).
     assert 0 < per_sample <= 4 * C * 4, per_sample
