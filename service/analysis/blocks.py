@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
+from classgrad.config import section_at
 from classgrad.errors import ConfigError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -174,22 +175,11 @@ def validated(model: type[ModelT], what: str, *, flags: bool = True, **values: A
         flag = f" (--{field.replace('_', '-')})" if flags and not unknown else ""
         msg = str(err.get("msg", "")).removeprefix("Value error, ")
         if unknown:
-            section = _section_of(model, loc[:-1])
+            section = section_at(loc[:-1], root=model)
             msg = f"unknown key (choices: {', '.join(section.model_fields)})" if section else msg
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        got = f", got {err['input']!r}" if "input" in err and err["type"] != "extra_forbidden" else ""
+        got = f", got {err['input']!r}" if "input" in err and not unknown else ""
         raise ConfigError(f"{what} option {field}{flag}: {msg}{got}{more}") from None
-
-
-def _section_of(model: type[BaseModel], loc: tuple[str, ...]) -> type[BaseModel] | None:
-    """The model at ``loc`` below ``model`` (None when a step is no model's field)."""
-    for key in loc:
-        field = model.model_fields.get(key)
-        kind = None if field is None else field.annotation
-        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
-            return None
-        model = kind
-    return model
 
 
 __all__ = [

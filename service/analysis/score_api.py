@@ -62,14 +62,12 @@ def load_query_file(path: str | Path) -> QueryFile:
         ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--queries {str(path)!r}: expected a mapping with a 'data' section")
-    if not isinstance(raw.get("data"), dict) or "factory" not in raw["data"]:
+    data = raw.get("data")
+    if not isinstance(data, dict) or "factory" not in data:
         # A job's data section defaults its factory; a query set's must be named (the default
         # probe would score examples the user never asked about).
-        keys = ", ".join(sorted(map(str, raw["data"]))) if isinstance(raw.get("data"), dict) else ""
-        raise ConfigError(
-            f"--queries {str(path)!r}: data.factory is missing: name the factory of the query set"
-            + (f" (data has: {keys})" if keys else "")
-        )
+        has = f" (data has: {', '.join(sorted(map(str, data)))})" if isinstance(data, dict) and data else ""
+        raise ConfigError(f"--queries {str(path)!r}: data.factory is missing: name the factory of the query set{has}")
     return validated(QueryFile, f"--queries {path}", flags=False, **raw)
 
 

@@ -32,7 +32,7 @@ from classgrad.config.inputs import (
     ModelConfig,
 )
 from classgrad.config.job import JobConfig
-from classgrad.config.loading import load_config
+from classgrad.config.loading import load_config, section_at
 from classgrad.config.placement import ClusterConfig, RunConfig, ShardingConfig, StoreConfig
 from classgrad.config.projection import ProjectionConfig
 from classgrad.config.reference import config_reference_markdown
@@ -58,4 +58,5 @@ __all__ = [
     "config_reference_markdown",
     "load_config",
     "recorded_fingerprint",
+    "section_at",
 ]

@@ -246,8 +246,10 @@ def _format_loc(loc: Sequence[int | str]) -> str:
     return text
 
 
-def _model_at(loc: Sequence[int | str]) -> type[BaseModel] | None:
-    node: type[BaseModel] | str = JobConfig
+def section_at(loc: Sequence[int | str], root: type[BaseModel] = JobConfig) -> type[BaseModel] | None:
+    """The section model at ``loc`` (a validation error's location) below ``root``; None where a
+    step names no section (a free-form mapping, a leaf, or no field)."""
+    node: type[BaseModel] | str = root
     for part in loc:
         if not isinstance(node, type) or part not in node.model_fields:
             return None
@@ -262,7 +264,7 @@ def _error_line(err: Mapping[str, Any]) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     if kind == "extra_forbidden":
-        parent = _model_at(loc[:-1])
+        parent = section_at(loc[:-1])
         what = "unknown section" if parent is JobConfig else "unknown key"
         msg = f"{what} (choices: {_section_keys(parent)})" if parent else "unknown key"
     elif kind == STRUCTURE_KEY_ERROR:
