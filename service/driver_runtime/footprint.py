@@ -4,8 +4,8 @@ Holds ``Footprint`` (the store's size, and the peak memory of one actor and of t
 part, each part with the config key that changes it), ``Part``, ``job_footprint`` (the model, from
 the engine the driver builds to check the job), ``BuildMeter`` (how much the driver's own build of
 the model, probe set and engine grew its resident memory: each actor builds the same) and
-``saved_bytes`` / ``saved_bytes_per_sample`` (what autograd keeps for the backward, per probe
-sample and once per forward, measured on forwards of a few samples and of half as many).
+``saved_bytes`` (what autograd keeps for the backward, per probe sample and once per forward,
+measured on forwards of a few samples and of half as many).
 
 The parts of one actor's peak resident memory (on a GPU the model, activations and rows are on the
 device instead, checked against the GPU's memory):
@@ -202,12 +202,6 @@ def _rss_now() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def saved_bytes_per_sample(engine: Any, samples: int = SAMPLES_MEASURED) -> int:
-    """Bytes autograd saves for the backward per probe sample (parameters excluded), from a
-    forward of the loss on the first few samples; 0 when that forward cannot be measured."""
-    return saved_bytes(engine, samples)[0]
-
-
 def saved_bytes(engine: Any, samples: int = SAMPLES_MEASURED) -> tuple[int, int]:
     """``(per sample, per forward)``: what autograd saves for the backward, from forwards of the
     first ``samples`` probe samples and of half as many. Their difference is the part that grows
@@ -217,11 +211,11 @@ def saved_bytes(engine: Any, samples: int = SAMPLES_MEASURED) -> tuple[int, int]
     forward cannot be measured."""
     n = min(len(engine.probe), samples)
     full = _saved_in_forward(engine, n)
-    half = _saved_in_forward(engine, n // 2) if n >= 2 and full else None
     if not full:
         return 0, 0
-    if half is None:  # one sample: nothing to tell the two parts apart with
-        return full, 0
+    half = _saved_in_forward(engine, n // 2) if n >= 2 else None
+    if half is None:  # one sample, or a forward of half as many failed: all of it per sample
+        return math.ceil(full / n), 0
     per_sample = math.ceil(max(0, full - half) / (n - n // 2))
     return per_sample, max(0, full - per_sample * n)
 
